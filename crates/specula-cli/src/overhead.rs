@@ -1,0 +1,115 @@
+//! `specula profile-overhead`: the profiler's cost, measured as the same greedy generation with profiling off,
+//! on (phases) and fine, run in one process and interleaved round by round so machine drift hits all three.
+
+use specula::decode::{self, GenerateRequest};
+use specula::profile::{Detail, Profiler};
+use specula::sampling::SamplingParams;
+
+use crate::generate::ModelArgs;
+
+#[derive(clap::Args)]
+pub struct OverheadArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[arg(
+        long,
+        short = 'p',
+        default_value = "Write a short story about a robot who learns to paint."
+    )]
+    pub prompt: String,
+    /// New tokens per run (generation ignores end-of-turn tokens so every run has the same length).
+    #[arg(long, short = 'n', default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Rounds; each round runs off, phases and fine once, in rotating order.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
+    if args.rounds == 0 || args.max_tokens < 2 {
+        anyhow::bail!("--rounds must be >= 1 and --max-tokens >= 2");
+    }
+    let (loaded, threads, _) = crate::generate::load(&args.model)?;
+    let text = loaded.format_prompt(&args.prompt, false, None)?;
+    let req = GenerateRequest {
+        prompt_tokens: loaded.tokenizer.encode(&text)?,
+        max_new_tokens: args.max_tokens,
+        sampling: SamplingParams::default(),
+        stop_at_eos: false,
+    };
+    let modes = [
+        ("off", Detail::Off),
+        ("phases", Detail::Phases),
+        ("fine", Detail::Fine),
+    ];
+    let mut decode_s: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    let mut outputs: Vec<Option<Vec<u32>>> = vec![None; modes.len()];
+    // Warm-up run so page faults and allocator growth are not charged to the first mode.
+    decode::generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &req,
+        &Profiler::disabled(),
+        &mut |_| {},
+    )?;
+    for round in 0..args.rounds {
+        for k in 0..modes.len() {
+            let m = (round + k) % modes.len();
+            let prof = Profiler::new(modes[m].1);
+            let out = decode::generate(&loaded.model, &loaded.tokenizer, &req, &prof, &mut |_| {})?;
+            decode_s[m].push(out.timing.decode_s / out.timing.decode_tokens as f64);
+            match &outputs[m] {
+                None => outputs[m] = Some(out.tokens),
+                Some(prev) if *prev != out.tokens => {
+                    anyhow::bail!("mode {} changed its own output between runs", modes[m].0)
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    let same = outputs.windows(2).all(|w| w[0] == w[1]);
+    let median = |v: &Vec<f64>| {
+        let mut s = v.clone();
+        s.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        s[s.len() / 2]
+    };
+    let base = median(&decode_s[0]);
+    println!(
+        "model {}, {threads} threads, {} tokens x {} rounds (median ms per decode step)",
+        loaded.spec, args.max_tokens, args.rounds
+    );
+    println!(
+        "{:<8} {:>12} {:>12} {:>10}",
+        "profile", "ms/step", "tok/s", "overhead"
+    );
+    let mut rows = Vec::new();
+    for (m, (name, _)) in modes.iter().enumerate() {
+        let med = median(&decode_s[m]);
+        let overhead = (med - base) / base;
+        println!(
+            "{:<8} {:>12.3} {:>12.2} {:>9.2}%",
+            name,
+            med * 1e3,
+            1.0 / med,
+            overhead * 100.0
+        );
+        rows.push(serde_json::json!({"profile": name, "ms_per_step": med * 1e3, "tok_s": 1.0 / med,
+            "overhead_vs_off": overhead, "samples_ms": decode_s[m].iter().map(|s| s * 1e3).collect::<Vec<_>>()}));
+    }
+    println!(
+        "outputs identical across modes: {}",
+        if same { "yes" } else { "NO" }
+    );
+    if let Some(path) = &args.json {
+        let v = serde_json::json!({"model": loaded.spec, "threads": threads, "max_tokens": args.max_tokens,
+            "rounds": args.rounds, "modes": rows, "outputs_identical": same});
+        crate::generate::write_json(path, &v)?;
+    }
+    if !same {
+        anyhow::bail!("profiling changed the generated tokens");
+    }
+    Ok(())
+}

@@ -1,0 +1,157 @@
+//! Chat templates: the checkpoint's own Jinja template (GGUF `tokenizer.chat_template` or HF
+//! `tokenizer_config.json`), rendered with minijinja the way transformers renders it.
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+
+/// ChatML, used when an instruct model ships its special tokens but no template.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn user(content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: "user".into(),
+            content: content.into(),
+        }
+    }
+    pub fn system(content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: "system".into(),
+            content: content.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ChatTemplate {
+    source: String,
+}
+
+impl ChatTemplate {
+    pub fn new(source: impl Into<String>) -> Self {
+        ChatTemplate {
+            source: source.into(),
+        }
+    }
+
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Renders the conversation, ending with the assistant's turn opener when `add_generation_prompt`.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String> {
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_function("strftime_now", |fmt: String| -> String {
+            format_today(&fmt)
+        });
+        env.add_template("chat", &self.source).map_err(|e| {
+            Error::ChatTemplate(format!("the model's template does not parse: {e}"))
+        })?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => bos_token,
+            eos_token => eos_token,
+            tools => minijinja::Value::UNDEFINED,
+        })
+        .map_err(|e| Error::ChatTemplate(format!("rendering failed: {e}")))
+    }
+}
+
+/// `strftime_now` for templates that print today's date (Llama 3.1); supports the common %d %b %Y %m %B.
+fn format_today(fmt: &str) -> String {
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() / 86_400)
+        .unwrap_or(0) as i64;
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let name = MONTHS[(month - 1) as usize];
+    fmt.replace("%d", &format!("{day:02}"))
+        .replace("%m", &format!("{month:02}"))
+        .replace("%Y", &year.to_string())
+        .replace("%B", name)
+        .replace("%b", &name[..3])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chatml_renders_user_turn_and_generation_prompt() {
+        let t = ChatTemplate::new(CHATML_TEMPLATE);
+        let s = t.render(&[ChatMessage::user("hi")], true, "", "").unwrap();
+        assert_eq!(s, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn template_errors_are_reported_not_panicked() {
+        let t = ChatTemplate::new("{% if %}");
+        assert!(matches!(
+            t.render(&[], true, "", ""),
+            Err(Error::ChatTemplate(_))
+        ));
+        let t = ChatTemplate::new("{{ raise_exception('no system role') }}");
+        let err = t.render(&[], true, "", "").unwrap_err().to_string();
+        assert!(err.contains("no system role"), "{err}");
+    }
+
+    #[test]
+    fn python_string_methods_work() {
+        let t = ChatTemplate::new("{{ messages[0]['content'].strip() }}");
+        assert_eq!(
+            t.render(&[ChatMessage::user("  x ")], false, "", "")
+                .unwrap(),
+            "x"
+        );
+    }
+}

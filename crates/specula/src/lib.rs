@@ -1,0 +1,61 @@
+//! specula: a speculative-decoding LLM inference engine that measures its own critical path.
+//!
+//! Data flows one way: front ends (CLI, server) -> [`decode`] -> model / drafters -> kernels. The
+//! [`profile::Profiler`] is passed down explicitly and times every phase of every step.
+
+pub mod chat;
+pub mod decode;
+pub mod error;
+pub mod hub;
+pub mod model;
+pub mod parallel;
+pub mod profile;
+pub mod registry;
+pub mod run_report;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use error::{Error, Result};
+
+use std::path::PathBuf;
+
+/// Resolves a `--model` value to local weights, fetching registry models and `hf:` models when `fetch` allows.
+pub fn resolve_model(
+    spec: &str,
+    fetch: bool,
+    log: &mut dyn FnMut(&str),
+) -> Result<(PathBuf, Option<String>)> {
+    match model::locate(spec)? {
+        model::ModelLocation::File(p) | model::ModelLocation::Dir(p) => Ok((p, None)),
+        model::ModelLocation::Hub(id) => Ok((hub::download(&id)?, None)),
+        model::ModelLocation::Registry(m) => {
+            let path = match m.cached() {
+                Some(p) => p,
+                None if fetch => registry::fetch(m, log)?,
+                None => {
+                    return Err(Error::Fetch {
+                        name: m.name.to_string(),
+                        reason: format!(
+                            "not in the cache ({}); run `specula fetch {}`",
+                            m.cached_path().display(),
+                            m.name
+                        ),
+                    })
+                }
+            };
+            Ok((path, Some(m.sha256.to_string())))
+        }
+    }
+}
+
+/// Resolves and loads a model (see [`resolve_model`]).
+pub fn load_model(
+    spec: &str,
+    fetch: bool,
+    log: &mut dyn FnMut(&str),
+) -> Result<model::LoadedModel> {
+    let (path, sha) = resolve_model(spec, fetch, log)?;
+    let mut loaded = model::load_path(&path, spec)?;
+    loaded.known_sha256 = sha;
+    Ok(loaded)
+}

@@ -1,0 +1,276 @@
+//! One configuration for the Llama family (Llama 2/3, Qwen2/2.5, SmolLM2), read from GGUF metadata or an HF
+//! config.json.
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+use crate::model::gguf::GgufFile;
+
+/// How rotary embeddings pair up the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum RopeStyle {
+    /// Pairs (i, i + d/2): HF checkpoints and GGUF qwen2.
+    Halves,
+    /// Pairs (2i, 2i + 1): GGUF llama, whose converter permuted the Q/K rows for it.
+    Interleaved,
+}
+
+/// Llama 3.1-style frequency scaling for long context.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Llama3RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Config {
+    /// "llama" or "qwen2" (the family member; drives defaults such as QKV bias).
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub context_length: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub rope_style: RopeStyle,
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    pub attention_bias: bool,
+    pub tie_word_embeddings: bool,
+}
+
+impl Config {
+    pub fn validate(&self) -> Result<()> {
+        let fail = |m: String| Err(Error::Config(m));
+        if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+            return fail(format!(
+                "layers {}, hidden size {}, vocab {} must all be positive",
+                self.num_layers, self.hidden_size, self.vocab_size
+            ));
+        }
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
+        {
+            return fail(format!(
+                "{} attention heads cannot share {} KV heads evenly",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return fail(format!(
+                "head dimension {} must be even and positive",
+                self.head_dim
+            ));
+        }
+        if !(self.rope_theta > 0.0) || !(self.rms_norm_eps > 0.0) {
+            return fail(format!(
+                "rope theta {} and RMSNorm eps {} must be positive",
+                self.rope_theta, self.rms_norm_eps
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+        let arch = gguf
+            .get_str("general.architecture")
+            .ok_or_else(|| Error::Config("GGUF has no general.architecture".into()))?
+            .to_string();
+        if arch != "llama" && arch != "qwen2" {
+            return Err(Error::UnsupportedArchitecture(arch));
+        }
+        let key = |k: &str| format!("{arch}.{k}");
+        let req = |k: &str| -> Result<usize> {
+            gguf.get_u64(&key(k))
+                .map(|v| v as usize)
+                .ok_or_else(|| Error::Config(format!("GGUF metadata lacks {}", key(k))))
+        };
+        let hidden_size = req("embedding_length")?;
+        let num_heads = req("attention.head_count")?;
+        let num_kv_heads = gguf
+            .get_u64(&key("attention.head_count_kv"))
+            .map(|v| v as usize)
+            .unwrap_or(num_heads);
+        let head_dim = gguf
+            .get_u64(&key("attention.key_length"))
+            .map(|v| v as usize)
+            .unwrap_or(if num_heads > 0 {
+                hidden_size / num_heads
+            } else {
+                0
+            });
+        let vocab_size = match gguf.get_u64(&key("vocab_size")) {
+            Some(v) => v as usize,
+            None => gguf
+                .get("tokenizer.ggml.tokens")
+                .and_then(|v| v.as_array())
+                .map(|a| a.len())
+                .ok_or_else(|| {
+                    Error::Config("GGUF has neither a vocab size nor a token list".into())
+                })?,
+        };
+        let tie_word_embeddings = gguf.tensor_info("output.weight").is_none();
+        let attention_bias = gguf.tensor_info("blk.0.attn_q.bias").is_some();
+        let rope_scaling = match gguf.get_str(&key("rope.scaling.type")) {
+            Some("none") | None => None,
+            Some(other) if gguf.tensor_info("rope_freqs.weight").is_none() => {
+                return Err(Error::Config(format!(
+                    "rope scaling type {other:?} is not supported (supported: none, llama3 via rope_freqs)"
+                )))
+            }
+            Some(_) => None,
+        };
+        let config = Config {
+            rope_style: if arch == "llama" {
+                RopeStyle::Interleaved
+            } else {
+                RopeStyle::Halves
+            },
+            architecture: arch.clone(),
+            vocab_size,
+            hidden_size,
+            intermediate_size: req("feed_forward_length")?,
+            num_layers: req("block_count")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            context_length: req("context_length")?,
+            rope_theta: gguf.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0),
+            rms_norm_eps: gguf
+                .get_f64(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5),
+            rope_scaling,
+            attention_bias,
+            tie_word_embeddings,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn from_hf_json(text: &str) -> Result<Self> {
+        let hf: HfConfig =
+            serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json: {e}")))?;
+        let arch = match hf.model_type.as_deref() {
+            Some("llama") | Some("mistral") => "llama",
+            Some("qwen2") => "qwen2",
+            Some(other) => return Err(Error::UnsupportedArchitecture(other.to_string())),
+            None => match hf.architectures.first().map(String::as_str) {
+                Some("LlamaForCausalLM") => "llama",
+                Some("Qwen2ForCausalLM") => "qwen2",
+                Some(other) => return Err(Error::UnsupportedArchitecture(other.to_string())),
+                None => return Err(Error::Config("config.json has no model_type".into())),
+            },
+        };
+        let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
+        let rope_scaling = match &hf.rope_scaling {
+            None => None,
+            Some(rs) => match rs.rope_type.as_deref().or(rs.kind.as_deref()) {
+                Some("llama3") => Some(Llama3RopeScaling {
+                    factor: rs.factor.unwrap_or(1.0),
+                    low_freq_factor: rs.low_freq_factor.unwrap_or(1.0),
+                    high_freq_factor: rs.high_freq_factor.unwrap_or(4.0),
+                    original_max_position_embeddings: rs
+                        .original_max_position_embeddings
+                        .unwrap_or(8192),
+                }),
+                Some("default") | None => None,
+                Some(other) => {
+                    return Err(Error::Config(format!(
+                        "rope_scaling type {other:?} is not supported (supported: llama3)"
+                    )))
+                }
+            },
+        };
+        let config = Config {
+            architecture: arch.to_string(),
+            vocab_size: hf.vocab_size,
+            hidden_size: hf.hidden_size,
+            intermediate_size: hf.intermediate_size,
+            num_layers: hf.num_hidden_layers,
+            num_heads: hf.num_attention_heads,
+            num_kv_heads,
+            head_dim: hf
+                .head_dim
+                .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+            context_length: hf.max_position_embeddings.unwrap_or(4096),
+            rope_theta: hf.rope_theta.unwrap_or(10_000.0),
+            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
+            rope_style: RopeStyle::Halves,
+            rope_scaling,
+            attention_bias: hf.attention_bias.unwrap_or(arch == "qwen2"),
+            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Inverse frequencies of the rotary embedding, one per dimension pair, with Llama 3 scaling applied.
+    pub fn rope_inv_freqs(&self, freq_factors: Option<&[f32]>) -> Vec<f32> {
+        let half = self.head_dim / 2;
+        (0..half)
+            .map(|i| {
+                let mut freq = 1.0 / self.rope_theta.powf(2.0 * i as f64 / self.head_dim as f64);
+                if let Some(f) = freq_factors {
+                    freq /= f[i] as f64;
+                } else if let Some(s) = &self.rope_scaling {
+                    let low_wavelen = s.original_max_position_embeddings as f64 / s.low_freq_factor;
+                    let high_wavelen =
+                        s.original_max_position_embeddings as f64 / s.high_freq_factor;
+                    let wavelen = 2.0 * std::f64::consts::PI / freq;
+                    if wavelen > low_wavelen {
+                        freq /= s.factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (s.original_max_position_embeddings as f64 / wavelen
+                            - s.low_freq_factor)
+                            / (s.high_freq_factor - s.low_freq_factor);
+                        freq = (1.0 - smooth) * freq / s.factor + smooth * freq;
+                    }
+                }
+                freq as f32
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct HfRopeScaling {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+struct HfConfig {
+    model_type: Option<String>,
+    #[serde(default)]
+    architectures: Vec<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    max_position_embeddings: Option<usize>,
+    rope_theta: Option<f64>,
+    rms_norm_eps: Option<f64>,
+    rope_scaling: Option<HfRopeScaling>,
+    attention_bias: Option<bool>,
+    tie_word_embeddings: Option<bool>,
+}

@@ -1,0 +1,246 @@
+//! Models: configuration, weights, the Llama-family forward pass, and loading a model with its tokenizer and chat
+//! template from a GGUF file, a Hugging Face directory, `hf:ORG/NAME`, or a registry short name.
+
+pub mod config;
+pub mod gguf;
+pub mod kv_cache;
+pub mod llama;
+pub mod ops;
+pub mod safetensors;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+
+use crate::chat::{ChatTemplate, CHATML_TEMPLATE};
+use crate::error::{Error, Result};
+use crate::registry;
+use crate::tokenizer::Tokenizer;
+
+pub use config::Config;
+pub use kv_cache::KvCache;
+pub use llama::{ForwardOptions, ForwardOutput, LlamaModel, LogitsFor};
+
+impl llama::WeightSource for gguf::GgufFile {
+    fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<weights::Weight> {
+        gguf::GgufFile::weight(self, name, rows, cols)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.tensor_info(name).is_some()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    Gguf,
+    Safetensors,
+}
+
+/// A model ready to run: weights, tokenizer, chat template and where it came from.
+pub struct LoadedModel {
+    pub model: LlamaModel,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    /// The GGUF file or the HF directory.
+    pub path: PathBuf,
+    /// What the user asked for (short name, path or hf:ID).
+    pub spec: String,
+    pub format: Format,
+    /// Known when the model came from the registry (checked at fetch time).
+    pub known_sha256: Option<String>,
+}
+
+/// Where a model spec points.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelLocation {
+    File(PathBuf),
+    Dir(PathBuf),
+    Hub(String),
+    Registry(&'static registry::RegistryModel),
+}
+
+/// Interprets `--model`: `hf:ORG/NAME`, an existing file or directory, or a registry short name.
+pub fn locate(spec: &str) -> Result<ModelLocation> {
+    if let Some(id) = spec.strip_prefix("hf:") {
+        if id.split('/').count() != 2 || id.split('/').any(str::is_empty) {
+            return Err(Error::InvalidArgument(format!(
+                "hf:{id} is not a Hugging Face model id; expected hf:ORG/NAME"
+            )));
+        }
+        return Ok(ModelLocation::Hub(id.to_string()));
+    }
+    let path = Path::new(spec);
+    if path.is_file() {
+        return Ok(ModelLocation::File(path.to_path_buf()));
+    }
+    if path.is_dir() {
+        return Ok(ModelLocation::Dir(path.to_path_buf()));
+    }
+    if let Some(m) = registry::find(spec) {
+        return Ok(ModelLocation::Registry(m));
+    }
+    let looks_like_path = spec.contains('/') || spec.contains('\\') || spec.ends_with(".gguf");
+    if looks_like_path {
+        return Err(Error::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
+        ));
+    }
+    Err(Error::UnknownModel {
+        name: spec.to_string(),
+        known: registry::known_names(),
+    })
+}
+
+/// Loads a model from a resolved local path (GGUF file, or HF directory with config.json).
+pub fn load_path(path: &Path, spec: &str) -> Result<LoadedModel> {
+    if path.is_dir() {
+        if path.join("config.json").exists() {
+            return load_hf_dir(path, spec);
+        }
+        let ggufs: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(|e| Error::io(path, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+            .collect();
+        return match ggufs.as_slice() {
+            [one] => load_gguf(one, spec),
+            [] => Err(Error::Config(format!(
+                "{} has neither config.json (a Hugging Face model) nor a .gguf file",
+                path.display()
+            ))),
+            _ => Err(Error::InvalidArgument(format!(
+                "{} holds several .gguf files; pass one of them",
+                path.display()
+            ))),
+        };
+    }
+    load_gguf(path, spec)
+}
+
+pub fn load_gguf(path: &Path, spec: &str) -> Result<LoadedModel> {
+    let file = gguf::GgufFile::open(path)?;
+    let config = Config::from_gguf(&file)?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    check_vocab(&config, &tokenizer)?;
+    let chat_template = file
+        .get_str("tokenizer.chat_template")
+        .map(ChatTemplate::new)
+        .or_else(|| default_template(&tokenizer));
+    let model = LlamaModel::load(config, &file, &llama::GGUF_NAMES)?;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+        path: path.to_path_buf(),
+        spec: spec.to_string(),
+        format: Format::Gguf,
+        known_sha256: None,
+    })
+}
+
+pub fn load_hf_dir(dir: &Path, spec: &str) -> Result<LoadedModel> {
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+    let config = Config::from_hf_json(&text)?;
+    let tokenizer = Tokenizer::from_hf_dir(dir)?;
+    check_vocab(&config, &tokenizer)?;
+    let chat_template = hf_chat_template(dir)?.or_else(|| default_template(&tokenizer));
+    let files = safetensors::SafetensorsFiles::open_dir(dir)?;
+    let model = LlamaModel::load(config, &files, &llama::HF_NAMES)?;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+        path: dir.to_path_buf(),
+        spec: spec.to_string(),
+        format: Format::Safetensors,
+        known_sha256: None,
+    })
+}
+
+/// Tokens the tokenizer can produce must have embedding rows (padding rows beyond the tokenizer are fine).
+fn check_vocab(config: &Config, tokenizer: &Tokenizer) -> Result<()> {
+    let tok_vocab = tokenizer.vocab_size();
+    if tok_vocab > config.vocab_size {
+        return Err(Error::Config(format!(
+            "the tokenizer has {tok_vocab} tokens but the model's embedding has only {} rows",
+            config.vocab_size
+        )));
+    }
+    Ok(())
+}
+
+fn default_template(tokenizer: &Tokenizer) -> Option<ChatTemplate> {
+    tokenizer
+        .token_id("<|im_start|>")
+        .map(|_| ChatTemplate::new(CHATML_TEMPLATE))
+}
+
+fn hf_chat_template(dir: &Path) -> Result<Option<ChatTemplate>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.exists() {
+        let text = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
+        return Ok(Some(ChatTemplate::new(text)));
+    }
+    let cfg_path = dir.join("tokenizer_config.json");
+    if !cfg_path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+    let cfg: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::Tokenizer(format!("{}: {e}", cfg_path.display())))?;
+    Ok(match cfg.get("chat_template") {
+        Some(serde_json::Value::String(s)) => Some(ChatTemplate::new(s.clone())),
+        // A list of named templates: take "default".
+        Some(serde_json::Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template").and_then(|s| s.as_str()))
+            .map(ChatTemplate::new),
+        _ => None,
+    })
+}
+
+impl LoadedModel {
+    /// The prompt as the model should see it: chat-templated (default for models with a template) or raw.
+    pub fn format_prompt(
+        &self,
+        user_prompt: &str,
+        raw: bool,
+        system: Option<&str>,
+    ) -> Result<String> {
+        if raw {
+            return Ok(user_prompt.to_string());
+        }
+        let Some(template) = &self.chat_template else {
+            return Ok(user_prompt.to_string());
+        };
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(crate::chat::ChatMessage::system(s));
+        }
+        messages.push(crate::chat::ChatMessage::user(user_prompt));
+        let text_of = |id: Option<u32>| {
+            id.and_then(|i| self.tokenizer.token_text(i))
+                .unwrap_or_default()
+        };
+        template.render(
+            &messages,
+            true,
+            &text_of(self.tokenizer.bos_token),
+            &text_of(self.tokenizer.eos_token),
+        )
+    }
+
+    /// SHA-256 of the weights file (registry models: the checked value; otherwise hashed now).
+    pub fn sha256(&self) -> Result<String> {
+        if let Some(s) = &self.known_sha256 {
+            return Ok(s.clone());
+        }
+        if self.path.is_file() {
+            return registry::sha256_file(&self.path);
+        }
+        Ok(String::new())
+    }
+}

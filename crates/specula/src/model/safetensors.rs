@@ -1,0 +1,167 @@
+//! Hugging Face safetensors checkpoints (one file or sharded), f32 / f16 / bf16, memory-mapped.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, Metadata};
+use safetensors::SafeTensors;
+
+use crate::error::{Error, Result};
+use crate::model::llama::WeightSource;
+use crate::model::weights::{GgmlType, Weight};
+
+struct Shard {
+    path: PathBuf,
+    mmap: memmap2::Mmap,
+    header_len: usize,
+    metadata: Metadata,
+}
+
+pub struct SafetensorsFiles {
+    shards: Vec<Shard>,
+    /// tensor name -> shard index
+    index: HashMap<String, usize>,
+}
+
+impl SafetensorsFiles {
+    /// Opens every `*.safetensors` file in `dir` (a sharded checkpoint's shards, or the single file).
+    pub fn open_dir(dir: &Path) -> Result<Self> {
+        let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+        let mut paths: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        paths.sort();
+        if paths.is_empty() {
+            return Err(Error::BadSafetensors {
+                path: dir.to_path_buf(),
+                reason: "the directory holds no *.safetensors file".into(),
+            });
+        }
+        Self::open(&paths)
+    }
+
+    pub fn open(paths: &[PathBuf]) -> Result<Self> {
+        let mut shards = Vec::new();
+        let mut index = HashMap::new();
+        for path in paths {
+            let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+            // SAFETY: read-only map of a file we do not modify.
+            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+            let (header_len, metadata) =
+                SafeTensors::read_metadata(&mmap).map_err(|e| Error::BadSafetensors {
+                    path: path.clone(),
+                    reason: match e {
+                        safetensors::SafeTensorError::MetadataIncompleteBuffer => {
+                            "the tensor data does not match the header's size; the file is truncated or corrupt"
+                                .to_string()
+                        }
+                        other => other.to_string(),
+                    },
+                })?;
+            for name in metadata.tensors().keys() {
+                index.insert(name.clone(), shards.len());
+            }
+            shards.push(Shard {
+                path: path.clone(),
+                mmap,
+                header_len,
+                metadata,
+            });
+        }
+        Ok(SafetensorsFiles { shards, index })
+    }
+}
+
+impl WeightSource for SafetensorsFiles {
+    fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+        let shard = self
+            .index
+            .get(name)
+            .map(|&i| &self.shards[i])
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+                hint: " in the safetensors files".into(),
+            })?;
+        let info = shard
+            .metadata
+            .info(name)
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+                hint: format!(" in {}", shard.path.display()),
+            })?;
+        let n: usize = info.shape.iter().product();
+        let shape_ok = match info.shape.as_slice() {
+            [c] => rows == 1 && *c == cols,
+            [r, c] => *r == rows && *c == cols,
+            _ => false,
+        };
+        if !shape_ok || n != rows * cols {
+            return Err(Error::ShapeMismatch {
+                name: name.to_string(),
+                actual: info.shape.clone(),
+                expected: if rows == 1 {
+                    vec![cols]
+                } else {
+                    vec![rows, cols]
+                },
+            });
+        }
+        let ty = match info.dtype {
+            Dtype::F32 => GgmlType::F32,
+            Dtype::F16 => GgmlType::F16,
+            Dtype::BF16 => GgmlType::BF16,
+            other => {
+                return Err(Error::UnsupportedTensorType {
+                    path: shard.path.clone(),
+                    tensor: name.to_string(),
+                    dtype: format!("{other:?}"),
+                    supported: "F32, F16, BF16",
+                })
+            }
+        };
+        let (begin, end) = info.data_offsets;
+        let base = 8 + shard.header_len;
+        let data = &shard.mmap[base + begin..base + end];
+        Weight::from_raw(ty, data, rows, cols).map_err(|reason| Error::BadSafetensors {
+            path: shard.path.clone(),
+            reason: format!("tensor {name}: {reason}"),
+        })
+    }
+}
+
+/// Writes f32 tensors as a safetensors file (tests build tiny HF checkpoints with it).
+pub fn write_f32_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+) -> Result<()> {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, s, d)| {
+            (
+                n.clone(),
+                s.clone(),
+                d.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| Error::BadSafetensors {
+                    path: path.to_path_buf(),
+                    reason: e.to_string(),
+                })
+        })
+        .collect::<Result<_>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| Error::BadSafetensors {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}

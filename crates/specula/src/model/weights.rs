@@ -1,0 +1,492 @@
+//! Weight matrices in their checkpoint's storage type (GGUF quantized blocks, f32/f16/bf16) and the matrix
+//! multiply that reads them.
+//!
+//! The matmul is **batch invariant**: output element (row, col) is always computed by the same dot-product kernel
+//! over the same quantized activation row, whatever the number of rows in the call. That is what makes a verify
+//! pass over k+1 tokens give bitwise the logits of k+1 single-token steps, so greedy speculation is lossless.
+//! It also reads each weight row once for all activation rows (the row loop is innermost), so verifying a few
+//! tokens costs little more weight traffic than one.
+
+use candle_core::quantized::k_quants::{
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
+    BlockQ8_0, GgmlType as BlockType,
+};
+use half::{bf16, f16};
+
+/// The GGML storage types specula computes with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgmlType {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl GgmlType {
+    pub const SUPPORTED: &'static str =
+        "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
+
+    pub fn from_id(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
+            8 => Self::Q8_0,
+            10 => Self::Q2K,
+            11 => Self::Q3K,
+            12 => Self::Q4K,
+            13 => Self::Q5K,
+            14 => Self::Q6K,
+            30 => Self::BF16,
+            _ => return None,
+        })
+    }
+
+    pub fn id(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q4_1 => 3,
+            Self::Q5_0 => 6,
+            Self::Q5_1 => 7,
+            Self::Q8_0 => 8,
+            Self::Q2K => 10,
+            Self::Q3K => 11,
+            Self::Q4K => 12,
+            Self::Q5K => 13,
+            Self::Q6K => 14,
+            Self::BF16 => 30,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "F32",
+            Self::F16 => "F16",
+            Self::BF16 => "BF16",
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
+            Self::Q8_0 => "Q8_0",
+            Self::Q2K => "Q2_K",
+            Self::Q3K => "Q3_K",
+            Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
+            Self::Q6K => "Q6_K",
+        }
+    }
+
+    /// Elements per block.
+    pub fn block_size(self) -> usize {
+        match self {
+            Self::F32 | Self::F16 | Self::BF16 => 1,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
+            _ => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q8_0 => 34,
+            Self::Q2K => 84,
+            Self::Q3K => 110,
+            Self::Q4K => 144,
+            Self::Q5K => 176,
+            Self::Q6K => 210,
+        }
+    }
+
+    /// Storage bytes of `n_elements`, or None if they do not fill whole blocks.
+    pub fn bytes_for(self, n_elements: usize) -> Option<usize> {
+        (n_elements % self.block_size() == 0)
+            .then(|| n_elements / self.block_size() * self.block_bytes())
+    }
+}
+
+/// Blocks of one storage type, in row-major order (each row holds `cols / block_size` blocks).
+enum Storage {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    Q4_0(Vec<BlockQ4_0>),
+    Q4_1(Vec<BlockQ4_1>),
+    Q5_0(Vec<BlockQ5_0>),
+    Q5_1(Vec<BlockQ5_1>),
+    Q8_0(Vec<BlockQ8_0>),
+    Q2K(Vec<BlockQ2K>),
+    Q3K(Vec<BlockQ3K>),
+    Q4K(Vec<BlockQ4K>),
+    Q5K(Vec<BlockQ5K>),
+    Q6K(Vec<BlockQ6K>),
+}
+
+/// Runs `$body` with `$blocks` bound to the typed block vector of a `Storage`.
+macro_rules! with_blocks {
+    ($storage:expr, $blocks:ident => $body:expr) => {
+        match $storage {
+            Storage::F32($blocks) => $body,
+            Storage::F16($blocks) => $body,
+            Storage::BF16($blocks) => $body,
+            Storage::Q4_0($blocks) => $body,
+            Storage::Q4_1($blocks) => $body,
+            Storage::Q5_0($blocks) => $body,
+            Storage::Q5_1($blocks) => $body,
+            Storage::Q8_0($blocks) => $body,
+            Storage::Q2K($blocks) => $body,
+            Storage::Q3K($blocks) => $body,
+            Storage::Q4K($blocks) => $body,
+            Storage::Q5K($blocks) => $body,
+            Storage::Q6K($blocks) => $body,
+        }
+    };
+}
+
+/// A `rows x cols` matrix (or a vector when rows == 1) stored as the checkpoint stores it.
+pub struct Weight {
+    storage: Storage,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+fn blocks_from_bytes<T: BlockType>(bytes: &[u8]) -> Vec<T> {
+    let size = std::mem::size_of::<T>();
+    let n = bytes.len() / size;
+    let mut out: Vec<T> = (0..n).map(|_| T::zeros()).collect();
+    // SAFETY: every block type here is a #[repr(C)] plain-old-data struct whose size matches the GGML block
+    // size (candle asserts that at compile time), and `out` has room for exactly `n * size` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr() as *mut u8, n * size);
+    }
+    out
+}
+
+impl Weight {
+    /// Builds a weight from raw little-endian GGML bytes.
+    pub fn from_raw(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
+        let expected = ty.bytes_for(rows * cols).ok_or_else(|| {
+            format!(
+                "{} elements do not fill whole {} blocks",
+                rows * cols,
+                ty.name()
+            )
+        })?;
+        if bytes.len() != expected {
+            return Err(format!("has {} bytes, expected {expected}", bytes.len()));
+        }
+        if cols % ty.block_size() != 0 {
+            return Err(format!(
+                "row length {cols} is not a multiple of {}'s block size",
+                ty.name()
+            ));
+        }
+        let storage = match ty {
+            GgmlType::F32 => Storage::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            ),
+            GgmlType::F16 => Storage::F16(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| f16::from_le_bytes([b[0], b[1]]))
+                    .collect(),
+            ),
+            GgmlType::BF16 => Storage::BF16(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+                    .collect(),
+            ),
+            GgmlType::Q4_0 => Storage::Q4_0(blocks_from_bytes(bytes)),
+            GgmlType::Q4_1 => Storage::Q4_1(blocks_from_bytes(bytes)),
+            GgmlType::Q5_0 => Storage::Q5_0(blocks_from_bytes(bytes)),
+            GgmlType::Q5_1 => Storage::Q5_1(blocks_from_bytes(bytes)),
+            GgmlType::Q8_0 => Storage::Q8_0(blocks_from_bytes(bytes)),
+            GgmlType::Q2K => Storage::Q2K(blocks_from_bytes(bytes)),
+            GgmlType::Q3K => Storage::Q3K(blocks_from_bytes(bytes)),
+            GgmlType::Q4K => Storage::Q4K(blocks_from_bytes(bytes)),
+            GgmlType::Q5K => Storage::Q5K(blocks_from_bytes(bytes)),
+            GgmlType::Q6K => Storage::Q6K(blocks_from_bytes(bytes)),
+        };
+        Ok(Weight {
+            storage,
+            rows,
+            cols,
+        })
+    }
+
+    pub fn from_f32(data: Vec<f32>, rows: usize, cols: usize) -> Self {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "from_f32: data length does not match shape"
+        );
+        Weight {
+            storage: Storage::F32(data),
+            rows,
+            cols,
+        }
+    }
+
+    pub fn from_f16(data: Vec<f16>, rows: usize, cols: usize) -> Self {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "from_f16: data length does not match shape"
+        );
+        Weight {
+            storage: Storage::F16(data),
+            rows,
+            cols,
+        }
+    }
+
+    pub fn from_bf16(data: Vec<bf16>, rows: usize, cols: usize) -> Self {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "from_bf16: data length does not match shape"
+        );
+        Weight {
+            storage: Storage::BF16(data),
+            rows,
+            cols,
+        }
+    }
+
+    /// Quantizes f32 data into `ty` blocks (tests use this to build quantized tiny models).
+    pub fn quantize(data: &[f32], rows: usize, cols: usize, ty: GgmlType) -> Result<Self, String> {
+        if data.len() != rows * cols || cols % ty.block_size() != 0 {
+            return Err(format!(
+                "cannot quantize {} values as {rows}x{cols} {}",
+                data.len(),
+                ty.name()
+            ));
+        }
+        fn q<T: BlockType>(data: &[f32], block: usize) -> Vec<T> {
+            let mut out: Vec<T> = (0..data.len() / block).map(|_| T::zeros()).collect();
+            T::from_float(data, &mut out);
+            out
+        }
+        let bs = ty.block_size();
+        let storage = match ty {
+            GgmlType::F32 => Storage::F32(data.to_vec()),
+            GgmlType::F16 => Storage::F16(data.iter().map(|&x| f16::from_f32(x)).collect()),
+            GgmlType::BF16 => Storage::BF16(data.iter().map(|&x| bf16::from_f32(x)).collect()),
+            GgmlType::Q4_0 => Storage::Q4_0(q(data, bs)),
+            GgmlType::Q4_1 => Storage::Q4_1(q(data, bs)),
+            GgmlType::Q5_0 => Storage::Q5_0(q(data, bs)),
+            GgmlType::Q5_1 => Storage::Q5_1(q(data, bs)),
+            GgmlType::Q8_0 => Storage::Q8_0(q(data, bs)),
+            GgmlType::Q2K => Storage::Q2K(q(data, bs)),
+            GgmlType::Q3K => Storage::Q3K(q(data, bs)),
+            GgmlType::Q4K => Storage::Q4K(q(data, bs)),
+            GgmlType::Q5K => Storage::Q5K(q(data, bs)),
+            GgmlType::Q6K => Storage::Q6K(q(data, bs)),
+        };
+        Ok(Weight {
+            storage,
+            rows,
+            cols,
+        })
+    }
+
+    pub fn dtype(&self) -> GgmlType {
+        match &self.storage {
+            Storage::F32(_) => GgmlType::F32,
+            Storage::F16(_) => GgmlType::F16,
+            Storage::BF16(_) => GgmlType::BF16,
+            Storage::Q4_0(_) => GgmlType::Q4_0,
+            Storage::Q4_1(_) => GgmlType::Q4_1,
+            Storage::Q5_0(_) => GgmlType::Q5_0,
+            Storage::Q5_1(_) => GgmlType::Q5_1,
+            Storage::Q8_0(_) => GgmlType::Q8_0,
+            Storage::Q2K(_) => GgmlType::Q2K,
+            Storage::Q3K(_) => GgmlType::Q3K,
+            Storage::Q4K(_) => GgmlType::Q4K,
+            Storage::Q5K(_) => GgmlType::Q5K,
+            Storage::Q6K(_) => GgmlType::Q6K,
+        }
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.dtype().bytes_for(self.rows * self.cols).unwrap_or(0)
+    }
+
+    /// Dequantizes one row into `out` (embedding lookup).
+    pub fn row_to_f32(&self, row: usize, out: &mut [f32]) {
+        debug_assert!(row < self.rows && out.len() == self.cols);
+        with_blocks!(&self.storage, blocks => {
+            let per_row = blocks.len() / self.rows;
+            BlockType::to_float(&blocks[row * per_row..(row + 1) * per_row], out);
+        })
+    }
+
+    /// The whole matrix as f32, row-major (norm vectors and tests).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        for (r, chunk) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.row_to_f32(r, chunk);
+        }
+        out
+    }
+
+    /// `out[m x rows] = x[m x cols] @ self^T`. Batch invariant (see module docs).
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        assert_eq!(x.len(), m * self.cols, "matmul: input is not m x cols");
+        assert_eq!(out.len(), m * self.rows, "matmul: output is not m x rows");
+        with_blocks!(&self.storage, blocks => matmul_blocks(blocks, self.rows, self.cols, x, m, out))
+    }
+}
+
+/// Rows of weight columns handled per work item: small enough to balance two threads, large enough to amortize.
+const COLS_PER_ITEM: usize = 16;
+
+fn matmul_blocks<T: BlockType>(
+    weight: &[T],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+) {
+    let blocks_per_row = k / T::BLCK_SIZE;
+    let vd_per_row = k / T::VecDotType::BLCK_SIZE;
+    // Activations are quantized once per call to the kernel's partner type (Q8_0/Q8_1/Q8_K, or f32/f16).
+    let mut x_q: Vec<T::VecDotType> = (0..m * vd_per_row)
+        .map(|_| T::VecDotType::zeros())
+        .collect();
+    for r in 0..m {
+        T::VecDotType::from_float(
+            &x[r * k..(r + 1) * k],
+            &mut x_q[r * vd_per_row..(r + 1) * vd_per_row],
+        );
+    }
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let n_items = n.div_ceil(COLS_PER_ITEM);
+    let work = |items: std::ops::Range<usize>| {
+        let out_ptr = &out_ptr;
+        for item in items {
+            let col_start = item * COLS_PER_ITEM;
+            let col_end = (col_start + COLS_PER_ITEM).min(n);
+            for col in col_start..col_end {
+                let w_row = &weight[col * blocks_per_row..(col + 1) * blocks_per_row];
+                for r in 0..m {
+                    let x_row = &x_q[r * vd_per_row..(r + 1) * vd_per_row];
+                    let v = T::vec_dot(k, w_row, x_row);
+                    // SAFETY: each (r, col) is written by exactly one work item; out has m * n elements.
+                    unsafe { *out_ptr.0.add(r * n + col) = v };
+                }
+            }
+        }
+    };
+    crate::parallel::run_chunked(n_items, work);
+}
+
+struct SendPtr(*mut f32);
+// SAFETY: the pointer is only used to write disjoint elements from the pool's workers during one call.
+unsafe impl Sync for SendPtr {}
+unsafe impl Send for SendPtr {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn reference_matmul(w: &[f32], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
+        let mut out = vec![0f32; m * n];
+        for r in 0..m {
+            for c in 0..n {
+                out[r * n + c] = (0..k).map(|i| x[r * k + i] * w[c * k + i]).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn quantized_matmul_matches_dequantized_reference() {
+        let (n, k, m) = (40, 512, 3);
+        let w = pseudo_random(n * k, 1);
+        let x = pseudo_random(m * k, 2);
+        for ty in [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ] {
+            let weight = Weight::quantize(&w, n, k, ty).unwrap();
+            let deq = weight.to_f32();
+            let expected = reference_matmul(&deq, n, k, &x, m);
+            let mut out = vec![0f32; m * n];
+            weight.matmul(&x, m, &mut out);
+            // Activations are quantized to 8 bits, so allow a small relative error against the f32 reference.
+            let scale = expected.iter().map(|v| v.abs()).fold(0f32, f32::max);
+            for (a, b) in out.iter().zip(&expected) {
+                assert!((a - b).abs() <= 0.02 * scale, "{}: {a} vs {b}", ty.name());
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_rows_are_batch_invariant() {
+        let (n, k, m) = (37, 256, 5);
+        let w = pseudo_random(n * k, 3);
+        let x = pseudo_random(m * k, 4);
+        for ty in [
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+            GgmlType::Q8_0,
+            GgmlType::Q4_1,
+            GgmlType::F32,
+        ] {
+            let weight = Weight::quantize(&w, n, k, ty).unwrap();
+            let mut all = vec![0f32; m * n];
+            weight.matmul(&x, m, &mut all);
+            for r in 0..m {
+                let mut one = vec![0f32; n];
+                weight.matmul(&x[r * k..(r + 1) * k], 1, &mut one);
+                assert_eq!(&all[r * n..(r + 1) * n], &one[..], "{} row {r}", ty.name());
+            }
+        }
+    }
+}

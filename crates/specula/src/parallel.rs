@@ -1,0 +1,40 @@
+//! The worker pool every CPU kernel shares: candle's persistent spin-barrier pool (cheap to wake, which matters
+//! when a decode step issues a few hundred small parallel regions).
+
+use std::sync::OnceLock;
+
+static CONFIGURED_THREADS: OnceLock<usize> = OnceLock::new();
+
+/// Sets the number of compute threads. Must be called before the first forward pass; later calls with a
+/// different number are refused because the pool is already running.
+pub fn set_threads(threads: usize) -> Result<(), String> {
+    if threads == 0 {
+        return Err("--threads must be at least 1".into());
+    }
+    let actual = *CONFIGURED_THREADS.get_or_init(|| {
+        // candle reads these once, when its pool starts.
+        std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
+        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+        threads
+    });
+    if actual != threads {
+        return Err(format!(
+            "the thread pool already runs {actual} threads; cannot switch to {threads} in this process"
+        ));
+    }
+    Ok(())
+}
+
+/// Threads the pool runs (the configured number, or candle's default: the physical cores).
+pub fn threads() -> usize {
+    *CONFIGURED_THREADS.get_or_init(candle_core::utils::get_num_threads)
+}
+
+/// Runs `work` over `0..n_items`, split into ranges across the pool's threads (the caller takes part).
+pub fn run_chunked<F: Fn(std::ops::Range<usize>) + Sync>(n_items: usize, work: F) {
+    if n_items <= 1 {
+        work(0..n_items);
+        return;
+    }
+    candle_core::utils::barrier_pool().execute_chunked(n_items, work);
+}

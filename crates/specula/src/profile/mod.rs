@@ -1,0 +1,365 @@
+//! The built-in profiler: every decode step is split into named phases, timed at their edges, so the time of a
+//! step is accounted for without anyone patching timers into the engine.
+//!
+//! Usage: `let _s = prof.span(Phase::Verify);` times a phase until the guard drops. Steps bracket phases
+//! (`begin_step` / `end_step`); time in a step not covered by a phase is reported as `other`, so phases add up to
+//! the step time by construction. In fine mode the model adds nested per-layer spans (attention, MLP).
+//!
+//! The profiler is passed down explicitly (never a global) and is single-threaded: the decode loop owns it.
+
+pub mod clock;
+pub mod report;
+pub mod trace;
+
+use std::cell::RefCell;
+
+pub use clock::{Clock, MonotonicClock};
+
+/// The phases of a decode step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Target forward over the prompt.
+    Prefill,
+    /// Drafter proposes tokens.
+    Draft,
+    /// Target forward over the pending token(s): for plain decoding, the one-token step.
+    Verify,
+    /// Greedy match or rejection sampling of drafts.
+    Accept,
+    /// Turning logits into a token (temperature, top-k, top-p).
+    Sample,
+    /// Cache bookkeeping: appending accepted tokens, truncating rejected ones.
+    Commit,
+    /// Detokenizing and writing the new text.
+    Emit,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 7] = [
+        Phase::Prefill,
+        Phase::Draft,
+        Phase::Verify,
+        Phase::Accept,
+        Phase::Sample,
+        Phase::Commit,
+        Phase::Emit,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Prefill => "prefill",
+            Phase::Draft => "draft",
+            Phase::Verify => "verify",
+            Phase::Accept => "accept",
+            Phase::Sample => "sample",
+            Phase::Commit => "commit",
+            Phase::Emit => "emit",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Per-layer spans inside a forward pass (fine mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FineKind {
+    Attention,
+    Mlp,
+    LmHead,
+}
+
+impl FineKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            FineKind::Attention => "attention",
+            FineKind::Mlp => "mlp",
+            FineKind::LmHead => "lm_head",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Detail {
+    /// No timing at all: spans cost a branch.
+    Off,
+    /// Phases of every step.
+    Phases,
+    /// Phases plus per-layer spans of the model's forward pass.
+    Fine,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    Prefill,
+    Decode,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum SpanKind {
+    Phase(Phase),
+    Fine {
+        kind: FineKind,
+        layer: u32,
+        parent: Option<Phase>,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SpanRecord {
+    pub kind: SpanKind,
+    pub step: u32,
+    pub start: u64,
+    pub end: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepRecord {
+    pub kind: StepKind,
+    pub start: u64,
+    pub end: u64,
+}
+
+#[derive(Default)]
+struct State {
+    steps: Vec<StepRecord>,
+    spans: Vec<SpanRecord>,
+    open_step: Option<(StepKind, u64)>,
+    open_phase: Option<Phase>,
+}
+
+pub struct Profiler {
+    clock: Box<dyn Clock>,
+    detail: Detail,
+    state: RefCell<State>,
+}
+
+/// Times a span until dropped.
+#[must_use = "a span measures until it is dropped"]
+pub struct Span<'a> {
+    prof: Option<&'a Profiler>,
+    kind: SpanKind,
+    start: u64,
+}
+
+impl Drop for Span<'_> {
+    fn drop(&mut self) {
+        if let Some(prof) = self.prof {
+            let end = prof.clock.mark();
+            let mut st = prof.state.borrow_mut();
+            let step = st.steps.len() as u32;
+            if let SpanKind::Phase(_) = self.kind {
+                st.open_phase = None;
+            }
+            st.spans.push(SpanRecord {
+                kind: self.kind,
+                step,
+                start: self.start,
+                end,
+            });
+        }
+    }
+}
+
+impl Profiler {
+    pub fn new(detail: Detail) -> Self {
+        Self::with_clock(detail, Box::new(MonotonicClock::new()))
+    }
+
+    pub fn disabled() -> Self {
+        Self::new(Detail::Off)
+    }
+
+    pub fn with_clock(detail: Detail, clock: Box<dyn Clock>) -> Self {
+        Profiler {
+            clock,
+            detail,
+            state: RefCell::new(State::default()),
+        }
+    }
+
+    pub fn detail(&self) -> Detail {
+        self.detail
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.detail != Detail::Off
+    }
+
+    pub fn clock_name(&self) -> &'static str {
+        self.clock.name()
+    }
+
+    /// Times `phase` until the returned guard drops.
+    #[inline]
+    pub fn span(&self, phase: Phase) -> Span<'_> {
+        if self.detail == Detail::Off {
+            return Span {
+                prof: None,
+                kind: SpanKind::Phase(phase),
+                start: 0,
+            };
+        }
+        self.state.borrow_mut().open_phase = Some(phase);
+        Span {
+            prof: Some(self),
+            kind: SpanKind::Phase(phase),
+            start: self.clock.mark(),
+        }
+    }
+
+    /// A per-layer span; recorded only in fine mode.
+    #[inline]
+    pub fn fine(&self, kind: FineKind, layer: usize) -> Span<'_> {
+        if self.detail != Detail::Fine {
+            return Span {
+                prof: None,
+                kind: SpanKind::Fine {
+                    kind,
+                    layer: layer as u32,
+                    parent: None,
+                },
+                start: 0,
+            };
+        }
+        let parent = self.state.borrow().open_phase;
+        Span {
+            prof: Some(self),
+            kind: SpanKind::Fine {
+                kind,
+                layer: layer as u32,
+                parent,
+            },
+            start: self.clock.mark(),
+        }
+    }
+
+    pub fn begin_step(&self, kind: StepKind) {
+        if self.detail == Detail::Off {
+            return;
+        }
+        let start = self.clock.mark();
+        self.state.borrow_mut().open_step = Some((kind, start));
+    }
+
+    pub fn end_step(&self) {
+        if self.detail == Detail::Off {
+            return;
+        }
+        let end = self.clock.mark();
+        let mut st = self.state.borrow_mut();
+        if let Some((kind, start)) = st.open_step.take() {
+            st.steps.push(StepRecord { kind, start, end });
+        }
+    }
+
+    /// Resolves all marks into nanoseconds and returns the records (steps, spans) for reporting.
+    pub(crate) fn resolved(&self) -> (Vec<StepRecord>, Vec<SpanRecord>) {
+        let st = self.state.borrow();
+        let mut marks = Vec::with_capacity(2 * (st.steps.len() + st.spans.len()));
+        for s in &st.steps {
+            marks.push(s.start);
+            marks.push(s.end);
+        }
+        for s in &st.spans {
+            marks.push(s.start);
+            marks.push(s.end);
+        }
+        let ns = self.clock.resolve(&marks);
+        let mut it = ns.into_iter();
+        let mut next = || it.next().unwrap_or(0);
+        let steps = st
+            .steps
+            .iter()
+            .map(|s| StepRecord {
+                kind: s.kind,
+                start: next(),
+                end: next(),
+            })
+            .collect();
+        let spans = st
+            .spans
+            .iter()
+            .map(|s| SpanRecord {
+                kind: s.kind,
+                step: s.step,
+                start: next(),
+                end: next(),
+            })
+            .collect();
+        (steps, spans)
+    }
+
+    /// Aggregates the recorded steps into per-phase totals.
+    pub fn summary(&self) -> report::ProfileSummary {
+        let (steps, spans) = self.resolved();
+        report::ProfileSummary::from_records(&steps, &spans)
+    }
+
+    /// Chrome trace-event JSON of everything recorded.
+    pub fn chrome_trace(&self) -> serde_json::Value {
+        let (steps, spans) = self.resolved();
+        trace::chrome_trace(&steps, &spans)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    /// A clock that advances by a fixed step at each mark, so tests can check arithmetic exactly.
+    struct TickClock(Cell<u64>);
+    impl Clock for TickClock {
+        fn mark(&self) -> u64 {
+            let v = self.0.get();
+            self.0.set(v + 1000);
+            v
+        }
+        fn resolve(&self, marks: &[u64]) -> Vec<u64> {
+            marks.to_vec()
+        }
+        fn name(&self) -> &'static str {
+            "tick"
+        }
+    }
+
+    #[test]
+    fn phases_and_other_add_up_to_step_time() {
+        let prof = Profiler::with_clock(Detail::Fine, Box::new(TickClock(Cell::new(0))));
+        for _ in 0..3 {
+            prof.begin_step(StepKind::Decode); // t0
+            {
+                let _v = prof.span(Phase::Verify); // +1000
+                let _a = prof.fine(FineKind::Attention, 0); // +1000 .. end +1000
+            } // verify end
+            {
+                let _s = prof.span(Phase::Sample);
+            }
+            prof.end_step();
+        }
+        let summary = prof.summary();
+        let total: f64 = summary.phases.iter().map(|p| p.total_s).sum::<f64>() + summary.other_s;
+        assert!((total - summary.decode_s).abs() < 1e-12);
+        let verify = summary.phases.iter().find(|p| p.name == "verify").unwrap();
+        assert_eq!(verify.count, 3);
+        // verify: start at mark 1, fine start 2, fine end 3, verify end 4 -> 3 ticks of 1000 ns.
+        assert!((verify.total_s - 3.0 * 3000e-9).abs() < 1e-15);
+        // step: marks 0..=7 -> 7000 ns; phases cover 3000 + 1000; other = 3000 per step.
+        assert!((summary.other_s - 3.0 * 3000e-9).abs() < 1e-15);
+        assert_eq!(summary.fine.len(), 1);
+        assert_eq!(summary.fine[0].count, 3);
+    }
+
+    #[test]
+    fn disabled_profiler_records_nothing() {
+        let prof = Profiler::disabled();
+        prof.begin_step(StepKind::Decode);
+        drop(prof.span(Phase::Verify));
+        prof.end_step();
+        let s = prof.summary();
+        assert_eq!(s.decode_steps, 0);
+        assert!(s.phases.iter().all(|p| p.count == 0));
+    }
+}

