@@ -40,7 +40,7 @@ pub struct ModelArgs {
     #[arg(long, short = 'm', default_value = "smollm2-135m")]
     pub model: String,
     /// Compute threads (default: the physical cores).
-    #[arg(long, short = 't')]
+    #[arg(long, short = 't', allow_negative_numbers = true)]
     pub threads: Option<usize>,
 }
 
@@ -61,19 +61,19 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub system: Option<String>,
     /// Maximum number of new tokens.
-    #[arg(long, short = 'n', default_value_t = 128)]
+    #[arg(long, short = 'n', default_value_t = 128, allow_negative_numbers = true)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Keep only the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub top_k: usize,
     /// RNG seed for sampling.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
     /// Keep generating past end-of-turn tokens (fixed-length runs for benchmarks).
     #[arg(long)]

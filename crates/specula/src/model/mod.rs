@@ -244,3 +244,6 @@ impl LoadedModel {
         Ok(String::new())
     }
 }
+
+#[cfg(test)]
+mod tests;

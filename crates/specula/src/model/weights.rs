@@ -335,6 +335,15 @@ impl Weight {
         self.dtype().bytes_for(self.rows * self.cols).unwrap_or(0)
     }
 
+    /// The storage as GGML little-endian bytes (what a GGUF file holds for this tensor).
+    pub fn raw_bytes(&self) -> Vec<u8> {
+        fn bytes_of<T>(v: &[T]) -> Vec<u8> {
+            // SAFETY: the storage types are plain-old-data (f32, f16, bf16, #[repr(C)] GGML blocks).
+            unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }.to_vec()
+        }
+        with_blocks!(&self.storage, blocks => bytes_of(blocks))
+    }
+
     /// Dequantizes one row into `out` (embedding lookup).
     pub fn row_to_f32(&self, row: usize, out: &mut [f32]) {
         debug_assert!(row < self.rows && out.len() == self.cols);

@@ -1,0 +1,230 @@
+//! Tiny random models for tests: written as GGUF (any storage type) or as a Hugging Face directory, with a
+//! byte-level tokenizer, so unit and integration tests exercise the real loaders offline in milliseconds.
+
+use std::path::Path;
+
+use crate::model::gguf::{write_gguf, Value};
+use crate::model::weights::{GgmlType, Weight};
+
+/// Shape of a tiny model.
+#[derive(Debug, Clone)]
+pub struct TinySpec {
+    pub architecture: &'static str,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub context: usize,
+    pub seed: u64,
+    /// Storage type of the matrices (norms stay f32).
+    pub weight_type: GgmlType,
+    pub attention_bias: bool,
+}
+
+impl Default for TinySpec {
+    fn default() -> Self {
+        TinySpec {
+            architecture: "qwen2",
+            hidden: 64,
+            intermediate: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            context: 256,
+            seed: 1,
+            weight_type: GgmlType::F32,
+            attention_bias: true,
+        }
+    }
+}
+
+/// GPT-2's byte-to-unicode table: the printable stand-in character of each byte in byte-level BPE vocabularies.
+pub fn byte_level_chars() -> Vec<char> {
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut chars: Vec<u32> = printable.clone();
+    let mut extra = 0;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            printable.push(b);
+            chars.push(256 + extra);
+            extra += 1;
+        }
+    }
+    let mut table = vec!['\0'; 256];
+    for (b, c) in printable.iter().zip(chars) {
+        table[*b as usize] = char::from_u32(c).unwrap_or('?');
+    }
+    table
+}
+
+/// The tiny vocabulary: 256 byte tokens, two merged tokens, then the ChatML special tokens.
+pub fn tiny_vocab() -> (Vec<String>, Vec<String>, Vec<i32>) {
+    let chars = byte_level_chars();
+    let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
+    let space = chars[b' ' as usize];
+    tokens.push(format!("{space}t"));
+    tokens.push("he".to_string());
+    let merges = vec![format!("{space} t"), "h e".to_string()];
+    tokens.push("<|im_start|>".into());
+    tokens.push("<|im_end|>".into());
+    let mut types = vec![1i32; tokens.len()];
+    let n = types.len();
+    types[n - 2] = 3;
+    types[n - 1] = 3;
+    (tokens, merges, types)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+}
+
+/// All tensors of a tiny model as (GGUF name, HF name, rows, cols, f32 data); rows == 1 for vectors.
+pub fn tiny_tensors(spec: &TinySpec, vocab: usize) -> Vec<(String, String, usize, usize, Vec<f32>)> {
+    let mut rng = Rng(spec.seed);
+    let head_dim = spec.hidden / spec.heads;
+    let (h, q, kv, ff) = (spec.hidden, spec.hidden, spec.kv_heads * head_dim, spec.intermediate);
+    let mut out = Vec::new();
+    let mut push = |g: String, hf: String, r: usize, c: usize, data: Vec<f32>| out.push((g, hf, r, c, data));
+    push("token_embd.weight".into(), "model.embed_tokens.weight".into(), vocab, h, rng.vec(vocab * h, 1.0));
+    let norm = |rng: &mut Rng, n: usize| rng.vec(n, 0.2).into_iter().map(|v| 1.0 + v).collect::<Vec<_>>();
+    for i in 0..spec.layers {
+        let g = |s: &str| format!("blk.{i}.{s}");
+        let hf = |s: &str| format!("model.layers.{i}.{s}");
+        let ws = 1.0 / (h as f32).sqrt();
+        push(g("attn_norm.weight"), hf("input_layernorm.weight"), 1, h, norm(&mut rng, h));
+        push(g("attn_q.weight"), hf("self_attn.q_proj.weight"), q, h, rng.vec(q * h, ws));
+        push(g("attn_k.weight"), hf("self_attn.k_proj.weight"), kv, h, rng.vec(kv * h, ws));
+        push(g("attn_v.weight"), hf("self_attn.v_proj.weight"), kv, h, rng.vec(kv * h, ws));
+        if spec.attention_bias {
+            push(g("attn_q.bias"), hf("self_attn.q_proj.bias"), 1, q, rng.vec(q, 0.1));
+            push(g("attn_k.bias"), hf("self_attn.k_proj.bias"), 1, kv, rng.vec(kv, 0.1));
+            push(g("attn_v.bias"), hf("self_attn.v_proj.bias"), 1, kv, rng.vec(kv, 0.1));
+        }
+        push(g("attn_output.weight"), hf("self_attn.o_proj.weight"), h, q, rng.vec(h * q, ws));
+        push(g("ffn_norm.weight"), hf("post_attention_layernorm.weight"), 1, h, norm(&mut rng, h));
+        push(g("ffn_gate.weight"), hf("mlp.gate_proj.weight"), ff, h, rng.vec(ff * h, ws));
+        push(g("ffn_up.weight"), hf("mlp.up_proj.weight"), ff, h, rng.vec(ff * h, ws));
+        push(g("ffn_down.weight"), hf("mlp.down_proj.weight"), h, ff, rng.vec(h * ff, 1.0 / (ff as f32).sqrt()));
+    }
+    push("output_norm.weight".into(), "model.norm.weight".into(), 1, h, norm(&mut rng, h));
+    out
+}
+
+/// Writes a tiny model as GGUF (tied embeddings, ChatML template, byte-level tokenizer).
+pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> std::io::Result<()> {
+    let (tokens, merges, types) = tiny_vocab();
+    let arch = spec.architecture;
+    let k = |s: &str| format!("{arch}.{s}");
+    let strings = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
+    let metadata: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (k("block_count"), Value::U32(spec.layers as u32)),
+        (k("context_length"), Value::U32(spec.context as u32)),
+        (k("embedding_length"), Value::U32(spec.hidden as u32)),
+        (k("feed_forward_length"), Value::U32(spec.intermediate as u32)),
+        (k("attention.head_count"), Value::U32(spec.heads as u32)),
+        (k("attention.head_count_kv"), Value::U32(spec.kv_heads as u32)),
+        (k("rope.freq_base"), Value::F32(10000.0)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("qwen2".into())),
+        ("tokenizer.ggml.tokens".into(), strings(&tokens)),
+        ("tokenizer.ggml.merges".into(), strings(&merges)),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.iter().map(|&t| Value::I32(t)).collect()),
+        ),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(tokens.len() as u32 - 1)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+        ("tokenizer.chat_template".into(), Value::String(crate::chat::CHATML_TEMPLATE.into())),
+    ];
+    let mut tensors = Vec::new();
+    for (name, _, rows, cols, data) in tiny_tensors(spec, tokens.len()) {
+        let is_matrix = rows > 1 && name != "token_embd.weight";
+        let ty = if is_matrix { spec.weight_type } else { GgmlType::F32 };
+        let weight = Weight::quantize(&data, rows, cols, ty)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let bytes = weight_bytes(&weight, &data, ty);
+        let dims = if rows == 1 { vec![cols] } else { vec![cols, rows] };
+        tensors.push((name, dims, ty.id(), bytes));
+    }
+    let md: Vec<(&str, Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let ts: Vec<(&str, Vec<usize>, u32, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, d, t, b)| (n.as_str(), d.clone(), *t, b.clone()))
+        .collect();
+    write_gguf(path, &md, &ts)
+}
+
+fn weight_bytes(weight: &Weight, data: &[f32], ty: GgmlType) -> Vec<u8> {
+    match ty {
+        GgmlType::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        _ => weight.raw_bytes(),
+    }
+}
+
+/// Writes a tiny model as a Hugging Face directory: config.json, model.safetensors (f32), tokenizer.json.
+pub fn write_tiny_hf_dir(dir: &Path, spec: &TinySpec) -> crate::Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| crate::Error::io(dir, e))?;
+    let (tokens, merges, _) = tiny_vocab();
+    let config = serde_json::json!({
+        "model_type": spec.architecture,
+        "vocab_size": tokens.len(),
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "max_position_embeddings": spec.context,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": true,
+        "attention_bias": spec.attention_bias,
+    });
+    let write = |name: &str, text: String| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).map_err(|e| crate::Error::io(&p, e))
+    };
+    write("config.json", config.to_string())?;
+    let vocab: serde_json::Map<String, serde_json::Value> = tokens[..tokens.len() - 2]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), serde_json::json!(i)))
+        .collect();
+    let n = tokens.len();
+    let tokenizer = serde_json::json!({
+        "version": "1.0",
+        "added_tokens": [
+            {"id": n - 2, "content": "<|im_start|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+            {"id": n - 1, "content": "<|im_end|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+        ],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "vocab": vocab, "merges": merges}
+    });
+    write("tokenizer.json", tokenizer.to_string())?;
+    write(
+        "tokenizer_config.json",
+        serde_json::json!({"eos_token": "<|im_end|>", "chat_template": crate::chat::CHATML_TEMPLATE}).to_string(),
+    )?;
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = tiny_tensors(spec, tokens.len())
+        .into_iter()
+        .map(|(_, hf, rows, cols, data)| (hf, if rows == 1 { vec![cols] } else { vec![rows, cols] }, data))
+        .collect();
+    crate::model::safetensors::write_f32_safetensors(&dir.join("model.safetensors"), &tensors)
+}
