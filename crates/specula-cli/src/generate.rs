@@ -61,7 +61,12 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub system: Option<String>,
     /// Maximum number of new tokens.
-    #[arg(long, short = 'n', default_value_t = 128, allow_negative_numbers = true)]
+    #[arg(
+        long,
+        short = 'n',
+        default_value_t = 128,
+        allow_negative_numbers = true
+    )]
     pub max_tokens: usize,
     /// Sampling temperature; 0 = greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]

@@ -10,7 +10,10 @@ use specula::testing::{write_tiny_gguf, write_tiny_hf_dir, TinySpec};
 fn specula(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_specula"))
         .args(args)
-        .env("SPECULA_CACHE", std::env::temp_dir().join("specula-bad-input-cache"))
+        .env(
+            "SPECULA_CACHE",
+            std::env::temp_dir().join("specula-bad-input-cache"),
+        )
         .output()
         .expect("run specula")
 }
@@ -19,10 +22,16 @@ fn specula(args: &[&str]) -> Output {
 fn fails_with(args: &[&str], expected: &[&str]) -> String {
     let out = specula(args);
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success(), "expected failure for {args:?}; stderr: {stderr}");
+    assert!(
+        !out.status.success(),
+        "expected failure for {args:?}; stderr: {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "panic for {args:?}: {stderr}");
     for e in expected {
-        assert!(stderr.contains(e), "stderr for {args:?} lacks {e:?}: {stderr}");
+        assert!(
+            stderr.contains(e),
+            "stderr for {args:?} lacks {e:?}: {stderr}"
+        );
     }
     stderr
 }
@@ -45,7 +54,11 @@ fn missing_model_path() {
 fn unknown_short_name_lists_known_ones() {
     fails_with(
         &["generate", "-m", "llama-99b", "-p", "hi"],
-        &["unknown model \"llama-99b\"", "smollm2-135m", "qwen2.5-coder-1.5b"],
+        &[
+            "unknown model \"llama-99b\"",
+            "smollm2-135m",
+            "qwen2.5-coder-1.5b",
+        ],
     );
     fails_with(&["fetch", "llama-99b"], &["unknown model", "smollm2-135m"]);
 }
@@ -57,10 +70,16 @@ fn truncated_gguf() {
     let bytes = std::fs::read(&p).unwrap();
     let cut = dir.path().join("cut.gguf");
     std::fs::write(&cut, &bytes[..bytes.len() * 2 / 3]).unwrap();
-    fails_with(&["generate", "-m", cut.to_str().unwrap(), "-p", "hi"], &["truncated", "cut.gguf"]);
+    fails_with(
+        &["generate", "-m", cut.to_str().unwrap(), "-p", "hi"],
+        &["truncated", "cut.gguf"],
+    );
     // Cut inside the header too.
     std::fs::write(&cut, &bytes[..100]).unwrap();
-    fails_with(&["generate", "-m", cut.to_str().unwrap(), "-p", "hi"], &["truncated"]);
+    fails_with(
+        &["generate", "-m", cut.to_str().unwrap(), "-p", "hi"],
+        &["truncated"],
+    );
 }
 
 #[test]
@@ -68,7 +87,10 @@ fn corrupt_gguf_magic() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("not.gguf");
     std::fs::write(&p, b"this is not a model file at all, just text").unwrap();
-    fails_with(&["generate", "-m", p.to_str().unwrap(), "-p", "hi"], &["not a valid GGUF", "magic"]);
+    fails_with(
+        &["generate", "-m", p.to_str().unwrap(), "-p", "hi"],
+        &["not a valid GGUF", "magic"],
+    );
 }
 
 #[test]
@@ -83,7 +105,10 @@ fn unsupported_architecture_is_named() {
         },
     )
     .unwrap();
-    fails_with(&["generate", "-m", p.to_str().unwrap(), "-p", "hi"], &["unsupported model architecture", "mamba"]);
+    fails_with(
+        &["generate", "-m", p.to_str().unwrap(), "-p", "hi"],
+        &["unsupported model architecture", "mamba"],
+    );
 }
 
 #[test]
@@ -92,20 +117,38 @@ fn unsupported_quantization_type_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let p = tiny_gguf(dir.path());
     let g = specula::model::gguf::GgufFile::open(&p).unwrap();
-    let md: Vec<(String, Value)> = g.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let md: Vec<(String, Value)> = g
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
     let mut tensors = Vec::new();
     for t in &g.tensors {
-        let w = g.weight(&t.name, t.dims.get(1).copied().unwrap_or(1), t.dims[0]).unwrap();
+        let w = g
+            .weight(&t.name, t.dims.get(1).copied().unwrap_or(1), t.dims[0])
+            .unwrap();
         if t.name == "blk.0.attn_q.weight" {
-            tensors.push((t.name.clone(), t.dims.clone(), 16u32, vec![0u8; t.n_elements() / 256 * 66]));
+            tensors.push((
+                t.name.clone(),
+                t.dims.clone(),
+                16u32,
+                vec![0u8; t.n_elements() / 256 * 66],
+            ));
         } else {
-            tensors.push((t.name.clone(), t.dims.clone(), w.dtype().id(), w.raw_bytes()));
+            tensors.push((
+                t.name.clone(),
+                t.dims.clone(),
+                w.dtype().id(),
+                w.raw_bytes(),
+            ));
         }
     }
     let bad = dir.path().join("iq2.gguf");
     let md_ref: Vec<(&str, Value)> = md.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let t_ref: Vec<(&str, Vec<usize>, u32, Vec<u8>)> =
-        tensors.iter().map(|(n, d, t, b)| (n.as_str(), d.clone(), *t, b.clone())).collect();
+    let t_ref: Vec<(&str, Vec<usize>, u32, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, d, t, b)| (n.as_str(), d.clone(), *t, b.clone()))
+        .collect();
     write_gguf(&bad, &md_ref, &t_ref).unwrap();
     fails_with(
         &["generate", "-m", bad.to_str().unwrap(), "-p", "hi"],
@@ -120,7 +163,10 @@ fn truncated_safetensors() {
     let st = dir.path().join("model.safetensors");
     let bytes = std::fs::read(&st).unwrap();
     std::fs::write(&st, &bytes[..bytes.len() - 1000]).unwrap();
-    fails_with(&["generate", "-m", dir.path().to_str().unwrap(), "-p", "hi"], &["model.safetensors", "truncated"]);
+    fails_with(
+        &["generate", "-m", dir.path().to_str().unwrap(), "-p", "hi"],
+        &["model.safetensors", "truncated"],
+    );
 }
 
 #[test]
@@ -139,11 +185,26 @@ fn bad_numbers() {
     let dir = tempfile::tempdir().unwrap();
     let p = tiny_gguf(dir.path());
     let m = p.to_str().unwrap();
-    fails_with(&["generate", "-m", m, "-p", "hi", "--max-tokens", "0"], &["--max-tokens must be at least 1"]);
-    fails_with(&["generate", "-m", m, "-p", "hi", "--max-tokens", "-5"], &["--max-tokens"]);
-    fails_with(&["generate", "-m", m, "-p", "hi", "--temperature", "-1"], &["--temperature"]);
-    fails_with(&["generate", "-m", m, "-p", "hi", "--top-p", "2"], &["--top-p"]);
-    fails_with(&["generate", "-m", m, "-p", "hi", "--threads", "0"], &["--threads"]);
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--max-tokens", "0"],
+        &["--max-tokens must be at least 1"],
+    );
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--max-tokens", "-5"],
+        &["--max-tokens"],
+    );
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--temperature", "-1"],
+        &["--temperature"],
+    );
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--top-p", "2"],
+        &["--top-p"],
+    );
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--threads", "0"],
+        &["--threads"],
+    );
     fails_with(&["generate", "-m", m], &["--prompt"]);
 }
 
@@ -153,11 +214,24 @@ fn tiny_model_generates_and_reports() {
     let p = tiny_gguf(dir.path());
     let report = dir.path().join("r.json");
     let out = specula(&[
-        "generate", "-m", p.to_str().unwrap(), "-p", "the tea", "-n", "12", "--ignore-eos",
-        "--report-json", report.to_str().unwrap(),
+        "generate",
+        "-m",
+        p.to_str().unwrap(),
+        "-p",
+        "the tea",
+        "-n",
+        "12",
+        "--ignore-eos",
+        "--report-json",
+        report.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     assert_eq!(r["generated_tokens"], 12);
     assert_eq!(r["token_ids"].as_array().unwrap().len(), 12);
     assert_eq!(r["config"]["device"], "cpu");

@@ -81,7 +81,10 @@ pub fn tiny_vocab() -> (Vec<String>, Vec<String>, Vec<i32>) {
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
     fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
@@ -90,34 +93,132 @@ impl Rng {
 }
 
 /// All tensors of a tiny model as (GGUF name, HF name, rows, cols, f32 data); rows == 1 for vectors.
-pub fn tiny_tensors(spec: &TinySpec, vocab: usize) -> Vec<(String, String, usize, usize, Vec<f32>)> {
+pub fn tiny_tensors(
+    spec: &TinySpec,
+    vocab: usize,
+) -> Vec<(String, String, usize, usize, Vec<f32>)> {
     let mut rng = Rng(spec.seed);
     let head_dim = spec.hidden / spec.heads;
-    let (h, q, kv, ff) = (spec.hidden, spec.hidden, spec.kv_heads * head_dim, spec.intermediate);
+    let (h, q, kv, ff) = (
+        spec.hidden,
+        spec.hidden,
+        spec.kv_heads * head_dim,
+        spec.intermediate,
+    );
     let mut out = Vec::new();
-    let mut push = |g: String, hf: String, r: usize, c: usize, data: Vec<f32>| out.push((g, hf, r, c, data));
-    push("token_embd.weight".into(), "model.embed_tokens.weight".into(), vocab, h, rng.vec(vocab * h, 1.0));
-    let norm = |rng: &mut Rng, n: usize| rng.vec(n, 0.2).into_iter().map(|v| 1.0 + v).collect::<Vec<_>>();
+    let mut push =
+        |g: String, hf: String, r: usize, c: usize, data: Vec<f32>| out.push((g, hf, r, c, data));
+    push(
+        "token_embd.weight".into(),
+        "model.embed_tokens.weight".into(),
+        vocab,
+        h,
+        rng.vec(vocab * h, 1.0),
+    );
+    let norm = |rng: &mut Rng, n: usize| {
+        rng.vec(n, 0.2)
+            .into_iter()
+            .map(|v| 1.0 + v)
+            .collect::<Vec<_>>()
+    };
     for i in 0..spec.layers {
         let g = |s: &str| format!("blk.{i}.{s}");
         let hf = |s: &str| format!("model.layers.{i}.{s}");
         let ws = 1.0 / (h as f32).sqrt();
-        push(g("attn_norm.weight"), hf("input_layernorm.weight"), 1, h, norm(&mut rng, h));
-        push(g("attn_q.weight"), hf("self_attn.q_proj.weight"), q, h, rng.vec(q * h, ws));
-        push(g("attn_k.weight"), hf("self_attn.k_proj.weight"), kv, h, rng.vec(kv * h, ws));
-        push(g("attn_v.weight"), hf("self_attn.v_proj.weight"), kv, h, rng.vec(kv * h, ws));
+        push(
+            g("attn_norm.weight"),
+            hf("input_layernorm.weight"),
+            1,
+            h,
+            norm(&mut rng, h),
+        );
+        push(
+            g("attn_q.weight"),
+            hf("self_attn.q_proj.weight"),
+            q,
+            h,
+            rng.vec(q * h, ws),
+        );
+        push(
+            g("attn_k.weight"),
+            hf("self_attn.k_proj.weight"),
+            kv,
+            h,
+            rng.vec(kv * h, ws),
+        );
+        push(
+            g("attn_v.weight"),
+            hf("self_attn.v_proj.weight"),
+            kv,
+            h,
+            rng.vec(kv * h, ws),
+        );
         if spec.attention_bias {
-            push(g("attn_q.bias"), hf("self_attn.q_proj.bias"), 1, q, rng.vec(q, 0.1));
-            push(g("attn_k.bias"), hf("self_attn.k_proj.bias"), 1, kv, rng.vec(kv, 0.1));
-            push(g("attn_v.bias"), hf("self_attn.v_proj.bias"), 1, kv, rng.vec(kv, 0.1));
+            push(
+                g("attn_q.bias"),
+                hf("self_attn.q_proj.bias"),
+                1,
+                q,
+                rng.vec(q, 0.1),
+            );
+            push(
+                g("attn_k.bias"),
+                hf("self_attn.k_proj.bias"),
+                1,
+                kv,
+                rng.vec(kv, 0.1),
+            );
+            push(
+                g("attn_v.bias"),
+                hf("self_attn.v_proj.bias"),
+                1,
+                kv,
+                rng.vec(kv, 0.1),
+            );
         }
-        push(g("attn_output.weight"), hf("self_attn.o_proj.weight"), h, q, rng.vec(h * q, ws));
-        push(g("ffn_norm.weight"), hf("post_attention_layernorm.weight"), 1, h, norm(&mut rng, h));
-        push(g("ffn_gate.weight"), hf("mlp.gate_proj.weight"), ff, h, rng.vec(ff * h, ws));
-        push(g("ffn_up.weight"), hf("mlp.up_proj.weight"), ff, h, rng.vec(ff * h, ws));
-        push(g("ffn_down.weight"), hf("mlp.down_proj.weight"), h, ff, rng.vec(h * ff, 1.0 / (ff as f32).sqrt()));
+        push(
+            g("attn_output.weight"),
+            hf("self_attn.o_proj.weight"),
+            h,
+            q,
+            rng.vec(h * q, ws),
+        );
+        push(
+            g("ffn_norm.weight"),
+            hf("post_attention_layernorm.weight"),
+            1,
+            h,
+            norm(&mut rng, h),
+        );
+        push(
+            g("ffn_gate.weight"),
+            hf("mlp.gate_proj.weight"),
+            ff,
+            h,
+            rng.vec(ff * h, ws),
+        );
+        push(
+            g("ffn_up.weight"),
+            hf("mlp.up_proj.weight"),
+            ff,
+            h,
+            rng.vec(ff * h, ws),
+        );
+        push(
+            g("ffn_down.weight"),
+            hf("mlp.down_proj.weight"),
+            h,
+            ff,
+            rng.vec(h * ff, 1.0 / (ff as f32).sqrt()),
+        );
     }
-    push("output_norm.weight".into(), "model.norm.weight".into(), 1, h, norm(&mut rng, h));
+    push(
+        "output_norm.weight".into(),
+        "model.norm.weight".into(),
+        1,
+        h,
+        norm(&mut rng, h),
+    );
     out
 }
 
@@ -132,9 +233,15 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> std::io::Result<()> {
         (k("block_count"), Value::U32(spec.layers as u32)),
         (k("context_length"), Value::U32(spec.context as u32)),
         (k("embedding_length"), Value::U32(spec.hidden as u32)),
-        (k("feed_forward_length"), Value::U32(spec.intermediate as u32)),
+        (
+            k("feed_forward_length"),
+            Value::U32(spec.intermediate as u32),
+        ),
         (k("attention.head_count"), Value::U32(spec.heads as u32)),
-        (k("attention.head_count_kv"), Value::U32(spec.kv_heads as u32)),
+        (
+            k("attention.head_count_kv"),
+            Value::U32(spec.kv_heads as u32),
+        ),
         (k("rope.freq_base"), Value::F32(10000.0)),
         (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
@@ -145,21 +252,38 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> std::io::Result<()> {
             "tokenizer.ggml.token_type".into(),
             Value::Array(types.iter().map(|&t| Value::I32(t)).collect()),
         ),
-        ("tokenizer.ggml.eos_token_id".into(), Value::U32(tokens.len() as u32 - 1)),
+        (
+            "tokenizer.ggml.eos_token_id".into(),
+            Value::U32(tokens.len() as u32 - 1),
+        ),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
-        ("tokenizer.chat_template".into(), Value::String(crate::chat::CHATML_TEMPLATE.into())),
+        (
+            "tokenizer.chat_template".into(),
+            Value::String(crate::chat::CHATML_TEMPLATE.into()),
+        ),
     ];
     let mut tensors = Vec::new();
     for (name, _, rows, cols, data) in tiny_tensors(spec, tokens.len()) {
         let is_matrix = rows > 1 && name != "token_embd.weight";
-        let ty = if is_matrix { spec.weight_type } else { GgmlType::F32 };
+        let ty = if is_matrix {
+            spec.weight_type
+        } else {
+            GgmlType::F32
+        };
         let weight = Weight::quantize(&data, rows, cols, ty)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let bytes = weight_bytes(&weight, &data, ty);
-        let dims = if rows == 1 { vec![cols] } else { vec![cols, rows] };
+        let dims = if rows == 1 {
+            vec![cols]
+        } else {
+            vec![cols, rows]
+        };
         tensors.push((name, dims, ty.id(), bytes));
     }
-    let md: Vec<(&str, Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let md: Vec<(&str, Value)> = metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
     let ts: Vec<(&str, Vec<usize>, u32, Vec<u8>)> = tensors
         .iter()
         .map(|(n, d, t, b)| (n.as_str(), d.clone(), *t, b.clone()))
@@ -224,7 +348,17 @@ pub fn write_tiny_hf_dir(dir: &Path, spec: &TinySpec) -> crate::Result<()> {
     )?;
     let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = tiny_tensors(spec, tokens.len())
         .into_iter()
-        .map(|(_, hf, rows, cols, data)| (hf, if rows == 1 { vec![cols] } else { vec![rows, cols] }, data))
+        .map(|(_, hf, rows, cols, data)| {
+            (
+                hf,
+                if rows == 1 {
+                    vec![cols]
+                } else {
+                    vec![rows, cols]
+                },
+                data,
+            )
+        })
         .collect();
     crate::model::safetensors::write_f32_safetensors(&dir.join("model.safetensors"), &tensors)
 }

@@ -17,7 +17,12 @@ const TOKENS: [u32; 9] = [72, 101, 108, 108, 111, 32, 256, 257, 33];
 
 fn all_logits(model: &LlamaModel, tokens: &[u32], cache: &mut KvCache) -> ForwardOutput {
     model
-        .forward(tokens, cache, &ForwardOptions::default(), &Profiler::disabled())
+        .forward(
+            tokens,
+            cache,
+            &ForwardOptions::default(),
+            &Profiler::disabled(),
+        )
         .unwrap()
 }
 
@@ -139,12 +144,18 @@ fn hidden_state_capture_returns_requested_layers() {
         logits: LogitsFor::Last,
         capture_layers: &[3],
     };
-    let err = m.model.forward(&[1], &mut m.model.new_cache(), &bad, &Profiler::disabled());
+    let err = m
+        .model
+        .forward(&[1], &mut m.model.new_cache(), &bad, &Profiler::disabled());
     assert!(err.unwrap_err().to_string().contains("has 3 layers"));
 }
 
 fn vec_from_gguf(m: &LoadedModel, name: &str, n: usize) -> Vec<f32> {
-    gguf::GgufFile::open(&m.path).unwrap().weight(name, 1, n).unwrap().to_f32()
+    gguf::GgufFile::open(&m.path)
+        .unwrap()
+        .weight(name, 1, n)
+        .unwrap()
+        .to_f32()
 }
 
 #[test]
@@ -162,7 +173,10 @@ fn gguf_and_safetensors_checkpoints_give_the_same_logits() {
     assert_eq!(a.logits, b.logits);
     // Both tokenizers split ChatML text the same way.
     let text = hf.format_prompt("the cat", false, None).unwrap();
-    assert_eq!(hf.tokenizer.encode(&text).unwrap(), g.tokenizer.encode(&text).unwrap());
+    assert_eq!(
+        hf.tokenizer.encode(&text).unwrap(),
+        g.tokenizer.encode(&text).unwrap()
+    );
 }
 
 #[test]

@@ -339,7 +339,8 @@ impl Weight {
     pub fn raw_bytes(&self) -> Vec<u8> {
         fn bytes_of<T>(v: &[T]) -> Vec<u8> {
             // SAFETY: the storage types are plain-old-data (f32, f16, bf16, #[repr(C)] GGML blocks).
-            unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }.to_vec()
+            unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+                .to_vec()
         }
         with_blocks!(&self.storage, blocks => bytes_of(blocks))
     }

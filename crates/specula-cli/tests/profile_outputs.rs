@@ -1,0 +1,132 @@
+//! The profiler's outputs on a real model (smollm2-135m, fetched by .ci/run): phase coverage, JSON report, trace.
+
+use std::process::Command;
+
+fn generate(extra: &[&str]) -> (serde_json::Value, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut args = vec![
+        "generate",
+        "-m",
+        "smollm2-135m",
+        "--raw",
+        "-p",
+        "The capital of France is",
+        "-n",
+        "24",
+        "--ignore-eos",
+        "-t",
+        "2",
+        "--quiet",
+        "--report-json",
+        report.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let out = Command::new(env!("CARGO_BIN_EXE_specula"))
+        .args(&args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        out.status.success(),
+        "specula failed (run `specula fetch smollm2-135m` first?): {stderr}"
+    );
+    let r = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    (r, stderr)
+}
+
+#[test]
+fn named_phases_cover_at_least_95_percent_of_decode_time() {
+    let (r, stderr) = generate(&[]);
+    let phases = r["phases"].as_object().unwrap();
+    for name in ["prefill", "verify", "sample", "commit", "emit", "other"] {
+        assert!(
+            phases.contains_key(name),
+            "phase {name} missing: {phases:?}"
+        );
+    }
+    let named: f64 = phases
+        .iter()
+        .filter(|(k, _)| *k != "other" && *k != "prefill")
+        .map(|(_, v)| v["share_of_decode"].as_f64().unwrap())
+        .sum();
+    let other = phases["other"]["share_of_decode"].as_f64().unwrap();
+    assert!(
+        named >= 0.95,
+        "named phases cover only {:.1}% of decode",
+        named * 100.0
+    );
+    assert!(
+        (named + other - 1.0).abs() < 1e-6,
+        "phases + other = {}",
+        named + other
+    );
+    let decode_s = r["timing"]["decode_s"].as_f64().unwrap();
+    let verify = phases["verify"]["total_s"].as_f64().unwrap();
+    assert!(
+        verify > 0.5 * decode_s && verify < decode_s,
+        "verify {verify} of decode {decode_s}"
+    );
+    assert_eq!(phases["verify"]["count"], 23);
+    assert_eq!(r["generated_tokens"], 24);
+    assert!(
+        stderr.contains("verify") && stderr.contains("share"),
+        "summary table on stderr: {stderr}"
+    );
+}
+
+#[test]
+fn trace_is_chrome_json_with_phase_tracks_and_nested_layer_spans() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+    generate(&["--profile", "fine", "--trace", trace.to_str().unwrap()]);
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let track_names: Vec<&str> = events
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    for name in ["step", "prefill", "verify", "sample", "commit", "emit"] {
+        assert!(track_names.contains(&name), "no {name} track");
+    }
+    let slices = |name: &str| {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["name"] == name)
+            .count()
+    };
+    assert_eq!(slices("verify"), 23);
+    assert_eq!(slices("prefill"), 1);
+    assert_eq!(slices("decode step"), 23);
+    // Every per-layer span sits inside a verify or prefill slice on the same track.
+    let layer_spans: Vec<&serde_json::Value> =
+        events.iter().filter(|e| e["cat"] == "layer").collect();
+    assert_eq!(
+        layer_spans.len(),
+        24 * (30 * 2 + 1),
+        "30 layers x (attention, mlp) + lm_head per forward"
+    );
+    let parents: Vec<&serde_json::Value> = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && (e["name"] == "verify" || e["name"] == "prefill"))
+        .collect();
+    for span in &layer_spans {
+        let (ts, dur) = (span["ts"].as_f64().unwrap(), span["dur"].as_f64().unwrap());
+        assert!(
+            parents.iter().any(|p| p["tid"] == span["tid"]
+                && p["ts"].as_f64().unwrap() <= ts
+                && ts + dur <= p["ts"].as_f64().unwrap() + p["dur"].as_f64().unwrap() + 1e-3),
+            "span {span} is not nested in a forward phase"
+        );
+    }
+}
+
+#[test]
+fn profiling_off_gives_the_same_tokens() {
+    let (on, _) = generate(&[]);
+    let (off, _) = generate(&["--profile", "off"]);
+    assert_eq!(on["token_ids"], off["token_ids"]);
+    assert_eq!(off["phases"]["other"]["count"], 0);
+}
