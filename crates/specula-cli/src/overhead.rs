@@ -103,13 +103,47 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
         "outputs identical across modes: {}",
         if same { "yes" } else { "NO" }
     );
+    // The timed difference above is within run-to-run noise, so also derive the cost from first principles:
+    // what one span costs, times the spans a step records.
+    let span_ns = span_cost_ns();
+    let per_step = |detail: Detail| {
+        let prof = Profiler::new(detail);
+        let short = GenerateRequest { max_new_tokens: 4, ..req.clone() };
+        decode::generate(&loaded.model, &loaded.tokenizer, &short, &prof, &mut |_| {}).map(|_| {
+            let summary = prof.summary();
+            let spans: u64 = summary.phases.iter().filter(|p| p.name != "prefill").map(|p| p.count).sum::<u64>()
+                + summary.fine.iter().map(|f| f.count).sum::<u64>();
+            // Each step also takes two marks of its own (begin and end): count them as one span.
+            (spans + summary.decode_steps) as f64 / summary.decode_steps.max(1) as f64
+        })
+    };
+    let (phase_spans, fine_spans) = (per_step(Detail::Phases)?, per_step(Detail::Fine)?);
+    let est = |spans: f64| spans * span_ns * 1e-9 / base * 100.0;
+    println!(
+        "one span costs {span_ns:.0} ns; a step records {phase_spans:.0} spans (phases) / {fine_spans:.0} (fine): \
+         estimated overhead {:.3}% / {:.3}% of a {:.1} ms step",
+        est(phase_spans), est(fine_spans), base * 1e3
+    );
     if let Some(path) = &args.json {
         let v = serde_json::json!({"model": loaded.spec, "threads": threads, "max_tokens": args.max_tokens,
-            "rounds": args.rounds, "modes": rows, "outputs_identical": same});
+            "rounds": args.rounds, "modes": rows, "outputs_identical": same,
+            "span_cost_ns": span_ns, "spans_per_step": {"phases": phase_spans, "fine": fine_spans},
+            "estimated_overhead_pct": {"phases": est(phase_spans), "fine": est(fine_spans)}});
         crate::generate::write_json(path, &v)?;
     }
     if !same {
         anyhow::bail!("profiling changed the generated tokens");
     }
     Ok(())
+}
+
+/// Mean cost of opening and closing one span (two clock marks and a record), measured over many spans.
+fn span_cost_ns() -> f64 {
+    let prof = Profiler::new(Detail::Phases);
+    let n = 200_000;
+    let t0 = std::time::Instant::now();
+    for _ in 0..n {
+        drop(std::hint::black_box(prof.span(specula::profile::Phase::Sample)));
+    }
+    t0.elapsed().as_nanos() as f64 / n as f64
 }
