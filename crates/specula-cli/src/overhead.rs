@@ -108,10 +108,18 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
     let span_ns = span_cost_ns();
     let per_step = |detail: Detail| {
         let prof = Profiler::new(detail);
-        let short = GenerateRequest { max_new_tokens: 4, ..req.clone() };
+        let short = GenerateRequest {
+            max_new_tokens: 4,
+            ..req.clone()
+        };
         decode::generate(&loaded.model, &loaded.tokenizer, &short, &prof, &mut |_| {}).map(|_| {
             let summary = prof.summary();
-            let spans: u64 = summary.phases.iter().filter(|p| p.name != "prefill").map(|p| p.count).sum::<u64>()
+            let spans: u64 = summary
+                .phases
+                .iter()
+                .filter(|p| p.name != "prefill")
+                .map(|p| p.count)
+                .sum::<u64>()
                 + summary.fine.iter().map(|f| f.count).sum::<u64>();
             // Each step also takes two marks of its own (begin and end): count them as one span.
             (spans + summary.decode_steps) as f64 / summary.decode_steps.max(1) as f64
@@ -143,7 +151,9 @@ fn span_cost_ns() -> f64 {
     let n = 200_000;
     let t0 = std::time::Instant::now();
     for _ in 0..n {
-        drop(std::hint::black_box(prof.span(specula::profile::Phase::Sample)));
+        drop(std::hint::black_box(
+            prof.span(specula::profile::Phase::Sample),
+        ));
     }
     t0.elapsed().as_nanos() as f64 / n as f64
 }

@@ -32,10 +32,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .model
             .forward(&all_ids, &mut cache, &Default::default(), &prof)?;
         let mut verdict = "reference path is specula's greedy path".to_string();
-        for pos in prompt_ids.len()..all_ids.len() {
+        for (pos, &theirs) in all_ids.iter().enumerate().skip(prompt_ids.len()) {
             let row = out.row(pos - 1);
             let ours = specula::sampling::argmax(row);
-            let theirs = all_ids[pos];
             if ours != theirs {
                 verdict = format!(
                     "diverges at generated token {}: specula {:?} ({:.4}) vs reference {:?} ({:.4}), margin {:.4}",

@@ -53,20 +53,26 @@ impl Config {
                 self.num_layers, self.hidden_size, self.vocab_size
             ));
         }
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
         {
             return fail(format!(
                 "{} attention heads cannot share {} KV heads evenly",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return fail(format!(
                 "head dimension {} must be even and positive",
                 self.head_dim
             ));
         }
-        if !(self.rope_theta > 0.0) || !(self.rms_norm_eps > 0.0) {
+        if self.rope_theta.is_nan()
+            || self.rope_theta <= 0.0
+            || self.rms_norm_eps.is_nan()
+            || self.rms_norm_eps <= 0.0
+        {
             return fail(format!(
                 "rope theta {} and RMSNorm eps {} must be positive",
                 self.rope_theta, self.rms_norm_eps
@@ -106,11 +112,7 @@ impl Config {
         let head_dim = gguf
             .get_u64(&key("attention.key_length"))
             .map(|v| v as usize)
-            .unwrap_or(if num_heads > 0 {
-                hidden_size / num_heads
-            } else {
-                0
-            });
+            .unwrap_or(hidden_size.checked_div(num_heads).unwrap_or(0));
         let vocab_size = match gguf.get_u64(&key("vocab_size")) {
             Some(v) => v as usize,
             None => gguf

@@ -361,7 +361,7 @@ impl GgufFile {
                 ty.name()
             ))
         })?;
-        if cols % ty.block_size() != 0 {
+        if !cols.is_multiple_of(ty.block_size()) {
             return Err(self.bad(format!(
                 "tensor {name} row length {cols} is not a multiple of {}'s block size {}",
                 ty.name(),
@@ -489,12 +489,12 @@ pub fn write_gguf(
         offsets.push(offset);
         offset += (data.len() as u64).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
     }
-    while out.len() as u64 % DEFAULT_ALIGNMENT != 0 {
+    while !(out.len() as u64).is_multiple_of(DEFAULT_ALIGNMENT) {
         out.push(0);
     }
     for (_, _, _, data) in tensors {
         out.extend_from_slice(data);
-        while out.len() as u64 % DEFAULT_ALIGNMENT != 0 {
+        while !(out.len() as u64).is_multiple_of(DEFAULT_ALIGNMENT) {
             out.push(0);
         }
     }

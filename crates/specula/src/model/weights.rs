@@ -119,7 +119,8 @@ impl GgmlType {
 
     /// Storage bytes of `n_elements`, or None if they do not fill whole blocks.
     pub fn bytes_for(self, n_elements: usize) -> Option<usize> {
-        (n_elements % self.block_size() == 0)
+        n_elements
+            .is_multiple_of(self.block_size())
             .then(|| n_elements / self.block_size() * self.block_bytes())
     }
 }
@@ -194,7 +195,7 @@ impl Weight {
         if bytes.len() != expected {
             return Err(format!("has {} bytes, expected {expected}", bytes.len()));
         }
-        if cols % ty.block_size() != 0 {
+        if !cols.is_multiple_of(ty.block_size()) {
             return Err(format!(
                 "row length {cols} is not a multiple of {}'s block size",
                 ty.name()
@@ -278,7 +279,7 @@ impl Weight {
 
     /// Quantizes f32 data into `ty` blocks (tests use this to build quantized tiny models).
     pub fn quantize(data: &[f32], rows: usize, cols: usize, ty: GgmlType) -> Result<Self, String> {
-        if data.len() != rows * cols || cols % ty.block_size() != 0 {
+        if data.len() != rows * cols || !cols.is_multiple_of(ty.block_size()) {
             return Err(format!(
                 "cannot quantize {} values as {rows}x{cols} {}",
                 data.len(),
