@@ -95,6 +95,54 @@ pub struct GenerateArgs {
     /// Do not print the generated text (only the summary).
     #[arg(long)]
     pub quiet: bool,
+    #[command(flatten)]
+    pub draft: DraftArgs,
+}
+
+#[derive(clap::Args, Clone)]
+pub struct DraftArgs {
+    /// Speculative decoding with a separate draft model sharing the target's tokenizer (path, hf:ID or short name).
+    #[arg(long)]
+    pub draft_model: Option<String>,
+    /// Drafting method: `model` (needs --draft-model) or `ngram` (prompt lookup, no model).
+    #[arg(long)]
+    pub draft: Option<String>,
+    /// Tokens the drafter proposes per cycle (k).
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
+    pub draft_tokens: usize,
+    /// Shortest n-gram prompt lookup matches.
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
+    pub ngram_min: usize,
+    /// Longest n-gram prompt lookup tries first.
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
+    pub ngram_max: usize,
+}
+
+/// The drafting method the flags ask for.
+pub enum DraftChoice {
+    None,
+    Model(String),
+    Ngram { min_n: usize, max_n: usize },
+}
+
+impl DraftArgs {
+    pub fn choice(&self) -> anyhow::Result<DraftChoice> {
+        match (self.draft.as_deref(), &self.draft_model) {
+            (None, None) => Ok(DraftChoice::None),
+            (Some("ngram"), Some(_)) => anyhow::bail!(
+                "--draft ngram needs no model; drop --draft-model (or use --draft model)"
+            ),
+            (Some("ngram"), None) => Ok(DraftChoice::Ngram {
+                min_n: self.ngram_min,
+                max_n: self.ngram_max,
+            }),
+            (Some("model") | None, Some(m)) => Ok(DraftChoice::Model(m.clone())),
+            (Some("model"), None) => anyhow::bail!("--draft model needs --draft-model PATH|NAME"),
+            (Some(other), _) => {
+                anyhow::bail!("unknown --draft method {other:?} (use model or ngram)")
+            }
+        }
+    }
 }
 
 /// Applies `--threads` and loads the model, reporting load time.
@@ -135,6 +183,31 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop_at_eos: !args.ignore_eos,
     };
     let prof = Profiler::new(args.profile.detail());
+    let choice = args.draft.choice()?;
+    let draft_loaded = match &choice {
+        DraftChoice::Model(spec) => {
+            let d = specula::load_model(spec, true, &mut |line| eprintln!("{line}"))
+                .with_context(|| format!("loading draft model {spec}"))?;
+            specula::draft::model::check_compatible(&loaded, &d)?;
+            Some(d)
+        }
+        _ => None,
+    };
+    let mut drafter: Option<Box<dyn specula::draft::Drafter + '_>> = match &choice {
+        DraftChoice::None => None,
+        DraftChoice::Model(_) => draft_loaded.as_ref().map(|d| {
+            Box::new(specula::draft::model::ModelDrafter::new(
+                &d.model, args.seed,
+            )) as Box<dyn specula::draft::Drafter>
+        }),
+        DraftChoice::Ngram { min_n, max_n } => Some(Box::new(
+            specula::draft::ngram::NgramDrafter::new(*min_n, *max_n)?,
+        )),
+    };
+    let speculation = drafter.as_mut().map(|d| decode::Speculation {
+        drafter: d.as_mut(),
+        draft_tokens: args.draft.draft_tokens,
+    });
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let quiet = args.quiet;
@@ -142,6 +215,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         &loaded.model,
         &loaded.tokenizer,
         &req,
+        speculation,
         &prof,
         &mut |piece| {
             if !quiet {
@@ -182,6 +256,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if prof.enabled() {
         eprintln!("profile ({} clock):", prof.clock_name());
         eprint!("{}", summary.table());
+    }
+    if let Some(stats) = &output.speculation {
+        eprint!("{}", stats.table());
     }
     if let Some(path) = &args.report_json {
         let info = specula::run_report::RunInfo {

@@ -52,6 +52,7 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
         &loaded.model,
         &loaded.tokenizer,
         &req,
+        None,
         &Profiler::disabled(),
         &mut |_| {},
     )?;
@@ -59,7 +60,14 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
         for k in 0..modes.len() {
             let m = (round + k) % modes.len();
             let prof = Profiler::new(modes[m].1);
-            let out = decode::generate(&loaded.model, &loaded.tokenizer, &req, &prof, &mut |_| {})?;
+            let out = decode::generate(
+                &loaded.model,
+                &loaded.tokenizer,
+                &req,
+                None,
+                &prof,
+                &mut |_| {},
+            )?;
             decode_s[m].push(out.timing.decode_s / out.timing.decode_tokens as f64);
             match &outputs[m] {
                 None => outputs[m] = Some(out.tokens),
@@ -112,7 +120,15 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
             max_new_tokens: 4,
             ..req.clone()
         };
-        decode::generate(&loaded.model, &loaded.tokenizer, &short, &prof, &mut |_| {}).map(|_| {
+        decode::generate(
+            &loaded.model,
+            &loaded.tokenizer,
+            &short,
+            None,
+            &prof,
+            &mut |_| {},
+        )
+        .map(|_| {
             let summary = prof.summary();
             let spans: u64 = summary
                 .phases

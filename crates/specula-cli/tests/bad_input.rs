@@ -242,3 +242,76 @@ fn tiny_model_generates_and_reports() {
     }
     assert_eq!(r["phases"]["verify"]["count"], 11);
 }
+
+#[test]
+fn conflicting_or_bad_draft_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = tiny_gguf(dir.path());
+    let m = p.to_str().unwrap();
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
+            "--draft-model",
+            m,
+        ],
+        &["--draft ngram needs no model"],
+    );
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--draft", "model"],
+        &["--draft-model"],
+    );
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--draft", "eagle9"],
+        &["unknown --draft method"],
+    );
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
+            "--draft-tokens",
+            "0",
+        ],
+        &["--draft-tokens must be between 1"],
+    );
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
+            "--draft-tokens",
+            "1000",
+        ],
+        &["--draft-tokens must be between 1"],
+    );
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
+            "--ngram-min",
+            "3",
+            "--ngram-max",
+            "2",
+        ],
+        &["--ngram-min"],
+    );
+}

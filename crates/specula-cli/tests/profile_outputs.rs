@@ -130,3 +130,61 @@ fn profiling_off_gives_the_same_tokens() {
     assert_eq!(on["token_ids"], off["token_ids"]);
     assert_eq!(off["phases"]["other"]["count"], 0);
 }
+
+#[test]
+fn ngram_speculation_on_smollm2_is_lossless_and_reported() {
+    let (plain, _) = generate(&[]);
+    let (spec, stderr) = generate(&["--draft", "ngram", "--draft-tokens", "4"]);
+    assert_eq!(plain["token_ids"], spec["token_ids"]);
+    let s = &spec["speculation"];
+    assert_eq!(s["method"], "ngram");
+    assert_eq!(s["draft_tokens"], 4);
+    let (drafted, accepted, cycles) = (
+        s["drafted"].as_u64().unwrap(),
+        s["accepted"].as_u64().unwrap(),
+        s["cycles"].as_u64().unwrap(),
+    );
+    assert!(accepted <= drafted && cycles > 0);
+    let hist: u64 = s["accept_len_histogram"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(hist, cycles);
+    assert!(
+        (s["mean_accept_len"].as_f64().unwrap() - (1.0 + accepted as f64 / cycles as f64)).abs()
+            < 1e-9
+    );
+    assert_eq!(spec["phases"]["draft"]["count"].as_u64().unwrap(), cycles);
+    assert_eq!(spec["phases"]["accept"]["count"].as_u64().unwrap(), cycles);
+    assert!(stderr.contains("speculation (ngram, k=4)"), "{stderr}");
+}
+
+#[test]
+fn draft_with_another_vocabulary_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = dir.path().join("tiny.gguf");
+    specula::testing::write_tiny_gguf(&tiny, &Default::default()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_specula"))
+        .args([
+            "generate",
+            "-m",
+            "smollm2-135m",
+            "-p",
+            "hi",
+            "--draft-model",
+            tiny.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("49152 tokens") && stderr.contains("260"),
+        "{stderr}"
+    );
+}

@@ -9,11 +9,13 @@
 
 use std::time::Instant;
 
+use crate::draft::{Draft, Drafter};
 use crate::error::{Error, Result};
 use crate::model::{ForwardOptions, LlamaModel, LogitsFor};
 use crate::profile::{Phase, Profiler, StepKind};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::verify::{self, Acceptance};
 
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
@@ -61,6 +63,8 @@ pub struct GenerateOutput {
     pub text: String,
     pub stop_reason: StopReason,
     pub timing: Timing,
+    /// Acceptance statistics when a drafter was used.
+    pub speculation: Option<SpeculationStats>,
 }
 
 /// Checks a request against the model before any work is done.
@@ -87,61 +91,161 @@ pub fn validate_request(model: &LlamaModel, req: &GenerateRequest) -> Result<()>
     Ok(())
 }
 
-/// Generates up to `max_new_tokens` tokens, streaming text to `on_text` as it is produced.
+/// Speculation settings for [`generate`]: the drafter and how many tokens it proposes per cycle.
+pub struct Speculation<'d> {
+    pub drafter: &'d mut dyn Drafter,
+    pub draft_tokens: usize,
+}
+
+/// Generates up to `max_new_tokens` tokens, streaming text to `on_text` as it is produced. With a drafter, each
+/// decode step is one speculative cycle; without, it is a plain decoding step. Both run the same loop.
 pub fn generate(
     model: &LlamaModel,
     tokenizer: &Tokenizer,
     req: &GenerateRequest,
+    mut speculation: Option<Speculation<'_>>,
     prof: &Profiler,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<GenerateOutput> {
     validate_request(model, req)?;
+    if let Some(s) = &speculation {
+        if s.draft_tokens == 0 || s.draft_tokens > MAX_DRAFT_TOKENS {
+            return Err(Error::InvalidArgument(format!(
+                "--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {}",
+                s.draft_tokens
+            )));
+        }
+    }
     let mut sampler = Sampler::new(req.sampling)?;
     let mut cache = model.new_cache();
     let mut stream = StreamDecoder::new();
     let mut tokens: Vec<u32> = Vec::with_capacity(req.max_new_tokens);
+    // Prompt and committed tokens; the last one is pending (not yet in the target's cache).
+    let mut context: Vec<u32> = req.prompt_tokens.clone();
     let mut timing = Timing::default();
+    let mut stats = speculation
+        .as_ref()
+        .map(|s| SpeculationStats::new(s.drafter.method(), s.draft_tokens));
     let ctx = model.config.context_length;
-    let last_only = ForwardOptions {
-        logits: LogitsFor::Last,
-        capture_layers: &[],
-    };
 
     // Prefill step: the prompt in one forward pass, then the first token.
     let prefill_start = Instant::now();
     prof.begin_step(StepKind::Prefill);
     let logits = {
         let _s = prof.span(Phase::Prefill);
-        model.forward(&req.prompt_tokens, &mut cache, &last_only, prof)?
+        let opts = ForwardOptions {
+            logits: LogitsFor::Last,
+            capture_layers: &[],
+        };
+        model.forward(&req.prompt_tokens, &mut cache, &opts, prof)?
     };
-    let mut next = {
+    let first = {
         let _s = prof.span(Phase::Sample);
         sampler.sample(logits.last())
     };
-    let mut stop = commit_token(tokenizer, req, next, &mut tokens, cache.len(), ctx, prof);
-    if stop != Some(StopReason::EndOfText) {
-        emit_token(tokenizer, &mut stream, next, prof, on_text)?;
-    }
+    let (mut committed, mut stop) = commit_tokens(
+        tokenizer,
+        req,
+        &[first],
+        &mut tokens,
+        &mut context,
+        cache.len(),
+        ctx,
+        prof,
+    );
+    emit_tokens(
+        tokenizer,
+        &mut stream,
+        &tokens[tokens.len() - committed..],
+        prof,
+        on_text,
+    )?;
     prof.end_step();
     timing.prefill_s = prefill_start.elapsed().as_secs_f64();
 
-    // Decode steps: one target forward over the pending token each.
+    // Decode steps: draft -> verify -> accept -> commit -> emit.
     let decode_start = Instant::now();
     while stop.is_none() {
         prof.begin_step(StepKind::Decode);
+        let pending = *context.last().unwrap_or(&0);
+        let base = cache.len();
+        let remaining = req.max_new_tokens - tokens.len();
+        let draft = match speculation.as_mut() {
+            Some(s) => {
+                let _s = prof.span(Phase::Draft);
+                // Never draft past the token budget or the context: every accepted token must fit.
+                let k = s
+                    .draft_tokens
+                    .min(remaining - 1)
+                    .min(ctx.saturating_sub(base + 1));
+                if k == 0 {
+                    Draft::default()
+                } else {
+                    let mut d = s.drafter.propose(&context, k, &req.sampling)?;
+                    d.tokens.truncate(k);
+                    d
+                }
+            }
+            None => Draft::default(),
+        };
         let logits = {
             let _s = prof.span(Phase::Verify);
-            model.forward(&[next], &mut cache, &last_only, prof)?
+            let mut input = Vec::with_capacity(1 + draft.tokens.len());
+            input.push(pending);
+            input.extend_from_slice(&draft.tokens);
+            let which = if draft.tokens.is_empty() {
+                LogitsFor::Last
+            } else {
+                LogitsFor::All
+            };
+            model.forward(
+                &input,
+                &mut cache,
+                &ForwardOptions {
+                    logits: which,
+                    capture_layers: &[],
+                },
+                prof,
+            )?
         };
-        next = {
+        let acceptance = if speculation.is_some() {
+            let _s = prof.span(Phase::Accept);
+            verify::accept(&draft, &logits, &mut sampler)
+        } else {
             let _s = prof.span(Phase::Sample);
-            sampler.sample(logits.last())
+            Acceptance {
+                accepted: 0,
+                next: sampler.sample(logits.last()),
+            }
         };
-        stop = commit_token(tokenizer, req, next, &mut tokens, cache.len(), ctx, prof);
-        if stop != Some(StopReason::EndOfText) {
-            emit_token(tokenizer, &mut stream, next, prof, on_text)?;
+        if let Some(st) = stats.as_mut() {
+            st.record(draft.tokens.len(), acceptance.accepted);
         }
-        timing.decode_tokens += 1;
+        let mut new_tokens = draft.tokens[..acceptance.accepted].to_vec();
+        new_tokens.push(acceptance.next);
+        // Keep the pending token and the accepted drafts; rejected drafts leave the cache.
+        let kept = base + 1 + acceptance.accepted;
+        (committed, stop) = {
+            cache.truncate(kept);
+            commit_tokens(
+                tokenizer,
+                req,
+                &new_tokens,
+                &mut tokens,
+                &mut context,
+                kept,
+                ctx,
+                prof,
+            )
+        };
+        emit_tokens(
+            tokenizer,
+            &mut stream,
+            &tokens[tokens.len() - committed..],
+            prof,
+            on_text,
+        )?;
+        timing.decode_tokens += committed + usize::from(stop == Some(StopReason::EndOfText));
         prof.end_step();
     }
     timing.decode_s = decode_start.elapsed().as_secs_f64();
@@ -155,44 +259,175 @@ pub fn generate(
         text,
         stop_reason: stop.unwrap_or(StopReason::MaxTokens),
         timing,
+        speculation: stats,
     })
 }
 
-/// Appends the sampled token to the output, or says why generation stops. `cached` is the number of positions
-/// in the cache, which the pending token would extend.
-fn commit_token(
+/// Appends new tokens to the output until one of them stops generation; returns how many were appended and
+/// why generation stops, if it does. `cached` is the target cache length, which the last new token would extend.
+#[allow(clippy::too_many_arguments)]
+fn commit_tokens(
     tokenizer: &Tokenizer,
     req: &GenerateRequest,
-    token: u32,
+    new_tokens: &[u32],
     tokens: &mut Vec<u32>,
+    context: &mut Vec<u32>,
     cached: usize,
     context_length: usize,
     prof: &Profiler,
-) -> Option<StopReason> {
+) -> (usize, Option<StopReason>) {
     let _s = prof.span(Phase::Commit);
-    if req.stop_at_eos && tokenizer.is_stop(token) {
-        return Some(StopReason::EndOfText);
+    let mut appended = 0;
+    for &token in new_tokens {
+        if req.stop_at_eos && tokenizer.is_stop(token) {
+            return (appended, Some(StopReason::EndOfText));
+        }
+        tokens.push(token);
+        context.push(token);
+        appended += 1;
+        if tokens.len() >= req.max_new_tokens {
+            return (appended, Some(StopReason::MaxTokens));
+        }
     }
-    tokens.push(token);
-    if tokens.len() >= req.max_new_tokens {
-        Some(StopReason::MaxTokens)
-    } else if cached + 1 >= context_length {
-        Some(StopReason::ContextFull)
-    } else {
-        None
-    }
+    // The pending token will occupy position `cached`.
+    let stop = (cached >= context_length).then_some(StopReason::ContextFull);
+    (appended, stop)
 }
 
-fn emit_token(
+fn emit_tokens(
     tokenizer: &Tokenizer,
     stream: &mut StreamDecoder,
-    token: u32,
+    new_tokens: &[u32],
     prof: &Profiler,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<()> {
     let _s = prof.span(Phase::Emit);
-    if let Some(text) = stream.push(tokenizer, token)? {
-        on_text(&text);
+    for &token in new_tokens {
+        if let Some(text) = stream.push(tokenizer, token)? {
+            on_text(&text);
+        }
     }
     Ok(())
 }
+
+/// The most tokens a drafter may propose per cycle.
+pub const MAX_DRAFT_TOKENS: usize = 64;
+
+/// Acceptance statistics of a speculative run (vLLM's definitions).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SpeculationStats {
+    pub method: &'static str,
+    /// k: tokens requested from the drafter per cycle.
+    pub draft_tokens: usize,
+    /// Verify passes (decode steps).
+    pub cycles: u64,
+    /// Cycles where the drafter proposed nothing (n-gram without a match).
+    pub empty_drafts: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+    /// Per draft position 1..=k: how many cycles drafted / accepted a token there.
+    pub drafted_per_position: Vec<u64>,
+    pub accepted_per_position: Vec<u64>,
+    /// Index n: cycles that accepted exactly n draft tokens.
+    pub accept_len_histogram: Vec<u64>,
+}
+
+impl SpeculationStats {
+    pub fn new(method: &'static str, k: usize) -> Self {
+        SpeculationStats {
+            method,
+            draft_tokens: k,
+            cycles: 0,
+            empty_drafts: 0,
+            drafted: 0,
+            accepted: 0,
+            drafted_per_position: vec![0; k],
+            accepted_per_position: vec![0; k],
+            accept_len_histogram: vec![0; k + 1],
+        }
+    }
+
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        self.cycles += 1;
+        self.empty_drafts += u64::from(drafted == 0);
+        self.drafted += drafted as u64;
+        self.accepted += accepted as u64;
+        for i in 0..drafted {
+            self.drafted_per_position[i] += 1;
+        }
+        for i in 0..accepted {
+            self.accepted_per_position[i] += 1;
+        }
+        self.accept_len_histogram[accepted] += 1;
+    }
+
+    /// accepted / drafted.
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+
+    /// 1 + accepted / cycles: tokens produced per verify pass.
+    pub fn mean_accept_len(&self) -> f64 {
+        if self.cycles == 0 {
+            0.0
+        } else {
+            1.0 + self.accepted as f64 / self.cycles as f64
+        }
+    }
+
+    /// Acceptance rate at draft positions 1..=k (accepted there / drafted there).
+    pub fn per_position_acceptance(&self) -> Vec<f64> {
+        self.drafted_per_position
+            .iter()
+            .zip(&self.accepted_per_position)
+            .map(|(&d, &a)| if d == 0 { 0.0 } else { a as f64 / d as f64 })
+            .collect()
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "method": self.method,
+            "draft_tokens": self.draft_tokens,
+            "cycles": self.cycles,
+            "empty_drafts": self.empty_drafts,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate(),
+            "mean_accept_len": self.mean_accept_len(),
+            "per_position_acceptance": self.per_position_acceptance(),
+            "drafted_per_position": self.drafted_per_position,
+            "accepted_per_position": self.accepted_per_position,
+            "accept_len_histogram": self.accept_len_histogram,
+        })
+    }
+
+    /// Lines for the end-of-run summary.
+    pub fn table(&self) -> String {
+        let per_pos: Vec<String> = self
+            .per_position_acceptance()
+            .iter()
+            .map(|r| format!("{:.0}%", r * 100.0))
+            .collect();
+        format!(
+            "speculation ({}, k={}): {} cycles, drafted {}, accepted {} ({:.1}%), mean accepted length {:.2}\n  \
+             per position: {}\n  accepted-length histogram (0..={}): {:?}\n",
+            self.method,
+            self.draft_tokens,
+            self.cycles,
+            self.drafted,
+            self.accepted,
+            self.acceptance_rate() * 100.0,
+            self.mean_accept_len(),
+            per_pos.join(" "),
+            self.draft_tokens,
+            self.accept_len_histogram
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -5,6 +5,7 @@
 
 pub mod chat;
 pub mod decode;
+pub mod draft;
 pub mod error;
 pub mod hub;
 pub mod model;
@@ -15,6 +16,7 @@ pub mod run_report;
 pub mod sampling;
 pub mod testing;
 pub mod tokenizer;
+pub mod verify;
 
 pub use error::{Error, Result};
 

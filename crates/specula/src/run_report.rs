@@ -59,6 +59,6 @@ pub fn build(info: &RunInfo<'_>, out: &GenerateOutput, profile: &ProfileSummary)
         },
         "phases": profile.phases_json(),
         "fine": profile.fine,
-        "speculation": Value::Null,
+        "speculation": out.speculation.as_ref().map(|s| s.to_json()).unwrap_or(Value::Null),
     })
 }

@@ -116,21 +116,48 @@ impl Sampler {
 
     /// A draw from `dist` with this sampler's RNG.
     pub fn draw(&mut self, dist: &Distribution) -> u32 {
-        let u: f32 = self.rng.random();
-        let mut acc = 0f32;
-        for (&id, &p) in dist.ids.iter().zip(&dist.probs) {
-            acc += p;
-            if u < acc {
-                return id;
-            }
-        }
-        *dist.ids.last().unwrap_or(&0)
+        draw(dist, &mut self.rng)
     }
 
     /// A uniform number in [0, 1) (speculative sampling's acceptance test).
     pub fn uniform(&mut self) -> f32 {
         self.rng.random()
     }
+}
+
+/// Inverse-CDF draw from a distribution.
+pub fn draw(dist: &Distribution, rng: &mut impl Rng) -> u32 {
+    let u: f32 = rng.random();
+    let mut acc = 0f32;
+    for (&id, &p) in dist.ids.iter().zip(&dist.probs) {
+        acc += p;
+        if u < acc {
+            return id;
+        }
+    }
+    *dist.ids.last().unwrap_or(&0)
+}
+
+/// normalize(max(0, p - q)): where speculative sampling draws from after rejecting a draft token.
+pub fn residual(p: &Distribution, q: &Distribution) -> Distribution {
+    let mut ids = Vec::new();
+    let mut probs = Vec::new();
+    for (&id, &pp) in p.ids.iter().zip(&p.probs) {
+        let r = pp - q.prob_of(id);
+        if r > 0.0 {
+            ids.push(id);
+            probs.push(r);
+        }
+    }
+    let total: f32 = probs.iter().sum();
+    if total <= 0.0 {
+        // p == q exactly (rejection then has probability 0); fall back to p.
+        return p.clone();
+    }
+    for v in &mut probs {
+        *v /= total;
+    }
+    Distribution { ids, probs }
 }
 
 /// Softmax(logits / T), restricted to top-k, then to the smallest top-p nucleus; ids sorted by probability.

@@ -22,6 +22,7 @@ fn greedy(m: &LoadedModel, prompt: &str, max_new_tokens: usize) -> specula::deco
         &m.model,
         &m.tokenizer,
         &req,
+        None,
         &Profiler::disabled(),
         &mut |_| {},
     )
@@ -107,4 +108,56 @@ fn greedy_tokens_match_llama_cpp() {
         "only {full_matches} of {} cases match llama.cpp for all tokens",
         cases.len()
     );
+}
+
+/// The CPU draft/target pair: greedy speculation with the 0.5B drafting for the 1.5B is token-for-token plain
+/// decoding (batch-invariant verify makes this exact, not just likely).
+#[test]
+fn qwen_pair_greedy_speculation_equals_plain() {
+    use specula::decode::Speculation;
+    use specula::draft::model::{check_compatible, ModelDrafter};
+    let target = load("qwen2.5-coder-1.5b");
+    let draft = load("qwen2.5-coder-0.5b");
+    check_compatible(&target, &draft).unwrap();
+    let prompt = target
+        .format_prompt("Write a C function that computes the greatest common divisor of two unsigned integers.", false, None)
+        .unwrap();
+    let req = GenerateRequest {
+        prompt_tokens: target.tokenizer.encode(&prompt).unwrap(),
+        max_new_tokens: 40,
+        sampling: SamplingParams::default(),
+        stop_at_eos: true,
+    };
+    let plain = generate(
+        &target.model,
+        &target.tokenizer,
+        &req,
+        None,
+        &Profiler::disabled(),
+        &mut |_| {},
+    )
+    .unwrap();
+    for k in [2, 5] {
+        let mut drafter = ModelDrafter::new(&draft.model, 0);
+        let spec = Some(Speculation {
+            drafter: &mut drafter,
+            draft_tokens: k,
+        });
+        let out = generate(
+            &target.model,
+            &target.tokenizer,
+            &req,
+            spec,
+            &Profiler::disabled(),
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(out.tokens, plain.tokens, "k={k}");
+        let st = out.speculation.unwrap();
+        assert!(
+            st.acceptance_rate() > 0.3,
+            "0.5B should agree with 1.5B often: {:.2}",
+            st.acceptance_rate()
+        );
+    }
 }

@@ -1,0 +1,297 @@
+//! The decode loop with and without drafters, on tiny random models: greedy speculation is token-for-token plain
+//! decoding; sampled speculation has exactly the target's distribution (chi-square test).
+
+use super::*;
+use crate::draft::model::ModelDrafter;
+use crate::draft::ngram::NgramDrafter;
+use crate::model::weights::GgmlType;
+use crate::model::{load_gguf, LoadedModel};
+use crate::testing::{write_tiny_gguf, TinySpec};
+use rand::SeedableRng;
+use rand_chacha::ChaCha20Rng;
+
+fn tiny(dir: &std::path::Path, name: &str, spec: TinySpec) -> LoadedModel {
+    let p = dir.join(name);
+    write_tiny_gguf(&p, &spec).unwrap();
+    load_gguf(&p, name).unwrap()
+}
+
+fn request(prompt: &[u32], n: usize, sampling: SamplingParams) -> GenerateRequest {
+    GenerateRequest {
+        prompt_tokens: prompt.to_vec(),
+        max_new_tokens: n,
+        sampling,
+        stop_at_eos: false,
+    }
+}
+
+fn run(
+    target: &LoadedModel,
+    req: &GenerateRequest,
+    spec: Option<Speculation<'_>>,
+) -> GenerateOutput {
+    generate(
+        &target.model,
+        &target.tokenizer,
+        req,
+        spec,
+        &Profiler::disabled(),
+        &mut |_| {},
+    )
+    .unwrap()
+}
+
+const PROMPT: [u32; 12] = [72, 101, 108, 108, 111, 32, 72, 101, 108, 108, 111, 32];
+
+#[test]
+fn greedy_speculation_equals_plain_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            seed: 3,
+            ..Default::default()
+        },
+    );
+    // The same weights in 4 bits: agrees with the target often but not always, so cycles see partial acceptance.
+    let close = tiny(
+        dir.path(),
+        "c.gguf",
+        TinySpec {
+            seed: 3,
+            weight_type: GgmlType::Q4_0,
+            ..Default::default()
+        },
+    );
+    let far = tiny(
+        dir.path(),
+        "f.gguf",
+        TinySpec {
+            seed: 9,
+            ..Default::default()
+        },
+    );
+    let req = request(&PROMPT, 40, SamplingParams::default());
+    let plain = run(&target, &req, None);
+    assert_eq!(plain.tokens.len(), 40);
+    let mut saw_partial = false;
+    for k in [1, 2, 3, 5, 8] {
+        for draft in [&close, &far] {
+            let mut drafter = ModelDrafter::new(&draft.model, 0);
+            let out = run(
+                &target,
+                &req,
+                Some(Speculation {
+                    drafter: &mut drafter,
+                    draft_tokens: k,
+                }),
+            );
+            assert_eq!(
+                out.tokens, plain.tokens,
+                "model drafter {} k={k}",
+                draft.spec
+            );
+            let st = out.speculation.unwrap();
+            assert!(st.accepted <= st.drafted);
+            assert_eq!(st.accept_len_histogram.iter().sum::<u64>(), st.cycles);
+            saw_partial |= st.accept_len_histogram[1..k].iter().any(|&c| c > 0);
+        }
+        let mut ngram = NgramDrafter::new(1, 3).unwrap();
+        let out = run(
+            &target,
+            &req,
+            Some(Speculation {
+                drafter: &mut ngram,
+                draft_tokens: k,
+            }),
+        );
+        assert_eq!(out.tokens, plain.tokens, "ngram k={k}");
+    }
+    assert!(
+        saw_partial,
+        "no cycle accepted part of its draft; the test would not exercise rollback"
+    );
+}
+
+#[test]
+fn rollback_after_partial_acceptance_leaves_the_cache_where_plain_decoding_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny(dir.path(), "t.gguf", TinySpec::default());
+    let prof = Profiler::disabled();
+    let all = ForwardOptions {
+        logits: LogitsFor::All,
+        capture_layers: &[],
+    };
+    // Plain: prompt, then tokens a, b one at a time, then the logits after c.
+    let mut plain = m.model.new_cache();
+    m.model.forward(&PROMPT, &mut plain, &all, &prof).unwrap();
+    m.model.forward(&[5], &mut plain, &all, &prof).unwrap();
+    m.model.forward(&[6], &mut plain, &all, &prof).unwrap();
+    let expected = m.model.forward(&[7], &mut plain, &all, &prof).unwrap();
+    // Speculative: pending 5 with drafts [6, 99, 98]; only 6 accepted -> keep prompt + 5 + 6.
+    let mut spec = m.model.new_cache();
+    m.model.forward(&PROMPT, &mut spec, &all, &prof).unwrap();
+    let base = spec.len();
+    m.model
+        .forward(&[5, 6, 99, 98], &mut spec, &all, &prof)
+        .unwrap();
+    spec.truncate(base + 2);
+    let got = m.model.forward(&[7], &mut spec, &all, &prof).unwrap();
+    assert_eq!(got.logits, expected.logits);
+}
+
+/// Regularized upper chi-square quantile via Wilson-Hilferty (accurate to a few percent for df >= 3).
+fn chi2_critical(df: usize, z: f64) -> f64 {
+    let d = df as f64;
+    let t = 1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt();
+    d * t * t * t
+}
+
+#[test]
+fn sampled_speculation_has_the_targets_distribution() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            seed: 5,
+            ..Default::default()
+        },
+    );
+    let params = SamplingParams {
+        temperature: 5.0,
+        top_k: 3,
+        top_p: 1.0,
+        seed: 0,
+    };
+    let prompt = &PROMPT[..6];
+
+    // Exact target joint distribution of the first three tokens.
+    let prof = Profiler::disabled();
+    let last = ForwardOptions {
+        logits: LogitsFor::Last,
+        capture_layers: &[],
+    };
+    let dist_after = |ctx: &[u32]| {
+        let mut cache = target.model.new_cache();
+        let out = target.model.forward(ctx, &mut cache, &last, &prof).unwrap();
+        crate::sampling::distribution(out.last(), &params)
+    };
+    let mut exact: Vec<(Vec<u32>, f64)> = Vec::new();
+    let d1 = dist_after(prompt);
+    for (&a, &pa) in d1.ids.iter().zip(&d1.probs) {
+        let ctx_a = [prompt, &[a]].concat();
+        let d2 = dist_after(&ctx_a);
+        for (&b, &pb) in d2.ids.iter().zip(&d2.probs) {
+            let d3 = dist_after(&[&ctx_a[..], &[b]].concat());
+            for (&c, &pc) in d3.ids.iter().zip(&d3.probs) {
+                exact.push((vec![a, b, c], pa as f64 * pb as f64 * pc as f64));
+            }
+        }
+    }
+    // Losslessness must hold for any q: draft from a fixed uniform q over the target's first-step support plus
+    // two tokens outside it, so drafts are often rejected and the residual distribution is exercised.
+    let mut q_support = d1.ids.clone();
+    q_support.extend([200, 201]);
+    let runs = 6000;
+    let mut counts = vec![0usize; exact.len()];
+    let mut stats_rejections = 0;
+    for seed in 0..runs {
+        let req = request(prompt, 5, SamplingParams { seed, ..params });
+        let mut drafter = FixedQDrafter {
+            support: q_support.clone(),
+            rng: ChaCha20Rng::seed_from_u64(seed + 77),
+        };
+        let out = run(
+            &target,
+            &req,
+            Some(Speculation {
+                drafter: &mut drafter,
+                draft_tokens: 2,
+            }),
+        );
+        let st = out.speculation.unwrap();
+        stats_rejections += st.drafted - st.accepted;
+        let idx = exact
+            .iter()
+            .position(|(t, _)| t[..] == out.tokens[..3])
+            .expect("sequence outside the target's support");
+        counts[idx] += 1;
+    }
+    assert!(
+        stats_rejections > runs / 4,
+        "too few rejections ({stats_rejections}) to test the residual path"
+    );
+    // Chi-square over cells, pooling cells with small expected counts.
+    let (mut chi2, mut df, mut pool_obs, mut pool_exp) = (0.0, 0usize, 0.0, 0.0);
+    for ((_, p), &c) in exact.iter().zip(&counts) {
+        let e = p * runs as f64;
+        if e < 5.0 {
+            pool_obs += c as f64;
+            pool_exp += e;
+        } else {
+            chi2 += (c as f64 - e).powi(2) / e;
+            df += 1;
+        }
+    }
+    if pool_exp > 0.0 {
+        chi2 += (pool_obs - pool_exp).powi(2) / pool_exp;
+        df += 1;
+    }
+    let df = df - 1;
+    // z = 3.09: significance 0.001, so an exact sampler fails one run in a thousand.
+    let critical = chi2_critical(df, 3.09);
+    assert!(
+        chi2 < critical,
+        "chi-square {chi2:.1} >= {critical:.1} (df {df}): speculative sampling is biased"
+    );
+}
+
+/// Proposes tokens drawn from a fixed uniform q, whatever the context.
+struct FixedQDrafter {
+    support: Vec<u32>,
+    rng: ChaCha20Rng,
+}
+
+impl Drafter for FixedQDrafter {
+    fn method(&self) -> &'static str {
+        "fixed-q"
+    }
+    fn propose(&mut self, _context: &[u32], k: usize, _s: &SamplingParams) -> Result<Draft> {
+        let q = crate::sampling::Distribution {
+            ids: self.support.clone(),
+            probs: vec![1.0 / self.support.len() as f32; self.support.len()],
+        };
+        let tokens = (0..k)
+            .map(|_| crate::sampling::draw(&q, &mut self.rng))
+            .collect();
+        Ok(Draft {
+            tokens,
+            distributions: Some(vec![q; k]),
+        })
+    }
+}
+
+#[test]
+fn bad_draft_lengths_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(dir.path(), "t.gguf", TinySpec::default());
+    let req = request(&PROMPT, 4, SamplingParams::default());
+    for k in [0, MAX_DRAFT_TOKENS + 1] {
+        let mut ngram = NgramDrafter::new(1, 3).unwrap();
+        let err = generate(
+            &target.model,
+            &target.tokenizer,
+            &req,
+            Some(Speculation {
+                drafter: &mut ngram,
+                draft_tokens: k,
+            }),
+            &Profiler::disabled(),
+            &mut |_| {},
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("--draft-tokens"), "{err}");
+    }
+}

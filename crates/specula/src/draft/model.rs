@@ -1,0 +1,137 @@
+//! A separate small draft model sharing the target's tokenizer (e.g. Qwen2.5-Coder 0.5B drafting for 1.5B).
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha20Rng;
+
+use crate::draft::{Draft, Drafter};
+use crate::error::{Error, Result};
+use crate::model::{ForwardOptions, KvCache, LlamaModel, LoadedModel, LogitsFor};
+use crate::profile::Profiler;
+use crate::sampling::{self, SamplingParams};
+
+pub struct ModelDrafter<'a> {
+    model: &'a LlamaModel,
+    cache: KvCache,
+    /// The tokens whose keys/values are in `cache`, in order.
+    cached: Vec<u32>,
+    rng: ChaCha20Rng,
+    quiet: Profiler,
+}
+
+impl<'a> ModelDrafter<'a> {
+    /// `seed` drives the draft's own sampling (independent of the target's RNG).
+    pub fn new(model: &'a LlamaModel, seed: u64) -> Self {
+        ModelDrafter {
+            cache: model.new_cache(),
+            model,
+            cached: Vec::new(),
+            rng: ChaCha20Rng::seed_from_u64(seed ^ 0x5eed_d4af),
+            quiet: Profiler::disabled(),
+        }
+    }
+
+    /// Feeds `tokens` after the cached prefix and returns the logits of the last one.
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let opts = ForwardOptions {
+            logits: LogitsFor::Last,
+            capture_layers: &[],
+        };
+        let out = self
+            .model
+            .forward(tokens, &mut self.cache, &opts, &self.quiet)?;
+        self.cached.extend_from_slice(tokens);
+        Ok(out.logits)
+    }
+}
+
+impl Drafter for ModelDrafter<'_> {
+    fn method(&self) -> &'static str {
+        "model"
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize, sampling: &SamplingParams) -> Result<Draft> {
+        if k == 0 || context.is_empty() {
+            return Ok(Draft::default());
+        }
+        // Roll the cache back to the longest prefix it shares with the context (rejected drafts drop out here),
+        // keeping at least one token to feed so there are logits to draw from.
+        let common = self
+            .cached
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(context.len() - 1);
+        self.cache.truncate(common);
+        self.cached.truncate(common);
+        let room = self
+            .model
+            .config
+            .context_length
+            .saturating_sub(context.len());
+        let k = k.min(room);
+        if k == 0 {
+            return Ok(Draft::default());
+        }
+        let mut logits = self.feed(&context[common..])?;
+        let mut tokens = Vec::with_capacity(k);
+        let mut distributions = Vec::with_capacity(k);
+        for i in 0..k {
+            let token = if sampling.is_greedy() {
+                sampling::argmax(&logits)
+            } else {
+                let dist = sampling::distribution(&logits, sampling);
+                let token = sampling::draw(&dist, &mut self.rng);
+                distributions.push(dist);
+                token
+            };
+            tokens.push(token);
+            if i + 1 < k {
+                logits = self.feed(&[token])?;
+            }
+        }
+        Ok(Draft {
+            tokens,
+            distributions: (!sampling.is_greedy()).then_some(distributions),
+        })
+    }
+}
+
+/// A draft model must speak the target's vocabulary. Embedding tables may differ only in padding rows past the
+/// tokenizer's last token (as llama.cpp allows).
+pub fn check_compatible(target: &LoadedModel, draft: &LoadedModel) -> Result<()> {
+    let (tv, dv) = (target.tokenizer.vocab_size(), draft.tokenizer.vocab_size());
+    let mismatch = |what: String| {
+        Err(Error::InvalidArgument(format!(
+            "draft model {} cannot draft for target {}: {what}",
+            draft.spec, target.spec
+        )))
+    };
+    if tv != dv {
+        return mismatch(format!(
+            "the target's tokenizer has {tv} tokens and the draft's has {dv}"
+        ));
+    }
+    for id in (0..tv as u32)
+        .step_by((tv / 512).max(1))
+        .chain([tv as u32 - 1])
+    {
+        if target.tokenizer.token_text(id) != draft.tokenizer.token_text(id) {
+            return mismatch(format!(
+                "token {id} is {:?} in the target and {:?} in the draft",
+                target.tokenizer.token_text(id),
+                draft.tokenizer.token_text(id)
+            ));
+        }
+    }
+    let (te, de) = (
+        target.model.config.vocab_size,
+        draft.model.config.vocab_size,
+    );
+    if te.min(de) < tv {
+        return mismatch(format!(
+            "embedding rows {te} (target) and {de} (draft) do not cover {tv} tokens"
+        ));
+    }
+    Ok(())
+}
