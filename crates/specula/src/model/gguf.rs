@@ -288,7 +288,11 @@ impl GgufFile {
                     ty.block_size()
                 )));
             };
-            let end = self.data_start + t.offset + bytes as u64;
+            let end = self
+                .data_start
+                .checked_add(t.offset)
+                .and_then(|v| v.checked_add(bytes as u64))
+                .unwrap_or(u64::MAX);
             if end > file_len {
                 return Err(self.bad(format!(
                     "tensor {} needs bytes up to {end} but the file has {file_len}; the file is truncated",
