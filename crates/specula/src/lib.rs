@@ -3,6 +3,7 @@
 //! Data flows one way: front ends (CLI, server) -> [`decode`] -> model / drafters -> kernels. The
 //! [`profile::Profiler`] is passed down explicitly and times every phase of every step.
 
+pub mod bench;
 pub mod chat;
 pub mod decode;
 pub mod draft;

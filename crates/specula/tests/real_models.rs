@@ -29,7 +29,8 @@ fn greedy(m: &LoadedModel, prompt: &str, max_new_tokens: usize) -> specula::deco
     .unwrap()
 }
 
-/// Reviewed by hand: the same continuation llama.cpp produces for this prompt (see docs/correctness.md).
+/// Reviewed by hand: a sensible continuation. llama.cpp says "311 million" where specula says "321": the digit is
+/// a near tie (specula's logits: "2" 29.712, "1" 29.642; see docs/correctness.md).
 #[test]
 fn smollm2_greedy_is_deterministic_and_sensible() {
     let m = load("smollm2-135m");
@@ -38,7 +39,7 @@ fn smollm2_greedy_is_deterministic_and_sensible() {
         vec![504, 3575, 282, 4649, 314]
     );
     let expected: Vec<u32> = vec![
-        7042, 30, 198, 198, 504, 1797, 1918, 553, 253, 2155, 282, 4723, 216, 35, 33, 33, 2215, 701,
+        7042, 30, 198, 198, 504, 1797, 1918, 553, 253, 2155, 282, 4723, 216, 35, 34, 33, 2215, 701,
         30, 198,
     ];
     let a = greedy(&m, "The capital of France is", 20);
@@ -47,7 +48,7 @@ fn smollm2_greedy_is_deterministic_and_sensible() {
     assert_eq!(a.tokens, b.tokens);
     assert_eq!(
         a.text,
-        " Paris.\n\nThe United States has a population of approximately 311 million people.\n"
+        " Paris.\n\nThe United States has a population of approximately 321 million people.\n"
     );
 }
 
@@ -66,12 +67,14 @@ fn chat_template_is_applied_by_default() {
 }
 
 /// Greedy continuations against llama.cpp on the same GGUF files (tests/fixtures/llama_cpp_greedy.json, made by
-/// scripts/llama-cpp-reference.py). The two engines round differently (llama.cpp keeps an f16 KV cache and sums
-/// in other orders), so at a near-tie they may pick different tokens; docs/correctness.md lists every divergence
-/// with its logit margin. The test requires the first 12 tokens of every case to match, and most cases to match
-/// all 32.
+/// scripts/llama-cpp-reference.py). The engines round differently (llama.cpp keeps an f16 KV cache, both quantize
+/// activations to 8 bits, so a 1e-6 difference can move an activation across a rounding step), so at a near-tie
+/// they may pick different tokens. The test requires, for every case, that wherever specula's greedy text leaves
+/// llama.cpp's, llama.cpp's next token was within `NEAR_TIE` logits of specula's choice (a tie, not an error),
+/// and that most cases match all 32 tokens. docs/correctness.md lists the divergences with their margins.
 #[test]
 fn greedy_tokens_match_llama_cpp() {
+    const NEAR_TIE: f32 = 0.3;
     let fixture: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -96,10 +99,19 @@ fn greedy_tokens_match_llama_cpp() {
             full_matches += 1;
             continue;
         }
-        let head = m.tokenizer.decode(&ours.tokens[..12]).unwrap();
+        // The longest prefix of our tokens whose text llama.cpp also produced.
+        let common = (0..=ours.tokens.len())
+            .rev()
+            .find(|&i| reference.starts_with(&m.tokenizer.decode(&ours.tokens[..i]).unwrap()))
+            .unwrap();
+        // The split point can sit one token earlier when the two engines' tokens divide the same text
+        // differently (" " + "0" against " \""), so look at the last two shared positions.
+        let margin = (common.saturating_sub(1)..=common)
+            .map(|i| margin_to_reference(m, prompt, &ours.tokens[..i], reference))
+            .fold(f32::INFINITY, f32::min);
         assert!(
-            reference.starts_with(&head),
-            "{name} {prompt:?}: the first 12 tokens differ from llama.cpp\n ours: {:?}\n llama.cpp: {reference:?}",
+            margin <= NEAR_TIE,
+            "{name} {prompt:?}: leaves llama.cpp after {common} tokens with margin {margin:.3} (> {NEAR_TIE})\n ours: {:?}\n llama.cpp: {reference:?}",
             ours.text
         );
     }
@@ -108,6 +120,33 @@ fn greedy_tokens_match_llama_cpp() {
         "only {full_matches} of {} cases match llama.cpp for all tokens",
         cases.len()
     );
+}
+
+/// After prompt + `prefix` (whose text starts `reference`): how far llama.cpp's next token (any token whose text
+/// starts the rest of `reference`) is below specula's best logit.
+fn margin_to_reference(m: &LoadedModel, prompt: &str, prefix: &[u32], reference: &str) -> f32 {
+    let rest = &reference[m.tokenizer.decode(prefix).unwrap().len()..];
+    let mut context = m.tokenizer.encode(prompt).unwrap();
+    context.extend_from_slice(prefix);
+    let mut cache = m.model.new_cache();
+    let opts = specula::model::ForwardOptions {
+        logits: specula::model::LogitsFor::Last,
+        capture_layers: &[],
+    };
+    let out = m
+        .model
+        .forward(&context, &mut cache, &opts, &Profiler::disabled())
+        .unwrap();
+    let logits = out.last();
+    let best = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let reference_logit = (0..logits.len() as u32)
+        .filter(|&t| {
+            let text = m.tokenizer.decode(&[t]).unwrap_or_default();
+            !text.is_empty() && rest.starts_with(&text)
+        })
+        .map(|t| logits[t as usize])
+        .fold(f32::NEG_INFINITY, f32::max);
+    best - reference_logit
 }
 
 /// The CPU draft/target pair: greedy speculation with the 0.5B drafting for the 1.5B is token-for-token plain

@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod gguf;
+pub mod kernels;
 pub mod kv_cache;
 pub mod llama;
 pub mod ops;

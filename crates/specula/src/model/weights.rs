@@ -13,6 +13,8 @@ use candle_core::quantized::k_quants::{
 };
 use half::{bf16, f16};
 
+use super::kernels::{reference_rows_dot, FastRowsDot, RowsDot};
+
 /// The GGML storage types specula computes with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgmlType {
@@ -364,12 +366,65 @@ impl Weight {
         out
     }
 
-    /// `out[m x rows] = x[m x cols] @ self^T`. Batch invariant (see module docs).
+    /// `out[m x rows] = x[m x cols] @ self^T`. Batch invariant (see module docs). Uses the process-wide
+    /// kernel choice ([`set_matmul_kernel`]; fast by default).
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        self.matmul_with(matmul_kernel(), x, m, out)
+    }
+
+    /// `matmul` with an explicit kernel choice (tests and benchmarks compare the two).
+    pub fn matmul_with(&self, kernel: MatmulKernel, x: &[f32], m: usize, out: &mut [f32]) {
         assert_eq!(x.len(), m * self.cols, "matmul: input is not m x cols");
         assert_eq!(out.len(), m * self.rows, "matmul: output is not m x rows");
-        with_blocks!(&self.storage, blocks => matmul_blocks(blocks, self.rows, self.cols, x, m, out))
+        with_blocks!(&self.storage, blocks => {
+            let rows_dot = match kernel {
+                MatmulKernel::Fast => fast_rows_dot_of(blocks),
+                MatmulKernel::Reference => None,
+            };
+            match rows_dot {
+                Some(f) => matmul_blocks(blocks, self.rows, self.cols, x, m, out, f),
+                None => matmul_blocks(blocks, self.rows, self.cols, x, m, out, reference_rows_dot),
+            }
+        })
     }
+
+    /// Whether `matmul` has a multi-row kernel for this storage type in this build.
+    pub fn has_fast_kernel(&self) -> bool {
+        with_blocks!(&self.storage, blocks => fast_rows_dot_of(blocks).is_some())
+    }
+}
+
+/// Which dot-product kernel a matmul uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// Multi-row kernels (each weight block unpacked once per tile of activation rows) where this build has
+    /// one for the storage type; the reference otherwise.
+    Fast,
+    /// candle's single-row `vec_dot`, once per activation row: the simple reference.
+    Reference,
+}
+
+static USE_REFERENCE_KERNEL: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Chooses the kernel every `Weight::matmul` in this process uses (benchmarks compare the two side by side).
+pub fn set_matmul_kernel(kernel: MatmulKernel) {
+    USE_REFERENCE_KERNEL.store(
+        kernel == MatmulKernel::Reference,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+pub fn matmul_kernel() -> MatmulKernel {
+    if USE_REFERENCE_KERNEL.load(std::sync::atomic::Ordering::Relaxed) {
+        MatmulKernel::Reference
+    } else {
+        MatmulKernel::Fast
+    }
+}
+
+fn fast_rows_dot_of<T: FastRowsDot>(_blocks: &[T]) -> Option<RowsDot<T, T::VecDotType>> {
+    T::fast_rows_dot()
 }
 
 /// Rows of weight columns handled per work item: small enough to balance two threads, large enough to amortize.
@@ -382,6 +437,7 @@ fn matmul_blocks<T: BlockType>(
     x: &[f32],
     m: usize,
     out: &mut [f32],
+    rows_dot: RowsDot<T, T::VecDotType>,
 ) {
     let blocks_per_row = k / T::BLCK_SIZE;
     let vd_per_row = k / T::VecDotType::BLCK_SIZE;
@@ -399,14 +455,14 @@ fn matmul_blocks<T: BlockType>(
     let n_items = n.div_ceil(COLS_PER_ITEM);
     let work = |items: std::ops::Range<usize>| {
         let out_ptr = &out_ptr;
+        let mut col_out = vec![0f32; m];
         for item in items {
             let col_start = item * COLS_PER_ITEM;
             let col_end = (col_start + COLS_PER_ITEM).min(n);
             for col in col_start..col_end {
                 let w_row = &weight[col * blocks_per_row..(col + 1) * blocks_per_row];
-                for r in 0..m {
-                    let x_row = &x_q[r * vd_per_row..(r + 1) * vd_per_row];
-                    let v = T::vec_dot(k, w_row, x_row);
+                rows_dot(w_row, &x_q, &mut col_out);
+                for (r, &v) in col_out.iter().enumerate() {
                     // SAFETY: each (r, col) is written by exactly one work item; out has m * n elements.
                     unsafe { *out_ptr.0.add(r * n + col) = v };
                 }

@@ -1,0 +1,96 @@
+//! How the target's forward cost grows with the number of tokens verified at once: verify(n) for n = 1..=N.
+//!
+//! This is the term that decides whether speculation can win: if verify(k+1) is close to (k+1) x verify(1),
+//! as with one-row-at-a-time quantized kernels, no drafter can pay for itself.
+
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::model::{ForwardOptions, KvCache, LlamaModel, LogitsFor};
+use crate::profile::Profiler;
+
+/// Forward-pass time over n tokens with logits for all of them (a verify pass), n = 1..=max_rows.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct VerifyCost {
+    /// `ms[n-1]`: median milliseconds of a forward over n tokens.
+    pub ms: Vec<f64>,
+    /// Repetitions per n.
+    pub repeats: usize,
+    /// Context length the passes ran at.
+    pub context: usize,
+}
+
+impl VerifyCost {
+    pub fn verify_ms(&self, n: usize) -> f64 {
+        self.ms[n - 1]
+    }
+
+    /// verify(n) / verify(1).
+    pub fn ratio(&self, n: usize) -> f64 {
+        self.ms[n - 1] / self.ms[0]
+    }
+}
+
+/// Measures verify(n) after prefilling `context_tokens`. Sizes are interleaved within each repetition so that
+/// machine drift affects all of them alike; the cache is truncated back after every pass.
+pub fn measure_verify_cost(
+    model: &LlamaModel,
+    context_tokens: &[u32],
+    max_rows: usize,
+    repeats: usize,
+) -> Result<VerifyCost> {
+    let prof = Profiler::disabled();
+    let mut cache: KvCache = model.new_cache();
+    let prefill = ForwardOptions {
+        logits: LogitsFor::None,
+        capture_layers: &[],
+    };
+    model.forward(context_tokens, &mut cache, &prefill, &prof)?;
+    let base = cache.len();
+    let verify = ForwardOptions {
+        logits: LogitsFor::All,
+        capture_layers: &[],
+    };
+    // Arbitrary but valid token ids: the cost does not depend on them.
+    let tokens: Vec<u32> = context_tokens
+        .iter()
+        .copied()
+        .cycle()
+        .take(max_rows)
+        .collect();
+    // One untimed pass per size warms caches and the allocator.
+    for n in 1..=max_rows {
+        model.forward(&tokens[..n], &mut cache, &verify, &prof)?;
+        cache.truncate(base);
+    }
+    let mut samples = vec![Vec::with_capacity(repeats); max_rows];
+    for rep in 0..repeats {
+        for i in 0..max_rows {
+            // Rotate the order each repetition so no size always runs first.
+            let n = (i + rep) % max_rows + 1;
+            let start = Instant::now();
+            model.forward(&tokens[..n], &mut cache, &verify, &prof)?;
+            samples[n - 1].push(start.elapsed().as_secs_f64() * 1e3);
+            cache.truncate(base);
+        }
+    }
+    let ms = samples.into_iter().map(median).collect();
+    Ok(VerifyCost {
+        ms,
+        repeats,
+        context: base,
+    })
+}
+
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}

@@ -1,0 +1,763 @@
+//! Multi-row quantized dot products: one weight row against every activation row of a matmul call.
+//!
+//! A verify pass multiplies each weight row with k+1 activation rows. Dotting them one at a time (candle's
+//! `vec_dot`) unpacks the 4/5/6-bit weight block again for every row, so verifying 5 tokens costs about 4x one
+//! step. These kernels unpack each weight block once into registers and reuse it for all rows of a tile.
+//!
+//! Batch invariance is kept by construction: a row's integer partial sums are exact, and its float
+//! accumulation (one fused multiply-add per block into its own accumulator, then a fixed horizontal sum) is the
+//! same sequence of operations whatever the tile size or the row's place in it.
+//!
+//! The AVX2 kernels exist only on x86-64 builds with AVX2+FMA enabled at compile time (.cargo/config.toml);
+//! other builds fall back to candle's per-row `vec_dot`, which is also batch invariant.
+
+use candle_core::quantized::k_quants::{
+    BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType,
+};
+
+/// `out[r] = dot(weight_row, x[r])` for the `out.len()` activation rows stored back to back in `x`
+/// (each `weight_row.len()` blocks long).
+pub type RowsDot<W, X> = fn(weight_row: &[W], x: &[X], out: &mut [f32]);
+
+/// The multi-row kernel for a weight type, if this build has one.
+pub trait FastRowsDot: GgmlType + Sized {
+    fn fast_rows_dot() -> Option<RowsDot<Self, Self::VecDotType>>;
+}
+
+macro_rules! no_fast_kernel {
+    ($($t:ty),*) => {$(
+        impl FastRowsDot for $t {
+            fn fast_rows_dot() -> Option<RowsDot<Self, Self::VecDotType>> {
+                None
+            }
+        }
+    )*};
+}
+
+no_fast_kernel!(
+    f32,
+    half::f16,
+    half::bf16,
+    candle_core::quantized::k_quants::BlockQ4_0,
+    candle_core::quantized::k_quants::BlockQ5_1,
+    candle_core::quantized::k_quants::BlockQ2K,
+    candle_core::quantized::k_quants::BlockQ3K,
+    candle_core::quantized::k_quants::BlockQ5K
+);
+
+macro_rules! fast_kernel {
+    ($t:ty, $kernel:ident) => {
+        impl FastRowsDot for $t {
+            fn fast_rows_dot() -> Option<RowsDot<Self, Self::VecDotType>> {
+                #[cfg(all(
+                    target_arch = "x86_64",
+                    target_feature = "avx2",
+                    target_feature = "fma"
+                ))]
+                {
+                    Some(avx2::$kernel)
+                }
+                #[cfg(not(all(
+                    target_arch = "x86_64",
+                    target_feature = "avx2",
+                    target_feature = "fma"
+                )))]
+                {
+                    None
+                }
+            }
+        }
+    };
+}
+
+fast_kernel!(BlockQ4K, q4k_q8k);
+fast_kernel!(BlockQ6K, q6k_q8k);
+fast_kernel!(BlockQ8_0, q8_0_q8_0);
+fast_kernel!(BlockQ5_0, q5_0_q8_0);
+fast_kernel!(BlockQ4_1, q4_1_q8_1);
+
+/// The simple reference: candle's single-row `vec_dot`, once per activation row.
+pub fn reference_rows_dot<T: GgmlType>(weight_row: &[T], x: &[T::VecDotType], out: &mut [f32]) {
+    let blocks = weight_row.len();
+    let k = blocks * T::BLCK_SIZE;
+    let x_blocks = k / T::VecDotType::BLCK_SIZE;
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = T::vec_dot(k, weight_row, &x[r * x_blocks..(r + 1) * x_blocks]);
+    }
+}
+
+// Layout mirrors of candle's block structs (whose fields are private to candle). Both are #[repr(C)] with the
+// GGML field order; the size and alignment checks below make the reinterpretation sound.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod layout {
+    use half::f16;
+
+    #[repr(C)]
+    pub struct Q4K {
+        pub d: f16,
+        pub dmin: f16,
+        pub scales: [u8; 12],
+        pub qs: [u8; 128],
+    }
+    #[repr(C)]
+    pub struct Q6K {
+        pub ql: [u8; 128],
+        pub qh: [u8; 64],
+        pub scales: [i8; 16],
+        pub d: f16,
+    }
+    #[repr(C)]
+    pub struct Q8K {
+        pub d: f32,
+        pub qs: [i8; 256],
+        pub bsums: [i16; 16],
+    }
+    #[repr(C)]
+    pub struct Q8_0 {
+        pub d: f16,
+        pub qs: [i8; 32],
+    }
+    #[repr(C)]
+    pub struct Q5_0 {
+        pub d: f16,
+        pub qh: [u8; 4],
+        pub qs: [u8; 16],
+    }
+    #[repr(C)]
+    pub struct Q4_1 {
+        pub d: f16,
+        pub m: f16,
+        pub qs: [u8; 16],
+    }
+    #[repr(C)]
+    pub struct Q8_1 {
+        pub d: f16,
+        pub s: f16,
+        pub qs: [i8; 32],
+    }
+
+    /// Reinterprets a slice of candle blocks as the mirror type.
+    ///
+    /// # Safety
+    /// `A` and `B` must be the same GGML block layout (checked for size and alignment by `same_layout`).
+    pub unsafe fn cast<A, B>(a: &[A]) -> &[B] {
+        debug_assert!(same_layout::<A, B>());
+        std::slice::from_raw_parts(a.as_ptr() as *const B, a.len())
+    }
+
+    pub const fn same_layout<A, B>() -> bool {
+        std::mem::size_of::<A>() == std::mem::size_of::<B>()
+            && std::mem::align_of::<B>() <= std::mem::align_of::<A>()
+    }
+
+    use candle_core::quantized::k_quants as k;
+    const _: () = assert!(same_layout::<k::BlockQ4K, Q4K>());
+    const _: () = assert!(same_layout::<k::BlockQ6K, Q6K>());
+    const _: () = assert!(same_layout::<k::BlockQ8K, Q8K>());
+    const _: () = assert!(same_layout::<k::BlockQ8_0, Q8_0>());
+    const _: () = assert!(same_layout::<k::BlockQ5_0, Q5_0>());
+    const _: () = assert!(same_layout::<k::BlockQ4_1, Q4_1>());
+    const _: () = assert!(same_layout::<k::BlockQ8_1, Q8_1>());
+}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod avx2 {
+    use super::layout::{cast, Q4K, Q4_1, Q5_0, Q6K, Q8K, Q8_0, Q8_1};
+    use candle_core::quantized::k_quants::{
+        BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    };
+    use std::arch::x86_64::*;
+
+    /// Most activation rows handled per pass over a weight row. Verify passes are k+1 <= 9 rows for the draft
+    /// lengths that pay off; more rows (prefill) take several passes.
+    const MAX_TILE: usize = 8;
+
+    /// Whether the CPU has 256-bit VNNI (AVX-512 VNNI + VL), checked once. The VNNI kernels compute the same
+    /// exact integer sums with fewer instructions and then run the same float steps, so both paths give
+    /// bitwise identical results (tested), and a CI machine without VNNI reproduces this one's tokens.
+    fn has_vnni() -> bool {
+        #[cfg(test)]
+        if FORCE_AVX2.with(|c| c.get()) {
+            return false;
+        }
+        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *VNNI.get_or_init(|| {
+            std::env::var_os("SPECULA_NO_VNNI").is_none()
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512vl")
+        })
+    }
+
+    /// Splits the rows into tiles of at most MAX_TILE and runs the const-generic tile kernel on each.
+    macro_rules! by_tiles {
+        ($tile:ident, $w:expr, $x:expr, $out:expr) => {{
+            let (w, x, out) = ($w, $x, $out);
+            let nb = w.len();
+            let m = out.len();
+            debug_assert_eq!(x.len(), m * nb);
+            let mut r0 = 0;
+            while r0 < m {
+                let t = (m - r0).min(MAX_TILE);
+                let xs = &x[r0 * nb..(r0 + t) * nb];
+                let o = &mut out[r0..r0 + t];
+                // SAFETY: AVX2 and FMA are enabled for this build (module cfg); the tile kernels index only
+                // within `w`, `xs` (t rows of nb blocks) and `o`.
+                unsafe {
+                    match t {
+                        1 => $tile::<1>(w, xs, o),
+                        2 => $tile::<2>(w, xs, o),
+                        3 => $tile::<3>(w, xs, o),
+                        4 => $tile::<4>(w, xs, o),
+                        5 => $tile::<5>(w, xs, o),
+                        6 => $tile::<6>(w, xs, o),
+                        7 => $tile::<7>(w, xs, o),
+                        _ => $tile::<8>(w, xs, o),
+                    }
+                }
+                r0 += t;
+            }
+        }};
+    }
+
+    /// Picks the VNNI or the AVX2 instantiation of a tile kernel.
+    macro_rules! dispatch {
+        ($vnni:ident, $avx2:ident, $w:expr, $x:expr, $out:expr) => {
+            if has_vnni() {
+                by_tiles!($vnni, $w, $x, $out)
+            } else {
+                by_tiles!($avx2, $w, $x, $out)
+            }
+        };
+    }
+
+    /// Integer building blocks in two instruction sets with identical (exact) results.
+    mod int {
+        use std::arch::x86_64::*;
+
+        /// u8 x i8 products summed in groups of four into i32 lanes, added to `acc`.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub fn dot_u8i8_avx2(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+            let pairs = _mm256_maddubs_epi16(a, b);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        }
+
+        /// `acc + sum over the two 32-byte sub-blocks of scale * (u8 x i8 dot)`, where `scales` holds the i16
+        /// scale of each group of four products: words 0-3 of each 128-bit half for `a0`, words 4-7 for `a1`
+        /// (the order `packs` leaves them in). Four-product sums must fit in i16 (they do for 6-bit weights).
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub fn scaled_pair_avx2(
+            acc: __m256i,
+            a0: __m256i,
+            b0: __m256i,
+            a1: __m256i,
+            b1: __m256i,
+            scales: __m256i,
+        ) -> __m256i {
+            // Scaling the 16-bit pair sums directly would save an instruction, but it would put different
+            // partial sums in each i32 lane than the VNNI path does, and lanes are converted to float before
+            // the horizontal sum: keep the lane layout identical so both paths round identically.
+            let z = _mm256_setzero_si256();
+            let v = _mm256_packs_epi32(dot_u8i8_avx2(z, a0, b0), dot_u8i8_avx2(z, a1, b1));
+            _mm256_add_epi32(acc, _mm256_madd_epi16(v, scales))
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+        pub fn scaled_pair_vnni(
+            acc: __m256i,
+            a0: __m256i,
+            b0: __m256i,
+            a1: __m256i,
+            b1: __m256i,
+            scales: __m256i,
+        ) -> __m256i {
+            let z = _mm256_setzero_si256();
+            let v = _mm256_packs_epi32(
+                _mm256_dpbusd_epi32(z, a0, b0),
+                _mm256_dpbusd_epi32(z, a1, b1),
+            );
+            _mm256_dpwssd_epi32(acc, v, scales)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m256i {
+        _mm256_loadu_si256(p as *const __m256i)
+    }
+
+    /// Horizontal sum in a fixed order (part of every row's fixed operation sequence).
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// The eight 6-bit sub-block scales and mins of a Q4_K block (GGML's packing: scales of sub-blocks 0-3 and
+    /// mins 0-3 in the low 6 bits of bytes 0-7; sub-blocks 4-7 split over bytes 8-11 and the top bits).
+    #[inline(always)]
+    fn q4k_scales_mins(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+        let mut sc = [0u8; 8];
+        let mut mn = [0u8; 8];
+        for j in 0..4 {
+            sc[j] = s[j] & 63;
+            mn[j] = s[j + 4] & 63;
+            sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+            mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+        }
+        (sc, mn)
+    }
+
+    pub fn q4k_q8k(w: &[BlockQ4K], x: &[BlockQ8K], out: &mut [f32]) {
+        // SAFETY: layouts checked in `layout`.
+        let (w, x) = unsafe { (cast::<_, Q4K>(w), cast::<_, Q8K>(x)) };
+        dispatch!(q4k_tile_vnni, q4k_tile_avx2, w, x, out)
+    }
+
+    /// Word-pair scale vector for `packs`-ordered sums of two sub-blocks: per 128-bit half, words 0-3 get
+    /// `s0` and words 4-7 get `s1` (`s0`/`s1` may differ between the halves).
+    #[inline(always)]
+    unsafe fn packed_scales(s0_lo: i16, s1_lo: i16, s0_hi: i16, s1_hi: i16) -> __m256i {
+        _mm256_setr_epi16(
+            s0_lo, s0_lo, s0_lo, s0_lo, s1_lo, s1_lo, s1_lo, s1_lo, //
+            s0_hi, s0_hi, s0_hi, s0_hi, s1_hi, s1_hi, s1_hi, s1_hi,
+        )
+    }
+
+    macro_rules! q4k_tile {
+        ($name:ident, $features:literal, $scaled_pair:path) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize>(w: &[Q4K], x: &[Q8K], out: &mut [f32]) {
+                let nb = w.len();
+                let m4 = _mm256_set1_epi8(0x0F);
+                let mut acc = [_mm256_setzero_ps(); R];
+                for (b, wb) in w.iter().enumerate() {
+                    let (sc, mn) = q4k_scales_mins(&wb.scales);
+                    // One min per 32-element sub-block, i.e. per pair of the activation's 16-element sums.
+                    let mut mins_per_16 = [0i16; 16];
+                    for (i, v) in mins_per_16.iter_mut().enumerate() {
+                        *v = mn[i / 2] as i16;
+                    }
+                    let mins_per_16 = _mm256_loadu_si256(mins_per_16.as_ptr() as *const __m256i);
+                    let mut sumi = [_mm256_setzero_si256(); R];
+                    for j in 0..4 {
+                        let q = load(wb.qs.as_ptr().add(32 * j));
+                        let lo = _mm256_and_si256(q, m4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                        let (s_lo, s_hi) = (sc[2 * j] as i16, sc[2 * j + 1] as i16);
+                        let scales = packed_scales(s_lo, s_hi, s_lo, s_hi);
+                        for (r, s) in sumi.iter_mut().enumerate() {
+                            let xq = x.get_unchecked(r * nb + b).qs.as_ptr() as *const u8;
+                            *s = $scaled_pair(
+                                *s,
+                                lo,
+                                load(xq.add(64 * j)),
+                                hi,
+                                load(xq.add(64 * j + 32)),
+                                scales,
+                            );
+                        }
+                    }
+                    let d = wb.d.to_f32();
+                    let dmin = wb.dmin.to_f32();
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let xb = x.get_unchecked(r * nb + b);
+                        let bsums = _mm256_loadu_si256(xb.bsums.as_ptr() as *const __m256i);
+                        let min_sum = _mm256_madd_epi16(bsums, mins_per_16);
+                        *a = _mm256_fmadd_ps(
+                            _mm256_set1_ps(d * xb.d),
+                            _mm256_cvtepi32_ps(sumi[r]),
+                            *a,
+                        );
+                        *a = _mm256_fnmadd_ps(
+                            _mm256_set1_ps(dmin * xb.d),
+                            _mm256_cvtepi32_ps(min_sum),
+                            *a,
+                        );
+                    }
+                }
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = hsum(a);
+                }
+            }
+        };
+    }
+    q4k_tile!(q4k_tile_avx2, "avx2,fma", int::scaled_pair_avx2);
+    q4k_tile!(
+        q4k_tile_vnni,
+        "avx2,fma,avx512vnni,avx512vl",
+        int::scaled_pair_vnni
+    );
+
+    pub fn q6k_q8k(w: &[BlockQ6K], x: &[BlockQ8K], out: &mut [f32]) {
+        // SAFETY: layouts checked in `layout`.
+        let (w, x) = unsafe { (cast::<_, Q6K>(w), cast::<_, Q8K>(x)) };
+        dispatch!(q6k_tile_vnni, q6k_tile_avx2, w, x, out)
+    }
+
+    macro_rules! q6k_tile {
+        ($name:ident, $features:literal, $scaled_pair:path) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize>(w: &[Q6K], x: &[Q8K], out: &mut [f32]) {
+                let nb = w.len();
+                let m4 = _mm256_set1_epi8(0x0F);
+                let m2 = _mm256_set1_epi8(0x03);
+                let mut acc = [_mm256_setzero_ps(); R];
+                for (b, wb) in w.iter().enumerate() {
+                    let sc = &wb.scales;
+                    let scales16 =
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
+                    let mut sumi = [_mm256_setzero_si256(); R];
+                    for h in 0..2 {
+                        let ql0 = load(wb.ql.as_ptr().add(64 * h));
+                        let ql1 = load(wb.ql.as_ptr().add(64 * h + 32));
+                        let qh = load(wb.qh.as_ptr().add(32 * h));
+                        let high = |bits: __m256i| _mm256_slli_epi16(_mm256_and_si256(bits, m2), 4);
+                        // The four 32-element groups of this half as unsigned 6-bit values; the -32 offset is
+                        // applied below through the activation's 16-element sums.
+                        let q = [
+                            _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh)),
+                            _mm256_or_si256(
+                                _mm256_and_si256(ql1, m4),
+                                high(_mm256_srli_epi16(qh, 2)),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                high(_mm256_srli_epi16(qh, 4)),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                high(_mm256_srli_epi16(qh, 6)),
+                            ),
+                        ];
+                        // Group g = 4h + t uses scale 2g for its first 16 elements, 2g + 1 for the rest.
+                        let s = |t: usize, half: usize| sc[2 * (4 * h + t) + half] as i16;
+                        let scales01 = packed_scales(s(0, 0), s(1, 0), s(0, 1), s(1, 1));
+                        let scales23 = packed_scales(s(2, 0), s(3, 0), s(2, 1), s(3, 1));
+                        for (r, si) in sumi.iter_mut().enumerate() {
+                            let xq =
+                                (x.get_unchecked(r * nb + b).qs.as_ptr() as *const u8).add(128 * h);
+                            *si =
+                                $scaled_pair(*si, q[0], load(xq), q[1], load(xq.add(32)), scales01);
+                            *si = $scaled_pair(
+                                *si,
+                                q[2],
+                                load(xq.add(64)),
+                                q[3],
+                                load(xq.add(96)),
+                                scales23,
+                            );
+                        }
+                    }
+                    let d = wb.d.to_f32();
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let xb = x.get_unchecked(r * nb + b);
+                        let bsums = _mm256_loadu_si256(xb.bsums.as_ptr() as *const __m256i);
+                        // sum(scale * (q - 32) * x) = sum(scale * q * x) - 32 * sum(scale_i * bsum_i).
+                        let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5);
+                        let total = _mm256_sub_epi32(sumi[r], offset);
+                        *a = _mm256_fmadd_ps(
+                            _mm256_set1_ps(d * xb.d),
+                            _mm256_cvtepi32_ps(total),
+                            *a,
+                        );
+                    }
+                }
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = hsum(a);
+                }
+            }
+        };
+    }
+    q6k_tile!(q6k_tile_avx2, "avx2,fma", int::scaled_pair_avx2);
+    q6k_tile!(
+        q6k_tile_vnni,
+        "avx2,fma,avx512vnni,avx512vl",
+        int::scaled_pair_vnni
+    );
+
+    pub fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0], out: &mut [f32]) {
+        // SAFETY: layouts checked in `layout`.
+        let (w, x) = unsafe { (cast::<_, Q8_0>(w), cast::<_, Q8_0>(x)) };
+        by_tiles!(q8_0_tile_avx2, w, x, out)
+    }
+
+    // The 32-element block kernels below stay AVX2-only: their VNNI instantiations measured slower here
+    // (examples/matmul_rows: Q8_0 and Q4_1 at 1-2 rows), the per-block float work dominates them anyway.
+
+    /// Signed 32-element weight blocks (Q8_0, Q5_0) against Q8_0 activations. Signed-by-signed byte products
+    /// go through the unsigned-by-signed instruction as |w| * (x * sign(w)).
+    macro_rules! signed_block_tile {
+        ($name:ident, $features:literal, $dot:path, $block:ty, $unpack:ident) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize>(w: &[$block], x: &[Q8_0], out: &mut [f32]) {
+                let nb = w.len();
+                let mut acc = [_mm256_setzero_ps(); R];
+                for (b, wb) in w.iter().enumerate() {
+                    let wv = $unpack(wb);
+                    let abs_w = _mm256_sign_epi8(wv, wv);
+                    let d = wb.d.to_f32();
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let xb = x.get_unchecked(r * nb + b);
+                        let xv = _mm256_sign_epi8(load(xb.qs.as_ptr() as *const u8), wv);
+                        let p = $dot(_mm256_setzero_si256(), abs_w, xv);
+                        *a = _mm256_fmadd_ps(
+                            _mm256_set1_ps(d * xb.d.to_f32()),
+                            _mm256_cvtepi32_ps(p),
+                            *a,
+                        );
+                    }
+                }
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = hsum(a);
+                }
+            }
+        };
+    }
+
+    #[inline(always)]
+    unsafe fn unpack_q8_0(b: &Q8_0) -> __m256i {
+        load(b.qs.as_ptr() as *const u8)
+    }
+    signed_block_tile!(
+        q8_0_tile_avx2,
+        "avx2,fma",
+        int::dot_u8i8_avx2,
+        Q8_0,
+        unpack_q8_0
+    );
+
+    pub fn q5_0_q8_0(w: &[BlockQ5_0], x: &[BlockQ8_0], out: &mut [f32]) {
+        // SAFETY: layouts checked in `layout`.
+        let (w, x) = unsafe { (cast::<_, Q5_0>(w), cast::<_, Q8_0>(x)) };
+        by_tiles!(q5_0_tile_avx2, w, x, out)
+    }
+
+    /// 32 nibbles from 16 bytes: low nibbles are elements 0-15, high nibbles elements 16-31 (GGML order).
+    #[inline(always)]
+    unsafe fn nibbles(qs: *const u8) -> __m256i {
+        let v = _mm_loadu_si128(qs as *const __m128i);
+        let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+        _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+    }
+
+    /// A Q5_0 block as 32 signed bytes in [-16, 15]: nibble | fifth bit (bit i of `qh`) << 4, minus 16.
+    #[inline(always)]
+    unsafe fn unpack_q5_0(b: &Q5_0) -> __m256i {
+        // Byte i of the expanded high bits tests bit i of the 32-bit qh word.
+        let byte_of_bit = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
+            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        );
+        let bit_in_byte = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let qh = u32::from_le_bytes(b.qh);
+        let bits = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), byte_of_bit);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, bit_in_byte), bit_in_byte);
+        let fifth = _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+        _mm256_sub_epi8(
+            _mm256_or_si256(nibbles(b.qs.as_ptr()), fifth),
+            _mm256_set1_epi8(16),
+        )
+    }
+    signed_block_tile!(
+        q5_0_tile_avx2,
+        "avx2,fma",
+        int::dot_u8i8_avx2,
+        Q5_0,
+        unpack_q5_0
+    );
+
+    pub fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1], out: &mut [f32]) {
+        // SAFETY: layouts checked in `layout`.
+        let (w, x) = unsafe { (cast::<_, Q4_1>(w), cast::<_, Q8_1>(x)) };
+        by_tiles!(q4_1_tile_avx2, w, x, out)
+    }
+
+    macro_rules! q4_1_tile {
+        ($name:ident, $features:literal, $dot:path) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize>(w: &[Q4_1], x: &[Q8_1], out: &mut [f32]) {
+                let nb = w.len();
+                let mut acc = [_mm256_setzero_ps(); R];
+                // The weight offset times the activation block sum, accumulated separately per row.
+                let mut acc_offset = [0f32; R];
+                for (b, wb) in w.iter().enumerate() {
+                    let wv = nibbles(wb.qs.as_ptr());
+                    let d = wb.d.to_f32();
+                    let m = wb.m.to_f32();
+                    for r in 0..R {
+                        let xb = x.get_unchecked(r * nb + b);
+                        let p = $dot(
+                            _mm256_setzero_si256(),
+                            wv,
+                            load(xb.qs.as_ptr() as *const u8),
+                        );
+                        acc[r] = _mm256_fmadd_ps(
+                            _mm256_set1_ps(d * xb.d.to_f32()),
+                            _mm256_cvtepi32_ps(p),
+                            acc[r],
+                        );
+                        acc_offset[r] += m * xb.s.to_f32();
+                    }
+                }
+                for r in 0..R {
+                    out[r] = hsum(acc[r]) + acc_offset[r];
+                }
+            }
+        };
+    }
+    q4_1_tile!(q4_1_tile_avx2, "avx2,fma", int::dot_u8i8_avx2);
+
+    /// Runs `f` with the AVX2 kernels even on a VNNI machine (tests compare the two paths bitwise).
+    #[cfg(test)]
+    pub fn with_avx2_only<T>(f: impl FnOnce() -> T) -> T {
+        FORCE_AVX2.with(|c| c.set(true));
+        let out = f();
+        FORCE_AVX2.with(|c| c.set(false));
+        out
+    }
+
+    #[cfg(test)]
+    thread_local! {
+        static FORCE_AVX2: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn quantize<T: GgmlType>(data: &[f32]) -> Vec<T> {
+        let mut out: Vec<T> = (0..data.len() / T::BLCK_SIZE).map(|_| T::zeros()).collect();
+        T::from_float(data, &mut out);
+        out
+    }
+
+    /// The fast kernel agrees with the per-row reference for every row count up to two full tiles plus one
+    /// (so several tile sizes and multi-pass splits are exercised), within float reassociation error, and
+    /// each row's result does not depend on the row count (bitwise).
+    fn check<T: FastRowsDot>(k: usize, seed: u64) {
+        let Some(fast) = T::fast_rows_dot() else {
+            return;
+        };
+        let max_rows = 17;
+        let w: Vec<T> = quantize(&pseudo_random(k, seed));
+        // Activations with outliers, as real hidden states have.
+        let mut xf = pseudo_random(max_rows * k, seed + 1);
+        for (i, v) in xf.iter_mut().enumerate() {
+            if i % 97 == 0 {
+                *v *= 30.0;
+            }
+        }
+        let x: Vec<T::VecDotType> = quantize(&xf);
+        let mut reference = vec![0f32; max_rows];
+        reference_rows_dot(&w, &x, &mut reference);
+        let magnitude: f32 = reference.iter().map(|v| v.abs()).fold(1.0, f32::max);
+        let mut single = vec![0f32; max_rows];
+        for (r, s) in single.iter_mut().enumerate() {
+            let xb = x.len() / max_rows;
+            fast(&w, &x[r * xb..(r + 1) * xb], std::slice::from_mut(s));
+        }
+        for m in 1..=max_rows {
+            let mut out = vec![0f32; m];
+            fast(&w, &x[..m * (x.len() / max_rows)], &mut out);
+            for r in 0..m {
+                assert!(
+                    (out[r] - reference[r]).abs() <= 1e-5 * magnitude,
+                    "{} m={m} row {r}: fast {} vs reference {}",
+                    std::any::type_name::<T>(),
+                    out[r],
+                    reference[r]
+                );
+                assert_eq!(
+                    out[r].to_bits(),
+                    single[r].to_bits(),
+                    "{} m={m} row {r}: not batch invariant",
+                    std::any::type_name::<T>()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn fast_kernels_match_reference_and_are_batch_invariant() {
+        for seed in [1, 2, 3] {
+            check::<BlockQ4K>(1024, seed);
+            check::<BlockQ6K>(1024, seed);
+            check::<BlockQ8_0>(512, seed);
+            check::<BlockQ5_0>(512, seed);
+            check::<BlockQ4_1>(512, seed);
+        }
+    }
+
+    /// The VNNI and AVX2 instantiations give bitwise identical results (exact integer sums, same float steps),
+    /// so machines without VNNI reproduce the same tokens.
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    #[test]
+    fn vnni_and_avx2_kernels_agree_bitwise() {
+        fn both<T: FastRowsDot>(k: usize, seed: u64) {
+            let fast = T::fast_rows_dot().unwrap();
+            let w: Vec<T> = quantize(&pseudo_random(k, seed));
+            let m = 6;
+            let x: Vec<T::VecDotType> = quantize(&pseudo_random(m * k, seed + 7));
+            let mut default_path = vec![0f32; m];
+            fast(&w, &x, &mut default_path);
+            let mut avx2_path = vec![0f32; m];
+            avx2::with_avx2_only(|| fast(&w, &x, &mut avx2_path));
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&default_path),
+                bits(&avx2_path),
+                "{}",
+                std::any::type_name::<T>()
+            );
+        }
+        for seed in [5, 6] {
+            both::<BlockQ4K>(2048, seed);
+            both::<BlockQ6K>(2048, seed);
+            both::<BlockQ8_0>(1024, seed);
+            both::<BlockQ5_0>(1024, seed);
+            both::<BlockQ4_1>(1024, seed);
+        }
+    }
+
+    #[test]
+    fn fast_kernels_exist_on_avx2_builds() {
+        let built = cfg!(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ));
+        assert_eq!(BlockQ4K::fast_rows_dot().is_some(), built);
+        assert_eq!(BlockQ6K::fast_rows_dot().is_some(), built);
+        assert_eq!(BlockQ8_0::fast_rows_dot().is_some(), built);
+        assert_eq!(BlockQ5_0::fast_rows_dot().is_some(), built);
+        assert_eq!(BlockQ4_1::fast_rows_dot().is_some(), built);
+    }
+}
