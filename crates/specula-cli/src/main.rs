@@ -1,5 +1,6 @@
 //! The `specula` command line: a thin front end over the library.
 
+mod bench;
 mod generate;
 mod overhead;
 
@@ -24,6 +25,11 @@ enum Command {
     Fetch(FetchArgs),
     /// List the registry's short model names and whether they are cached.
     Models,
+    /// Compare plain decoding and speculative configurations (draft lengths) on a prompts file, side by side.
+    Bench(bench::BenchArgs),
+    /// Fit the speculative cost model to a bench run: predicted vs measured tok/s per draft length, the
+    /// recommended length, and which term makes speculation lose when it does.
+    Tune(bench::TuneArgs),
     /// Measure the profiler's own cost: the same generation with profiling off, on, and fine, interleaved.
     ProfileOverhead(overhead::OverheadArgs),
 }
@@ -45,6 +51,8 @@ fn main() {
             Ok(())
         }
         Command::ProfileOverhead(args) => overhead::run(args),
+        Command::Bench(args) => bench::bench(args),
+        Command::Tune(args) => bench::tune(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -361,6 +361,36 @@ impl SpeculationStats {
         self.accept_len_histogram[accepted] += 1;
     }
 
+    /// Adds another run's counts (same method and k) to these.
+    pub fn merge(&mut self, other: &SpeculationStats) {
+        debug_assert_eq!(self.draft_tokens, other.draft_tokens);
+        self.cycles += other.cycles;
+        self.empty_drafts += other.empty_drafts;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+        for (a, b) in self
+            .drafted_per_position
+            .iter_mut()
+            .zip(&other.drafted_per_position)
+        {
+            *a += b;
+        }
+        for (a, b) in self
+            .accepted_per_position
+            .iter_mut()
+            .zip(&other.accepted_per_position)
+        {
+            *a += b;
+        }
+        for (a, b) in self
+            .accept_len_histogram
+            .iter_mut()
+            .zip(&other.accept_len_histogram)
+        {
+            *a += b;
+        }
+    }
+
     /// accepted / drafted.
     pub fn acceptance_rate(&self) -> f64 {
         if self.drafted == 0 {

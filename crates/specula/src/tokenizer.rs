@@ -44,15 +44,10 @@ fn tok_err(e: impl std::fmt::Display) -> Error {
 }
 
 impl Tokenizer {
-    /// Rebuilds the tokenizer from GGUF metadata (`tokenizer.ggml.*`).
+    /// Rebuilds the tokenizer from GGUF metadata (`tokenizer.ggml.*`): byte-level BPE (`gpt2`: Llama 3, Qwen2,
+    /// SmolLM2) or SentencePiece BPE (`llama`: Llama 2, Mistral, TinyLlama).
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
         let model = gguf.get_str("tokenizer.ggml.model").unwrap_or("");
-        if model != "gpt2" {
-            return Err(Error::Tokenizer(format!(
-                "GGUF tokenizer model {model:?} is not supported yet (supported: \"gpt2\" byte-level BPE, as in \
-                 Llama 3, Qwen2 and SmolLM2); load the Hugging Face directory with its tokenizer.json instead"
-            )));
-        }
         let tokens: Vec<&str> = gguf
             .get("tokenizer.ggml.tokens")
             .and_then(|v| v.as_array())
@@ -65,59 +60,23 @@ impl Tokenizer {
             .and_then(|v| v.as_array())
             .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
             .unwrap_or_default();
-        let merges: Vec<(String, String)> = gguf
-            .get("tokenizer.ggml.merges")
-            .and_then(|v| v.as_array())
-            .ok_or_else(|| Error::Tokenizer("GGUF has no tokenizer.ggml.merges".into()))?
-            .iter()
-            .filter_map(|v| v.as_str())
-            .filter_map(|m| m.split_once(' '))
-            .map(|(a, b)| (a.to_string(), b.to_string()))
-            .collect();
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.to_string(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(tok_err)?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
-        let byte_level_no_regex: PreTokenizerWrapper = ByteLevel::new(false, false, false).into();
-        let split = |re: &str| -> Result<PreTokenizerWrapper> {
-            Ok(Split::new(
-                SplitPattern::Regex(re.to_string()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(tok_err)?
-            .into())
-        };
-        let pre_tokenizer: PreTokenizerWrapper = match pre {
-            "qwen2" => Sequence::new(vec![split(QWEN2_REGEX)?, byte_level_no_regex]).into(),
-            "llama-bpe" | "llama3" => Sequence::new(vec![split(LLAMA3_REGEX)?, byte_level_no_regex]).into(),
-            // StarCoder-style: digits split one by one, then the GPT-2 regex.
-            "smollm" | "starcoder" | "refact" | "codeshell" => Sequence::new(vec![
-                Digits::new(true).into(),
-                ByteLevel::new(false, false, true).into(),
-            ])
-            .into(),
-            "gpt-2" | "gpt2" | "default" => ByteLevel::new(false, false, true).into(),
+        let mut inner = match model {
+            "gpt2" => byte_level_bpe_from_gguf(gguf, &tokens)?,
+            "llama" => sentencepiece_from_gguf(gguf, &tokens, &token_types)?,
             other => {
                 return Err(Error::Tokenizer(format!(
-                    "GGUF pre-tokenizer {other:?} is not supported (supported: qwen2, llama-bpe, smollm, gpt-2)"
+                    "GGUF tokenizer model {other:?} is not supported (supported: \"gpt2\" byte-level BPE as in \
+                     Llama 3, Qwen2 and SmolLM2; \"llama\" SentencePiece BPE as in Llama 2); load the Hugging Face \
+                     directory with its tokenizer.json instead"
                 )))
             }
         };
-        inner.with_pre_tokenizer(Some(pre_tokenizer));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
-        // Control (3) and user-defined (4) tokens are matched whole in the text, like llama.cpp's special parsing.
+        // Unknown (2), control (3) and user-defined (4) tokens are matched whole in the text, like llama.cpp's
+        // special parsing.
         let special: Vec<AddedToken> = tokens
             .iter()
             .enumerate()
-            .filter(|(i, _)| matches!(token_types.get(*i), Some(3) | Some(4)))
+            .filter(|(i, _)| matches!(token_types.get(*i), Some(2) | Some(3) | Some(4)))
             .map(|(_, t)| AddedToken::from(t.to_string(), true))
             .collect();
         inner.add_special_tokens(&special);
@@ -247,6 +206,173 @@ impl Tokenizer {
     }
 }
 
+/// GGUF `gpt2` tokenizers: byte-level BPE from the vocabulary and merge list, with the family's pre-tokenizer.
+fn byte_level_bpe_from_gguf(gguf: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+    let merges: Vec<(String, String)> = gguf
+        .get("tokenizer.ggml.merges")
+        .and_then(|v| v.as_array())
+        .ok_or_else(|| Error::Tokenizer("GGUF has no tokenizer.ggml.merges".into()))?
+        .iter()
+        .filter_map(|v| v.as_str())
+        .filter_map(|m| m.split_once(' '))
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
+    let byte_level_no_regex: PreTokenizerWrapper = ByteLevel::new(false, false, false).into();
+    let split = |re: &str| -> Result<PreTokenizerWrapper> {
+        Ok(Split::new(
+            SplitPattern::Regex(re.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(tok_err)?
+        .into())
+    };
+    let pre_tokenizer: PreTokenizerWrapper = match pre {
+            "qwen2" => Sequence::new(vec![split(QWEN2_REGEX)?, byte_level_no_regex]).into(),
+            "llama-bpe" | "llama3" => Sequence::new(vec![split(LLAMA3_REGEX)?, byte_level_no_regex]).into(),
+            // StarCoder-style: digits split one by one, then the GPT-2 regex.
+            "smollm" | "starcoder" | "refact" | "codeshell" => Sequence::new(vec![
+                Digits::new(true).into(),
+                ByteLevel::new(false, false, true).into(),
+            ])
+            .into(),
+            "gpt-2" | "gpt2" | "default" => ByteLevel::new(false, false, true).into(),
+            other => {
+                return Err(Error::Tokenizer(format!(
+                    "GGUF pre-tokenizer {other:?} is not supported (supported: qwen2, llama-bpe, smollm, gpt-2)"
+                )))
+            }
+        };
+    inner.with_pre_tokenizer(Some(pre_tokenizer));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(inner)
+}
+
+/// GGML token types (llama.cpp's `llama_token_type`).
+const TOKEN_TYPE_NORMAL: u64 = 1;
+const TOKEN_TYPE_UNKNOWN: u64 = 2;
+
+/// GGUF `llama` tokenizers: SentencePiece BPE. SentencePiece merges, at each step, the adjacent pair whose
+/// concatenation is the highest-scoring vocabulary piece; a BPE whose merge ranks follow those scores (highest
+/// first) makes the same choices, so the vocabulary and scores are rebuilt as merges. Spaces become U+2581
+/// ("\u{2581}") with one prepended (`tokenizer.ggml.add_space_prefix`, default on), characters outside the
+/// vocabulary fall back to `<0xXX>` byte tokens, and decoding reverses both.
+fn sentencepiece_from_gguf(
+    gguf: &GgufFile,
+    tokens: &[&str],
+    token_types: &[u64],
+) -> Result<tokenizers::Tokenizer> {
+    use std::collections::HashMap;
+    use tokenizers::decoders::byte_fallback::ByteFallback;
+    use tokenizers::decoders::fuse::Fuse;
+    use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+    use tokenizers::decoders::strip::Strip;
+    use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
+
+    let scores: Vec<f32> = gguf
+        .get("tokenizer.ggml.scores")
+        .and_then(|v| v.as_array())
+        .ok_or_else(|| {
+            Error::Tokenizer("SentencePiece GGUF tokenizer has no tokenizer.ggml.scores".into())
+        })?
+        .iter()
+        .map(|v| v.as_f64().unwrap_or(0.0) as f32)
+        .collect();
+    if scores.len() != tokens.len() {
+        return Err(Error::Tokenizer(format!(
+            "tokenizer.ggml.scores has {} entries for {} tokens",
+            scores.len(),
+            tokens.len()
+        )));
+    }
+    let is_normal =
+        |i: usize| token_types.get(i).copied().unwrap_or(TOKEN_TYPE_NORMAL) == TOKEN_TYPE_NORMAL;
+    let ids: HashMap<&str, u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (*t, i as u32))
+        .collect();
+    // Every split of a normal piece into two normal pieces is a merge, ranked by the piece's score.
+    let mut ranked: Vec<(f32, u32, u32, u32)> = Vec::new();
+    for (id, piece) in tokens.iter().enumerate() {
+        if !is_normal(id) {
+            continue;
+        }
+        for (split, _) in piece.char_indices().skip(1) {
+            let (left, right) = piece.split_at(split);
+            if let (Some(&l), Some(&r)) = (ids.get(left), ids.get(right)) {
+                if is_normal(l as usize) && is_normal(r as usize) {
+                    ranked.push((scores[id], id as u32, l, r));
+                }
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let merges: Vec<(String, String)> = ranked
+        .iter()
+        .map(|&(_, _, l, r)| {
+            (
+                tokens[l as usize].to_string(),
+                tokens[r as usize].to_string(),
+            )
+        })
+        .collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    let unk = token_types
+        .iter()
+        .position(|&t| t == TOKEN_TYPE_UNKNOWN)
+        .or_else(|| {
+            gguf.get_u64("tokenizer.ggml.unknown_token_id")
+                .map(|v| v as usize)
+        })
+        .and_then(|i| tokens.get(i))
+        .map(|t| t.to_string());
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
+    if let Some(unk) = unk {
+        builder = builder.unk_token(unk);
+    }
+    let bpe = builder.build().map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let add_space_prefix = gguf
+        .get("tokenizer.ggml.add_space_prefix")
+        .and_then(|v| v.as_bool())
+        .unwrap_or(true);
+    let mut normalizers = Vec::new();
+    if add_space_prefix {
+        normalizers.push(Prepend::new("\u{2581}".into()).into());
+    }
+    normalizers.push(Replace::new(" ", "\u{2581}").map_err(tok_err)?.into());
+    inner.with_normalizer(Some(NormalizerSequence::new(normalizers)));
+    let mut decoders = vec![
+        Replace::new("\u{2581}", " ").map_err(tok_err)?.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if add_space_prefix {
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+    inner.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(inner)
+}
+
 fn read_json(path: &Path) -> Result<serde_json::Value> {
     if !path.exists() {
         return Ok(serde_json::Value::Null);
@@ -298,5 +424,181 @@ impl StreamDecoder {
         } else {
             Ok(None)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::gguf::{write_gguf, Value};
+    use std::collections::HashMap;
+
+    /// A tiny SentencePiece vocabulary: <unk>, <s>, </s>, 256 byte tokens, then scored pieces.
+    fn spm_vocab() -> Vec<(String, f32, u64)> {
+        let mut v: Vec<(String, f32, u64)> = vec![
+            ("<unk>".into(), 0.0, 2),
+            ("<s>".into(), 0.0, 3),
+            ("</s>".into(), 0.0, 3),
+        ];
+        for b in 0..=255u8 {
+            v.push((format!("<0x{b:02X}>"), 0.0, 6));
+        }
+        for (piece, score) in [
+            ("\u{2581}", -10.0),
+            ("t", -11.0),
+            ("h", -12.0),
+            ("e", -13.0),
+            ("a", -14.0),
+            ("c", -15.0),
+            ("s", -16.0),
+            ("o", -17.0),
+            ("w", -18.0),
+            ("th", -1.0),
+            ("he", -2.0),
+            ("\u{2581}the", -0.5),
+            ("\u{2581}th", -3.0),
+            ("the", -4.0),
+            ("\u{2581}c", -5.0),
+            ("at", -6.0),
+            ("\u{2581}cat", -0.7),
+            ("ca", -7.0),
+            ("cat", -8.0),
+            ("\u{2581}a", -8.5),
+            ("\u{2581}\u{2581}", -9.0),
+            ("wo", -9.5),
+            ("\u{2581}two", -0.9),
+            ("\u{2581}t", -9.7),
+        ] {
+            v.push((piece.to_string(), score, 1));
+        }
+        v
+    }
+
+    fn spm_tokenizer(dir: &std::path::Path) -> Tokenizer {
+        let vocab = spm_vocab();
+        let path = dir.join("spm.gguf");
+        let strings =
+            |f: &dyn Fn(&(String, f32, u64)) -> Value| vocab.iter().map(f).collect::<Vec<_>>();
+        write_gguf(
+            &path,
+            &[
+                ("general.architecture", Value::String("llama".into())),
+                ("tokenizer.ggml.model", Value::String("llama".into())),
+                (
+                    "tokenizer.ggml.tokens",
+                    Value::Array(strings(&|t| Value::String(t.0.clone()))),
+                ),
+                (
+                    "tokenizer.ggml.scores",
+                    Value::Array(strings(&|t| Value::F32(t.1))),
+                ),
+                (
+                    "tokenizer.ggml.token_type",
+                    Value::Array(strings(&|t| Value::I32(t.2 as i32))),
+                ),
+                ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+                ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+                ("tokenizer.ggml.add_bos_token", Value::Bool(true)),
+            ],
+            &[],
+        )
+        .unwrap();
+        Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap()
+    }
+
+    /// SentencePiece BPE as its paper and llama.cpp describe it, written plainly: repeatedly merge the adjacent
+    /// pair whose concatenation is the highest-scoring piece (leftmost on ties), then map unknown pieces to
+    /// UTF-8 byte tokens.
+    fn spm_reference(text: &str) -> Vec<u32> {
+        let vocab = spm_vocab();
+        let lookup: HashMap<&str, (u32, f32, u64)> = vocab
+            .iter()
+            .enumerate()
+            .map(|(i, (p, s, t))| (p.as_str(), (i as u32, *s, *t)))
+            .collect();
+        let normalized = format!("\u{2581}{}", text.replace(' ', "\u{2581}"));
+        let mut symbols: Vec<String> = normalized.chars().map(String::from).collect();
+        loop {
+            let mut best: Option<(usize, f32)> = None;
+            for i in 0..symbols.len().saturating_sub(1) {
+                let merged = format!("{}{}", symbols[i], symbols[i + 1]);
+                if let Some(&(_, score, 1)) = lookup.get(merged.as_str()) {
+                    if best.is_none_or(|(_, s)| score > s) {
+                        best = Some((i, score));
+                    }
+                }
+            }
+            let Some((i, _)) = best else { break };
+            let right = symbols.remove(i + 1);
+            symbols[i].push_str(&right);
+        }
+        let mut ids = vec![1]; // BOS
+        for sym in symbols {
+            match lookup.get(sym.as_str()) {
+                Some(&(id, _, _)) => ids.push(id),
+                None => ids.extend(sym.bytes().map(|b| 3 + b as u32)),
+            }
+        }
+        ids
+    }
+
+    #[test]
+    fn sentencepiece_gguf_tokenizer_matches_the_reference_algorithm() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = spm_tokenizer(dir.path());
+        for text in [
+            "the cat sat",
+            "thethe cat",
+            "a cat at the cathe",
+            "  two  spaces",
+            "th\u{e9}\u{e2}tre \u{1f375} two",
+            "hello world",
+            "c",
+        ] {
+            let ids = tok.encode(text).unwrap();
+            assert_eq!(ids, spm_reference(text), "{text:?}");
+            assert_eq!(tok.decode(&ids[1..]).unwrap(), text, "round trip {text:?}");
+        }
+        // Hand-checked: "▁the" and "▁cat" win over "th"/"at"-first splits; "sat" falls back to pieces.
+        let piece = |p: &str| tok.token_id(p).unwrap();
+        assert_eq!(
+            tok.encode("the cat sat").unwrap(),
+            vec![
+                1,
+                piece("\u{2581}the"),
+                piece("\u{2581}cat"),
+                piece("\u{2581}"),
+                piece("s"),
+                piece("at")
+            ]
+        );
+        // Special tokens written in the text are matched whole.
+        let ids = tok.encode("<s>the</s>").unwrap();
+        assert_eq!(ids.first(), Some(&1));
+        assert!(ids.contains(&2), "{ids:?}");
+        assert!(tok.is_stop(2));
+    }
+
+    #[test]
+    fn unsupported_gguf_tokenizer_model_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        write_gguf(
+            &path,
+            &[
+                ("tokenizer.ggml.model", Value::String("bert".into())),
+                (
+                    "tokenizer.ggml.tokens",
+                    Value::Array(vec![Value::String("a".into())]),
+                ),
+            ],
+            &[],
+        )
+        .unwrap();
+        let err = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("\"bert\" is not supported"), "{err}");
     }
 }

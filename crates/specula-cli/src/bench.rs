@@ -1,0 +1,292 @@
+//! `specula bench` and `specula tune`.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use specula::bench::{self, BadLines, BenchReport, BenchSpec, DraftMethod, TuneInput};
+use specula::sampling::SamplingParams;
+
+use crate::generate::{load, write_json, ModelArgs};
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompts file: JSON Lines, one {"prompt": "...", "id": "..."} per line (shared/prompts/*.jsonl).
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// Use only the first N prompts.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Skip malformed prompt lines (each is reported with its line number) instead of stopping.
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+    /// Feed prompts as-is instead of applying the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// New tokens per run.
+    #[arg(
+        long,
+        short = 'n',
+        default_value_t = 128,
+        allow_negative_numbers = true
+    )]
+    pub max_tokens: usize,
+    /// Draft model for the speculative configurations (path, hf:ID or short name).
+    #[arg(long)]
+    pub draft_model: Option<String>,
+    /// Drafting method: `model` (needs --draft-model) or `ngram`. Without either, only plain decoding runs.
+    #[arg(long)]
+    pub draft: Option<String>,
+    /// Draft lengths to compare, comma separated.
+    #[arg(
+        long,
+        default_value = "1,2,3,4",
+        value_delimiter = ',',
+        allow_negative_numbers = true
+    )]
+    pub draft_tokens: Vec<i64>,
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
+    pub ngram_min: usize,
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
+    pub ngram_max: usize,
+    /// Passes over all prompts (more rounds average out noise).
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
+    pub rounds: usize,
+    /// Sampling temperature (0 = greedy; greedy runs also check that speculation reproduces plain decoding).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub seed: u64,
+    /// Generate exactly --max-tokens per run (ignore end-of-turn tokens).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Repetitions per size of the verify(n) measurement (0 skips it).
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
+    pub verify_repeats: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(clap::Args)]
+pub struct TuneArgs {
+    #[command(flatten)]
+    pub bench: BenchArgs,
+    /// Tune from a saved `specula bench --json` file instead of running the benchmark.
+    #[arg(long)]
+    pub from_bench: Option<PathBuf>,
+    /// Write the plot (measured and predicted tok/s against k) here, as SVG.
+    #[arg(long, default_value = "specula-tune.svg")]
+    pub plot: PathBuf,
+    /// Write the fitted model and predictions as JSON here.
+    #[arg(long)]
+    pub tune_json: Option<PathBuf>,
+}
+
+fn method(args: &BenchArgs) -> anyhow::Result<Option<DraftMethod>> {
+    Ok(match (args.draft.as_deref(), &args.draft_model) {
+        (None, None) => None,
+        (Some("ngram"), Some(_)) => {
+            anyhow::bail!("--draft ngram needs no model; drop --draft-model (or use --draft model)")
+        }
+        (Some("ngram"), None) => Some(DraftMethod::Ngram {
+            min_n: args.ngram_min,
+            max_n: args.ngram_max,
+        }),
+        (Some("model") | None, Some(_)) => Some(DraftMethod::Model),
+        (Some("model"), None) => anyhow::bail!("--draft model needs --draft-model PATH|NAME"),
+        (Some(other), _) => anyhow::bail!("unknown --draft method {other:?} (use model or ngram)"),
+    })
+}
+
+fn draft_tokens(args: &BenchArgs) -> anyhow::Result<Vec<usize>> {
+    let max = specula::decode::MAX_DRAFT_TOKENS as i64;
+    let mut out = Vec::new();
+    for &k in &args.draft_tokens {
+        if k < 1 || k > max {
+            anyhow::bail!("--draft-tokens values must be between 1 and {max}, got {k}");
+        }
+        if !out.contains(&(k as usize)) {
+            out.push(k as usize);
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
+    let prompts_path = args
+        .prompts
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("give a prompts file with --prompts FILE.jsonl"))?;
+    let method = method(args)?;
+    let ks = draft_tokens(args)?;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    sampling.validate()?;
+    if args.max_tokens == 0 {
+        anyhow::bail!("--max-tokens must be at least 1");
+    }
+    if args.rounds == 0 {
+        anyhow::bail!("--rounds must be at least 1");
+    }
+    let bad_lines = if args.skip_bad_lines {
+        BadLines::Skip
+    } else {
+        BadLines::Stop
+    };
+    let (mut prompts, warnings) = bench::read_prompts(prompts_path, bad_lines)?;
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    if let Some(limit) = args.limit {
+        if limit == 0 {
+            anyhow::bail!("--limit must be at least 1");
+        }
+        prompts.truncate(limit);
+    }
+    let (target, threads, _) = load(&args.model)?;
+    let draft = match (&method, &args.draft_model) {
+        (Some(DraftMethod::Model), Some(spec)) => {
+            let d = specula::load_model(spec, true, &mut |line| eprintln!("{line}"))
+                .with_context(|| format!("loading draft model {spec}"))?;
+            specula::draft::model::check_compatible(&target, &d)?;
+            Some(d)
+        }
+        _ => None,
+    };
+    let mut with_ids = Vec::new();
+    for p in prompts {
+        let text = target.format_prompt(&p.prompt, args.raw, None)?;
+        let ids = target.tokenizer.encode(&text)?;
+        with_ids.push((p, ids));
+    }
+    let spec = BenchSpec {
+        target: &target.model,
+        tokenizer: &target.tokenizer,
+        draft: draft.as_ref().map(|d| &d.model),
+        method,
+        draft_tokens: if method.is_some() { ks } else { Vec::new() },
+        prompts: with_ids,
+        max_new_tokens: args.max_tokens,
+        rounds: args.rounds,
+        sampling,
+        stop_at_eos: !args.ignore_eos,
+        verify_cost_repeats: args.verify_repeats,
+    };
+    eprintln!(
+        "bench: target {}{}, {} prompts x {} rounds x {} configs, {} new tokens, {} threads",
+        target.spec,
+        draft
+            .as_ref()
+            .map(|d| format!(", draft {}", d.spec))
+            .unwrap_or_default(),
+        spec.prompts.len(),
+        spec.rounds,
+        bench::run::configs(&spec).len(),
+        spec.max_new_tokens,
+        threads
+    );
+    let show = !args.quiet && std::io::stderr().is_terminal();
+    let start = Instant::now();
+    let report = bench::run_bench(&spec, &mut |p| {
+        if show {
+            draw_progress(&p, start);
+        }
+    })?;
+    if show {
+        eprint!("\r{:100}\r", "");
+    }
+    eprintln!("bench finished in {:.1}s", start.elapsed().as_secs_f64());
+    Ok(report)
+}
+
+fn draw_progress(p: &bench::Progress<'_>, start: Instant) {
+    let width = 30;
+    let filled = (p.done * width).checked_div(p.total).unwrap_or(width);
+    let elapsed = start.elapsed().as_secs_f64();
+    let eta = if p.done > 0 {
+        format!(
+            "eta {:.0}s",
+            elapsed / p.done as f64 * (p.total - p.done) as f64
+        )
+    } else {
+        String::new()
+    };
+    let mut err = std::io::stderr().lock();
+    let _ = write!(
+        err,
+        "\r[{}{}] {}/{} {} {} {:.0}s {}      ",
+        "#".repeat(filled),
+        "-".repeat(width - filled),
+        p.done,
+        p.total,
+        p.config,
+        p.prompt_id,
+        elapsed,
+        eta
+    );
+    let _ = err.flush();
+}
+
+pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let report = run_bench(&args)?;
+    print!("{}", report.table());
+    if let Some(path) = &args.json {
+        write_json(path, &report.to_json())?;
+        eprintln!("results: {}", path.display());
+    }
+    Ok(())
+}
+
+pub fn tune(args: TuneArgs) -> anyhow::Result<()> {
+    let report_json = match &args.from_bench {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading bench results {}", path.display()))?;
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a bench JSON file", path.display()))?
+        }
+        None => {
+            if args.bench.draft.is_none() && args.bench.draft_model.is_none() {
+                anyhow::bail!(
+                    "tune needs a drafter to tune: --draft-model PATH|NAME or --draft ngram (or --from-bench FILE)"
+                );
+            }
+            let report = run_bench(&args.bench)?;
+            print!("{}", report.table());
+            let json = report.to_json();
+            if let Some(path) = &args.bench.json {
+                write_json(path, &json)?;
+                eprintln!("bench results: {}", path.display());
+            }
+            json
+        }
+    };
+    let input = TuneInput::from_bench_json(&report_json)?;
+    let result = bench::tune(&input);
+    println!();
+    print!("{}", result.table());
+    std::fs::write(&args.plot, result.plot_svg())
+        .with_context(|| format!("writing plot {}", args.plot.display()))?;
+    eprintln!("plot: {}", args.plot.display());
+    if let Some(path) = &args.tune_json {
+        write_json(path, &serde_json::to_value(&result)?)?;
+        eprintln!("tune results: {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,430 @@
+//! `specula bench`: plain decoding and each speculative configuration on the same prompts, in one process,
+//! interleaved (every prompt runs every configuration before the next prompt starts, in a rotating order), so
+//! machine drift hits all configurations alike.
+
+use std::collections::BTreeMap;
+
+use crate::bench::prompts::BenchPrompt;
+use crate::bench::verify_cost::{measure_verify_cost, VerifyCost};
+use crate::decode::{self, GenerateRequest, Speculation, SpeculationStats};
+use crate::draft::model::ModelDrafter;
+use crate::draft::ngram::NgramDrafter;
+use crate::draft::Drafter;
+use crate::error::{Error, Result};
+use crate::model::LlamaModel;
+use crate::profile::{Detail, Profiler};
+use crate::sampling::SamplingParams;
+use crate::tokenizer::Tokenizer;
+
+/// The drafting method of the speculative configurations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftMethod {
+    /// A separate draft model.
+    Model,
+    /// Prompt lookup.
+    Ngram { min_n: usize, max_n: usize },
+}
+
+/// One configuration: plain decoding (`k == 0`) or a drafter proposing `k` tokens per cycle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BenchConfig {
+    pub label: String,
+    /// "plain", "model" or "ngram".
+    pub method: &'static str,
+    pub k: usize,
+}
+
+pub struct BenchSpec<'a> {
+    pub target: &'a LlamaModel,
+    pub tokenizer: &'a Tokenizer,
+    /// The draft model, for `DraftMethod::Model`.
+    pub draft: Option<&'a LlamaModel>,
+    pub method: Option<DraftMethod>,
+    /// Draft lengths to run; plain decoding always runs too.
+    pub draft_tokens: Vec<usize>,
+    /// Prompts with their token ids (chat template already applied).
+    pub prompts: Vec<(BenchPrompt, Vec<u32>)>,
+    pub max_new_tokens: usize,
+    /// Passes over all prompts.
+    pub rounds: usize,
+    pub sampling: SamplingParams,
+    pub stop_at_eos: bool,
+    /// Repetitions per size of the verify-cost measurement (0 skips it).
+    pub verify_cost_repeats: usize,
+}
+
+/// Totals of one configuration over every run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ConfigResult {
+    pub label: String,
+    pub method: &'static str,
+    pub k: usize,
+    pub runs: usize,
+    /// Tokens produced by decode steps (the prefill's token excluded) and their time.
+    pub decode_tokens: u64,
+    pub decode_s: f64,
+    /// Decode steps (= speculative cycles).
+    pub cycles: u64,
+    /// Decode-step seconds per phase (draft, verify, accept, sample, commit, emit, other).
+    pub phase_s: BTreeMap<String, f64>,
+    /// Acceptance statistics summed over runs (speculative configurations).
+    pub speculation: Option<SpeculationStats>,
+    /// Runs whose tokens differed from plain decoding of the same prompt (greedy only; must be 0).
+    pub greedy_mismatches: usize,
+}
+
+impl ConfigResult {
+    pub fn decode_tok_s(&self) -> f64 {
+        ratio(self.decode_tokens as f64, self.decode_s)
+    }
+    pub fn phase_ms_per_cycle(&self, phase: &str) -> f64 {
+        ratio(
+            self.phase_s.get(phase).copied().unwrap_or(0.0) * 1e3,
+            self.cycles as f64,
+        )
+    }
+    /// Verify time over decode time.
+    pub fn verify_share(&self) -> f64 {
+        ratio(
+            self.phase_s.get("verify").copied().unwrap_or(0.0),
+            self.decode_s,
+        )
+    }
+    /// Decode time per cycle not spent drafting or verifying (accept, sample, commit, emit, other).
+    pub fn overhead_ms_per_cycle(&self) -> f64 {
+        let rest: f64 = self
+            .phase_s
+            .iter()
+            .filter(|(name, _)| name.as_str() != "draft" && name.as_str() != "verify")
+            .map(|(_, s)| s)
+            .sum();
+        ratio(rest * 1e3, self.cycles as f64)
+    }
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchReport {
+    pub configs: Vec<ConfigResult>,
+    pub verify_cost: Option<VerifyCost>,
+    pub prompts: usize,
+    pub rounds: usize,
+    pub max_new_tokens: usize,
+    pub greedy: bool,
+}
+
+impl BenchReport {
+    pub fn plain(&self) -> Option<&ConfigResult> {
+        self.configs.iter().find(|c| c.k == 0)
+    }
+
+    /// Decode tok/s of `c` over plain decoding's.
+    pub fn speedup(&self, c: &ConfigResult) -> f64 {
+        self.plain()
+            .map(|p| ratio(c.decode_tok_s(), p.decode_tok_s()))
+            .unwrap_or(0.0)
+    }
+
+    /// The table `specula bench` prints.
+    pub fn table(&self) -> String {
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "{:<10} {:>8} {:>8} {:>7} {:>9} {:>10} {:>10} {:>10} {:>8}",
+            "config",
+            "tok/s",
+            "speedup",
+            "accept",
+            "mean_len",
+            "draft_ms",
+            "verify_ms",
+            "other_ms",
+            "verify%"
+        );
+        for c in &self.configs {
+            let (accept, mean_len) = match &c.speculation {
+                Some(st) => (
+                    format!("{:.1}%", st.acceptance_rate() * 100.0),
+                    format!("{:.2}", st.mean_accept_len()),
+                ),
+                None => ("-".into(), "1.00".into()),
+            };
+            let _ = writeln!(
+                s,
+                "{:<10} {:>8.2} {:>7.2}x {:>7} {:>9} {:>10.1} {:>10.1} {:>10.2} {:>7.1}%{}",
+                c.label,
+                c.decode_tok_s(),
+                self.speedup(c),
+                accept,
+                mean_len,
+                c.phase_ms_per_cycle("draft"),
+                c.phase_ms_per_cycle("verify"),
+                c.overhead_ms_per_cycle(),
+                c.verify_share() * 100.0,
+                if c.greedy_mismatches > 0 {
+                    format!("  LOSSY: {} runs differ from plain", c.greedy_mismatches)
+                } else {
+                    String::new()
+                }
+            );
+        }
+        if let Some(v) = &self.verify_cost {
+            let cells: Vec<String> = (1..=v.ms.len())
+                .map(|n| format!("{n}:{:.1}ms({:.2}x)", v.verify_ms(n), v.ratio(n)))
+                .collect();
+            let _ = writeln!(
+                s,
+                "verify(n) of the target, n tokens per forward (median of {}): {}",
+                v.repeats,
+                cells.join(" ")
+            );
+        }
+        s
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        let configs: Vec<serde_json::Value> = self
+            .configs
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "label": c.label,
+                    "method": c.method,
+                    "k": c.k,
+                    "runs": c.runs,
+                    "decode_tokens": c.decode_tokens,
+                    "decode_s": c.decode_s,
+                    "decode_tok_s": c.decode_tok_s(),
+                    "speedup_vs_plain": self.speedup(c),
+                    "cycles": c.cycles,
+                    "draft_ms_per_cycle": c.phase_ms_per_cycle("draft"),
+                    "verify_ms_per_cycle": c.phase_ms_per_cycle("verify"),
+                    "overhead_ms_per_cycle": c.overhead_ms_per_cycle(),
+                    "verify_share_of_cycle": c.verify_share(),
+                    "phase_s": c.phase_s,
+                    "acceptance_rate": c.speculation.as_ref().map(|s| s.acceptance_rate()),
+                    "mean_accept_len": c.speculation.as_ref().map(|s| s.mean_accept_len()).unwrap_or(1.0),
+                    "speculation": c.speculation.as_ref().map(|s| s.to_json()),
+                    "greedy_mismatches": c.greedy_mismatches,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "prompts": self.prompts,
+            "rounds": self.rounds,
+            "max_new_tokens": self.max_new_tokens,
+            "greedy": self.greedy,
+            "configs": configs,
+            "verify_cost": self.verify_cost,
+        })
+    }
+}
+
+/// Progress of a bench run, for a progress bar.
+pub struct Progress<'a> {
+    pub done: usize,
+    pub total: usize,
+    pub config: &'a str,
+    pub prompt_id: &'a str,
+}
+
+/// The configurations a spec asks for: plain first, then each k.
+pub fn configs(spec: &BenchSpec<'_>) -> Vec<BenchConfig> {
+    let mut out = vec![BenchConfig {
+        label: "plain".into(),
+        method: "plain",
+        k: 0,
+    }];
+    if let Some(method) = spec.method {
+        let name = match method {
+            DraftMethod::Model => "model",
+            DraftMethod::Ngram { .. } => "ngram",
+        };
+        for &k in &spec.draft_tokens {
+            out.push(BenchConfig {
+                label: format!("{name} k={k}"),
+                method: name,
+                k,
+            });
+        }
+    }
+    out
+}
+
+pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
+    if spec.prompts.is_empty() {
+        return Err(Error::InvalidArgument("no prompts to benchmark".into()));
+    }
+    if spec.rounds == 0 {
+        return Err(Error::InvalidArgument("--rounds must be at least 1".into()));
+    }
+    if spec.max_new_tokens == 0 {
+        return Err(Error::InvalidArgument(
+            "--max-tokens must be at least 1".into(),
+        ));
+    }
+    if spec.method.is_some() && spec.draft_tokens.is_empty() {
+        return Err(Error::InvalidArgument(
+            "--draft-tokens lists no draft lengths".into(),
+        ));
+    }
+    for &k in &spec.draft_tokens {
+        if k == 0 || k > decode::MAX_DRAFT_TOKENS {
+            return Err(Error::InvalidArgument(format!(
+                "--draft-tokens values must be between 1 and {}, got {k}",
+                decode::MAX_DRAFT_TOKENS
+            )));
+        }
+    }
+    if spec.method == Some(DraftMethod::Model) && spec.draft.is_none() {
+        return Err(Error::InvalidArgument(
+            "the model drafting method needs a draft model".into(),
+        ));
+    }
+    if let Some(DraftMethod::Ngram { min_n, max_n }) = spec.method {
+        NgramDrafter::new(min_n, max_n)?;
+    }
+    Ok(())
+}
+
+/// Runs the benchmark. `on_progress` is called before each run.
+pub fn run_bench(
+    spec: &BenchSpec<'_>,
+    on_progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<BenchReport> {
+    validate(spec)?;
+    let configs = configs(spec);
+    let mut results: Vec<ConfigResult> = configs
+        .iter()
+        .map(|c| ConfigResult {
+            label: c.label.clone(),
+            method: c.method,
+            k: c.k,
+            runs: 0,
+            decode_tokens: 0,
+            decode_s: 0.0,
+            cycles: 0,
+            phase_s: BTreeMap::new(),
+            speculation: None,
+            greedy_mismatches: 0,
+        })
+        .collect();
+    let greedy = spec.sampling.temperature == 0.0;
+    let total = spec.rounds * spec.prompts.len() * configs.len();
+    let mut done = 0;
+    for round in 0..spec.rounds {
+        for (p_index, (prompt, ids)) in spec.prompts.iter().enumerate() {
+            let req = GenerateRequest {
+                prompt_tokens: ids.clone(),
+                max_new_tokens: spec.max_new_tokens,
+                sampling: spec.sampling,
+                stop_at_eos: spec.stop_at_eos,
+            };
+            decode::validate_request(spec.target, &req)
+                .map_err(|e| Error::InvalidArgument(format!("prompt {}: {e}", prompt.id)))?;
+            let mut plain_tokens: Option<Vec<u32>> = None;
+            // Rotate which configuration goes first so none always runs on a cold machine.
+            let shift = (round * spec.prompts.len() + p_index) % configs.len();
+            let order: Vec<usize> = (0..configs.len())
+                .map(|i| (i + shift) % configs.len())
+                .collect();
+            let mut outputs: Vec<Option<Vec<u32>>> = vec![None; configs.len()];
+            for &ci in &order {
+                let config = &configs[ci];
+                on_progress(Progress {
+                    done,
+                    total,
+                    config: &config.label,
+                    prompt_id: &prompt.id,
+                });
+                let prof = Profiler::new(Detail::Phases);
+                let mut drafter: Option<Box<dyn Drafter + '_>> = match (config.k, spec.method) {
+                    (0, _) | (_, None) => None,
+                    (_, Some(DraftMethod::Model)) => Some(Box::new(ModelDrafter::new(
+                        spec.draft.expect("validated"),
+                        spec.sampling.seed,
+                    ))),
+                    (_, Some(DraftMethod::Ngram { min_n, max_n })) => {
+                        Some(Box::new(NgramDrafter::new(min_n, max_n)?))
+                    }
+                };
+                let speculation = drafter.as_mut().map(|d| Speculation {
+                    drafter: d.as_mut(),
+                    draft_tokens: config.k,
+                });
+                let out = decode::generate(
+                    spec.target,
+                    spec.tokenizer,
+                    &req,
+                    speculation,
+                    &prof,
+                    &mut |_| {},
+                )?;
+                let summary = prof.summary();
+                let r = &mut results[ci];
+                r.runs += 1;
+                r.decode_tokens += out.timing.decode_tokens as u64;
+                r.decode_s += out.timing.decode_s;
+                r.cycles += summary.decode_steps;
+                for p in summary.phases.iter().filter(|p| p.name != "prefill") {
+                    *r.phase_s.entry(p.name.to_string()).or_default() += p.total_s;
+                }
+                *r.phase_s.entry("other".to_string()).or_default() += summary.other_s;
+                if let Some(st) = out.speculation {
+                    match &mut r.speculation {
+                        Some(total) => total.merge(&st),
+                        None => r.speculation = Some(st),
+                    }
+                }
+                if config.k == 0 {
+                    plain_tokens = Some(out.tokens.clone());
+                }
+                outputs[ci] = Some(out.tokens);
+                done += 1;
+            }
+            // Greedy speculation must reproduce plain decoding exactly.
+            if greedy {
+                if let Some(plain) = &plain_tokens {
+                    for (ci, tokens) in outputs.iter().enumerate() {
+                        if tokens.as_ref().is_some_and(|t| t != plain) {
+                            results[ci].greedy_mismatches += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    on_progress(Progress {
+        done,
+        total,
+        config: "verify cost",
+        prompt_id: "",
+    });
+    let verify_cost = if spec.verify_cost_repeats > 0 {
+        let max_rows = spec.draft_tokens.iter().copied().max().unwrap_or(1) + 1;
+        Some(measure_verify_cost(
+            spec.target,
+            &spec.prompts[0].1,
+            max_rows.max(2),
+            spec.verify_cost_repeats,
+        )?)
+    } else {
+        None
+    };
+    Ok(BenchReport {
+        configs: results,
+        verify_cost,
+        prompts: spec.prompts.len(),
+        rounds: spec.rounds,
+        max_new_tokens: spec.max_new_tokens,
+        greedy,
+    })
+}

@@ -1,0 +1,661 @@
+//! `specula tune`: fit the speculative decoding cost model to a bench run and say which draft length wins.
+//!
+//! The model (the standard one from the speculative decoding literature, with each term measured here):
+//!
+//! ```text
+//! tokens per cycle   E(k) = 1 + sum_{i=1..k} d_i * a_i
+//! time per cycle     T(k) = draft(k) + verify(1 + sum_{i<=k} d_i) + overhead(k)
+//! tok/s              E(k) / T(k)         plain decoding: 1 / (verify(1) + overhead_plain)
+//! ```
+//!
+//! - `a_i`: the measured rate at which draft position i is accepted (all of 1..i accepted), pooled over every
+//!   configuration that drafted position i; `d_i`: how often position i was drafted at all (1 for a draft
+//!   model; below 1 for n-gram lookup, which finds no match for some cycles).
+//! - `draft(k)`, `overhead(k)`: least-squares lines through the measured per-cycle phase times (overhead =
+//!   accept + sample + commit + emit + other).
+//! - `verify(n)`: the measured verify-cost curve (n tokens per forward at the prompt's context), shifted so
+//!   that verify(1) equals plain decoding's measured per-step verify time (which includes the longer contexts
+//!   the runs reach).
+//!
+//! Speculation beats plain decoding exactly when the extra tokens per cycle exceed the extra time per cycle
+//! in units of a plain step: `E(k) - 1 > draft/T1 + (verify(1+d) - verify(1))/T1 + (overhead - overhead_plain)/T1`.
+//! When it loses, the largest of the three cost terms is the reason, unless acceptance is so low that no cost
+//! could be paid for.
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// One speculative configuration's measurements, read from a bench report.
+#[derive(Debug, Clone)]
+pub struct MeasuredConfig {
+    pub label: String,
+    pub k: usize,
+    pub tok_s: f64,
+    pub cycles: f64,
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+    pub overhead_ms: f64,
+    pub drafted_per_position: Vec<f64>,
+    pub accepted_per_position: Vec<f64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TuneInput {
+    pub method: String,
+    pub plain_tok_s: f64,
+    pub plain_verify_ms: f64,
+    pub plain_overhead_ms: f64,
+    pub configs: Vec<MeasuredConfig>,
+    /// verify(n) in ms, n = 1..
+    pub verify_curve_ms: Vec<f64>,
+}
+
+fn num(v: &Value, key: &str) -> Result<f64> {
+    v.get(key)
+        .and_then(Value::as_f64)
+        .ok_or_else(|| Error::InvalidArgument(format!("bench report: missing number {key:?}")))
+}
+
+fn num_list(v: Option<&Value>) -> Vec<f64> {
+    v.and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default()
+}
+
+impl TuneInput {
+    /// Reads the JSON that `specula bench --json` writes (or `BenchReport::to_json`).
+    pub fn from_bench_json(report: &Value) -> Result<Self> {
+        let configs = report
+            .get("configs")
+            .and_then(Value::as_array)
+            .ok_or_else(|| Error::InvalidArgument("bench report: no \"configs\" list".into()))?;
+        let plain = configs
+            .iter()
+            .find(|c| c.get("k").and_then(Value::as_u64) == Some(0))
+            .ok_or_else(|| {
+                Error::InvalidArgument(
+                    "bench report: no plain decoding configuration (k = 0)".into(),
+                )
+            })?;
+        let mut measured = Vec::new();
+        let mut method = String::new();
+        for c in configs
+            .iter()
+            .filter(|c| c.get("k").and_then(Value::as_u64) != Some(0))
+        {
+            let spec = c.get("speculation").ok_or_else(|| {
+                Error::InvalidArgument(
+                    "bench report: a speculative config has no \"speculation\"".into(),
+                )
+            })?;
+            method = c
+                .get("method")
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+                .to_string();
+            measured.push(MeasuredConfig {
+                label: c
+                    .get("label")
+                    .and_then(Value::as_str)
+                    .unwrap_or("?")
+                    .to_string(),
+                k: num(c, "k")? as usize,
+                tok_s: num(c, "decode_tok_s")?,
+                cycles: num(c, "cycles")?,
+                draft_ms: num(c, "draft_ms_per_cycle")?,
+                verify_ms: num(c, "verify_ms_per_cycle")?,
+                overhead_ms: num(c, "overhead_ms_per_cycle")?,
+                drafted_per_position: num_list(spec.get("drafted_per_position")),
+                accepted_per_position: num_list(spec.get("accepted_per_position")),
+            });
+        }
+        if measured.is_empty() {
+            return Err(Error::InvalidArgument(
+                "bench report has no speculative configurations to tune (run bench with a drafter)"
+                    .into(),
+            ));
+        }
+        measured.sort_by_key(|c| c.k);
+        let verify_curve_ms = num_list(report.get("verify_cost").and_then(|v| v.get("ms")));
+        if verify_curve_ms.len() < 2 {
+            return Err(Error::InvalidArgument(
+                "bench report has no verify-cost curve (rerun bench without --verify-repeats 0)"
+                    .into(),
+            ));
+        }
+        Ok(TuneInput {
+            method,
+            plain_tok_s: num(plain, "decode_tok_s")?,
+            plain_verify_ms: num(plain, "verify_ms_per_cycle")?,
+            plain_overhead_ms: num(plain, "overhead_ms_per_cycle")?,
+            configs: measured,
+            verify_curve_ms,
+        })
+    }
+}
+
+/// A fitted line y = intercept + slope * x.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Line {
+    pub intercept: f64,
+    pub slope: f64,
+}
+
+impl Line {
+    pub fn at(&self, x: f64) -> f64 {
+        self.intercept + self.slope * x
+    }
+
+    /// Least squares; through the origin's direction (slope only) for a single point.
+    fn fit(points: &[(f64, f64)]) -> Line {
+        match points.len() {
+            0 => Line {
+                intercept: 0.0,
+                slope: 0.0,
+            },
+            1 => Line {
+                intercept: 0.0,
+                slope: if points[0].0 != 0.0 {
+                    points[0].1 / points[0].0
+                } else {
+                    0.0
+                },
+            },
+            n => {
+                let n = n as f64;
+                let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+                let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+                let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+                let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+                let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+                Line {
+                    intercept: my - slope * mx,
+                    slope,
+                }
+            }
+        }
+    }
+}
+
+/// Predicted behaviour at one draft length.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Prediction {
+    pub k: usize,
+    pub tokens_per_cycle: f64,
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+    pub overhead_ms: f64,
+    pub cycle_ms: f64,
+    pub tok_s: f64,
+    /// Measured decode tok/s when this k was benchmarked.
+    pub measured_tok_s: Option<f64>,
+    /// Cost terms in units of one plain decoding step, and the gain they must be paid from.
+    pub gain: f64,
+    pub draft_term: f64,
+    pub verify_growth_term: f64,
+    pub overhead_term: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TuneResult {
+    pub method: String,
+    pub plain_measured_tok_s: f64,
+    pub plain_predicted_tok_s: f64,
+    /// Rate at which draft position i (1-based index i-1) is accepted, pooled over configs.
+    pub acceptance_by_position: Vec<f64>,
+    /// How often position i is drafted at all.
+    pub drafted_by_position: Vec<f64>,
+    pub draft_ms: Line,
+    pub overhead_ms: Line,
+    pub predictions: Vec<Prediction>,
+    /// The k with the highest predicted tok/s, or None when plain decoding is predicted to win.
+    pub recommended_k: Option<usize>,
+    /// The benchmarked configuration with the highest measured tok/s (k = 0 for plain).
+    pub best_measured_k: usize,
+    pub best_measured_tok_s: f64,
+    pub diagnosis: String,
+}
+
+/// verify(n) for fractional n: linear interpolation on the curve, linear extrapolation past its end.
+fn verify_at(curve: &[f64], n: f64) -> f64 {
+    let last = curve.len() - 1;
+    let x = (n - 1.0).max(0.0);
+    let i = (x.floor() as usize).min(last - 1);
+    let t = x - i as f64;
+    curve[i] + (curve[i + 1] - curve[i]) * t
+}
+
+pub fn tune(input: &TuneInput) -> TuneResult {
+    let max_k = input.configs.iter().map(|c| c.k).max().unwrap_or(1);
+    // Pooled per-position rates over every config that reached the position.
+    let mut drafted = vec![0f64; max_k];
+    let mut accepted = vec![0f64; max_k];
+    let mut cycles_reaching = vec![0f64; max_k];
+    for c in &input.configs {
+        for i in 0..c.k.min(max_k) {
+            drafted[i] += c.drafted_per_position.get(i).copied().unwrap_or(0.0);
+            accepted[i] += c.accepted_per_position.get(i).copied().unwrap_or(0.0);
+            cycles_reaching[i] += c.cycles;
+        }
+    }
+    let acceptance: Vec<f64> = (0..max_k)
+        .map(|i| {
+            if drafted[i] > 0.0 {
+                accepted[i] / drafted[i]
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let drafted_rate: Vec<f64> = (0..max_k)
+        .map(|i| {
+            if cycles_reaching[i] > 0.0 {
+                (drafted[i] / cycles_reaching[i]).min(1.0)
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let draft_line = Line::fit(
+        &input
+            .configs
+            .iter()
+            .map(|c| (c.k as f64, c.draft_ms))
+            .collect::<Vec<_>>(),
+    );
+    let overhead_line = Line::fit(
+        &input
+            .configs
+            .iter()
+            .map(|c| (c.k as f64, c.overhead_ms))
+            .collect::<Vec<_>>(),
+    );
+    // Shift the verify curve to the contexts the runs reached (plain decoding's measured step verify).
+    let shift = input.plain_verify_ms - input.verify_curve_ms[0];
+    let curve: Vec<f64> = input.verify_curve_ms.iter().map(|v| v + shift).collect();
+    let plain_step = input.plain_verify_ms + input.plain_overhead_ms;
+    let predictions: Vec<Prediction> = (1..=max_k)
+        .map(|k| {
+            let tokens = 1.0 + (0..k).map(|i| drafted_rate[i] * acceptance[i]).sum::<f64>();
+            let rows = 1.0 + drafted_rate[..k].iter().sum::<f64>();
+            let draft_ms = draft_line.at(k as f64).max(0.0);
+            let verify_ms = verify_at(&curve, rows);
+            let overhead_ms = overhead_line.at(k as f64).max(0.0);
+            let cycle_ms = draft_ms + verify_ms + overhead_ms;
+            Prediction {
+                k,
+                tokens_per_cycle: tokens,
+                draft_ms,
+                verify_ms,
+                overhead_ms,
+                cycle_ms,
+                tok_s: tokens * 1e3 / cycle_ms,
+                measured_tok_s: input.configs.iter().find(|c| c.k == k).map(|c| c.tok_s),
+                gain: tokens - 1.0,
+                draft_term: draft_ms / plain_step,
+                verify_growth_term: (verify_ms - input.plain_verify_ms) / plain_step,
+                overhead_term: (overhead_ms - input.plain_overhead_ms) / plain_step,
+            }
+        })
+        .collect();
+    let plain_predicted = 1e3 / plain_step;
+    let best = predictions
+        .iter()
+        .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s))
+        .expect("at least one k");
+    let recommended_k = (best.tok_s > plain_predicted).then_some(best.k);
+    let (best_measured_k, best_measured_tok_s) = input
+        .configs
+        .iter()
+        .map(|c| (c.k, c.tok_s))
+        .chain(std::iter::once((0, input.plain_tok_s)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .expect("plain is always there");
+    let diagnosis = diagnose(best, plain_predicted, &acceptance);
+    TuneResult {
+        method: input.method.clone(),
+        plain_measured_tok_s: input.plain_tok_s,
+        plain_predicted_tok_s: plain_predicted,
+        acceptance_by_position: acceptance,
+        drafted_by_position: drafted_rate,
+        draft_ms: draft_line,
+        overhead_ms: overhead_line,
+        predictions,
+        recommended_k,
+        best_measured_k,
+        best_measured_tok_s,
+        diagnosis,
+    }
+}
+
+fn diagnose(best: &Prediction, plain_tok_s: f64, acceptance: &[f64]) -> String {
+    let cost = best.draft_term + best.verify_growth_term + best.overhead_term;
+    let terms = [
+        ("draft cost", best.draft_term),
+        (
+            "verify growth (verifying k+1 tokens costs more than one step)",
+            best.verify_growth_term,
+        ),
+        ("bookkeeping overhead", best.overhead_term),
+    ];
+    let (largest, largest_value) = terms
+        .iter()
+        .copied()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .expect("three terms");
+    let speedup = best.tok_s / plain_tok_s;
+    if best.tok_s > plain_tok_s {
+        format!(
+            "speculation wins: k={} is predicted at {:.2}x plain; each cycle gains {:.2} extra tokens and costs \
+             {:.2} plain steps extra (draft {:.2}, verify growth {:.2}, overhead {:.2})",
+            best.k, speedup, best.gain, cost, best.draft_term, best.verify_growth_term, best.overhead_term
+        )
+    } else {
+        let first_rate = acceptance.first().copied().unwrap_or(0.0);
+        let reason = if best.gain < 0.5 * cost && first_rate < 0.5 {
+            format!(
+                "low acceptance: position 1 is accepted {:.0}% of the time, so a cycle gains only {:.2} tokens",
+                first_rate * 100.0,
+                best.gain
+            )
+        } else {
+            format!("{largest} ({largest_value:.2} plain steps per cycle)")
+        };
+        format!(
+            "speculation loses: the best draft length k={} is predicted at {:.2}x plain. It gains {:.2} extra \
+             tokens per cycle but costs {:.2} plain steps extra (draft {:.2}, verify growth {:.2}, overhead {:.2}). \
+             Losing term: {reason}.",
+            best.k, speedup, best.gain, cost, best.draft_term, best.verify_growth_term, best.overhead_term
+        )
+    }
+}
+
+impl TuneResult {
+    pub fn table(&self) -> String {
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "method {}: plain decoding measured {:.2} tok/s, model {:.2} tok/s",
+            self.method, self.plain_measured_tok_s, self.plain_predicted_tok_s
+        );
+        let rates: Vec<String> = self
+            .acceptance_by_position
+            .iter()
+            .zip(&self.drafted_by_position)
+            .enumerate()
+            .map(|(i, (a, d))| {
+                if *d < 0.999 {
+                    format!("{}:{:.0}%(drafted {:.0}%)", i + 1, a * 100.0, d * 100.0)
+                } else {
+                    format!("{}:{:.0}%", i + 1, a * 100.0)
+                }
+            })
+            .collect();
+        let _ = writeln!(s, "acceptance by draft position: {}", rates.join(" "));
+        let _ = writeln!(
+            s,
+            "draft ms/cycle = {:.2} + {:.2} k;  overhead ms/cycle = {:.2} + {:.2} k",
+            self.draft_ms.intercept,
+            self.draft_ms.slope,
+            self.overhead_ms.intercept,
+            self.overhead_ms.slope
+        );
+        let _ = writeln!(
+            s,
+            "{:>3} {:>10} {:>9} {:>10} {:>10} {:>10} {:>12} {:>12}",
+            "k",
+            "tokens/cyc",
+            "draft_ms",
+            "verify_ms",
+            "cycle_ms",
+            "predicted",
+            "measured",
+            "pred/plain"
+        );
+        for p in &self.predictions {
+            let _ = writeln!(
+                s,
+                "{:>3} {:>10.2} {:>9.1} {:>10.1} {:>10.1} {:>10.2} {:>12} {:>11.2}x",
+                p.k,
+                p.tokens_per_cycle,
+                p.draft_ms,
+                p.verify_ms,
+                p.cycle_ms,
+                p.tok_s,
+                p.measured_tok_s
+                    .map(|m| format!("{m:.2}"))
+                    .unwrap_or_else(|| "-".into()),
+                p.tok_s / self.plain_predicted_tok_s
+            );
+        }
+        match self.recommended_k {
+            Some(k) => {
+                let _ = writeln!(s, "recommended: --draft-tokens {k}");
+            }
+            None => {
+                let _ = writeln!(s, "recommended: plain decoding (no speculation)");
+            }
+        }
+        let _ = writeln!(
+            s,
+            "best measured: {} at {:.2} tok/s",
+            if self.best_measured_k == 0 {
+                "plain".to_string()
+            } else {
+                format!("k={}", self.best_measured_k)
+            },
+            self.best_measured_tok_s
+        );
+        let _ = writeln!(s, "{}", self.diagnosis);
+        s
+    }
+
+    /// Measured and predicted tok/s against k, with plain decoding as a dashed line, as an SVG document.
+    pub fn plot_svg(&self) -> String {
+        use std::fmt::Write as _;
+        let (w, h) = (640.0, 400.0);
+        let (left, right, top, bottom) = (60.0, 20.0, 30.0, 50.0);
+        let max_k = self.predictions.len().max(1) as f64;
+        let values = self
+            .predictions
+            .iter()
+            .flat_map(|p| [Some(p.tok_s), p.measured_tok_s])
+            .flatten()
+            .chain([self.plain_measured_tok_s, self.plain_predicted_tok_s]);
+        let y_max = values.fold(1.0f64, f64::max) * 1.15;
+        let x = |k: f64| left + (w - left - right) * k / max_k;
+        let y = |v: f64| h - bottom - (h - top - bottom) * v / y_max;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+        );
+        let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="18" text-anchor="middle" font-size="14">specula tune ({}): decode tok/s vs draft length k</text>"#,
+            w / 2.0,
+            self.method
+        );
+        // Axes with ticks.
+        let _ = writeln!(
+            s,
+            r#"<line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{left}" y1="{top}" x2="{left}" y2="{}" stroke="black"/>"#,
+            h - bottom,
+            w - right,
+            h - bottom,
+            h - bottom
+        );
+        for k in 0..=max_k as usize {
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}" text-anchor="middle">{k}</text>"#,
+                x(k as f64),
+                h - bottom + 16.0
+            );
+        }
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="middle">k (draft tokens per cycle; 0 = plain)</text>"#,
+            (left + w - right) / 2.0,
+            h - 12.0
+        );
+        for i in 0..=5 {
+            let v = y_max * i as f64 / 5.0;
+            let _ = writeln!(
+                s,
+                r##"<text x="{}" y="{}" text-anchor="end">{v:.1}</text><line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="#ddd"/>"##,
+                left - 6.0,
+                y(v) + 4.0,
+                y(v),
+                w - right,
+                y(v)
+            );
+        }
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="#888" stroke-dasharray="6,4"/><text x="{}" y="{}" fill="#555">plain {:.2}</text>"##,
+            y(self.plain_measured_tok_s),
+            w - right,
+            y(self.plain_measured_tok_s),
+            w - right - 80.0,
+            y(self.plain_measured_tok_s) - 6.0,
+            self.plain_measured_tok_s
+        );
+        let points: Vec<String> = std::iter::once((0.0, self.plain_predicted_tok_s))
+            .chain(self.predictions.iter().map(|p| (p.k as f64, p.tok_s)))
+            .map(|(k, v)| format!("{:.1},{:.1}", x(k), y(v)))
+            .collect();
+        let _ = writeln!(
+            s,
+            r##"<polyline points="{}" fill="none" stroke="#1f77b4" stroke-width="2"/>"##,
+            points.join(" ")
+        );
+        let measured = std::iter::once((0.0, self.plain_measured_tok_s)).chain(
+            self.predictions
+                .iter()
+                .filter_map(|p| p.measured_tok_s.map(|m| (p.k as f64, m))),
+        );
+        for (k, v) in measured {
+            let _ = writeln!(
+                s,
+                r##"<circle cx="{:.1}" cy="{:.1}" r="5" fill="#d62728"/>"##,
+                x(k),
+                y(v)
+            );
+        }
+        let _ = writeln!(
+            s,
+            r##"<line x1="{}" y1="40" x2="{}" y2="40" stroke="#1f77b4" stroke-width="2"/><text x="{}" y="44">predicted</text><circle cx="{}" cy="58" r="5" fill="#d62728"/><text x="{}" y="62">measured</text>"##,
+            left + 10.0,
+            left + 40.0,
+            left + 46.0,
+            left + 25.0,
+            left + 46.0
+        );
+        s.push_str("</svg>\n");
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(draft_per_token: f64, acceptance: f64) -> TuneInput {
+        // A synthetic machine: plain step 10 ms verify + 0.5 ms overhead; verify(n) = 10 + 2 (n - 1).
+        let configs = (1..=4)
+            .map(|k| {
+                let cycles = 100.0;
+                let accepted: Vec<f64> = (1..=k)
+                    .map(|i| cycles * acceptance.powi(i as i32))
+                    .collect();
+                let tokens = 1.0 + accepted.iter().sum::<f64>() / cycles;
+                let cycle_ms = draft_per_token * k as f64 + 10.0 + 2.0 * k as f64 + 0.5;
+                MeasuredConfig {
+                    label: format!("model k={k}"),
+                    k,
+                    tok_s: tokens * 1e3 / cycle_ms,
+                    cycles,
+                    draft_ms: draft_per_token * k as f64,
+                    verify_ms: 10.0 + 2.0 * k as f64,
+                    overhead_ms: 0.5,
+                    drafted_per_position: vec![cycles; k],
+                    accepted_per_position: accepted,
+                }
+            })
+            .collect();
+        TuneInput {
+            method: "model".into(),
+            plain_tok_s: 1e3 / 10.5,
+            plain_verify_ms: 10.0,
+            plain_overhead_ms: 0.5,
+            configs,
+            verify_curve_ms: (0..6).map(|i| 10.0 + 2.0 * i as f64).collect(),
+        }
+    }
+
+    #[test]
+    fn model_reproduces_exact_synthetic_measurements_and_picks_the_best_k() {
+        let r = tune(&input(1.0, 0.8));
+        for p in &r.predictions {
+            let m = p.measured_tok_s.unwrap();
+            assert!(
+                (p.tok_s - m).abs() < 1e-9 * m,
+                "k={}: {} vs {m}",
+                p.k,
+                p.tok_s
+            );
+        }
+        let best = r
+            .predictions
+            .iter()
+            .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s))
+            .unwrap();
+        assert_eq!(r.recommended_k, Some(best.k));
+        assert!(
+            r.diagnosis.starts_with("speculation wins"),
+            "{}",
+            r.diagnosis
+        );
+        assert!((r.acceptance_by_position[0] - 0.8).abs() < 1e-12);
+    }
+
+    #[test]
+    fn losing_speculation_names_the_term_that_loses() {
+        // A draft as expensive as the target: draft cost is what loses.
+        let r = tune(&input(10.0, 0.9));
+        assert_eq!(r.recommended_k, None);
+        assert!(
+            r.diagnosis.contains("Losing term: draft cost"),
+            "{}",
+            r.diagnosis
+        );
+        // A free draft that is almost never right: low acceptance.
+        let r = tune(&input(0.0, 0.05));
+        assert_eq!(r.recommended_k, None);
+        assert!(r.diagnosis.contains("low acceptance"), "{}", r.diagnosis);
+        let svg = r.plot_svg();
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert_eq!(
+            svg.matches("<circle").count(),
+            4 + 1 + 1,
+            "measured points + plain + legend"
+        );
+    }
+
+    #[test]
+    fn rejects_reports_without_what_the_model_needs() {
+        let no_spec = serde_json::json!({"configs": [{"k": 0, "decode_tok_s": 1.0}]});
+        let err = TuneInput::from_bench_json(&no_spec).unwrap_err();
+        assert!(
+            err.to_string().contains("no speculative configurations")
+                || err.to_string().contains("missing"),
+            "{err}"
+        );
+        let err = TuneInput::from_bench_json(&serde_json::json!({})).unwrap_err();
+        assert!(err.to_string().contains("configs"), "{err}");
+    }
+}
