@@ -29,8 +29,10 @@ fn greedy(m: &LoadedModel, prompt: &str, max_new_tokens: usize) -> specula::deco
     .unwrap()
 }
 
-/// Reviewed by hand: a sensible continuation. llama.cpp says "311 million" where specula says "321": the digit is
-/// a near tie (specula's logits: "2" 29.712, "1" 29.642; see docs/correctness.md).
+/// Reviewed by hand: valid Python, and the same continuation llama.cpp produces for this prompt. The prompt was
+/// chosen because its greedy path has no near-tie (smallest top-2 logit margin 0.34 over these 20 tokens, from
+/// `cargo run --release --example greedy_margins -- smollm2-135m 20 "def fibonacci(n):"`): prompts with a
+/// near-tie flip when kernels change their rounding (docs/correctness.md).
 #[test]
 fn smollm2_greedy_is_deterministic_and_sensible() {
     let m = load("smollm2-135m");
@@ -39,16 +41,16 @@ fn smollm2_greedy_is_deterministic_and_sensible() {
         vec![504, 3575, 282, 4649, 314]
     );
     let expected: Vec<u32> = vec![
-        7042, 30, 198, 198, 504, 1797, 1918, 553, 253, 2155, 282, 4723, 216, 35, 34, 33, 2215, 701,
-        30, 198,
+        472, 585, 304, 1758, 216, 32, 42, 448, 1003, 216, 33, 472, 1003, 304, 1672, 3987, 46477,
+        24, 94, 731,
     ];
-    let a = greedy(&m, "The capital of France is", 20);
-    let b = greedy(&m, "The capital of France is", 20);
+    let a = greedy(&m, "def fibonacci(n):", 20);
+    let b = greedy(&m, "def fibonacci(n):", 20);
     assert_eq!(a.tokens, expected);
     assert_eq!(a.tokens, b.tokens);
     assert_eq!(
         a.text,
-        " Paris.\n\nThe United States has a population of approximately 321 million people.\n"
+        "\n    if n == 0:\n        return 1\n    return n * fibonacci(n -"
     );
 }
 

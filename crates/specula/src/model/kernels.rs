@@ -489,34 +489,124 @@ mod avx2 {
     pub fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q8_0>(w), cast::<_, Q8_0>(x)) };
-        by_tiles!(q8_0_tile_avx2, w, x, out)
+        by_tiles!(q8_0_tile, w, x, out)
     }
 
-    // The 32-element block kernels below stay AVX2-only: their VNNI instantiations measured slower here
-    // (examples/matmul_rows: Q8_0 and Q4_1 at 1-2 rows), the per-block float work dominates them anyway.
+    pub fn q5_0_q8_0(w: &[BlockQ5_0], x: &[BlockQ8_0], out: &mut [f32]) {
+        // SAFETY: layouts checked in `layout`.
+        let (w, x) = unsafe { (cast::<_, Q5_0>(w), cast::<_, Q8_0>(x)) };
+        by_tiles!(q5_0_tile, w, x, out)
+    }
 
-    /// Signed 32-element weight blocks (Q8_0, Q5_0) against Q8_0 activations. Signed-by-signed byte products
-    /// go through the unsigned-by-signed instruction as |w| * (x * sign(w)).
+    pub fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1], out: &mut [f32]) {
+        // SAFETY: layouts checked in `layout`.
+        let (w, x) = unsafe { (cast::<_, Q4_1>(w), cast::<_, Q8_1>(x)) };
+        by_tiles!(q4_1_tile, w, x, out)
+    }
+
+    // The 32-element block types (Q8_0, Q5_0, Q4_1) carry one f16 scale per 32 weights, so per-block float work
+    // (convert the scales, multiply, convert the integer sum, accumulate) costs as much as the integer dot
+    // product. These kernels take blocks in groups of 8: each block's eight i32 partial sums are reduced into
+    // one lane of a single vector, and the group is scaled and accumulated with one convert and one FMA. A
+    // short last group is padded with zero sums and zero scales, which add exactly nothing. (VNNI variants
+    // measured no faster here: the integer part is not the bottleneck.)
+    const GROUP: usize = 8;
+
+    /// Lane j of the result = the sum of the eight lanes of `p[j]` (exact integer arithmetic).
+    #[inline(always)]
+    unsafe fn reduce8(p: &[__m256i; GROUP]) -> __m256i {
+        let h01 = _mm256_hadd_epi32(p[0], p[1]);
+        let h23 = _mm256_hadd_epi32(p[2], p[3]);
+        let h45 = _mm256_hadd_epi32(p[4], p[5]);
+        let h67 = _mm256_hadd_epi32(p[6], p[7]);
+        // q: [p0..p3 low-half sums | p0..p3 high-half sums]; r likewise for p4..p7.
+        let q = _mm256_hadd_epi32(h01, h23);
+        let r = _mm256_hadd_epi32(h45, h67);
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(q, r, 0x20),
+            _mm256_permute2x128_si256(q, r, 0x31),
+        )
+    }
+
+    /// Eight f16 values (zero past `n`) as f32 lanes, built in registers (a store of eight u16 followed by a
+    /// vector load would stall on store forwarding).
+    #[inline(always)]
+    unsafe fn f16x8(n: usize, get: impl Fn(usize) -> half::f16) -> __m256 {
+        let v = |j: usize| if j < n { get(j).to_bits() as i16 } else { 0 };
+        _mm256_cvtph_ps(_mm_setr_epi16(
+            v(0),
+            v(1),
+            v(2),
+            v(3),
+            v(4),
+            v(5),
+            v(6),
+            v(7),
+        ))
+    }
+
+    /// Signed-by-signed byte dot products via the unsigned-by-signed instruction: |w| * (x * sign(w)).
+    #[inline(always)]
+    unsafe fn dot_signed(abs_w: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        let p = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x, w));
+        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+    }
+
+    /// Signed 32-element weight blocks (Q8_0, Q5_0) against Q8_0 activations.
     macro_rules! signed_block_tile {
-        ($name:ident, $features:literal, $dot:path, $block:ty, $unpack:ident) => {
-            #[target_feature(enable = $features)]
+        ($name:ident, $group:ident, $block:ty, $unpack:ident, $hoist:expr) => {
+            /// One group of `n` <= 8 blocks starting at `g0`, for every row of the tile.
+            #[inline(always)]
+            unsafe fn $group<const R: usize>(
+                n: usize,
+                g0: usize,
+                w: &[$block],
+                x: &[Q8_0],
+                acc: &mut [__m256; R],
+            ) {
+                let nb = w.len();
+                // Unpacked weights are kept for all rows when unpacking costs more than reloading (Q5_0);
+                // Q8_0 blocks are reloaded per row, which keeps the group in registers.
+                let mut signed = [_mm256_setzero_si256(); GROUP];
+                let mut abs = [_mm256_setzero_si256(); GROUP];
+                if $hoist {
+                    for j in 0..n {
+                        signed[j] = $unpack(w.get_unchecked(g0 + j));
+                        abs[j] = _mm256_sign_epi8(signed[j], signed[j]);
+                    }
+                }
+                let dw = f16x8(n, |j| w.get_unchecked(g0 + j).d);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let xr = x.as_ptr().add(r * nb + g0);
+                    let mut p = [_mm256_setzero_si256(); GROUP];
+                    for j in 0..n {
+                        let xq = load((*xr.add(j)).qs.as_ptr() as *const u8);
+                        p[j] = if $hoist {
+                            dot_signed(abs[j], signed[j], xq)
+                        } else {
+                            let wj = $unpack(w.get_unchecked(g0 + j));
+                            dot_signed(_mm256_sign_epi8(wj, wj), wj, xq)
+                        };
+                    }
+                    let dx = f16x8(n, |j| (*xr.add(j)).d);
+                    *a =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(&p)), _mm256_mul_ps(dw, dx), *a);
+                }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn $name<const R: usize>(w: &[$block], x: &[Q8_0], out: &mut [f32]) {
                 let nb = w.len();
                 let mut acc = [_mm256_setzero_ps(); R];
-                for (b, wb) in w.iter().enumerate() {
-                    let wv = $unpack(wb);
-                    let abs_w = _mm256_sign_epi8(wv, wv);
-                    let d = wb.d.to_f32();
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let xb = x.get_unchecked(r * nb + b);
-                        let xv = _mm256_sign_epi8(load(xb.qs.as_ptr() as *const u8), wv);
-                        let p = $dot(_mm256_setzero_si256(), abs_w, xv);
-                        *a = _mm256_fmadd_ps(
-                            _mm256_set1_ps(d * xb.d.to_f32()),
-                            _mm256_cvtepi32_ps(p),
-                            *a,
-                        );
-                    }
+                let full = nb / GROUP * GROUP;
+                let mut g0 = 0;
+                while g0 < full {
+                    // A constant group size lets the compiler unroll and keep the group in registers.
+                    $group::<R>(GROUP, g0, w, x, &mut acc);
+                    g0 += GROUP;
+                }
+                if full < nb {
+                    $group::<R>(nb - full, full, w, x, &mut acc);
                 }
                 for (o, a) in out.iter_mut().zip(acc) {
                     *o = hsum(a);
@@ -529,19 +619,7 @@ mod avx2 {
     unsafe fn unpack_q8_0(b: &Q8_0) -> __m256i {
         load(b.qs.as_ptr() as *const u8)
     }
-    signed_block_tile!(
-        q8_0_tile_avx2,
-        "avx2,fma",
-        int::dot_u8i8_avx2,
-        Q8_0,
-        unpack_q8_0
-    );
-
-    pub fn q5_0_q8_0(w: &[BlockQ5_0], x: &[BlockQ8_0], out: &mut [f32]) {
-        // SAFETY: layouts checked in `layout`.
-        let (w, x) = unsafe { (cast::<_, Q5_0>(w), cast::<_, Q8_0>(x)) };
-        by_tiles!(q5_0_tile_avx2, w, x, out)
-    }
+    signed_block_tile!(q8_0_tile, q8_0_group, Q8_0, unpack_q8_0, false);
 
     /// 32 nibbles from 16 bytes: low nibbles are elements 0-15, high nibbles elements 16-31 (GGML order).
     #[inline(always)]
@@ -551,72 +629,80 @@ mod avx2 {
         _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
     }
 
-    /// A Q5_0 block as 32 signed bytes in [-16, 15]: nibble | fifth bit (bit i of `qh`) << 4, minus 16.
+    /// A Q5_0 block as 32 signed bytes in [-16, 15]: (nibble | fifth bit << 4) - 16, where the fifth bit of
+    /// element i is bit i of `qh`. Computed as: nibble when the bit is set, nibble | 0xF0 (= nibble - 16 in
+    /// two's complement) when it is not.
     #[inline(always)]
     unsafe fn unpack_q5_0(b: &Q5_0) -> __m256i {
-        // Byte i of the expanded high bits tests bit i of the 32-bit qh word.
+        // Byte i of the expanded bits looks at byte i / 8 of qh and keeps only bit i % 8 clear in the mask.
         let byte_of_bit = _mm256_setr_epi8(
             0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
         );
-        let bit_in_byte = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let other_bits = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfeu64 as i64);
         let qh = u32::from_le_bytes(b.qh);
-        let bits = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), byte_of_bit);
-        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, bit_in_byte), bit_in_byte);
-        let fifth = _mm256_and_si256(set, _mm256_set1_epi8(0x10));
-        _mm256_sub_epi8(
-            _mm256_or_si256(nibbles(b.qs.as_ptr()), fifth),
-            _mm256_set1_epi8(16),
-        )
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), byte_of_bit);
+        let bit_set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, other_bits), _mm256_set1_epi8(-1));
+        let high = _mm256_andnot_si256(bit_set, _mm256_set1_epi8(0xF0u8 as i8));
+        _mm256_or_si256(nibbles(b.qs.as_ptr()), high)
     }
-    signed_block_tile!(
-        q5_0_tile_avx2,
-        "avx2,fma",
-        int::dot_u8i8_avx2,
-        Q5_0,
-        unpack_q5_0
-    );
+    signed_block_tile!(q5_0_tile, q5_0_group, Q5_0, unpack_q5_0, true);
 
-    pub fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1], out: &mut [f32]) {
-        // SAFETY: layouts checked in `layout`.
-        let (w, x) = unsafe { (cast::<_, Q4_1>(w), cast::<_, Q8_1>(x)) };
-        by_tiles!(q4_1_tile_avx2, w, x, out)
-    }
-
-    macro_rules! q4_1_tile {
-        ($name:ident, $features:literal, $dot:path) => {
-            #[target_feature(enable = $features)]
-            unsafe fn $name<const R: usize>(w: &[Q4_1], x: &[Q8_1], out: &mut [f32]) {
-                let nb = w.len();
-                let mut acc = [_mm256_setzero_ps(); R];
-                // The weight offset times the activation block sum, accumulated separately per row.
-                let mut acc_offset = [0f32; R];
-                for (b, wb) in w.iter().enumerate() {
-                    let wv = nibbles(wb.qs.as_ptr());
-                    let d = wb.d.to_f32();
-                    let m = wb.m.to_f32();
-                    for r in 0..R {
-                        let xb = x.get_unchecked(r * nb + b);
-                        let p = $dot(
-                            _mm256_setzero_si256(),
-                            wv,
-                            load(xb.qs.as_ptr() as *const u8),
-                        );
-                        acc[r] = _mm256_fmadd_ps(
-                            _mm256_set1_ps(d * xb.d.to_f32()),
-                            _mm256_cvtepi32_ps(p),
-                            acc[r],
-                        );
-                        acc_offset[r] += m * xb.s.to_f32();
-                    }
-                }
-                for r in 0..R {
-                    out[r] = hsum(acc[r]) + acc_offset[r];
-                }
+    /// Q4_1 (unsigned nibbles with a per-block scale and offset) against Q8_1 activations:
+    /// sum_b d_w d_x sum(q x) + m_w s_x, where s_x = d_x sum(x). One group of `n` <= 8 blocks.
+    #[inline(always)]
+    unsafe fn q4_1_group<const R: usize>(
+        n: usize,
+        g0: usize,
+        w: &[Q4_1],
+        x: &[Q8_1],
+        acc: &mut [__m256; R],
+        acc_offset: &mut [__m256; R],
+    ) {
+        let nb = w.len();
+        let ones = _mm256_set1_epi16(1);
+        let mut q = [_mm256_setzero_si256(); GROUP];
+        for (j, qj) in q.iter_mut().enumerate().take(n) {
+            *qj = nibbles(w.get_unchecked(g0 + j).qs.as_ptr());
+        }
+        let dw = f16x8(n, |j| w.get_unchecked(g0 + j).d);
+        let mw = f16x8(n, |j| w.get_unchecked(g0 + j).m);
+        for r in 0..R {
+            let xr = x.as_ptr().add(r * nb + g0);
+            let mut p = [_mm256_setzero_si256(); GROUP];
+            for j in 0..n {
+                let xq = load((*xr.add(j)).qs.as_ptr() as *const u8);
+                p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xq), ones);
             }
-        };
+            let dx = f16x8(n, |j| (*xr.add(j)).d);
+            let sx = f16x8(n, |j| (*xr.add(j)).s);
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(reduce8(&p)),
+                _mm256_mul_ps(dw, dx),
+                acc[r],
+            );
+            acc_offset[r] = _mm256_fmadd_ps(mw, sx, acc_offset[r]);
+        }
     }
-    q4_1_tile!(q4_1_tile_avx2, "avx2,fma", int::dot_u8i8_avx2);
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_1_tile<const R: usize>(w: &[Q4_1], x: &[Q8_1], out: &mut [f32]) {
+        let nb = w.len();
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut acc_offset = [_mm256_setzero_ps(); R];
+        let full = nb / GROUP * GROUP;
+        let mut g0 = 0;
+        while g0 < full {
+            q4_1_group::<R>(GROUP, g0, w, x, &mut acc, &mut acc_offset);
+            g0 += GROUP;
+        }
+        if full < nb {
+            q4_1_group::<R>(nb - full, full, w, x, &mut acc, &mut acc_offset);
+        }
+        for r in 0..R {
+            out[r] = hsum(acc[r]) + hsum(acc_offset[r]);
+        }
+    }
 
     /// Runs `f` with the AVX2 kernels even on a VNNI machine (tests compare the two paths bitwise).
     #[cfg(test)]
