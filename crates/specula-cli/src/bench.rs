@@ -48,8 +48,10 @@ pub struct BenchArgs {
         allow_negative_numbers = true
     )]
     pub draft_tokens: Vec<i64>,
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
+    /// Shortest n-gram prompt lookup matches.
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true)]
     pub ngram_min: usize,
+    /// Longest n-gram prompt lookup tries first.
     #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
     pub ngram_max: usize,
     /// Passes over all prompts (more rounds average out noise).

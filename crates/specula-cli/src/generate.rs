@@ -110,8 +110,9 @@ pub struct DraftArgs {
     /// Tokens the drafter proposes per cycle (k).
     #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
     pub draft_tokens: usize,
-    /// Shortest n-gram prompt lookup matches.
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
+    /// Shortest n-gram prompt lookup matches (2: single-token matches draft too often and are rarely right;
+    /// see docs/benchmarks.md).
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true)]
     pub ngram_min: usize,
     /// Longest n-gram prompt lookup tries first.
     #[arg(long, default_value_t = 3, allow_negative_numbers = true)]

@@ -332,9 +332,12 @@ impl LlamaModel {
             {
                 let _span = prof.fine(FineKind::Attention, li);
                 ops::rms_norm(&x, &layer.attn_norm, eps, &mut normed);
-                layer.wq.matmul(&normed, n, &mut q);
-                layer.wk.matmul(&normed, n, &mut k);
-                layer.wv.matmul(&normed, n, &mut v);
+                Weight::matmul_many(
+                    &[&layer.wq, &layer.wk, &layer.wv],
+                    &normed,
+                    n,
+                    &mut [&mut q, &mut k, &mut v],
+                );
                 for (buf, bias, dim) in [
                     (&mut q, &layer.bq, q_dim),
                     (&mut k, &layer.bk, kv_dim),
@@ -372,8 +375,12 @@ impl LlamaModel {
             {
                 let _span = prof.fine(FineKind::Mlp, li);
                 ops::rms_norm(&x, &layer.ffn_norm, eps, &mut normed);
-                layer.w_gate.matmul(&normed, n, &mut gate);
-                layer.w_up.matmul(&normed, n, &mut up);
+                Weight::matmul_many(
+                    &[&layer.w_gate, &layer.w_up],
+                    &normed,
+                    n,
+                    &mut [&mut gate, &mut up],
+                );
                 for (g, &u) in gate.iter_mut().zip(&up) {
                     *g = ops::silu(*g) * u;
                 }

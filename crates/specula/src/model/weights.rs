@@ -165,6 +165,30 @@ macro_rules! with_blocks {
     };
 }
 
+/// Typed access to a `Storage`'s blocks (for code generic over the block type).
+trait FromStorage: Sized {
+    fn blocks(storage: &Storage) -> Option<&[Self]>;
+}
+
+macro_rules! from_storage {
+    ($($variant:ident => $t:ty),*) => {$(
+        impl FromStorage for $t {
+            fn blocks(storage: &Storage) -> Option<&[Self]> {
+                match storage {
+                    Storage::$variant(b) => Some(b),
+                    _ => None,
+                }
+            }
+        }
+    )*};
+}
+
+from_storage!(
+    F32 => f32, F16 => f16, BF16 => bf16, Q4_0 => BlockQ4_0, Q4_1 => BlockQ4_1, Q5_0 => BlockQ5_0,
+    Q5_1 => BlockQ5_1, Q8_0 => BlockQ8_0, Q2K => BlockQ2K, Q3K => BlockQ3K, Q4K => BlockQ4K,
+    Q5K => BlockQ5K, Q6K => BlockQ6K
+);
+
 /// A `rows x cols` matrix (or a vector when rows == 1) stored as the checkpoint stores it.
 pub struct Weight {
     storage: Storage,
@@ -388,6 +412,26 @@ impl Weight {
         })
     }
 
+    /// Several matmuls of the same input, e.g. the Q, K and V projections: `outs[i][m x rows_i] = x @ ws[i]^T`.
+    /// When the weights share a storage type and row length, the input is quantized once and all outputs are
+    /// computed in one parallel pass (fewer pool wake-ups, better balance for small matrices); the results are
+    /// bitwise those of separate `matmul` calls (same kernel, same quantized input).
+    pub fn matmul_many(ws: &[&Weight], x: &[f32], m: usize, outs: &mut [&mut [f32]]) {
+        assert_eq!(ws.len(), outs.len(), "matmul_many: one output per weight");
+        let Some(first) = ws.first() else { return };
+        let same = ws
+            .iter()
+            .all(|w| w.dtype() == first.dtype() && w.cols == first.cols);
+        if !same || ws.len() == 1 {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                w.matmul(x, m, out);
+            }
+            return;
+        }
+        let kernel = matmul_kernel();
+        with_blocks!(&first.storage, blocks => matmul_many_typed(blocks, ws, x, m, outs, kernel))
+    }
+
     /// Whether `matmul` has a multi-row kernel for this storage type in this build.
     pub fn has_fast_kernel(&self) -> bool {
         with_blocks!(&self.storage, blocks => fast_rows_dot_of(blocks).is_some())
@@ -439,9 +483,18 @@ fn matmul_blocks<T: BlockType>(
     out: &mut [f32],
     rows_dot: RowsDot<T, T::VecDotType>,
 ) {
-    let blocks_per_row = k / T::BLCK_SIZE;
+    let x_q = quantize_activations::<T>(x, m, k);
+    let part = Part {
+        weight,
+        rows: n,
+        out: SendPtr(out.as_mut_ptr()),
+    };
+    run_parts(std::slice::from_ref(&part), k, &x_q, m, rows_dot);
+}
+
+/// Activations quantized once per call to the kernel's partner type (Q8_0/Q8_1/Q8_K, or f32/f16).
+fn quantize_activations<T: BlockType>(x: &[f32], m: usize, k: usize) -> Vec<T::VecDotType> {
     let vd_per_row = k / T::VecDotType::BLCK_SIZE;
-    // Activations are quantized once per call to the kernel's partner type (Q8_0/Q8_1/Q8_K, or f32/f16).
     let mut x_q: Vec<T::VecDotType> = (0..m * vd_per_row)
         .map(|_| T::VecDotType::zeros())
         .collect();
@@ -451,25 +504,85 @@ fn matmul_blocks<T: BlockType>(
             &mut x_q[r * vd_per_row..(r + 1) * vd_per_row],
         );
     }
-    let out_ptr = SendPtr(out.as_mut_ptr());
-    let n_items = n.div_ceil(COLS_PER_ITEM);
+    x_q
+}
+
+/// One weight matrix of a (possibly grouped) matmul and where its `m x rows` output goes.
+struct Part<'a, T> {
+    weight: &'a [T],
+    rows: usize,
+    out: SendPtr,
+}
+
+/// Computes every part's output in one parallel pass over work items of COLS_PER_ITEM weight rows.
+fn run_parts<T: BlockType>(
+    parts: &[Part<'_, T>],
+    k: usize,
+    x_q: &[T::VecDotType],
+    m: usize,
+    rows_dot: RowsDot<T, T::VecDotType>,
+) {
+    let blocks_per_row = k / T::BLCK_SIZE;
+    // First work item of each part, and the total.
+    let mut first_item = Vec::with_capacity(parts.len() + 1);
+    let mut total = 0;
+    for p in parts {
+        first_item.push(total);
+        total += p.rows.div_ceil(COLS_PER_ITEM);
+    }
+    first_item.push(total);
     let work = |items: std::ops::Range<usize>| {
-        let out_ptr = &out_ptr;
         let mut col_out = vec![0f32; m];
+        let mut pi = 0;
         for item in items {
-            let col_start = item * COLS_PER_ITEM;
-            let col_end = (col_start + COLS_PER_ITEM).min(n);
+            while item >= first_item[pi + 1] {
+                pi += 1;
+            }
+            let part = &parts[pi];
+            let col_start = (item - first_item[pi]) * COLS_PER_ITEM;
+            let col_end = (col_start + COLS_PER_ITEM).min(part.rows);
             for col in col_start..col_end {
-                let w_row = &weight[col * blocks_per_row..(col + 1) * blocks_per_row];
-                rows_dot(w_row, &x_q, &mut col_out);
+                let w_row = &part.weight[col * blocks_per_row..(col + 1) * blocks_per_row];
+                rows_dot(w_row, x_q, &mut col_out);
                 for (r, &v) in col_out.iter().enumerate() {
-                    // SAFETY: each (r, col) is written by exactly one work item; out has m * n elements.
-                    unsafe { *out_ptr.0.add(r * n + col) = v };
+                    // SAFETY: each (part, r, col) is written by exactly one work item; each part's output
+                    // has m * rows elements.
+                    unsafe { *part.out.0.add(r * part.rows + col) = v };
                 }
             }
         }
     };
-    crate::parallel::run_chunked(n_items, work);
+    crate::parallel::run_chunked(total, work);
+}
+
+fn matmul_many_typed<T: BlockType + FastRowsDot + FromStorage>(
+    _first: &[T],
+    ws: &[&Weight],
+    x: &[f32],
+    m: usize,
+    outs: &mut [&mut [f32]],
+    kernel: MatmulKernel,
+) {
+    let k = ws[0].cols;
+    assert_eq!(x.len(), m * k, "matmul_many: input is not m x cols");
+    let parts: Vec<Part<'_, T>> = ws
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(w, out)| {
+            assert_eq!(out.len(), m * w.rows, "matmul_many: output is not m x rows");
+            Part {
+                weight: T::blocks(&w.storage).expect("same storage type checked by the caller"),
+                rows: w.rows,
+                out: SendPtr(out.as_mut_ptr()),
+            }
+        })
+        .collect();
+    let x_q = quantize_activations::<T>(x, m, k);
+    let fast = match kernel {
+        MatmulKernel::Fast => T::fast_rows_dot(),
+        MatmulKernel::Reference => None,
+    };
+    run_parts(&parts, k, &x_q, m, fast.unwrap_or(reference_rows_dot::<T>));
 }
 
 struct SendPtr(*mut f32);
@@ -532,6 +645,39 @@ mod tests {
                 assert!((a - b).abs() <= 0.02 * scale, "{}: {a} vs {b}", ty.name());
             }
         }
+    }
+
+    #[test]
+    fn grouped_matmul_equals_separate_matmuls_bitwise() {
+        let (k, m) = (512, 3);
+        let x = pseudo_random(m * k, 9);
+        for ty in [GgmlType::Q4K, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::F32] {
+            let ws: Vec<Weight> = [40, 7, 23]
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    Weight::quantize(&pseudo_random(n * k, 20 + i as u64), n, k, ty).unwrap()
+                })
+                .collect();
+            let mut separate: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
+            for (w, out) in ws.iter().zip(separate.iter_mut()) {
+                w.matmul(&x, m, out);
+            }
+            let mut grouped: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
+            let refs: Vec<&Weight> = ws.iter().collect();
+            let mut outs: Vec<&mut [f32]> = grouped.iter_mut().map(|v| v.as_mut_slice()).collect();
+            Weight::matmul_many(&refs, &x, m, &mut outs);
+            assert_eq!(grouped, separate, "{}", ty.name());
+        }
+        // Mixed types fall back to separate matmuls.
+        let a = Weight::quantize(&pseudo_random(32 * k, 1), 32, k, GgmlType::Q4K).unwrap();
+        let b = Weight::quantize(&pseudo_random(16 * k, 2), 16, k, GgmlType::Q6K).unwrap();
+        let (mut oa, mut ob) = (vec![0f32; m * 32], vec![0f32; m * 16]);
+        Weight::matmul_many(&[&a, &b], &x, m, &mut [&mut oa, &mut ob]);
+        let (mut ea, mut eb) = (vec![0f32; m * 32], vec![0f32; m * 16]);
+        a.matmul(&x, m, &mut ea);
+        b.matmul(&x, m, &mut eb);
+        assert_eq!((oa, ob), (ea, eb));
     }
 
     #[test]
