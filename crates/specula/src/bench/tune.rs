@@ -224,6 +224,9 @@ pub struct TuneResult {
 
 /// verify(n) for fractional n: linear interpolation on the curve, linear extrapolation past its end.
 fn verify_at(curve: &[f64], n: f64) -> f64 {
+    if curve.len() < 2 {
+        return curve.first().copied().unwrap_or(0.0);
+    }
     let last = curve.len() - 1;
     let x = (n - 1.0).max(0.0);
     let i = (x.floor() as usize).min(last - 1);
