@@ -6,9 +6,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use specula::bench::{self, BadLines, BenchReport, BenchSpec, DraftMethod, TuneInput};
-use specula::sampling::SamplingParams;
 
-use crate::generate::{load, write_json, ModelArgs};
+use crate::generate::{load, parse_draft_choice, write_json, DraftChoice, ModelArgs, SamplingArgs};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -57,15 +56,9 @@ pub struct BenchArgs {
     /// Passes over all prompts (more rounds average out noise).
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub rounds: usize,
-    /// Sampling temperature (0 = greedy; greedy runs also check that speculation reproduces plain decoding).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    pub temperature: f32,
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    pub top_p: f32,
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    pub top_k: usize,
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    pub seed: u64,
+    /// Sampling (temperature 0 = greedy; greedy runs also check that speculation reproduces plain decoding).
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Generate exactly --max-tokens per run (ignore end-of-turn tokens).
     #[arg(long)]
     pub ignore_eos: bool,
@@ -96,18 +89,16 @@ pub struct TuneArgs {
 }
 
 fn method(args: &BenchArgs) -> anyhow::Result<Option<DraftMethod>> {
-    Ok(match (args.draft.as_deref(), &args.draft_model) {
-        (None, None) => None,
-        (Some("ngram"), Some(_)) => {
-            anyhow::bail!("--draft ngram needs no model; drop --draft-model (or use --draft model)")
-        }
-        (Some("ngram"), None) => Some(DraftMethod::Ngram {
-            min_n: args.ngram_min,
-            max_n: args.ngram_max,
-        }),
-        (Some("model") | None, Some(_)) => Some(DraftMethod::Model),
-        (Some("model"), None) => anyhow::bail!("--draft model needs --draft-model PATH|NAME"),
-        (Some(other), _) => anyhow::bail!("unknown --draft method {other:?} (use model or ngram)"),
+    let choice = parse_draft_choice(
+        args.draft.as_deref(),
+        &args.draft_model,
+        args.ngram_min,
+        args.ngram_max,
+    )?;
+    Ok(match choice {
+        DraftChoice::None => None,
+        DraftChoice::Model(_) => Some(DraftMethod::Model),
+        DraftChoice::Ngram { min_n, max_n } => Some(DraftMethod::Ngram { min_n, max_n }),
     })
 }
 
@@ -133,13 +124,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         .ok_or_else(|| anyhow::anyhow!("give a prompts file with --prompts FILE.jsonl"))?;
     let method = method(args)?;
     let ks = draft_tokens(args)?;
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-    };
-    sampling.validate()?;
+    let sampling = args.sampling.params()?;
     if args.max_tokens == 0 {
         anyhow::bail!("--max-tokens must be at least 1");
     }

@@ -44,6 +44,36 @@ pub struct ModelArgs {
     pub threads: Option<usize>,
 }
 
+#[derive(clap::Args, Clone)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub top_k: usize,
+    /// RNG seed for sampling.
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    /// The sampling parameters, validated.
+    pub fn params(&self) -> anyhow::Result<SamplingParams> {
+        let p = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        };
+        p.validate()?;
+        Ok(p)
+    }
+}
+
 #[derive(clap::Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
@@ -68,18 +98,8 @@ pub struct GenerateArgs {
         allow_negative_numbers = true
     )]
     pub max_tokens: usize,
-    /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    pub temperature: f32,
-    /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    pub top_p: f32,
-    /// Keep only the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    pub top_k: usize,
-    /// RNG seed for sampling.
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Keep generating past end-of-turn tokens (fixed-length runs for benchmarks).
     #[arg(long)]
     pub ignore_eos: bool,
@@ -128,20 +148,35 @@ pub enum DraftChoice {
 
 impl DraftArgs {
     pub fn choice(&self) -> anyhow::Result<DraftChoice> {
-        match (self.draft.as_deref(), &self.draft_model) {
-            (None, None) => Ok(DraftChoice::None),
-            (Some("ngram"), Some(_)) => anyhow::bail!(
-                "--draft ngram needs no model; drop --draft-model (or use --draft model)"
-            ),
-            (Some("ngram"), None) => Ok(DraftChoice::Ngram {
-                min_n: self.ngram_min,
-                max_n: self.ngram_max,
-            }),
-            (Some("model") | None, Some(m)) => Ok(DraftChoice::Model(m.clone())),
-            (Some("model"), None) => anyhow::bail!("--draft model needs --draft-model PATH|NAME"),
-            (Some(other), _) => {
-                anyhow::bail!("unknown --draft method {other:?} (use model or ngram)")
-            }
+        parse_draft_choice(
+            self.draft.as_deref(),
+            &self.draft_model,
+            self.ngram_min,
+            self.ngram_max,
+        )
+    }
+}
+
+/// `--draft` and `--draft-model` together (shared by generate, bench and tune).
+pub fn parse_draft_choice(
+    draft: Option<&str>,
+    draft_model: &Option<String>,
+    ngram_min: usize,
+    ngram_max: usize,
+) -> anyhow::Result<DraftChoice> {
+    match (draft, draft_model) {
+        (None, None) => Ok(DraftChoice::None),
+        (Some("ngram"), Some(_)) => {
+            anyhow::bail!("--draft ngram needs no model; drop --draft-model (or use --draft model)")
+        }
+        (Some("ngram"), None) => Ok(DraftChoice::Ngram {
+            min_n: ngram_min,
+            max_n: ngram_max,
+        }),
+        (Some("model") | None, Some(m)) => Ok(DraftChoice::Model(m.clone())),
+        (Some("model"), None) => anyhow::bail!("--draft model needs --draft-model PATH|NAME"),
+        (Some(other), _) => {
+            anyhow::bail!("unknown --draft method {other:?} (use model or ngram)")
         }
     }
 }
@@ -161,13 +196,7 @@ pub fn load(args: &ModelArgs) -> anyhow::Result<(specula::model::LoadedModel, us
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let wall = Instant::now();
     let prompt = crate::read_prompt(&args.prompt, &args.prompt_file)?;
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-    };
-    sampling.validate()?;
+    let sampling = args.sampling.params()?;
     if args.max_tokens == 0 {
         anyhow::bail!("--max-tokens must be at least 1");
     }
@@ -198,7 +227,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         DraftChoice::None => None,
         DraftChoice::Model(_) => draft_loaded.as_ref().map(|d| {
             Box::new(specula::draft::model::ModelDrafter::new(
-                &d.model, args.seed,
+                &d.model,
+                sampling.seed,
             )) as Box<dyn specula::draft::Drafter>
         }),
         DraftChoice::Ngram { min_n, max_n } => Some(Box::new(
