@@ -16,8 +16,61 @@ use candle_core::quantized::k_quants::{
 };
 
 /// `out[r] = dot(weight_row, x[r])` for the `out.len()` activation rows stored back to back in `x`
-/// (each `weight_row.len()` blocks long).
-pub type RowsDot<W, X> = fn(weight_row: &[W], x: &[X], out: &mut [f32]);
+/// (each `weight_row.len()` blocks long). `x_scales` holds the activations' per-block scales as f32
+/// ([`ActivationScales`], computed once per matmul call instead of once per weight row).
+pub type RowsDot<W, X> = fn(weight_row: &[W], x: &[X], x_scales: &[f32], out: &mut [f32]);
+
+/// Per-block scales of quantized activations as f32, row by row: for each row, the scale `d` of each block,
+/// then (Q8_1) the block sums `s`. Types whose kernels read their scales directly store nothing.
+pub trait ActivationScales: Sized {
+    fn scales(_x: &[Self], _blocks_per_row: usize, _out: &mut Vec<f32>) {}
+}
+
+impl ActivationScales for f32 {}
+impl ActivationScales for half::f16 {}
+impl ActivationScales for half::bf16 {}
+impl ActivationScales for candle_core::quantized::k_quants::BlockQ8K {}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+impl ActivationScales for BlockQ8_0 {
+    fn scales(x: &[Self], _blocks_per_row: usize, out: &mut Vec<f32>) {
+        // SAFETY: layouts checked in `layout`.
+        let x = unsafe { layout::cast::<_, layout::Q8_0>(x) };
+        out.extend(x.iter().map(|b| b.d.to_f32()));
+    }
+}
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+impl ActivationScales for BlockQ8_0 {}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+impl ActivationScales for candle_core::quantized::k_quants::BlockQ8_1 {
+    fn scales(x: &[Self], blocks_per_row: usize, out: &mut Vec<f32>) {
+        // SAFETY: layouts checked in `layout`.
+        let x = unsafe { layout::cast::<_, layout::Q8_1>(x) };
+        for row in x.chunks(blocks_per_row.max(1)) {
+            out.extend(row.iter().map(|b| b.d.to_f32()));
+            out.extend(row.iter().map(|b| b.s.to_f32()));
+        }
+    }
+}
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+impl ActivationScales for candle_core::quantized::k_quants::BlockQ8_1 {}
 
 /// The multi-row kernel for a weight type, if this build has one.
 pub trait FastRowsDot: GgmlType + Sized {
@@ -77,7 +130,12 @@ fast_kernel!(BlockQ5_0, q5_0_q8_0);
 fast_kernel!(BlockQ4_1, q4_1_q8_1);
 
 /// The simple reference: candle's single-row `vec_dot`, once per activation row.
-pub fn reference_rows_dot<T: GgmlType>(weight_row: &[T], x: &[T::VecDotType], out: &mut [f32]) {
+pub fn reference_rows_dot<T: GgmlType>(
+    weight_row: &[T],
+    x: &[T::VecDotType],
+    _x_scales: &[f32],
+    out: &mut [f32],
+) {
     let blocks = weight_row.len();
     let k = blocks * T::BLCK_SIZE;
     let x_blocks = k / T::VecDotType::BLCK_SIZE;
@@ -196,10 +254,26 @@ mod avx2 {
         })
     }
 
+    /// Whether the CPU has AVX-512 BW + VL (byte masks on 256-bit vectors), checked once. Kernels using them
+    /// compute the same bytes as their AVX2 versions (tested).
+    fn has_avx512bw() -> bool {
+        #[cfg(test)]
+        if FORCE_AVX2.with(|c| c.get()) {
+            return false;
+        }
+        static AVX512BW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVX512BW.get_or_init(|| {
+            std::env::var_os("SPECULA_NO_AVX512").is_none()
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+        })
+    }
+
     /// Splits the rows into tiles of at most MAX_TILE and runs the const-generic tile kernel on each.
     macro_rules! by_tiles {
-        ($tile:ident, $w:expr, $x:expr, $out:expr) => {{
-            let (w, x, out) = ($w, $x, $out);
+        ($tile:ident, $w:expr, $x:expr, $scales:expr, $scale_stride:expr, $out:expr) => {{
+            let (w, x, scales, out) = ($w, $x, $scales, $out);
             let nb = w.len();
             let m = out.len();
             debug_assert_eq!(x.len(), m * nb);
@@ -207,19 +281,25 @@ mod avx2 {
             while r0 < m {
                 let t = (m - r0).min(MAX_TILE);
                 let xs = &x[r0 * nb..(r0 + t) * nb];
+                let stride: usize = $scale_stride;
+                let ss: &[f32] = if stride == 0 {
+                    &[]
+                } else {
+                    &scales[r0 * stride * nb..(r0 + t) * stride * nb]
+                };
                 let o = &mut out[r0..r0 + t];
                 // SAFETY: AVX2 and FMA are enabled for this build (module cfg); the tile kernels index only
                 // within `w`, `xs` (t rows of nb blocks) and `o`.
                 unsafe {
                     match t {
-                        1 => $tile::<1>(w, xs, o),
-                        2 => $tile::<2>(w, xs, o),
-                        3 => $tile::<3>(w, xs, o),
-                        4 => $tile::<4>(w, xs, o),
-                        5 => $tile::<5>(w, xs, o),
-                        6 => $tile::<6>(w, xs, o),
-                        7 => $tile::<7>(w, xs, o),
-                        _ => $tile::<8>(w, xs, o),
+                        1 => $tile::<1>(w, xs, ss, o),
+                        2 => $tile::<2>(w, xs, ss, o),
+                        3 => $tile::<3>(w, xs, ss, o),
+                        4 => $tile::<4>(w, xs, ss, o),
+                        5 => $tile::<5>(w, xs, ss, o),
+                        6 => $tile::<6>(w, xs, ss, o),
+                        7 => $tile::<7>(w, xs, ss, o),
+                        _ => $tile::<8>(w, xs, ss, o),
                     }
                 }
                 r0 += t;
@@ -231,9 +311,9 @@ mod avx2 {
     macro_rules! dispatch {
         ($vnni:ident, $avx2:ident, $w:expr, $x:expr, $out:expr) => {
             if has_vnni() {
-                by_tiles!($vnni, $w, $x, $out)
+                by_tiles!($vnni, $w, $x, &[], 0, $out)
             } else {
-                by_tiles!($avx2, $w, $x, $out)
+                by_tiles!($avx2, $w, $x, &[], 0, $out)
             }
         };
     }
@@ -318,7 +398,7 @@ mod avx2 {
         (sc, mn)
     }
 
-    pub fn q4k_q8k(w: &[BlockQ4K], x: &[BlockQ8K], out: &mut [f32]) {
+    pub fn q4k_q8k(w: &[BlockQ4K], x: &[BlockQ8K], _x_scales: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q4K>(w), cast::<_, Q8K>(x)) };
         dispatch!(q4k_tile_vnni, q4k_tile_avx2, w, x, out)
@@ -337,7 +417,7 @@ mod avx2 {
     macro_rules! q4k_tile {
         ($name:ident, $features:literal, $scaled_pair:path) => {
             #[target_feature(enable = $features)]
-            unsafe fn $name<const R: usize>(w: &[Q4K], x: &[Q8K], out: &mut [f32]) {
+            unsafe fn $name<const R: usize>(w: &[Q4K], x: &[Q8K], _s: &[f32], out: &mut [f32]) {
                 let nb = w.len();
                 let m4 = _mm256_set1_epi8(0x0F);
                 let mut acc = [_mm256_setzero_ps(); R];
@@ -399,7 +479,7 @@ mod avx2 {
         int::scaled_pair_vnni
     );
 
-    pub fn q6k_q8k(w: &[BlockQ6K], x: &[BlockQ8K], out: &mut [f32]) {
+    pub fn q6k_q8k(w: &[BlockQ6K], x: &[BlockQ8K], _x_scales: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q6K>(w), cast::<_, Q8K>(x)) };
         dispatch!(q6k_tile_vnni, q6k_tile_avx2, w, x, out)
@@ -408,7 +488,7 @@ mod avx2 {
     macro_rules! q6k_tile {
         ($name:ident, $features:literal, $scaled_pair:path) => {
             #[target_feature(enable = $features)]
-            unsafe fn $name<const R: usize>(w: &[Q6K], x: &[Q8K], out: &mut [f32]) {
+            unsafe fn $name<const R: usize>(w: &[Q6K], x: &[Q8K], _s: &[f32], out: &mut [f32]) {
                 let nb = w.len();
                 let m4 = _mm256_set1_epi8(0x0F);
                 let m2 = _mm256_set1_epi8(0x03);
@@ -486,22 +566,26 @@ mod avx2 {
         int::scaled_pair_vnni
     );
 
-    pub fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0], out: &mut [f32]) {
+    pub fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0], x_scales: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q8_0>(w), cast::<_, Q8_0>(x)) };
-        by_tiles!(q8_0_tile, w, x, out)
+        by_tiles!(q8_0_tile, w, x, x_scales, 1, out)
     }
 
-    pub fn q5_0_q8_0(w: &[BlockQ5_0], x: &[BlockQ8_0], out: &mut [f32]) {
+    pub fn q5_0_q8_0(w: &[BlockQ5_0], x: &[BlockQ8_0], x_scales: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q5_0>(w), cast::<_, Q8_0>(x)) };
-        by_tiles!(q5_0_tile, w, x, out)
+        if has_avx512bw() {
+            by_tiles!(q5_0_tile_avx512, w, x, x_scales, 1, out)
+        } else {
+            by_tiles!(q5_0_tile_avx2, w, x, x_scales, 1, out)
+        }
     }
 
-    pub fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1], out: &mut [f32]) {
+    pub fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1], x_scales: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q4_1>(w), cast::<_, Q8_1>(x)) };
-        by_tiles!(q4_1_tile, w, x, out)
+        by_tiles!(q4_1_tile, w, x, x_scales, 2, out)
     }
 
     // The 32-element block types (Q8_0, Q5_0, Q4_1) carry one f16 scale per 32 weights, so per-block float work
@@ -545,6 +629,18 @@ mod avx2 {
         ))
     }
 
+    /// Eight f32 values from `p` (zero past `n`, without reading past it).
+    #[inline(always)]
+    unsafe fn f32x8(n: usize, p: *const f32) -> __m256 {
+        if n == GROUP {
+            _mm256_loadu_ps(p)
+        } else {
+            let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lanes);
+            _mm256_maskload_ps(p, mask)
+        }
+    }
+
     /// Signed-by-signed byte dot products via the unsigned-by-signed instruction: |w| * (x * sign(w)).
     #[inline(always)]
     unsafe fn dot_signed(abs_w: __m256i, w: __m256i, x: __m256i) -> __m256i {
@@ -553,60 +649,63 @@ mod avx2 {
     }
 
     /// Signed 32-element weight blocks (Q8_0, Q5_0) against Q8_0 activations.
-    macro_rules! signed_block_tile {
-        ($name:ident, $group:ident, $block:ty, $unpack:ident, $hoist:expr) => {
-            /// One group of `n` <= 8 blocks starting at `g0`, for every row of the tile.
-            #[inline(always)]
-            unsafe fn $group<const R: usize>(
-                n: usize,
-                g0: usize,
-                w: &[$block],
-                x: &[Q8_0],
-                acc: &mut [__m256; R],
-            ) {
-                let nb = w.len();
-                // Unpacked weights are kept for all rows when unpacking costs more than reloading (Q5_0);
-                // Q8_0 blocks are reloaded per row, which keeps the group in registers.
-                let mut signed = [_mm256_setzero_si256(); GROUP];
-                let mut abs = [_mm256_setzero_si256(); GROUP];
-                if $hoist {
-                    for j in 0..n {
-                        signed[j] = $unpack(w.get_unchecked(g0 + j));
-                        abs[j] = _mm256_sign_epi8(signed[j], signed[j]);
-                    }
-                }
-                let dw = f16x8(n, |j| w.get_unchecked(g0 + j).d);
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let xr = x.as_ptr().add(r * nb + g0);
-                    let mut p = [_mm256_setzero_si256(); GROUP];
-                    for j in 0..n {
-                        let xq = load((*xr.add(j)).qs.as_ptr() as *const u8);
-                        p[j] = if $hoist {
-                            dot_signed(abs[j], signed[j], xq)
-                        } else {
-                            let wj = $unpack(w.get_unchecked(g0 + j));
-                            dot_signed(_mm256_sign_epi8(wj, wj), wj, xq)
-                        };
-                    }
-                    let dx = f16x8(n, |j| (*xr.add(j)).d);
-                    *a =
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(&p)), _mm256_mul_ps(dw, dx), *a);
+    /// One group of `$n` <= 8 blocks starting at `$g0`, for every row of the tile (a macro, not a function, so
+    /// that it is expanded inside each tile function with that function's target features, and so that a
+    /// constant `$n` lets the compiler unroll the group and keep it in registers).
+    macro_rules! signed_group {
+        ($n:expr, $g0:expr, $w:ident, $x:ident, $scales:ident, $acc:ident, $unpack:ident, $hoist:expr) => {{
+            let n: usize = $n;
+            let g0: usize = $g0;
+            let nb = $w.len();
+            // Unpacked weights are kept for all rows when unpacking costs more than reloading (Q5_0);
+            // Q8_0 blocks are reloaded per row, which keeps the group in registers.
+            let mut signed = [_mm256_setzero_si256(); GROUP];
+            let mut abs = [_mm256_setzero_si256(); GROUP];
+            if $hoist {
+                for j in 0..n {
+                    signed[j] = $unpack($w.get_unchecked(g0 + j));
+                    abs[j] = _mm256_sign_epi8(signed[j], signed[j]);
                 }
             }
+            let dw = f16x8(n, |j| $w.get_unchecked(g0 + j).d);
+            for (r, a) in $acc.iter_mut().enumerate() {
+                let xr = $x.as_ptr().add(r * nb + g0);
+                let mut p = [_mm256_setzero_si256(); GROUP];
+                for j in 0..n {
+                    let xq = load((*xr.add(j)).qs.as_ptr() as *const u8);
+                    p[j] = if $hoist {
+                        dot_signed(abs[j], signed[j], xq)
+                    } else {
+                        let wj = $unpack($w.get_unchecked(g0 + j));
+                        dot_signed(_mm256_sign_epi8(wj, wj), wj, xq)
+                    };
+                }
+                let dx = f32x8(n, $scales.as_ptr().add(r * nb + g0));
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(&p)), _mm256_mul_ps(dw, dx), *a);
+            }
+        }};
+    }
 
-            #[target_feature(enable = "avx2,fma,f16c")]
-            unsafe fn $name<const R: usize>(w: &[$block], x: &[Q8_0], out: &mut [f32]) {
+    /// Signed 32-element weight blocks (Q8_0, Q5_0) against Q8_0 activations.
+    macro_rules! signed_block_tile {
+        ($name:ident, $features:literal, $block:ty, $unpack:ident, $hoist:expr) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize>(
+                w: &[$block],
+                x: &[Q8_0],
+                scales: &[f32],
+                out: &mut [f32],
+            ) {
                 let nb = w.len();
                 let mut acc = [_mm256_setzero_ps(); R];
                 let full = nb / GROUP * GROUP;
                 let mut g0 = 0;
                 while g0 < full {
-                    // A constant group size lets the compiler unroll and keep the group in registers.
-                    $group::<R>(GROUP, g0, w, x, &mut acc);
+                    signed_group!(GROUP, g0, w, x, scales, acc, $unpack, $hoist);
                     g0 += GROUP;
                 }
                 if full < nb {
-                    $group::<R>(nb - full, full, w, x, &mut acc);
+                    signed_group!(nb - full, full, w, x, scales, acc, $unpack, $hoist);
                 }
                 for (o, a) in out.iter_mut().zip(acc) {
                     *o = hsum(a);
@@ -619,7 +718,7 @@ mod avx2 {
     unsafe fn unpack_q8_0(b: &Q8_0) -> __m256i {
         load(b.qs.as_ptr() as *const u8)
     }
-    signed_block_tile!(q8_0_tile, q8_0_group, Q8_0, unpack_q8_0, false);
+    signed_block_tile!(q8_0_tile, "avx2,fma,f16c", Q8_0, unpack_q8_0, false);
 
     /// 32 nibbles from 16 bytes: low nibbles are elements 0-15, high nibbles elements 16-31 (GGML order).
     #[inline(always)]
@@ -646,7 +745,24 @@ mod avx2 {
         let high = _mm256_andnot_si256(bit_set, _mm256_set1_epi8(0xF0u8 as i8));
         _mm256_or_si256(nibbles(b.qs.as_ptr()), high)
     }
-    signed_block_tile!(q5_0_tile, q5_0_group, Q5_0, unpack_q5_0, true);
+    signed_block_tile!(q5_0_tile_avx2, "avx2,fma,f16c", Q5_0, unpack_q5_0, true);
+
+    /// `unpack_q5_0` with AVX-512 byte masks: the fifth bits are a 32-bit mask, so "0xF0 where the bit is
+    /// clear" is one masked move instead of a broadcast, shuffle, compare and and-not. The same bytes exactly.
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+    unsafe fn unpack_q5_0_avx512(b: &Q5_0) -> __m256i {
+        let qh = u32::from_le_bytes(b.qh);
+        let high = _mm256_maskz_mov_epi8(!qh, _mm256_set1_epi8(0xF0u8 as i8));
+        _mm256_or_si256(nibbles(b.qs.as_ptr()), high)
+    }
+    signed_block_tile!(
+        q5_0_tile_avx512,
+        "avx2,fma,f16c,avx512f,avx512bw,avx512vl",
+        Q5_0,
+        unpack_q5_0_avx512,
+        true
+    );
 
     /// Q4_1 (unsigned nibbles with a per-block scale and offset) against Q8_1 activations:
     /// sum_b d_w d_x sum(q x) + m_w s_x, where s_x = d_x sum(x). One group of `n` <= 8 blocks.
@@ -656,6 +772,7 @@ mod avx2 {
         g0: usize,
         w: &[Q4_1],
         x: &[Q8_1],
+        scales: &[f32],
         acc: &mut [__m256; R],
         acc_offset: &mut [__m256; R],
     ) {
@@ -674,8 +791,9 @@ mod avx2 {
                 let xq = load((*xr.add(j)).qs.as_ptr() as *const u8);
                 p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xq), ones);
             }
-            let dx = f16x8(n, |j| (*xr.add(j)).d);
-            let sx = f16x8(n, |j| (*xr.add(j)).s);
+            // Row r's scales: nb values of d, then nb values of s.
+            let dx = f32x8(n, scales.as_ptr().add(2 * r * nb + g0));
+            let sx = f32x8(n, scales.as_ptr().add(2 * r * nb + nb + g0));
             acc[r] = _mm256_fmadd_ps(
                 _mm256_cvtepi32_ps(reduce8(&p)),
                 _mm256_mul_ps(dw, dx),
@@ -686,18 +804,18 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_1_tile<const R: usize>(w: &[Q4_1], x: &[Q8_1], out: &mut [f32]) {
+    unsafe fn q4_1_tile<const R: usize>(w: &[Q4_1], x: &[Q8_1], scales: &[f32], out: &mut [f32]) {
         let nb = w.len();
         let mut acc = [_mm256_setzero_ps(); R];
         let mut acc_offset = [_mm256_setzero_ps(); R];
         let full = nb / GROUP * GROUP;
         let mut g0 = 0;
         while g0 < full {
-            q4_1_group::<R>(GROUP, g0, w, x, &mut acc, &mut acc_offset);
+            q4_1_group::<R>(GROUP, g0, w, x, scales, &mut acc, &mut acc_offset);
             g0 += GROUP;
         }
         if full < nb {
-            q4_1_group::<R>(nb - full, full, w, x, &mut acc, &mut acc_offset);
+            q4_1_group::<R>(nb - full, full, w, x, scales, &mut acc, &mut acc_offset);
         }
         for r in 0..R {
             out[r] = hsum(acc[r]) + hsum(acc_offset[r]);
@@ -744,7 +862,16 @@ mod tests {
     /// The fast kernel agrees with the per-row reference for every row count up to two full tiles plus one
     /// (so several tile sizes and multi-pass splits are exercised), within float reassociation error, and
     /// each row's result does not depend on the row count (bitwise).
-    fn check<T: FastRowsDot>(k: usize, seed: u64) {
+    /// Rows r0..r1 of per-row activation scales computed for `rows` rows.
+    fn row_scales(sc: &[f32], rows: usize, r0: usize, r1: usize) -> &[f32] {
+        let stride = sc.len() / rows;
+        &sc[r0 * stride..r1 * stride]
+    }
+
+    fn check<T: FastRowsDot>(k: usize, seed: u64)
+    where
+        T::VecDotType: ActivationScales,
+    {
         let Some(fast) = T::fast_rows_dot() else {
             return;
         };
@@ -759,16 +886,28 @@ mod tests {
         }
         let x: Vec<T::VecDotType> = quantize(&xf);
         let mut reference = vec![0f32; max_rows];
-        reference_rows_dot(&w, &x, &mut reference);
+        let mut sc = Vec::new();
+        T::VecDotType::scales(&x, w.len(), &mut sc);
+        reference_rows_dot(&w, &x, &sc, &mut reference);
         let magnitude: f32 = reference.iter().map(|v| v.abs()).fold(1.0, f32::max);
         let mut single = vec![0f32; max_rows];
         for (r, s) in single.iter_mut().enumerate() {
             let xb = x.len() / max_rows;
-            fast(&w, &x[r * xb..(r + 1) * xb], std::slice::from_mut(s));
+            fast(
+                &w,
+                &x[r * xb..(r + 1) * xb],
+                row_scales(&sc, max_rows, r, r + 1),
+                std::slice::from_mut(s),
+            );
         }
         for m in 1..=max_rows {
             let mut out = vec![0f32; m];
-            fast(&w, &x[..m * (x.len() / max_rows)], &mut out);
+            fast(
+                &w,
+                &x[..m * (x.len() / max_rows)],
+                row_scales(&sc, max_rows, 0, m),
+                &mut out,
+            );
             for r in 0..m {
                 assert!(
                     (out[r] - reference[r]).abs() <= 1e-5 * magnitude,
@@ -807,15 +946,20 @@ mod tests {
     ))]
     #[test]
     fn vnni_and_avx2_kernels_agree_bitwise() {
-        fn both<T: FastRowsDot>(k: usize, seed: u64) {
+        fn both<T: FastRowsDot>(k: usize, seed: u64)
+        where
+            T::VecDotType: ActivationScales,
+        {
             let fast = T::fast_rows_dot().unwrap();
             let w: Vec<T> = quantize(&pseudo_random(k, seed));
             let m = 6;
             let x: Vec<T::VecDotType> = quantize(&pseudo_random(m * k, seed + 7));
             let mut default_path = vec![0f32; m];
-            fast(&w, &x, &mut default_path);
+            let mut sc = Vec::new();
+            T::VecDotType::scales(&x, w.len(), &mut sc);
+            fast(&w, &x, &sc, &mut default_path);
             let mut avx2_path = vec![0f32; m];
-            avx2::with_avx2_only(|| fast(&w, &x, &mut avx2_path));
+            avx2::with_avx2_only(|| fast(&w, &x, &sc, &mut avx2_path));
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(
                 bits(&default_path),

@@ -13,7 +13,7 @@ use candle_core::quantized::k_quants::{
 };
 use half::{bf16, f16};
 
-use super::kernels::{reference_rows_dot, FastRowsDot, RowsDot};
+use super::kernels::{reference_rows_dot, ActivationScales, FastRowsDot, RowsDot};
 
 /// The GGML storage types specula computes with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -482,18 +482,28 @@ fn matmul_blocks<T: BlockType>(
     m: usize,
     out: &mut [f32],
     rows_dot: RowsDot<T, T::VecDotType>,
-) {
-    let x_q = quantize_activations::<T>(x, m, k);
+) where
+    T::VecDotType: ActivationScales,
+{
+    let (x_q, x_scales) = quantize_activations::<T>(x, m, k);
     let part = Part {
         weight,
         rows: n,
         out: SendPtr(out.as_mut_ptr()),
     };
-    run_parts(std::slice::from_ref(&part), k, &x_q, m, rows_dot);
+    run_parts(std::slice::from_ref(&part), k, &x_q, &x_scales, m, rows_dot);
 }
 
-/// Activations quantized once per call to the kernel's partner type (Q8_0/Q8_1/Q8_K, or f32/f16).
-fn quantize_activations<T: BlockType>(x: &[f32], m: usize, k: usize) -> Vec<T::VecDotType> {
+/// Activations quantized once per call to the kernel's partner type (Q8_0/Q8_1/Q8_K, or f32/f16), with their
+/// per-block scales as f32 for the kernels that read them (see `ActivationScales`).
+fn quantize_activations<T: BlockType>(
+    x: &[f32],
+    m: usize,
+    k: usize,
+) -> (Vec<T::VecDotType>, Vec<f32>)
+where
+    T::VecDotType: ActivationScales,
+{
     let vd_per_row = k / T::VecDotType::BLCK_SIZE;
     let mut x_q: Vec<T::VecDotType> = (0..m * vd_per_row)
         .map(|_| T::VecDotType::zeros())
@@ -504,7 +514,9 @@ fn quantize_activations<T: BlockType>(x: &[f32], m: usize, k: usize) -> Vec<T::V
             &mut x_q[r * vd_per_row..(r + 1) * vd_per_row],
         );
     }
-    x_q
+    let mut scales = Vec::new();
+    T::VecDotType::scales(&x_q, vd_per_row, &mut scales);
+    (x_q, scales)
 }
 
 /// One weight matrix of a (possibly grouped) matmul and where its `m x rows` output goes.
@@ -519,6 +531,7 @@ fn run_parts<T: BlockType>(
     parts: &[Part<'_, T>],
     k: usize,
     x_q: &[T::VecDotType],
+    x_scales: &[f32],
     m: usize,
     rows_dot: RowsDot<T, T::VecDotType>,
 ) {
@@ -543,7 +556,7 @@ fn run_parts<T: BlockType>(
             let col_end = (col_start + COLS_PER_ITEM).min(part.rows);
             for col in col_start..col_end {
                 let w_row = &part.weight[col * blocks_per_row..(col + 1) * blocks_per_row];
-                rows_dot(w_row, x_q, &mut col_out);
+                rows_dot(w_row, x_q, x_scales, &mut col_out);
                 for (r, &v) in col_out.iter().enumerate() {
                     // SAFETY: each (part, r, col) is written by exactly one work item; each part's output
                     // has m * rows elements.
@@ -562,7 +575,9 @@ fn matmul_many_typed<T: BlockType + FastRowsDot + FromStorage>(
     m: usize,
     outs: &mut [&mut [f32]],
     kernel: MatmulKernel,
-) {
+) where
+    T::VecDotType: ActivationScales,
+{
     let k = ws[0].cols;
     assert_eq!(x.len(), m * k, "matmul_many: input is not m x cols");
     let parts: Vec<Part<'_, T>> = ws
@@ -577,12 +592,19 @@ fn matmul_many_typed<T: BlockType + FastRowsDot + FromStorage>(
             }
         })
         .collect();
-    let x_q = quantize_activations::<T>(x, m, k);
+    let (x_q, x_scales) = quantize_activations::<T>(x, m, k);
     let fast = match kernel {
         MatmulKernel::Fast => T::fast_rows_dot(),
         MatmulKernel::Reference => None,
     };
-    run_parts(&parts, k, &x_q, m, fast.unwrap_or(reference_rows_dot::<T>));
+    run_parts(
+        &parts,
+        k,
+        &x_q,
+        &x_scales,
+        m,
+        fast.unwrap_or(reference_rows_dot::<T>),
+    );
 }
 
 struct SendPtr(*mut f32);
