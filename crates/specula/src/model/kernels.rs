@@ -5,11 +5,13 @@
 //! step. These kernels unpack each weight block once into registers and reuse it for all rows of a tile.
 //!
 //! Batch invariance is kept by construction: a row's integer partial sums are exact, and its float
-//! accumulation (one fused multiply-add per block into its own accumulator, then a fixed horizontal sum) is the
-//! same sequence of operations whatever the tile size or the row's place in it.
+//! accumulation (fused multiply-adds into its own accumulator, per block or per group of 8 blocks, then a fixed
+//! horizontal sum) is the same sequence of operations whatever the tile size or the row's place in it.
 //!
-//! The AVX2 kernels exist only on x86-64 builds with AVX2+FMA enabled at compile time (.cargo/config.toml);
-//! other builds fall back to candle's per-row `vec_dot`, which is also batch invariant.
+//! The kernels exist only on x86-64 builds with AVX2+FMA enabled at compile time (.cargo/config.toml); other
+//! builds fall back to candle's per-row `vec_dot`, which is also batch invariant. Where the CPU has AVX-512
+//! VNNI (Q4_K, Q6_K) or AVX-512 BW (Q5_0), detected at run time, a second instantiation computes the same exact
+//! integer sums with fewer instructions, so results are bitwise identical either way (tested).
 
 use candle_core::quantized::k_quants::{
     BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType,
@@ -592,8 +594,8 @@ mod avx2 {
     // (convert the scales, multiply, convert the integer sum, accumulate) costs as much as the integer dot
     // product. These kernels take blocks in groups of 8: each block's eight i32 partial sums are reduced into
     // one lane of a single vector, and the group is scaled and accumulated with one convert and one FMA. A
-    // short last group is padded with zero sums and zero scales, which add exactly nothing. (VNNI variants
-    // measured no faster here: the integer part is not the bottleneck.)
+    // short last group is padded with zero sums and zero scales, which add exactly nothing. (VNNI dot products
+    // measured no faster for these types: the integer part is not their bottleneck.)
     const GROUP: usize = 8;
 
     /// Lane j of the result = the sum of the eight lanes of `p[j]` (exact integer arithmetic).
