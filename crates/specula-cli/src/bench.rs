@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Context;
 use specula::bench::{self, BadLines, BenchReport, BenchSpec, DraftMethod, TuneInput};
 
-use crate::generate::{load, parse_draft_choice, write_json, DraftChoice, ModelArgs, SamplingArgs};
+use crate::generate::{load, write_json, DraftChoice, DrafterArgs, ModelArgs, SamplingArgs};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -33,12 +33,9 @@ pub struct BenchArgs {
         allow_negative_numbers = true
     )]
     pub max_tokens: usize,
-    /// Draft model for the speculative configurations (path, hf:ID or short name).
-    #[arg(long)]
-    pub draft_model: Option<String>,
-    /// Drafting method: `model` (needs --draft-model) or `ngram`. Without either, only plain decoding runs.
-    #[arg(long)]
-    pub draft: Option<String>,
+    /// The drafter of the speculative configurations; without one, only plain decoding runs.
+    #[command(flatten)]
+    pub drafter: DrafterArgs,
     /// Draft lengths to compare, comma separated.
     #[arg(
         long,
@@ -47,12 +44,6 @@ pub struct BenchArgs {
         allow_negative_numbers = true
     )]
     pub draft_tokens: Vec<i64>,
-    /// Shortest n-gram prompt lookup matches.
-    #[arg(long, default_value_t = 2, allow_negative_numbers = true)]
-    pub ngram_min: usize,
-    /// Longest n-gram prompt lookup tries first.
-    #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
-    pub ngram_max: usize,
     /// Passes over all prompts (more rounds average out noise).
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub rounds: usize,
@@ -89,13 +80,7 @@ pub struct TuneArgs {
 }
 
 fn method(args: &BenchArgs) -> anyhow::Result<Option<DraftMethod>> {
-    let choice = parse_draft_choice(
-        args.draft.as_deref(),
-        &args.draft_model,
-        args.ngram_min,
-        args.ngram_max,
-    )?;
-    Ok(match choice {
+    Ok(match args.drafter.choice()? {
         DraftChoice::None => None,
         DraftChoice::Model(_) => Some(DraftMethod::Model),
         DraftChoice::Ngram { min_n, max_n } => Some(DraftMethod::Ngram { min_n, max_n }),
@@ -147,7 +132,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         prompts.truncate(limit);
     }
     let (target, threads, _) = load(&args.model)?;
-    let draft = match (&method, &args.draft_model) {
+    let draft = match (&method, &args.drafter.draft_model) {
         (Some(DraftMethod::Model), Some(spec)) => {
             let d = specula::load_model(spec, true, &mut |line| eprintln!("{line}"))
                 .with_context(|| format!("loading draft model {spec}"))?;
@@ -249,7 +234,7 @@ pub fn tune(args: TuneArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("{} is not a bench JSON file", path.display()))?
         }
         None => {
-            if args.bench.draft.is_none() && args.bench.draft_model.is_none() {
+            if args.bench.drafter.draft.is_none() && args.bench.drafter.draft_model.is_none() {
                 anyhow::bail!(
                     "tune needs a drafter to tune: --draft-model PATH|NAME or --draft ngram (or --from-bench FILE)"
                 );

@@ -119,17 +119,15 @@ pub struct GenerateArgs {
     pub draft: DraftArgs,
 }
 
+/// Which drafter: shared by generate, bench and tune.
 #[derive(clap::Args, Clone)]
-pub struct DraftArgs {
+pub struct DrafterArgs {
     /// Speculative decoding with a separate draft model sharing the target's tokenizer (path, hf:ID or short name).
     #[arg(long)]
     pub draft_model: Option<String>,
     /// Drafting method: `model` (needs --draft-model) or `ngram` (prompt lookup, no model).
     #[arg(long)]
     pub draft: Option<String>,
-    /// Tokens the drafter proposes per cycle (k).
-    #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
-    pub draft_tokens: usize,
     /// Shortest n-gram prompt lookup matches (2: single-token matches draft too often and are rarely right;
     /// see docs/benchmarks.md).
     #[arg(long, default_value_t = 2, allow_negative_numbers = true)]
@@ -139,6 +137,15 @@ pub struct DraftArgs {
     pub ngram_max: usize,
 }
 
+#[derive(clap::Args, Clone)]
+pub struct DraftArgs {
+    #[command(flatten)]
+    pub drafter: DrafterArgs,
+    /// Tokens the drafter proposes per cycle (k).
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
+    pub draft_tokens: usize,
+}
+
 /// The drafting method the flags ask for.
 pub enum DraftChoice {
     None,
@@ -146,7 +153,8 @@ pub enum DraftChoice {
     Ngram { min_n: usize, max_n: usize },
 }
 
-impl DraftArgs {
+impl DrafterArgs {
+    /// The drafting method `--draft` and `--draft-model` ask for.
     pub fn choice(&self) -> anyhow::Result<DraftChoice> {
         parse_draft_choice(
             self.draft.as_deref(),
@@ -158,7 +166,7 @@ impl DraftArgs {
 }
 
 /// `--draft` and `--draft-model` together (shared by generate, bench and tune).
-pub fn parse_draft_choice(
+fn parse_draft_choice(
     draft: Option<&str>,
     draft_model: &Option<String>,
     ngram_min: usize,
@@ -213,7 +221,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop_at_eos: !args.ignore_eos,
     };
     let prof = Profiler::new(args.profile.detail());
-    let choice = args.draft.choice()?;
+    let choice = args.draft.drafter.choice()?;
     let draft_loaded = match &choice {
         DraftChoice::Model(spec) => {
             let d = specula::load_model(spec, true, &mut |line| eprintln!("{line}"))
