@@ -235,7 +235,8 @@ fn verify_at(curve: &[f64], n: f64) -> f64 {
 }
 
 pub fn tune(input: &TuneInput) -> TuneResult {
-    let max_k = input.configs.iter().map(|c| c.k).max().unwrap_or(1);
+    // At least one k to predict, even for a hand-built input with no speculative configs.
+    let max_k = input.configs.iter().map(|c| c.k).max().unwrap_or(1).max(1);
     // Pooled per-position rates over every config that reached the position.
     let mut drafted = vec![0f64; max_k];
     let mut accepted = vec![0f64; max_k];
