@@ -12,77 +12,50 @@
 //! builds fall back to candle's per-row `vec_dot`, which is also batch invariant. Where the CPU has AVX-512
 //! VNNI (Q4_K, Q6_K) or AVX-512 BW (Q5_0), detected at run time, a second instantiation computes the same exact
 //! integer sums with fewer instructions, so results are bitwise identical either way (tested).
+//!
+//! Q4_K and Q6_K weights are stored in an interleaved order (`repack`) that lets eight dot-product instructions
+//! per row and block produce one sum per scale group, and every kernel prefetches the weight stream
+//! `PREFETCH_DISTANCE` bytes ahead, so memory keeps streaming while a multi-row tile computes (measured with
+//! `examples/prefetch_sweep.rs`: verify(5) of the Qwen 1.5B 74 -> 64 ms; no change at one row).
 
-use candle_core::quantized::k_quants::{
-    BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType,
-};
+use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ5_0, BlockQ8_0, GgmlType};
+
+use super::repack::{BlockQ4KInterleaved, BlockQ6KInterleaved, Interleaved};
 
 /// `out[r] = dot(weight_row, x[r])` for the `out.len()` activation rows stored back to back in `x`
-/// (each `weight_row.len()` blocks long). `x_scales` holds the activations' per-block scales as f32
-/// ([`ActivationScales`], computed once per matmul call instead of once per weight row).
-pub type RowsDot<W, X> = fn(weight_row: &[W], x: &[X], x_scales: &[f32], out: &mut [f32]);
+/// (each `weight_row.len()` blocks long). `side` holds per-block data of the activations that the kernel's
+/// [`PrepareActivations`] computed once per matmul call (f32 scales, block sums), row after row.
+pub type RowsDot<W, X> = fn(weight_row: &[W], x: &[X], side: &[f32], out: &mut [f32]);
 
-/// Per-block scales of quantized activations as f32, row by row: for each row, the scale `d` of each block,
-/// then (Q8_1) the block sums `s`. Types whose kernels read their scales directly store nothing.
-pub trait ActivationScales: Sized {
-    fn scales(_x: &[Self], _blocks_per_row: usize, _out: &mut Vec<f32>) {}
+/// Readies a matmul call's quantized activations (`blocks_per_row` blocks per row) for a kernel: may reorder
+/// their values and append per-block side data to `side`, row after row.
+pub type PrepareActivations<X> = fn(x: &mut [X], blocks_per_row: usize, side: &mut Vec<f32>);
+
+/// A row-dot kernel and the activation preparation it expects.
+pub struct RowsKernel<W: GgmlType> {
+    pub rows_dot: RowsDot<W, W::VecDotType>,
+    pub prepare: PrepareActivations<W::VecDotType>,
 }
 
-impl ActivationScales for f32 {}
-impl ActivationScales for half::f16 {}
-impl ActivationScales for half::bf16 {}
-impl ActivationScales for candle_core::quantized::k_quants::BlockQ8K {}
+fn no_preparation<X>(_x: &mut [X], _blocks_per_row: usize, _side: &mut Vec<f32>) {}
 
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
-impl ActivationScales for BlockQ8_0 {
-    fn scales(x: &[Self], _blocks_per_row: usize, out: &mut Vec<f32>) {
-        // SAFETY: layouts checked in `layout`.
-        let x = unsafe { layout::cast::<_, layout::Q8_0>(x) };
-        out.extend(x.iter().map(|b| b.d.to_f32()));
-    }
-}
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-)))]
-impl ActivationScales for BlockQ8_0 {}
+/// The kernels for a weight storage type: the multi-row kernel if this build has one, and the reference.
+pub trait FastRowsDot: GgmlType + Sized {
+    fn fast_kernel() -> Option<RowsKernel<Self>>;
 
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
-impl ActivationScales for candle_core::quantized::k_quants::BlockQ8_1 {
-    fn scales(x: &[Self], blocks_per_row: usize, out: &mut Vec<f32>) {
-        // SAFETY: layouts checked in `layout`.
-        let x = unsafe { layout::cast::<_, layout::Q8_1>(x) };
-        for row in x.chunks(blocks_per_row.max(1)) {
-            out.extend(row.iter().map(|b| b.d.to_f32()));
-            out.extend(row.iter().map(|b| b.s.to_f32()));
+    /// candle's single-row `vec_dot`, once per activation row.
+    fn reference_kernel() -> RowsKernel<Self> {
+        RowsKernel {
+            rows_dot: reference_rows_dot::<Self>,
+            prepare: no_preparation,
         }
     }
-}
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-)))]
-impl ActivationScales for candle_core::quantized::k_quants::BlockQ8_1 {}
-
-/// The multi-row kernel for a weight type, if this build has one.
-pub trait FastRowsDot: GgmlType + Sized {
-    fn fast_rows_dot() -> Option<RowsDot<Self, Self::VecDotType>>;
 }
 
 macro_rules! no_fast_kernel {
     ($($t:ty),*) => {$(
         impl FastRowsDot for $t {
-            fn fast_rows_dot() -> Option<RowsDot<Self, Self::VecDotType>> {
+            fn fast_kernel() -> Option<RowsKernel<Self>> {
                 None
             }
         }
@@ -97,20 +70,28 @@ no_fast_kernel!(
     candle_core::quantized::k_quants::BlockQ5_1,
     candle_core::quantized::k_quants::BlockQ2K,
     candle_core::quantized::k_quants::BlockQ3K,
-    candle_core::quantized::k_quants::BlockQ5K
+    candle_core::quantized::k_quants::BlockQ4K,
+    candle_core::quantized::k_quants::BlockQ5K,
+    candle_core::quantized::k_quants::BlockQ6K
 );
 
 macro_rules! fast_kernel {
-    ($t:ty, $kernel:ident) => {
+    ($t:ty, $kernel:ident, $prepare:ident) => {
+        fast_kernel!($t, $kernel, $prepare, {});
+    };
+    ($t:ty, $kernel:ident, $prepare:ident, {$($extra:item)*}) => {
         impl FastRowsDot for $t {
-            fn fast_rows_dot() -> Option<RowsDot<Self, Self::VecDotType>> {
+            fn fast_kernel() -> Option<RowsKernel<Self>> {
                 #[cfg(all(
                     target_arch = "x86_64",
                     target_feature = "avx2",
                     target_feature = "fma"
                 ))]
                 {
-                    Some(avx2::$kernel)
+                    Some(RowsKernel {
+                        rows_dot: avx2::$kernel,
+                        prepare: avx2::$prepare,
+                    })
                 }
                 #[cfg(not(all(
                     target_arch = "x86_64",
@@ -121,21 +102,42 @@ macro_rules! fast_kernel {
                     None
                 }
             }
+            $($extra)*
         }
     };
 }
 
-fast_kernel!(BlockQ4K, q4k_q8k);
-fast_kernel!(BlockQ6K, q6k_q8k);
-fast_kernel!(BlockQ8_0, q8_0_q8_0);
-fast_kernel!(BlockQ5_0, q5_0_q8_0);
-fast_kernel!(BlockQ4_1, q4_1_q8_1);
+fast_kernel!(BlockQ4KInterleaved, q4k_q8k, prepare_q4k, {
+    fn reference_kernel() -> RowsKernel<Self> {
+        RowsKernel {
+            rows_dot: reference_rows_dot_interleaved::<Self>,
+            prepare: no_preparation,
+        }
+    }
+});
+fast_kernel!(BlockQ6KInterleaved, q6k_q8k, prepare_q6k, {
+    fn reference_kernel() -> RowsKernel<Self> {
+        RowsKernel {
+            rows_dot: reference_rows_dot_interleaved::<Self>,
+            prepare: no_preparation,
+        }
+    }
+});
+fast_kernel!(BlockQ8_0, q8_0_q8_0, prepare_q8_0);
+fast_kernel!(BlockQ5_0, q5_0_q8_0, prepare_q8_0);
+fast_kernel!(BlockQ4_1, q4_1_q8_1, prepare_q8_1);
+
+/// Bytes ahead of the current weight block that the kernels prefetch (0: none). A process-wide knob for
+/// benchmarks (`examples/prefetch_sweep.rs`); 1536 measured best or tied on the Qwen 1.5B and 0.5B.
+#[doc(hidden)]
+pub static PREFETCH_DISTANCE: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(1536);
 
 /// The simple reference: candle's single-row `vec_dot`, once per activation row.
 pub fn reference_rows_dot<T: GgmlType>(
     weight_row: &[T],
     x: &[T::VecDotType],
-    _x_scales: &[f32],
+    _side: &[f32],
     out: &mut [f32],
 ) {
     let blocks = weight_row.len();
@@ -144,6 +146,17 @@ pub fn reference_rows_dot<T: GgmlType>(
     for (r, o) in out.iter_mut().enumerate() {
         *o = T::vec_dot(k, weight_row, &x[r * x_blocks..(r + 1) * x_blocks]);
     }
+}
+
+/// The reference for interleaved K-quant rows: back to GGML order once per weight row, then candle's `vec_dot`.
+fn reference_rows_dot_interleaved<T: Interleaved>(
+    weight_row: &[T],
+    x: &[candle_core::quantized::k_quants::BlockQ8K],
+    side: &[f32],
+    out: &mut [f32],
+) {
+    let ggml: Vec<T::Ggml> = weight_row.iter().map(Interleaved::to_ggml).collect();
+    reference_rows_dot(&ggml, x, side, out)
 }
 
 // Layout mirrors of candle's block structs (whose fields are private to candle). Both are #[repr(C)] with the
@@ -217,6 +230,9 @@ mod layout {
     use candle_core::quantized::k_quants as k;
     const _: () = assert!(same_layout::<k::BlockQ4K, Q4K>());
     const _: () = assert!(same_layout::<k::BlockQ6K, Q6K>());
+    use crate::model::repack::{BlockQ4KInterleaved, BlockQ6KInterleaved};
+    const _: () = assert!(same_layout::<BlockQ4KInterleaved, Q4K>());
+    const _: () = assert!(same_layout::<BlockQ6KInterleaved, Q6K>());
     const _: () = assert!(same_layout::<k::BlockQ8K, Q8K>());
     const _: () = assert!(same_layout::<k::BlockQ8_0, Q8_0>());
     const _: () = assert!(same_layout::<k::BlockQ5_0, Q5_0>());
@@ -231,9 +247,10 @@ mod layout {
 ))]
 mod avx2 {
     use super::layout::{cast, Q4K, Q4_1, Q5_0, Q6K, Q8K, Q8_0, Q8_1};
-    use candle_core::quantized::k_quants::{
-        BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    use crate::model::repack::{
+        interleave_activations, q8k_scale_and_sums, BlockQ4KInterleaved, BlockQ6KInterleaved,
     };
+    use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ5_0, BlockQ8K, BlockQ8_0, BlockQ8_1};
     use std::arch::x86_64::*;
 
     /// Most activation rows handled per pass over a weight row. Verify passes are k+1 <= 9 rows for the draft
@@ -309,22 +326,12 @@ mod avx2 {
         }};
     }
 
-    /// Picks the VNNI or the AVX2 instantiation of a tile kernel.
-    macro_rules! dispatch {
-        ($vnni:ident, $avx2:ident, $w:expr, $x:expr, $out:expr) => {
-            if has_vnni() {
-                by_tiles!($vnni, $w, $x, &[], 0, $out)
-            } else {
-                by_tiles!($avx2, $w, $x, &[], 0, $out)
-            }
-        };
-    }
-
     /// Integer building blocks in two instruction sets with identical (exact) results.
     mod int {
         use std::arch::x86_64::*;
 
-        /// u8 x i8 products summed in groups of four into i32 lanes, added to `acc`.
+        /// u8 x i8 products summed in groups of four into i32 lanes, added to `acc`. Exact (equal to
+        /// `vpdpbusd`) when pairs of products fit in i16, i.e. for weights up to 6 bits.
         #[inline]
         #[target_feature(enable = "avx2")]
         pub fn dot_u8i8_avx2(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
@@ -332,42 +339,26 @@ mod avx2 {
             _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
         }
 
-        /// `acc + sum over the two 32-byte sub-blocks of scale * (u8 x i8 dot)`, where `scales` holds the i16
-        /// scale of each group of four products: words 0-3 of each 128-bit half for `a0`, words 4-7 for `a1`
-        /// (the order `packs` leaves them in). Four-product sums must fit in i16 (they do for 6-bit weights).
-        #[inline]
-        #[target_feature(enable = "avx2")]
-        pub fn scaled_pair_avx2(
-            acc: __m256i,
-            a0: __m256i,
-            b0: __m256i,
-            a1: __m256i,
-            b1: __m256i,
-            scales: __m256i,
-        ) -> __m256i {
-            // Scaling the 16-bit pair sums directly would save an instruction, but it would put different
-            // partial sums in each i32 lane than the VNNI path does, and lanes are converted to float before
-            // the horizontal sum: keep the lane layout identical so both paths round identically.
-            let z = _mm256_setzero_si256();
-            let v = _mm256_packs_epi32(dot_u8i8_avx2(z, a0, b0), dot_u8i8_avx2(z, a1, b1));
-            _mm256_add_epi32(acc, _mm256_madd_epi16(v, scales))
-        }
         #[inline]
         #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
-        pub fn scaled_pair_vnni(
-            acc: __m256i,
-            a0: __m256i,
-            b0: __m256i,
-            a1: __m256i,
-            b1: __m256i,
-            scales: __m256i,
-        ) -> __m256i {
-            let z = _mm256_setzero_si256();
-            let v = _mm256_packs_epi32(
-                _mm256_dpbusd_epi32(z, a0, b0),
-                _mm256_dpbusd_epi32(z, a1, b1),
-            );
-            _mm256_dpwssd_epi32(acc, v, scales)
+        pub fn dot_u8i8_vnni(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(acc, a, b)
+        }
+    }
+
+    /// Asks for the weight bytes PREFETCH_DISTANCE ahead of a block (the next rows of the matrix are contiguous,
+    /// and a prefetch past the end of the matrix is harmless), so memory streams while the rows compute.
+    #[inline(always)]
+    unsafe fn prefetch_ahead(block: *const u8, block_bytes: usize) {
+        let distance = super::PREFETCH_DISTANCE.load(std::sync::atomic::Ordering::Relaxed);
+        if distance == 0 {
+            return;
+        }
+        let p = block.wrapping_add(distance);
+        let mut off = 0;
+        while off < block_bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+            off += 64;
         }
     }
 
@@ -385,87 +376,99 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// The eight 6-bit sub-block scales and mins of a Q4_K block (GGML's packing: scales of sub-blocks 0-3 and
-    /// mins 0-3 in the low 6 bits of bytes 0-7; sub-blocks 4-7 split over bytes 8-11 and the top bits).
+    /// The eight 6-bit sub-block scales and the eight mins of a Q4_K block, one byte each, as two u64 (GGML's
+    /// packing: scales 0-3 and mins 0-3 in the low 6 bits of bytes 0-7; 4-7 split over bytes 8-11 and the top
+    /// bits of bytes 0-7). Scalar integer code: it runs beside the vector pipes.
     #[inline(always)]
-    fn q4k_scales_mins(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
-        let mut sc = [0u8; 8];
-        let mut mn = [0u8; 8];
-        for j in 0..4 {
-            sc[j] = s[j] & 63;
-            mn[j] = s[j + 4] & 63;
-            sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
-            mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-        }
+    fn q4k_scales_mins(s: &[u8; 12]) -> (u64, u64) {
+        let a = u64::from_le_bytes([s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]]);
+        let c = u32::from_le_bytes([s[8], s[9], s[10], s[11]]) as u64;
+        let sc = (a & 0x3F3F_3F3F) | (((c & 0x0F0F_0F0F) | ((a >> 2) & 0x3030_3030)) << 32);
+        let mn = ((a >> 32) & 0x3F3F_3F3F)
+            | ((((c >> 4) & 0x0F0F_0F0F) | ((a >> 34) & 0x3030_3030)) << 32);
         (sc, mn)
     }
 
-    pub fn q4k_q8k(w: &[BlockQ4K], x: &[BlockQ8K], _x_scales: &[f32], out: &mut [f32]) {
+    /// Eight unsigned bytes (packed in a u64) as f32 lanes.
+    #[inline(always)]
+    unsafe fn u8x8_to_f32(v: u64) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
+    }
+
+    /// Q4_K activations: interleaved values (see `repack`), and per block `d * (sum of sub-block i)` for the
+    /// eight sub-blocks (the mins term).
+    pub fn prepare_q4k(x: &mut [BlockQ8K], _blocks_per_row: usize, side: &mut Vec<f32>) {
+        interleave_activations(x);
+        side.reserve(8 * x.len());
+        for b in x.iter() {
+            let (d, bsums) = q8k_scale_and_sums(b);
+            side.extend((0..8).map(|i| d * (bsums[2 * i] as i32 + bsums[2 * i + 1] as i32) as f32));
+        }
+    }
+
+    /// Q6_K activations: interleaved values, and per block `-32 * (sum of group g)` as i32 bits, even groups
+    /// then odd groups (the initial values of the integer accumulators, which apply Q6_K's -32 offset exactly).
+    pub fn prepare_q6k(x: &mut [BlockQ8K], _blocks_per_row: usize, side: &mut Vec<f32>) {
+        interleave_activations(x);
+        side.reserve(16 * x.len());
+        for b in x.iter() {
+            let (_, bsums) = q8k_scale_and_sums(b);
+            for parity in 0..2 {
+                side.extend(
+                    (0..8).map(|i| f32::from_bits((-32 * bsums[2 * i + parity] as i32) as u32)),
+                );
+            }
+        }
+    }
+
+    pub fn q4k_q8k(w: &[BlockQ4KInterleaved], x: &[BlockQ8K], side: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q4K>(w), cast::<_, Q8K>(x)) };
-        dispatch!(q4k_tile_vnni, q4k_tile_avx2, w, x, out)
+        if has_vnni() {
+            by_tiles!(q4k_tile_vnni, w, x, side, 8, out)
+        } else {
+            by_tiles!(q4k_tile_avx2, w, x, side, 8, out)
+        }
     }
 
-    /// Word-pair scale vector for `packs`-ordered sums of two sub-blocks: per 128-bit half, words 0-3 get
-    /// `s0` and words 4-7 get `s1` (`s0`/`s1` may differ between the halves).
-    #[inline(always)]
-    unsafe fn packed_scales(s0_lo: i16, s1_lo: i16, s0_hi: i16, s1_hi: i16) -> __m256i {
-        _mm256_setr_epi16(
-            s0_lo, s0_lo, s0_lo, s0_lo, s1_lo, s1_lo, s1_lo, s1_lo, //
-            s0_hi, s0_hi, s0_hi, s0_hi, s1_hi, s1_hi, s1_hi, s1_hi,
-        )
-    }
-
+    // Interleaved K-quant kernels (see `repack`): unpacked weight register t holds in lane i the weights
+    // 32i + 4t .. 32i + 4t + 4, and the activations are interleaved the same way, so eight dot-product
+    // instructions per row leave one 32-weight dot product per lane and the scales apply with one multiply.
     macro_rules! q4k_tile {
-        ($name:ident, $features:literal, $scaled_pair:path) => {
+        ($name:ident, $features:literal, $dot:path) => {
             #[target_feature(enable = $features)]
-            unsafe fn $name<const R: usize>(w: &[Q4K], x: &[Q8K], _s: &[f32], out: &mut [f32]) {
+            unsafe fn $name<const R: usize>(w: &[Q4K], x: &[Q8K], side: &[f32], out: &mut [f32]) {
                 let nb = w.len();
                 let m4 = _mm256_set1_epi8(0x0F);
+                let zero = _mm256_setzero_si256();
                 let mut acc = [_mm256_setzero_ps(); R];
                 for (b, wb) in w.iter().enumerate() {
+                    prefetch_ahead(wb as *const Q4K as *const u8, 144);
                     let (sc, mn) = q4k_scales_mins(&wb.scales);
-                    // One min per 32-element sub-block, i.e. per pair of the activation's 16-element sums.
-                    let mut mins_per_16 = [0i16; 16];
-                    for (i, v) in mins_per_16.iter_mut().enumerate() {
-                        *v = mn[i / 2] as i16;
-                    }
-                    let mins_per_16 = _mm256_loadu_si256(mins_per_16.as_ptr() as *const __m256i);
-                    let mut sumi = [_mm256_setzero_si256(); R];
+                    let scales = _mm256_mul_ps(u8x8_to_f32(sc), _mm256_set1_ps(wb.d.to_f32()));
+                    let mins = _mm256_mul_ps(u8x8_to_f32(mn), _mm256_set1_ps(wb.dmin.to_f32()));
+                    let mut q = [zero; 8];
                     for j in 0..4 {
-                        let q = load(wb.qs.as_ptr().add(32 * j));
-                        let lo = _mm256_and_si256(q, m4);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                        let (s_lo, s_hi) = (sc[2 * j] as i16, sc[2 * j + 1] as i16);
-                        let scales = packed_scales(s_lo, s_hi, s_lo, s_hi);
-                        for (r, s) in sumi.iter_mut().enumerate() {
-                            let xq = x.get_unchecked(r * nb + b).qs.as_ptr() as *const u8;
-                            *s = $scaled_pair(
-                                *s,
-                                lo,
-                                load(xq.add(64 * j)),
-                                hi,
-                                load(xq.add(64 * j + 32)),
-                                scales,
-                            );
-                        }
+                        let v = load(wb.qs.as_ptr().add(32 * j));
+                        q[2 * j] = _mm256_and_si256(v, m4);
+                        q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                     }
-                    let d = wb.d.to_f32();
-                    let dmin = wb.dmin.to_f32();
                     for (r, a) in acc.iter_mut().enumerate() {
                         let xb = x.get_unchecked(r * nb + b);
-                        let bsums = _mm256_loadu_si256(xb.bsums.as_ptr() as *const __m256i);
-                        let min_sum = _mm256_madd_epi16(bsums, mins_per_16);
-                        *a = _mm256_fmadd_ps(
-                            _mm256_set1_ps(d * xb.d),
-                            _mm256_cvtepi32_ps(sumi[r]),
-                            *a,
-                        );
-                        *a = _mm256_fnmadd_ps(
-                            _mm256_set1_ps(dmin * xb.d),
-                            _mm256_cvtepi32_ps(min_sum),
-                            *a,
-                        );
+                        let xq = xb.qs.as_ptr() as *const u8;
+                        // Two chains halve the dependency on the dot product's latency.
+                        let mut s0 = $dot(zero, q[0], load(xq));
+                        let mut s1 = $dot(zero, q[1], load(xq.add(32)));
+                        s0 = $dot(s0, q[2], load(xq.add(64)));
+                        s1 = $dot(s1, q[3], load(xq.add(96)));
+                        s0 = $dot(s0, q[4], load(xq.add(128)));
+                        s1 = $dot(s1, q[5], load(xq.add(160)));
+                        s0 = $dot(s0, q[6], load(xq.add(192)));
+                        s1 = $dot(s1, q[7], load(xq.add(224)));
+                        let sums = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                        let block_sums = _mm256_loadu_ps(side.as_ptr().add(8 * (r * nb + b)));
+                        *a = _mm256_fmadd_ps(sums, _mm256_mul_ps(scales, _mm256_set1_ps(xb.d)), *a);
+                        *a = _mm256_fnmadd_ps(mins, block_sums, *a);
                     }
                 }
                 for (o, a) in out.iter_mut().zip(acc) {
@@ -474,83 +477,89 @@ mod avx2 {
             }
         };
     }
-    q4k_tile!(q4k_tile_avx2, "avx2,fma", int::scaled_pair_avx2);
+    q4k_tile!(q4k_tile_avx2, "avx2,fma", int::dot_u8i8_avx2);
     q4k_tile!(
         q4k_tile_vnni,
         "avx2,fma,avx512vnni,avx512vl",
-        int::scaled_pair_vnni
+        int::dot_u8i8_vnni
     );
 
-    pub fn q6k_q8k(w: &[BlockQ6K], x: &[BlockQ8K], _x_scales: &[f32], out: &mut [f32]) {
+    pub fn q6k_q8k(w: &[BlockQ6KInterleaved], x: &[BlockQ8K], side: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q6K>(w), cast::<_, Q8K>(x)) };
-        dispatch!(q6k_tile_vnni, q6k_tile_avx2, w, x, out)
+        if has_vnni() {
+            by_tiles!(q6k_tile_vnni, w, x, side, 16, out)
+        } else {
+            by_tiles!(q6k_tile_avx2, w, x, side, 16, out)
+        }
     }
 
     macro_rules! q6k_tile {
-        ($name:ident, $features:literal, $scaled_pair:path) => {
+        ($name:ident, $features:literal, $dot:path) => {
             #[target_feature(enable = $features)]
-            unsafe fn $name<const R: usize>(w: &[Q6K], x: &[Q8K], _s: &[f32], out: &mut [f32]) {
+            unsafe fn $name<const R: usize>(w: &[Q6K], x: &[Q8K], side: &[f32], out: &mut [f32]) {
                 let nb = w.len();
                 let m4 = _mm256_set1_epi8(0x0F);
-                let m2 = _mm256_set1_epi8(0x03);
+                let m_high = _mm256_set1_epi8(0x30);
+                // Even-numbered scales to bytes 0-7, odd ones to bytes 8-15.
+                let deinterleave =
+                    _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
                 let mut acc = [_mm256_setzero_ps(); R];
                 for (b, wb) in w.iter().enumerate() {
-                    let sc = &wb.scales;
-                    let scales16 =
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
-                    let mut sumi = [_mm256_setzero_si256(); R];
+                    prefetch_ahead(wb as *const Q6K as *const u8, 210);
+                    let d = _mm256_set1_ps(wb.d.to_f32());
+                    let sc = _mm_shuffle_epi8(
+                        _mm_loadu_si128(wb.scales.as_ptr() as *const __m128i),
+                        deinterleave,
+                    );
+                    // Lane i of the even (odd) accumulator is group 2i (2i + 1).
+                    let scales_even =
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+                    let scales_odd = _mm256_mul_ps(
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))),
+                        d,
+                    );
+                    let mut q = [_mm256_setzero_si256(); 8];
+                    for j in 0..4 {
+                        let v = load(wb.ql.as_ptr().add(32 * j));
+                        q[2 * j] = _mm256_and_si256(v, m4);
+                        q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
                     for h in 0..2 {
-                        let ql0 = load(wb.ql.as_ptr().add(64 * h));
-                        let ql1 = load(wb.ql.as_ptr().add(64 * h + 32));
-                        let qh = load(wb.qh.as_ptr().add(32 * h));
-                        let high = |bits: __m256i| _mm256_slli_epi16(_mm256_and_si256(bits, m2), 4);
-                        // The four 32-element groups of this half as unsigned 6-bit values; the -32 offset is
-                        // applied below through the activation's 16-element sums.
-                        let q = [
-                            _mm256_or_si256(_mm256_and_si256(ql0, m4), high(qh)),
-                            _mm256_or_si256(
-                                _mm256_and_si256(ql1, m4),
-                                high(_mm256_srli_epi16(qh, 2)),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                high(_mm256_srli_epi16(qh, 4)),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                high(_mm256_srli_epi16(qh, 6)),
-                            ),
+                        let v = load(wb.qh.as_ptr().add(32 * h));
+                        let high = [
+                            _mm256_slli_epi16(v, 4),
+                            _mm256_slli_epi16(v, 2),
+                            v,
+                            _mm256_srli_epi16(v, 2),
                         ];
-                        // Group g = 4h + t uses scale 2g for its first 16 elements, 2g + 1 for the rest.
-                        let s = |t: usize, half: usize| sc[2 * (4 * h + t) + half] as i16;
-                        let scales01 = packed_scales(s(0, 0), s(1, 0), s(0, 1), s(1, 1));
-                        let scales23 = packed_scales(s(2, 0), s(3, 0), s(2, 1), s(3, 1));
-                        for (r, si) in sumi.iter_mut().enumerate() {
-                            let xq =
-                                (x.get_unchecked(r * nb + b).qs.as_ptr() as *const u8).add(128 * h);
-                            *si =
-                                $scaled_pair(*si, q[0], load(xq), q[1], load(xq.add(32)), scales01);
-                            *si = $scaled_pair(
-                                *si,
-                                q[2],
-                                load(xq.add(64)),
-                                q[3],
-                                load(xq.add(96)),
-                                scales23,
-                            );
+                        for (c, bits) in high.into_iter().enumerate() {
+                            let t = 4 * h + c;
+                            q[t] = _mm256_or_si256(q[t], _mm256_and_si256(bits, m_high));
                         }
                     }
-                    let d = wb.d.to_f32();
                     for (r, a) in acc.iter_mut().enumerate() {
                         let xb = x.get_unchecked(r * nb + b);
-                        let bsums = _mm256_loadu_si256(xb.bsums.as_ptr() as *const __m256i);
-                        // sum(scale * (q - 32) * x) = sum(scale * q * x) - 32 * sum(scale_i * bsum_i).
-                        let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5);
-                        let total = _mm256_sub_epi32(sumi[r], offset);
+                        let xq = xb.qs.as_ptr() as *const u8;
+                        let init = side.as_ptr().add(16 * (r * nb + b)) as *const __m256i;
+                        let mut even = $dot(_mm256_loadu_si256(init), q[0], load(xq));
+                        let mut odd =
+                            $dot(_mm256_loadu_si256(init.add(1)), q[4], load(xq.add(128)));
+                        even = $dot(even, q[1], load(xq.add(32)));
+                        odd = $dot(odd, q[5], load(xq.add(160)));
+                        even = $dot(even, q[2], load(xq.add(64)));
+                        odd = $dot(odd, q[6], load(xq.add(192)));
+                        even = $dot(even, q[3], load(xq.add(96)));
+                        odd = $dot(odd, q[7], load(xq.add(224)));
+                        let dx = _mm256_set1_ps(xb.d);
                         *a = _mm256_fmadd_ps(
-                            _mm256_set1_ps(d * xb.d),
-                            _mm256_cvtepi32_ps(total),
+                            _mm256_cvtepi32_ps(even),
+                            _mm256_mul_ps(scales_even, dx),
+                            *a,
+                        );
+                        *a = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(odd),
+                            _mm256_mul_ps(scales_odd, dx),
                             *a,
                         );
                     }
@@ -561,12 +570,29 @@ mod avx2 {
             }
         };
     }
-    q6k_tile!(q6k_tile_avx2, "avx2,fma", int::scaled_pair_avx2);
+    q6k_tile!(q6k_tile_avx2, "avx2,fma", int::dot_u8i8_avx2);
     q6k_tile!(
         q6k_tile_vnni,
         "avx2,fma,avx512vnni,avx512vl",
-        int::scaled_pair_vnni
+        int::dot_u8i8_vnni
     );
+
+    /// Q8_0 activations: each block's scale as f32.
+    pub fn prepare_q8_0(x: &mut [BlockQ8_0], _blocks_per_row: usize, side: &mut Vec<f32>) {
+        // SAFETY: layouts checked in `layout`.
+        let x = unsafe { cast::<_, Q8_0>(x) };
+        side.extend(x.iter().map(|b| b.d.to_f32()));
+    }
+
+    /// Q8_1 activations: per row, each block's scale, then each block's sum, as f32.
+    pub fn prepare_q8_1(x: &mut [BlockQ8_1], blocks_per_row: usize, side: &mut Vec<f32>) {
+        // SAFETY: layouts checked in `layout`.
+        let x = unsafe { cast::<_, Q8_1>(x) };
+        for row in x.chunks(blocks_per_row.max(1)) {
+            side.extend(row.iter().map(|b| b.d.to_f32()));
+            side.extend(row.iter().map(|b| b.s.to_f32()));
+        }
+    }
 
     pub fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0], x_scales: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
@@ -661,6 +687,10 @@ mod avx2 {
             let nb = $w.len();
             // Unpacked weights are kept for all rows when unpacking costs more than reloading (Q5_0);
             // Q8_0 blocks are reloaded per row, which keeps the group in registers.
+            prefetch_ahead(
+                $w.as_ptr().add(g0) as *const u8,
+                n * std::mem::size_of_val($w.get_unchecked(g0)),
+            );
             let mut signed = [_mm256_setzero_si256(); GROUP];
             let mut abs = [_mm256_setzero_si256(); GROUP];
             if $hoist {
@@ -779,6 +809,10 @@ mod avx2 {
         acc_offset: &mut [__m256; R],
     ) {
         let nb = w.len();
+        prefetch_ahead(
+            w.as_ptr().add(g0) as *const u8,
+            n * std::mem::size_of::<Q4_1>(),
+        );
         let ones = _mm256_set1_epi16(1);
         let mut q = [_mm256_setzero_si256(); GROUP];
         for (j, qj) in q.iter_mut().enumerate().take(n) {
@@ -870,13 +904,23 @@ mod tests {
         &sc[r0 * stride..r1 * stride]
     }
 
-    fn check<T: FastRowsDot>(k: usize, seed: u64)
-    where
-        T::VecDotType: ActivationScales,
-    {
-        let Some(fast) = T::fast_rows_dot() else {
+    /// Quantized activations prepared for `kernel`, with their side data.
+    fn prepared<T: FastRowsDot>(
+        kernel: &RowsKernel<T>,
+        x: &[T::VecDotType],
+        k: usize,
+    ) -> (Vec<T::VecDotType>, Vec<f32>) {
+        let mut x = x.to_vec();
+        let mut side = Vec::new();
+        (kernel.prepare)(&mut x, k / T::VecDotType::BLCK_SIZE, &mut side);
+        (x, side)
+    }
+
+    fn check<T: FastRowsDot>(k: usize, seed: u64) {
+        let Some(fast_kernel) = T::fast_kernel() else {
             return;
         };
+        let fast = fast_kernel.rows_dot;
         let max_rows = 17;
         let w: Vec<T> = quantize(&pseudo_random(k, seed));
         // Activations with outliers, as real hidden states have.
@@ -886,11 +930,12 @@ mod tests {
                 *v *= 30.0;
             }
         }
-        let x: Vec<T::VecDotType> = quantize(&xf);
+        let x_plain: Vec<T::VecDotType> = quantize(&xf);
         let mut reference = vec![0f32; max_rows];
-        let mut sc = Vec::new();
-        T::VecDotType::scales(&x, w.len(), &mut sc);
-        reference_rows_dot(&w, &x, &sc, &mut reference);
+        let reference_kernel = T::reference_kernel();
+        let (x_ref, side_ref) = prepared(&reference_kernel, &x_plain, k);
+        (reference_kernel.rows_dot)(&w, &x_ref, &side_ref, &mut reference);
+        let (x, sc) = prepared(&fast_kernel, &x_plain, k);
         let magnitude: f32 = reference.iter().map(|v| v.abs()).fold(1.0, f32::max);
         let mut single = vec![0f32; max_rows];
         for (r, s) in single.iter_mut().enumerate() {
@@ -931,8 +976,8 @@ mod tests {
     #[test]
     fn fast_kernels_match_reference_and_are_batch_invariant() {
         for seed in [1, 2, 3] {
-            check::<BlockQ4K>(1024, seed);
-            check::<BlockQ6K>(1024, seed);
+            check::<BlockQ4KInterleaved>(1024, seed);
+            check::<BlockQ6KInterleaved>(1024, seed);
             check::<BlockQ8_0>(512, seed);
             check::<BlockQ5_0>(512, seed);
             check::<BlockQ4_1>(512, seed);
@@ -948,17 +993,14 @@ mod tests {
     ))]
     #[test]
     fn vnni_and_avx2_kernels_agree_bitwise() {
-        fn both<T: FastRowsDot>(k: usize, seed: u64)
-        where
-            T::VecDotType: ActivationScales,
-        {
-            let fast = T::fast_rows_dot().unwrap();
+        fn both<T: FastRowsDot>(k: usize, seed: u64) {
+            let kernel = T::fast_kernel().unwrap();
+            let fast = kernel.rows_dot;
             let w: Vec<T> = quantize(&pseudo_random(k, seed));
             let m = 6;
             let x: Vec<T::VecDotType> = quantize(&pseudo_random(m * k, seed + 7));
+            let (x, sc) = prepared(&kernel, &x, k);
             let mut default_path = vec![0f32; m];
-            let mut sc = Vec::new();
-            T::VecDotType::scales(&x, w.len(), &mut sc);
             fast(&w, &x, &sc, &mut default_path);
             let mut avx2_path = vec![0f32; m];
             avx2::with_avx2_only(|| fast(&w, &x, &sc, &mut avx2_path));
@@ -971,8 +1013,8 @@ mod tests {
             );
         }
         for seed in [5, 6] {
-            both::<BlockQ4K>(2048, seed);
-            both::<BlockQ6K>(2048, seed);
+            both::<BlockQ4KInterleaved>(2048, seed);
+            both::<BlockQ6KInterleaved>(2048, seed);
             both::<BlockQ8_0>(1024, seed);
             both::<BlockQ5_0>(1024, seed);
             both::<BlockQ4_1>(1024, seed);
@@ -986,10 +1028,10 @@ mod tests {
             target_feature = "avx2",
             target_feature = "fma"
         ));
-        assert_eq!(BlockQ4K::fast_rows_dot().is_some(), built);
-        assert_eq!(BlockQ6K::fast_rows_dot().is_some(), built);
-        assert_eq!(BlockQ8_0::fast_rows_dot().is_some(), built);
-        assert_eq!(BlockQ5_0::fast_rows_dot().is_some(), built);
-        assert_eq!(BlockQ4_1::fast_rows_dot().is_some(), built);
+        assert_eq!(BlockQ4KInterleaved::fast_kernel().is_some(), built);
+        assert_eq!(BlockQ6KInterleaved::fast_kernel().is_some(), built);
+        assert_eq!(BlockQ8_0::fast_kernel().is_some(), built);
+        assert_eq!(BlockQ5_0::fast_kernel().is_some(), built);
+        assert_eq!(BlockQ4_1::fast_kernel().is_some(), built);
     }
 }

@@ -7,6 +7,7 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod llama;
 pub mod ops;
+pub mod repack;
 pub mod safetensors;
 pub mod weights;
 

@@ -13,7 +13,8 @@ use candle_core::quantized::k_quants::{
 };
 use half::{bf16, f16};
 
-use super::kernels::{reference_rows_dot, ActivationScales, FastRowsDot, RowsDot};
+use super::kernels::{FastRowsDot, RowsKernel};
+use super::repack::{BlockQ4KInterleaved, BlockQ6KInterleaved};
 
 /// The GGML storage types specula computes with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,9 +140,10 @@ enum Storage {
     Q8_0(Vec<BlockQ8_0>),
     Q2K(Vec<BlockQ2K>),
     Q3K(Vec<BlockQ3K>),
-    Q4K(Vec<BlockQ4K>),
+    /// Q4_K and Q6_K weights are kept in the interleaved order of the multi-row kernels (see `repack`).
+    Q4K(Vec<BlockQ4KInterleaved>),
     Q5K(Vec<BlockQ5K>),
-    Q6K(Vec<BlockQ6K>),
+    Q6K(Vec<BlockQ6KInterleaved>),
 }
 
 /// Runs `$body` with `$blocks` bound to the typed block vector of a `Storage`.
@@ -185,8 +187,8 @@ macro_rules! from_storage {
 
 from_storage!(
     F32 => f32, F16 => f16, BF16 => bf16, Q4_0 => BlockQ4_0, Q4_1 => BlockQ4_1, Q5_0 => BlockQ5_0,
-    Q5_1 => BlockQ5_1, Q8_0 => BlockQ8_0, Q2K => BlockQ2K, Q3K => BlockQ3K, Q4K => BlockQ4K,
-    Q5K => BlockQ5K, Q6K => BlockQ6K
+    Q5_1 => BlockQ5_1, Q8_0 => BlockQ8_0, Q2K => BlockQ2K, Q3K => BlockQ3K,
+    Q4K => BlockQ4KInterleaved, Q5K => BlockQ5K, Q6K => BlockQ6KInterleaved
 );
 
 /// A `rows x cols` matrix (or a vector when rows == 1) stored as the checkpoint stores it.
@@ -253,9 +255,19 @@ impl Weight {
             GgmlType::Q8_0 => Storage::Q8_0(blocks_from_bytes(bytes)),
             GgmlType::Q2K => Storage::Q2K(blocks_from_bytes(bytes)),
             GgmlType::Q3K => Storage::Q3K(blocks_from_bytes(bytes)),
-            GgmlType::Q4K => Storage::Q4K(blocks_from_bytes(bytes)),
+            GgmlType::Q4K => Storage::Q4K(
+                blocks_from_bytes::<BlockQ4K>(bytes)
+                    .iter()
+                    .map(BlockQ4KInterleaved::from_ggml)
+                    .collect(),
+            ),
             GgmlType::Q5K => Storage::Q5K(blocks_from_bytes(bytes)),
-            GgmlType::Q6K => Storage::Q6K(blocks_from_bytes(bytes)),
+            GgmlType::Q6K => Storage::Q6K(
+                blocks_from_bytes::<BlockQ6K>(bytes)
+                    .iter()
+                    .map(BlockQ6KInterleaved::from_ggml)
+                    .collect(),
+            ),
         };
         Ok(Weight {
             storage,
@@ -369,7 +381,11 @@ impl Weight {
             unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
                 .to_vec()
         }
-        with_blocks!(&self.storage, blocks => bytes_of(blocks))
+        match &self.storage {
+            Storage::Q4K(b) => bytes_of(&b.iter().map(|b| b.to_ggml()).collect::<Vec<_>>()),
+            Storage::Q6K(b) => bytes_of(&b.iter().map(|b| b.to_ggml()).collect::<Vec<_>>()),
+            storage => with_blocks!(storage, blocks => bytes_of(blocks)),
+        }
     }
 
     /// Dequantizes one row into `out` (embedding lookup).
@@ -401,14 +417,7 @@ impl Weight {
         assert_eq!(x.len(), m * self.cols, "matmul: input is not m x cols");
         assert_eq!(out.len(), m * self.rows, "matmul: output is not m x rows");
         with_blocks!(&self.storage, blocks => {
-            let rows_dot = match kernel {
-                MatmulKernel::Fast => fast_rows_dot_of(blocks),
-                MatmulKernel::Reference => None,
-            };
-            match rows_dot {
-                Some(f) => matmul_blocks(blocks, self.rows, self.cols, x, m, out, f),
-                None => matmul_blocks(blocks, self.rows, self.cols, x, m, out, reference_rows_dot),
-            }
+            matmul_blocks(blocks, self.rows, self.cols, x, m, out, kernel_of(blocks, kernel))
         })
     }
 
@@ -434,7 +443,7 @@ impl Weight {
 
     /// Whether `matmul` has a multi-row kernel for this storage type in this build.
     pub fn has_fast_kernel(&self) -> bool {
-        with_blocks!(&self.storage, blocks => fast_rows_dot_of(blocks).is_some())
+        with_blocks!(&self.storage, blocks => has_fast_kernel(blocks))
     }
 }
 
@@ -467,8 +476,17 @@ pub fn matmul_kernel() -> MatmulKernel {
     }
 }
 
-fn fast_rows_dot_of<T: FastRowsDot>(_blocks: &[T]) -> Option<RowsDot<T, T::VecDotType>> {
-    T::fast_rows_dot()
+fn has_fast_kernel<T: FastRowsDot>(_blocks: &[T]) -> bool {
+    T::fast_kernel().is_some()
+}
+
+/// The kernel a matmul over `T` blocks runs: the multi-row one when asked for and built, else the reference.
+fn kernel_of<T: FastRowsDot>(_blocks: &[T], kernel: MatmulKernel) -> RowsKernel<T> {
+    match kernel {
+        MatmulKernel::Fast => T::fast_kernel(),
+        MatmulKernel::Reference => None,
+    }
+    .unwrap_or_else(T::reference_kernel)
 }
 
 /// Rows of weight columns handled per work item: small enough to balance two threads, large enough to amortize.
@@ -481,29 +499,32 @@ fn matmul_blocks<T: BlockType>(
     x: &[f32],
     m: usize,
     out: &mut [f32],
-    rows_dot: RowsDot<T, T::VecDotType>,
-) where
-    T::VecDotType: ActivationScales,
-{
-    let (x_q, x_scales) = quantize_activations::<T>(x, m, k);
+    kernel: RowsKernel<T>,
+) {
+    let (x_q, x_side) = quantize_activations(&kernel, x, m, k);
     let part = Part {
         weight,
         rows: n,
         out: SendPtr(out.as_mut_ptr()),
     };
-    run_parts(std::slice::from_ref(&part), k, &x_q, &x_scales, m, rows_dot);
+    run_parts(
+        std::slice::from_ref(&part),
+        k,
+        &x_q,
+        &x_side,
+        m,
+        kernel.rows_dot,
+    );
 }
 
-/// Activations quantized once per call to the kernel's partner type (Q8_0/Q8_1/Q8_K, or f32/f16), with their
-/// per-block scales as f32 for the kernels that read them (see `ActivationScales`).
+/// Activations quantized once per call to the kernel's partner type (Q8_0/Q8_1/Q8_K, or f32/f16) and prepared
+/// for the kernel (reordered, per-block side data; see `kernels::PrepareActivations`).
 fn quantize_activations<T: BlockType>(
+    kernel: &RowsKernel<T>,
     x: &[f32],
     m: usize,
     k: usize,
-) -> (Vec<T::VecDotType>, Vec<f32>)
-where
-    T::VecDotType: ActivationScales,
-{
+) -> (Vec<T::VecDotType>, Vec<f32>) {
     let vd_per_row = k / T::VecDotType::BLCK_SIZE;
     let mut x_q: Vec<T::VecDotType> = (0..m * vd_per_row)
         .map(|_| T::VecDotType::zeros())
@@ -514,9 +535,9 @@ where
             &mut x_q[r * vd_per_row..(r + 1) * vd_per_row],
         );
     }
-    let mut scales = Vec::new();
-    T::VecDotType::scales(&x_q, vd_per_row, &mut scales);
-    (x_q, scales)
+    let mut side = Vec::new();
+    (kernel.prepare)(&mut x_q, vd_per_row, &mut side);
+    (x_q, side)
 }
 
 /// One weight matrix of a (possibly grouped) matmul and where its `m x rows` output goes.
@@ -531,9 +552,9 @@ fn run_parts<T: BlockType>(
     parts: &[Part<'_, T>],
     k: usize,
     x_q: &[T::VecDotType],
-    x_scales: &[f32],
+    x_side: &[f32],
     m: usize,
-    rows_dot: RowsDot<T, T::VecDotType>,
+    rows_dot: super::kernels::RowsDot<T, T::VecDotType>,
 ) {
     let blocks_per_row = k / T::BLCK_SIZE;
     // First work item of each part, and the total.
@@ -556,7 +577,7 @@ fn run_parts<T: BlockType>(
             let col_end = (col_start + COLS_PER_ITEM).min(part.rows);
             for col in col_start..col_end {
                 let w_row = &part.weight[col * blocks_per_row..(col + 1) * blocks_per_row];
-                rows_dot(w_row, x_q, x_scales, &mut col_out);
+                rows_dot(w_row, x_q, x_side, &mut col_out);
                 for (r, &v) in col_out.iter().enumerate() {
                     // SAFETY: each (part, r, col) is written by exactly one work item; each part's output
                     // has m * rows elements.
@@ -575,9 +596,7 @@ fn matmul_many_typed<T: BlockType + FastRowsDot + FromStorage>(
     m: usize,
     outs: &mut [&mut [f32]],
     kernel: MatmulKernel,
-) where
-    T::VecDotType: ActivationScales,
-{
+) {
     let k = ws[0].cols;
     assert_eq!(x.len(), m * k, "matmul_many: input is not m x cols");
     let parts: Vec<Part<'_, T>> = ws
@@ -592,19 +611,9 @@ fn matmul_many_typed<T: BlockType + FastRowsDot + FromStorage>(
             }
         })
         .collect();
-    let (x_q, x_scales) = quantize_activations::<T>(x, m, k);
-    let fast = match kernel {
-        MatmulKernel::Fast => T::fast_rows_dot(),
-        MatmulKernel::Reference => None,
-    };
-    run_parts(
-        &parts,
-        k,
-        &x_q,
-        &x_scales,
-        m,
-        fast.unwrap_or(reference_rows_dot::<T>),
-    );
+    let kernel = kernel_of::<T>(&[], kernel);
+    let (x_q, x_side) = quantize_activations(&kernel, x, m, k);
+    run_parts(&parts, k, &x_q, &x_side, m, kernel.rows_dot);
 }
 
 struct SendPtr(*mut f32);

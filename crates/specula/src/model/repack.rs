@@ -1,0 +1,483 @@
+//! Q4_K and Q6_K blocks with their quantized weights reordered at load time for the multi-row kernels.
+//!
+//! GGML stores a K-quant block's weights so that one 32-byte unpack gives 32 consecutive weights, i.e. one or two
+//! scale groups. A dot-product instruction (`vpdpbusd`) sums groups of four products into each 32-bit lane, so
+//! with that order every lane mixes weights of the same group and each group needs its own accumulator and a
+//! horizontal step before its scale can be applied: that per-row work was most of a verify pass.
+//!
+//! Here the 256 weights of a block are reordered so that unpacked register `t` (t = 0..8) holds, in 32-bit lane
+//! `i`, weights `32i + 4t .. 32i + 4t + 4`. Eight dot-product instructions then leave in lane `i` the whole dot
+//! product of the 32 weights `32i..32i + 32` (Q4_K's sub-block i; Q6_K's groups 2i and 2i+1 split over
+//! registers 0-3 and 4-7), and the scales are applied to all lanes with one multiply. The activations of a
+//! matmul call are reordered the same way once per call ([`interleave_activations`]).
+//!
+//! The blocks keep GGML's size, scales and field layout: only the order of the packed weights changes, so load
+//! costs one pass over the bytes and memory traffic is unchanged. Dequantization and the reference dot product
+//! restore GGML's order first.
+
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ6K, BlockQ8K, GgmlType};
+use candle_core::quantized::GgmlDType;
+
+/// Byte views of candle's block structs (their fields are private): `#[repr(C)]` with GGML's field order.
+#[repr(C)]
+struct Q4KBytes {
+    d: [u8; 2],
+    dmin: [u8; 2],
+    scales: [u8; 12],
+    qs: [u8; 128],
+}
+
+#[repr(C)]
+struct Q6KBytes {
+    ql: [u8; 128],
+    qh: [u8; 64],
+    scales: [u8; 16],
+    d: [u8; 2],
+}
+
+#[repr(C)]
+struct Q8KBytes {
+    d: f32,
+    qs: [i8; 256],
+    bsums: [i16; 16],
+}
+
+const _: () = assert!(std::mem::size_of::<Q4KBytes>() == std::mem::size_of::<BlockQ4K>());
+const _: () = assert!(std::mem::size_of::<Q6KBytes>() == std::mem::size_of::<BlockQ6K>());
+const _: () = assert!(std::mem::size_of::<Q8KBytes>() == std::mem::size_of::<BlockQ8K>());
+const _: () = assert!(std::mem::align_of::<Q8KBytes>() <= std::mem::align_of::<BlockQ8K>());
+
+fn q4k_bytes_mut(b: &mut BlockQ4K) -> &mut Q4KBytes {
+    // SAFETY: same size, Q4KBytes has alignment 1, and BlockQ4K is #[repr(C)] plain data in this field order.
+    unsafe { &mut *(b as *mut BlockQ4K as *mut Q4KBytes) }
+}
+
+fn q6k_bytes_mut(b: &mut BlockQ6K) -> &mut Q6KBytes {
+    // SAFETY: as above.
+    unsafe { &mut *(b as *mut BlockQ6K as *mut Q6KBytes) }
+}
+
+// Decoding to 256 values in element order and encoding back, one function per layout. Plain loops over
+// fixed-size arrays: the compiler vectorizes them, so repacking a 1.5B model at load stays well under a second.
+
+fn q4k_decode_ggml(qs: &[u8; 128]) -> [u8; 256] {
+    let mut v = [0u8; 256];
+    for c in 0..4 {
+        for u in 0..32 {
+            v[64 * c + u] = qs[32 * c + u] & 0x0F;
+            v[64 * c + 32 + u] = qs[32 * c + u] >> 4;
+        }
+    }
+    v
+}
+
+fn q4k_encode_ggml(v: &[u8; 256]) -> [u8; 128] {
+    let mut qs = [0u8; 128];
+    for c in 0..4 {
+        for u in 0..32 {
+            qs[32 * c + u] = v[64 * c + u] | (v[64 * c + 32 + u] << 4);
+        }
+    }
+    qs
+}
+
+/// Values in interleaved order: `out[32 t + 4 i + b] = v[32 i + 4 t + b]` (and the inverse, which is the same
+/// transpose of an 8 x 8 grid of 4-byte groups).
+fn transpose_groups(v: &[u8; 256]) -> [u8; 256] {
+    let mut out = [0u8; 256];
+    for i in 0..8 {
+        for t in 0..8 {
+            out[32 * t + 4 * i..32 * t + 4 * i + 4]
+                .copy_from_slice(&v[32 * i + 4 * t..32 * i + 4 * t + 4]);
+        }
+    }
+    out
+}
+
+// Interleaved Q4_K: register t = chunk t / 2 of `qs`, low nibbles for even t. In transposed order, register t is
+// the 32 values at 32 t, so the layout is GGML's nibble packing applied to the transposed values.
+// GGML packs values 64c..64c+32 in the low and 64c+32..64c+64 in the high nibbles of chunk c, i.e. register 2c
+// low and 2c+1 high. The transpose is its own inverse, so this one function converts both ways.
+fn q4k_reorder(qs: &[u8; 128]) -> [u8; 128] {
+    q4k_encode_ggml(&transpose_groups(&q4k_decode_ggml(qs)))
+}
+
+fn q6k_decode_ggml(ql: &[u8; 128], qh: &[u8; 64]) -> [u8; 256] {
+    let mut v = [0u8; 256];
+    for n in 0..2 {
+        for l in 0..32 {
+            let (a, b, h) = (ql[64 * n + l], ql[64 * n + 32 + l], qh[32 * n + l]);
+            v[128 * n + l] = (a & 0x0F) | ((h & 3) << 4);
+            v[128 * n + 32 + l] = (b & 0x0F) | (((h >> 2) & 3) << 4);
+            v[128 * n + 64 + l] = (a >> 4) | (((h >> 4) & 3) << 4);
+            v[128 * n + 96 + l] = (b >> 4) | (((h >> 6) & 3) << 4);
+        }
+    }
+    v
+}
+
+fn q6k_encode_ggml(v: &[u8; 256]) -> ([u8; 128], [u8; 64]) {
+    let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+    for n in 0..2 {
+        for l in 0..32 {
+            let q = [
+                v[128 * n + l],
+                v[128 * n + 32 + l],
+                v[128 * n + 64 + l],
+                v[128 * n + 96 + l],
+            ];
+            ql[64 * n + l] = (q[0] & 0x0F) | ((q[2] & 0x0F) << 4);
+            ql[64 * n + 32 + l] = (q[1] & 0x0F) | ((q[3] & 0x0F) << 4);
+            qh[32 * n + l] =
+                (q[0] >> 4) | ((q[1] >> 4) << 2) | ((q[2] >> 4) << 4) | ((q[3] >> 4) << 6);
+        }
+    }
+    (ql, qh)
+}
+
+fn q6k_decode_interleaved(ql: &[u8; 128], qh: &[u8; 64]) -> [u8; 256] {
+    // Register t: low 4 bits from chunk t / 2 of `ql` (low nibble for even t), high 2 bits from chunk t / 4 of
+    // `qh` at bit 2 (t % 4).
+    let mut v = [0u8; 256];
+    for t in 0..8 {
+        for p in 0..32 {
+            let low = (ql[32 * (t / 2) + p] >> (4 * (t % 2))) & 0x0F;
+            let high = (qh[32 * (t / 4) + p] >> (2 * (t % 4))) & 3;
+            v[32 * t + p] = low | (high << 4);
+        }
+    }
+    transpose_groups(&v)
+}
+
+fn q6k_encode_interleaved(v: &[u8; 256]) -> ([u8; 128], [u8; 64]) {
+    let v = transpose_groups(v);
+    let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+    for t in 0..8 {
+        for p in 0..32 {
+            let q = v[32 * t + p];
+            ql[32 * (t / 2) + p] |= (q & 0x0F) << (4 * (t % 2));
+            qh[32 * (t / 4) + p] |= (q >> 4) << (2 * (t % 4));
+        }
+    }
+    (ql, qh)
+}
+
+fn reorder_q4k(b: &BlockQ4K) -> BlockQ4K {
+    let mut out = b.clone();
+    let dst = q4k_bytes_mut(&mut out);
+    dst.qs = q4k_reorder(&dst.qs);
+    out
+}
+
+fn q6k_to_interleaved(b: &BlockQ6K) -> BlockQ6K {
+    let mut out = b.clone();
+    let dst = q6k_bytes_mut(&mut out);
+    (dst.ql, dst.qh) = q6k_encode_interleaved(&q6k_decode_ggml(&dst.ql, &dst.qh));
+    out
+}
+
+fn q6k_to_ggml(b: &BlockQ6K) -> BlockQ6K {
+    let mut out = b.clone();
+    let dst = q6k_bytes_mut(&mut out);
+    (dst.ql, dst.qh) = q6k_encode_ggml(&q6k_decode_interleaved(&dst.ql, &dst.qh));
+    out
+}
+
+/// A Q4_K block whose 4-bit weights are in the interleaved order (module docs).
+#[derive(Clone)]
+#[repr(transparent)]
+pub struct BlockQ4KInterleaved(BlockQ4K);
+
+/// A Q6_K block whose 6-bit weights are in the interleaved order (module docs).
+#[derive(Clone)]
+#[repr(transparent)]
+pub struct BlockQ6KInterleaved(BlockQ6K);
+
+impl BlockQ4KInterleaved {
+    pub fn from_ggml(b: &BlockQ4K) -> Self {
+        Self(reorder_q4k(b))
+    }
+
+    pub fn to_ggml(&self) -> BlockQ4K {
+        reorder_q4k(&self.0)
+    }
+}
+
+impl BlockQ6KInterleaved {
+    pub fn from_ggml(b: &BlockQ6K) -> Self {
+        Self(q6k_to_interleaved(b))
+    }
+
+    pub fn to_ggml(&self) -> BlockQ6K {
+        q6k_to_ggml(&self.0)
+    }
+}
+
+/// GGML-order copies of a row of interleaved blocks (for the reference kernel and dequantization).
+pub trait Interleaved: Sized {
+    type Ggml: GgmlType<VecDotType = BlockQ8K>;
+    fn to_ggml(&self) -> Self::Ggml;
+    fn from_ggml(b: &Self::Ggml) -> Self;
+}
+
+impl Interleaved for BlockQ4KInterleaved {
+    type Ggml = BlockQ4K;
+    fn to_ggml(&self) -> BlockQ4K {
+        BlockQ4KInterleaved::to_ggml(self)
+    }
+    fn from_ggml(b: &BlockQ4K) -> Self {
+        BlockQ4KInterleaved::from_ggml(b)
+    }
+}
+
+impl Interleaved for BlockQ6KInterleaved {
+    type Ggml = BlockQ6K;
+    fn to_ggml(&self) -> BlockQ6K {
+        BlockQ6KInterleaved::to_ggml(self)
+    }
+    fn from_ggml(b: &BlockQ6K) -> Self {
+        BlockQ6KInterleaved::from_ggml(b)
+    }
+}
+
+macro_rules! interleaved_ggml_type {
+    ($t:ty, $ggml:ty, $dtype:expr) => {
+        impl GgmlType for $t {
+            const DTYPE: GgmlDType = $dtype;
+            const BLCK_SIZE: usize = 256;
+            type VecDotType = BlockQ8K;
+
+            fn to_float(xs: &[Self], ys: &mut [f32]) {
+                for (b, out) in xs.iter().zip(ys.chunks_exact_mut(256)) {
+                    <$ggml>::to_float(&[b.to_ggml()], out);
+                }
+            }
+
+            fn from_float(xs: &[f32], ys: &mut [Self]) {
+                let mut ggml: Vec<$ggml> = (0..ys.len()).map(|_| <$ggml>::zeros()).collect();
+                <$ggml>::from_float(xs, &mut ggml);
+                for (y, g) in ys.iter_mut().zip(&ggml) {
+                    *y = Self::from_ggml(g);
+                }
+            }
+
+            fn vec_dot(n: usize, xs: &[Self], ys: &[BlockQ8K]) -> f32 {
+                let ggml: Vec<$ggml> = xs.iter().map(|b| b.to_ggml()).collect();
+                <$ggml>::vec_dot(n, &ggml, ys)
+            }
+
+            fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[BlockQ8K]) -> f32 {
+                let ggml: Vec<$ggml> = xs.iter().map(|b| b.to_ggml()).collect();
+                <$ggml>::vec_dot_unopt(n, &ggml, ys)
+            }
+        }
+    };
+}
+
+interleaved_ggml_type!(BlockQ4KInterleaved, BlockQ4K, GgmlDType::Q4K);
+interleaved_ggml_type!(BlockQ6KInterleaved, BlockQ6K, GgmlDType::Q6K);
+
+/// Reorders each Q8_K activation block's 256 values into the interleaved order (the transpose of an 8 x 8 grid
+/// of 4-byte groups: group `(i, t)` moves to `(t, i)`). The block sums are left as they are.
+pub fn interleave_activations(x: &mut [BlockQ8K]) {
+    for b in x {
+        // SAFETY: same size and compatible alignment (checked above); BlockQ8K is #[repr(C)] in this order.
+        let b = unsafe { &mut *(b as *mut BlockQ8K as *mut Q8KBytes) };
+        let src = b.qs;
+        for i in 0..8 {
+            for t in 0..8 {
+                b.qs[32 * t + 4 * i..32 * t + 4 * i + 4]
+                    .copy_from_slice(&src[32 * i + 4 * t..32 * i + 4 * t + 4]);
+            }
+        }
+    }
+}
+
+/// A Q8_K block's scale and its sixteen 16-element sums.
+pub fn q8k_scale_and_sums(b: &BlockQ8K) -> (f32, [i16; 16]) {
+    // SAFETY: as in `interleave_activations`.
+    let b = unsafe { &*(b as *const BlockQ8K as *const Q8KBytes) };
+    (b.d, b.bsums)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The layouts spelled out element by element (independently of the vectorizable code above).
+    /// Where element `e` (0..256) sits in the reordered layout: 32-byte chunk `t` (the unpacked register) and
+    /// byte `4i + b` within it.
+    #[inline]
+    fn interleaved_pos(e: usize) -> (usize, usize) {
+        let (i, u) = (e / 32, e % 32);
+        (u / 4, 4 * (i % 8) + u % 4)
+    }
+
+    // GGML layout, `Q4_K`: element e of sub-block s = e / 32 is byte `32 (s / 2) + e % 32` of `qs`, low nibble for
+    // even s. Reordered: chunk t of element e is stored in byte `32 (t / 2) + pos` of `qs`, low nibble for even t.
+    fn q4k_get(qs: &[u8; 128], byte: usize, high: bool) -> u8 {
+        if high {
+            qs[byte] >> 4
+        } else {
+            qs[byte] & 0x0F
+        }
+    }
+
+    #[allow(dead_code)]
+    fn q4k_set(qs: &mut [u8; 128], byte: usize, high: bool, v: u8) {
+        if high {
+            qs[byte] = (qs[byte] & 0x0F) | (v << 4);
+        } else {
+            qs[byte] = (qs[byte] & 0xF0) | v;
+        }
+    }
+
+    fn q4k_ggml_slot(e: usize) -> (usize, bool) {
+        let s = e / 32;
+        (32 * (s / 2) + e % 32, s % 2 == 1)
+    }
+
+    fn q4k_interleaved_slot(e: usize) -> (usize, bool) {
+        let (t, pos) = interleaved_pos(e);
+        (32 * (t / 2) + pos, t % 2 == 1)
+    }
+
+    // GGML layout, `Q6_K`: element e = 128 n + 32 c + l has its low 4 bits in `ql[64 n + 32 (c % 2) + l]` (low nibble
+    // for c < 2) and its high 2 bits in `qh[32 n + l]` at bit 2c. Reordered: low 4 bits in `ql[32 (t / 2) + pos]`
+    // (low nibble for even t), high 2 bits in `qh[32 (t / 4) + pos]` at bit `2 (t % 4)`.
+    fn q6k_ggml_slots(e: usize) -> (usize, bool, usize, u32) {
+        let (n, c, l) = (e / 128, (e % 128) / 32, e % 32);
+        (64 * n + 32 * (c % 2) + l, c >= 2, 32 * n + l, 2 * c as u32)
+    }
+
+    fn q6k_interleaved_slots(e: usize) -> (usize, bool, usize, u32) {
+        let (t, pos) = interleaved_pos(e);
+        (
+            32 * (t / 2) + pos,
+            t % 2 == 1,
+            32 * (t / 4) + pos,
+            2 * (t % 4) as u32,
+        )
+    }
+
+    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn bytes<T>(v: &T) -> Vec<u8> {
+        // SAFETY: plain-old-data blocks.
+        unsafe { std::slice::from_raw_parts(v as *const T as *const u8, std::mem::size_of::<T>()) }
+            .to_vec()
+    }
+
+    #[test]
+    fn slots_are_permutations() {
+        let mut seen4 = [[false; 2]; 128];
+        let mut seen6 = std::collections::HashSet::new();
+        for e in 0..256 {
+            let (b, h) = q4k_interleaved_slot(e);
+            assert!(!seen4[b][h as usize], "q4k slot used twice");
+            seen4[b][h as usize] = true;
+            let (lb, lh, hb, hs) = q6k_interleaved_slots(e);
+            assert!(seen6.insert((0, lb, lh as u32)), "q6k low slot used twice");
+            assert!(seen6.insert((1, hb, hs)), "q6k high slot used twice");
+        }
+    }
+
+    #[test]
+    fn interleaving_round_trips_and_dequantizes_identically() {
+        let data = pseudo_random(4 * 256, 11);
+        let mut q4: Vec<BlockQ4K> = (0..4).map(|_| BlockQ4K::zeros()).collect();
+        BlockQ4K::from_float(&data, &mut q4);
+        let mut q6: Vec<BlockQ6K> = (0..4).map(|_| BlockQ6K::zeros()).collect();
+        BlockQ6K::from_float(&data, &mut q6);
+        for (a, b) in q4.iter().zip(&q6) {
+            let ia = BlockQ4KInterleaved::from_ggml(a);
+            assert_eq!(bytes(&ia.to_ggml()), bytes(a));
+            assert_ne!(bytes(&ia), bytes(a), "the order must actually change");
+            let ib = BlockQ6KInterleaved::from_ggml(b);
+            assert_eq!(bytes(&ib.to_ggml()), bytes(b));
+            assert_ne!(bytes(&ib), bytes(b));
+        }
+        let (mut direct, mut via) = (vec![0f32; 1024], vec![0f32; 1024]);
+        BlockQ4K::to_float(&q4, &mut direct);
+        let i4: Vec<_> = q4.iter().map(BlockQ4KInterleaved::from_ggml).collect();
+        BlockQ4KInterleaved::to_float(&i4, &mut via);
+        assert_eq!(direct, via);
+        BlockQ6K::to_float(&q6, &mut direct);
+        let i6: Vec<_> = q6.iter().map(BlockQ6KInterleaved::from_ggml).collect();
+        BlockQ6KInterleaved::to_float(&i6, &mut via);
+        assert_eq!(direct, via);
+    }
+
+    /// The layout the kernels rely on: chunk t, lane i of the interleaved weights and activations holds
+    /// elements 32i + 4t .. 32i + 4t + 4.
+    #[test]
+    fn interleaved_chunks_hold_the_documented_elements() {
+        let mut x: Vec<BlockQ8K> = vec![BlockQ8K::zeros()];
+        // Values that identify their element (wrapping to i8 is fine: all distinct mod 256).
+        let data: Vec<f32> = (0..256).map(|e| (e as f32) - 127.5).collect();
+        BlockQ8K::from_float(&data, &mut x);
+        let before = unsafe { &*(x.as_ptr() as *const Q8KBytes) }.qs;
+        interleave_activations(&mut x);
+        let after = unsafe { &*(x.as_ptr() as *const Q8KBytes) }.qs;
+        for t in 0..8 {
+            for i in 0..8 {
+                for b in 0..4 {
+                    assert_eq!(after[32 * t + 4 * i + b], before[32 * i + 4 * t + b]);
+                }
+            }
+        }
+        // Weights: unpack register t the way the kernels do and compare with GGML-order values.
+        let w = pseudo_random(256, 5);
+        let mut q4 = [BlockQ4K::zeros()];
+        BlockQ4K::from_float(&w, &mut q4);
+        let mut plain = q4[0].clone();
+        let ggml_qs = q4k_bytes_mut(&mut plain).qs;
+        let mut inter = BlockQ4KInterleaved::from_ggml(&q4[0]);
+        let qs = q4k_bytes_mut(&mut inter.0).qs;
+        for t in 0..8 {
+            for i in 0..8 {
+                for b in 0..4 {
+                    let byte = qs[32 * (t / 2) + 4 * i + b];
+                    let v = if t % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                    let (gb, gh) = q4k_ggml_slot(32 * i + 4 * t + b);
+                    assert_eq!(v, q4k_get(&ggml_qs, gb, gh));
+                }
+            }
+        }
+        // Q6_K: every element's 6-bit value sits where the documented slots say, in both layouts.
+        let mut q6 = [BlockQ6K::zeros()];
+        BlockQ6K::from_float(&w, &mut q6);
+        let mut plain = q6[0].clone();
+        let g = q6k_bytes_mut(&mut plain);
+        let mut inter = BlockQ6KInterleaved::from_ggml(&q6[0]);
+        let n = q6k_bytes_mut(&mut inter.0);
+        let value = |ql: &[u8; 128], qh: &[u8; 64], (lb, lh, hb, hs): (usize, bool, usize, u32)| {
+            let low = if lh { ql[lb] >> 4 } else { ql[lb] & 0x0F };
+            low | (((qh[hb] >> hs) & 3) << 4)
+        };
+        let mut distinct = std::collections::HashSet::new();
+        for e in 0..256 {
+            let expected = value(&g.ql, &g.qh, q6k_ggml_slots(e));
+            distinct.insert(expected);
+            assert_eq!(
+                value(&n.ql, &n.qh, q6k_interleaved_slots(e)),
+                expected,
+                "element {e}"
+            );
+        }
+        assert!(
+            distinct.len() > 16,
+            "test data should use many 6-bit values"
+        );
+    }
+}
