@@ -82,7 +82,9 @@ pub struct TuneArgs {
 fn method(args: &BenchArgs) -> anyhow::Result<Option<DraftMethod>> {
     Ok(match args.drafter.choice()? {
         DraftChoice::None => None,
-        DraftChoice::Model(_) => Some(DraftMethod::Model),
+        DraftChoice::Model(_) => Some(DraftMethod::Model {
+            vocab_limit: args.drafter.draft_vocab,
+        }),
         DraftChoice::Ngram { min_n, max_n } => Some(DraftMethod::Ngram { min_n, max_n }),
     })
 }
@@ -133,7 +135,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     }
     let (target, threads, _) = load(&args.model)?;
     let draft = match (&method, &args.drafter.draft_model) {
-        (Some(DraftMethod::Model), Some(spec)) => {
+        (Some(DraftMethod::Model { .. }), Some(spec)) => {
             let d = specula::load_model(spec, true, &mut |line| eprintln!("{line}"))
                 .with_context(|| format!("loading draft model {spec}"))?;
             specula::draft::model::check_compatible(&target, &d)?;
@@ -165,7 +167,10 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         target.spec,
         draft
             .as_ref()
-            .map(|d| format!(", draft {}", d.spec))
+            .map(|d| match args.drafter.draft_vocab {
+                Some(n) => format!(", draft {} (token ids < {n})", d.spec),
+                None => format!(", draft {}", d.spec),
+            })
             .unwrap_or_default(),
         spec.prompts.len(),
         spec.rounds,

@@ -135,6 +135,11 @@ pub struct DrafterArgs {
     /// Longest n-gram prompt lookup tries first.
     #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
     pub ngram_max: usize,
+    /// Draft model only: propose only token ids below N, so the draft's LM head reads only its first N rows
+    /// (cheaper draft steps for large vocabularies; lossless, the target verifies every token). See
+    /// docs/benchmarks.md for the measured trade-off.
+    #[arg(long, value_name = "N")]
+    pub draft_vocab: Option<usize>,
 }
 
 #[derive(clap::Args, Clone)]
@@ -156,12 +161,16 @@ pub enum DraftChoice {
 impl DrafterArgs {
     /// The drafting method `--draft` and `--draft-model` ask for.
     pub fn choice(&self) -> anyhow::Result<DraftChoice> {
-        parse_draft_choice(
+        let choice = parse_draft_choice(
             self.draft.as_deref(),
             &self.draft_model,
             self.ngram_min,
             self.ngram_max,
-        )
+        )?;
+        if self.draft_vocab.is_some() && !matches!(choice, DraftChoice::Model(_)) {
+            anyhow::bail!("--draft-vocab applies to a draft model; add --draft-model PATH|NAME");
+        }
+        Ok(choice)
     }
 }
 
@@ -233,12 +242,13 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     };
     let mut drafter: Option<Box<dyn specula::draft::Drafter + '_>> = match &choice {
         DraftChoice::None => None,
-        DraftChoice::Model(_) => draft_loaded.as_ref().map(|d| {
-            Box::new(specula::draft::model::ModelDrafter::new(
-                &d.model,
-                sampling.seed,
-            )) as Box<dyn specula::draft::Drafter>
-        }),
+        DraftChoice::Model(_) => match draft_loaded.as_ref() {
+            Some(d) => Some(Box::new(
+                specula::draft::model::ModelDrafter::new(&d.model, sampling.seed)
+                    .with_vocab_limit(args.draft.drafter.draft_vocab)?,
+            ) as Box<dyn specula::draft::Drafter>),
+            None => None,
+        },
         DraftChoice::Ngram { min_n, max_n } => Some(Box::new(
             specula::draft::ngram::NgramDrafter::new(*min_n, *max_n)?,
         )),

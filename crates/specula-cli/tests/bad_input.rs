@@ -314,4 +314,34 @@ fn conflicting_or_bad_draft_flags() {
         ],
         &["--ngram-min"],
     );
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
+            "--draft-vocab",
+            "100",
+        ],
+        &["--draft-vocab applies to a draft model"],
+    );
+    for bad in ["0", "1000000"] {
+        fails_with(
+            &[
+                "generate",
+                "-m",
+                m,
+                "-p",
+                "hi",
+                "--draft-model",
+                m,
+                "--draft-vocab",
+                bad,
+            ],
+            &["--draft-vocab must be between 1 and"],
+        );
+    }
 }

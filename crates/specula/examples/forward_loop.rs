@@ -24,12 +24,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prefill = ForwardOptions {
         logits: LogitsFor::None,
         capture_layers: &[],
+        vocab_limit: None,
     };
     model.forward(&context, &mut cache, &prefill, &prof)?;
     let base = cache.len();
     let verify = ForwardOptions {
         logits: LogitsFor::All,
         capture_layers: &[],
+        vocab_limit: None,
     };
     let tokens: Vec<u32> = context.iter().copied().cycle().take(n).collect();
     let start = std::time::Instant::now();

@@ -12,6 +12,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let opts = ForwardOptions {
         logits: LogitsFor::Last,
         capture_layers: &[],
+        vocab_limit: None,
     };
     for prompt in &args[3..] {
         let mut cache = loaded.model.new_cache();

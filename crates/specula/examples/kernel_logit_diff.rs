@@ -21,6 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let opts = ForwardOptions {
             logits: LogitsFor::All,
             capture_layers: &layers,
+            vocab_limit: None,
         };
         loaded.model.forward(&ids, &mut cache, &opts, &prof)
     };

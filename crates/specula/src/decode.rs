@@ -136,6 +136,7 @@ pub fn generate(
         let opts = ForwardOptions {
             logits: LogitsFor::Last,
             capture_layers: &[],
+            vocab_limit: None,
         };
         model.forward(&req.prompt_tokens, &mut cache, &opts, prof)?
     };
@@ -204,6 +205,7 @@ pub fn generate(
                 &ForwardOptions {
                     logits: which,
                     capture_layers: &[],
+                    vocab_limit: None,
                 },
                 prof,
             )?

@@ -134,6 +134,7 @@ fn margin_to_reference(m: &LoadedModel, prompt: &str, prefix: &[u32], reference:
     let opts = specula::model::ForwardOptions {
         logits: specula::model::LogitsFor::Last,
         capture_layers: &[],
+        vocab_limit: None,
     };
     let out = m
         .model

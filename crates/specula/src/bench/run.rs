@@ -19,8 +19,8 @@ use crate::tokenizer::Tokenizer;
 /// The drafting method of the speculative configurations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DraftMethod {
-    /// A separate draft model.
-    Model,
+    /// A separate draft model, optionally drafting only among token ids `0..vocab_limit`.
+    Model { vocab_limit: Option<usize> },
     /// Prompt lookup.
     Ngram { min_n: usize, max_n: usize },
 }
@@ -118,6 +118,8 @@ pub struct BenchReport {
     pub rounds: usize,
     pub max_new_tokens: usize,
     pub greedy: bool,
+    /// The draft model's vocabulary limit (`--draft-vocab`), if any.
+    pub draft_vocab: Option<usize>,
 }
 
 impl BenchReport {
@@ -222,6 +224,7 @@ impl BenchReport {
             "rounds": self.rounds,
             "max_new_tokens": self.max_new_tokens,
             "greedy": self.greedy,
+            "draft_vocab": self.draft_vocab,
             "configs": configs,
             "verify_cost": self.verify_cost,
         })
@@ -245,7 +248,7 @@ pub fn configs(spec: &BenchSpec<'_>) -> Vec<BenchConfig> {
     }];
     if let Some(method) = spec.method {
         let name = match method {
-            DraftMethod::Model => "model",
+            DraftMethod::Model { .. } => "model",
             DraftMethod::Ngram { .. } => "ngram",
         };
         for &k in &spec.draft_tokens {
@@ -284,7 +287,7 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             )));
         }
     }
-    if spec.method == Some(DraftMethod::Model) && spec.draft.is_none() {
+    if matches!(spec.method, Some(DraftMethod::Model { .. })) && spec.draft.is_none() {
         return Err(Error::InvalidArgument(
             "the model drafting method needs a draft model".into(),
         ));
@@ -348,10 +351,10 @@ pub fn run_bench(
                 let prof = Profiler::new(Detail::Phases);
                 let mut drafter: Option<Box<dyn Drafter + '_>> = match (config.k, spec.method) {
                     (0, _) | (_, None) => None,
-                    (_, Some(DraftMethod::Model)) => Some(Box::new(ModelDrafter::new(
-                        spec.draft.expect("validated"),
-                        spec.sampling.seed,
-                    ))),
+                    (_, Some(DraftMethod::Model { vocab_limit })) => Some(Box::new(
+                        ModelDrafter::new(spec.draft.expect("validated"), spec.sampling.seed)
+                            .with_vocab_limit(vocab_limit)?,
+                    )),
                     (_, Some(DraftMethod::Ngram { min_n, max_n })) => {
                         Some(Box::new(NgramDrafter::new(min_n, max_n)?))
                     }
@@ -426,5 +429,9 @@ pub fn run_bench(
         rounds: spec.rounds,
         max_new_tokens: spec.max_new_tokens,
         greedy,
+        draft_vocab: match spec.method {
+            Some(DraftMethod::Model { vocab_limit }) => vocab_limit,
+            _ => None,
+        },
     })
 }

@@ -44,12 +44,14 @@ pub fn measure_verify_cost(
     let prefill = ForwardOptions {
         logits: LogitsFor::None,
         capture_layers: &[],
+        vocab_limit: None,
     };
     model.forward(context_tokens, &mut cache, &prefill, &prof)?;
     let base = cache.len();
     let verify = ForwardOptions {
         logits: LogitsFor::All,
         capture_layers: &[],
+        vocab_limit: None,
     };
     // Arbitrary but valid token ids: the cost does not depend on them.
     let tokens: Vec<u32> = context_tokens

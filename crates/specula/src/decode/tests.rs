@@ -114,6 +114,54 @@ fn greedy_speculation_equals_plain_decoding() {
     );
 }
 
+/// A draft model restricted to a prefix of the vocabulary (`--draft-vocab`) stays lossless. The target drafts for
+/// itself: with the limit just above its greedy tokens every draft can be right, with the limit at the largest
+/// greedy token the drafts that need it are necessarily wrong.
+#[test]
+fn vocab_limited_draft_model_is_lossless() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(dir.path(), "t.gguf", TinySpec::default());
+    let req = request(&PROMPT, 30, SamplingParams::default());
+    let plain = run(&target, &req, None);
+    let top = *plain.tokens.iter().max().unwrap() as usize;
+    for (limit, all_reachable) in [(top + 1, true), (top, false)] {
+        for k in [1, 3] {
+            let mut limited = ModelDrafter::new(&target.model, 0)
+                .with_vocab_limit(Some(limit))
+                .unwrap();
+            let out = run(
+                &target,
+                &req,
+                Some(Speculation {
+                    drafter: &mut limited,
+                    draft_tokens: k,
+                }),
+            );
+            assert_eq!(out.tokens, plain.tokens, "limit {limit} k={k}");
+            let st = out.speculation.unwrap();
+            if all_reachable {
+                assert_eq!(
+                    st.accepted, st.drafted,
+                    "self-drafting within reach is always right"
+                );
+            } else {
+                assert!(
+                    st.accepted < st.drafted,
+                    "token {top} cannot be drafted below {limit}"
+                );
+            }
+        }
+    }
+    let vocab = target.model.config.vocab_size;
+    for bad in [0, vocab + 1] {
+        let err = ModelDrafter::new(&target.model, 0)
+            .with_vocab_limit(Some(bad))
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("--draft-vocab"), "{err}");
+    }
+}
+
 #[test]
 fn rollback_after_partial_acceptance_leaves_the_cache_where_plain_decoding_is() {
     let dir = tempfile::tempdir().unwrap();
@@ -122,6 +170,7 @@ fn rollback_after_partial_acceptance_leaves_the_cache_where_plain_decoding_is() 
     let all = ForwardOptions {
         logits: LogitsFor::All,
         capture_layers: &[],
+        vocab_limit: None,
     };
     // Plain: prompt, then tokens a, b one at a time, then the logits after c.
     let mut plain = m.model.new_cache();
@@ -172,6 +221,7 @@ fn sampled_speculation_has_the_targets_distribution() {
     let last = ForwardOptions {
         logits: LogitsFor::Last,
         capture_layers: &[],
+        vocab_limit: None,
     };
     let dist_after = |ctx: &[u32]| {
         let mut cache = target.model.new_cache();

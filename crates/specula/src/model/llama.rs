@@ -132,6 +132,9 @@ pub struct ForwardOptions<'a> {
     pub logits: LogitsFor,
     /// Layers whose output hidden states (residual stream after the block) to return, 0-based.
     pub capture_layers: &'a [usize],
+    /// Compute logits only for token ids `0..limit` (the first rows of the LM head), e.g. a draft model's reduced
+    /// vocabulary; `ForwardOutput::vocab` is then `limit`. None: the whole vocabulary.
+    pub vocab_limit: Option<usize>,
 }
 
 impl Default for ForwardOptions<'_> {
@@ -139,6 +142,7 @@ impl Default for ForwardOptions<'_> {
         ForwardOptions {
             logits: LogitsFor::All,
             capture_layers: &[],
+            vocab_limit: None,
         }
     }
 }
@@ -292,6 +296,14 @@ impl LlamaModel {
                 context_length: c.context_length,
             });
         }
+        if let Some(limit) = opts.vocab_limit {
+            if limit == 0 || limit > c.vocab_size {
+                return Err(Error::InvalidArgument(format!(
+                    "vocabulary limit {limit} is outside 1..={} (the model's vocabulary)",
+                    c.vocab_size
+                )));
+            }
+        }
         for &layer in opts.capture_layers {
             if layer >= c.num_layers {
                 return Err(Error::InvalidArgument(format!(
@@ -404,7 +416,8 @@ impl LlamaModel {
             LogitsFor::None => n..n,
         };
         let rows = rows_wanted.len();
-        let mut logits = vec![0f32; rows * c.vocab_size];
+        let vocab = opts.vocab_limit.unwrap_or(c.vocab_size);
+        let mut logits = vec![0f32; rows * vocab];
         if rows > 0 {
             let mut final_normed = vec![0f32; rows * h];
             ops::rms_norm(
@@ -414,12 +427,12 @@ impl LlamaModel {
                 &mut final_normed,
             );
             let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-            head.matmul(&final_normed, rows, &mut logits);
+            head.matmul_first_rows(vocab, &final_normed, rows, &mut logits);
         }
         Ok(ForwardOutput {
             logits,
             rows,
-            vocab: c.vocab_size,
+            vocab,
             hidden,
         })
     }

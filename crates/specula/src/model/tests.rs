@@ -114,6 +114,7 @@ fn hidden_state_capture_returns_requested_layers() {
     let opts = ForwardOptions {
         logits: LogitsFor::Last,
         capture_layers: &[2, 0],
+        vocab_limit: None,
     };
     let out = m
         .model
@@ -143,6 +144,7 @@ fn hidden_state_capture_returns_requested_layers() {
     let bad = ForwardOptions {
         logits: LogitsFor::Last,
         capture_layers: &[3],
+        vocab_limit: None,
     };
     let err = m
         .model
@@ -190,4 +192,46 @@ fn tiny_tokenizer_round_trips_and_matches_special_tokens() {
     assert!(ids.contains(&257), "merged 'he'");
     assert_eq!(m.tokenizer.decode(&ids).unwrap(), text);
     assert!(m.tokenizer.is_stop(259));
+}
+
+/// A vocabulary-limited forward (a draft model's reduced LM head) gives exactly the first `limit` logits of the
+/// full forward, for quantized heads too; limits outside 1..=vocab are refused.
+#[test]
+fn vocab_limited_logits_are_a_prefix_of_the_full_logits() {
+    for weight_type in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_1] {
+        let spec = TinySpec {
+            weight_type,
+            ..Default::default()
+        };
+        let (_d, m) = load_tiny(&spec);
+        let vocab = m.model.config.vocab_size;
+        let run = |limit: Option<usize>| {
+            let opts = ForwardOptions {
+                logits: LogitsFor::All,
+                capture_layers: &[],
+                vocab_limit: limit,
+            };
+            m.model.forward(
+                &TOKENS[..3],
+                &mut m.model.new_cache(),
+                &opts,
+                &Profiler::disabled(),
+            )
+        };
+        let full = run(None).unwrap();
+        let limited = run(Some(100)).unwrap();
+        assert_eq!(limited.vocab, 100);
+        for i in 0..3 {
+            assert_eq!(
+                limited.row(i),
+                &full.row(i)[..100],
+                "{weight_type:?} row {i}"
+            );
+        }
+        assert_eq!(run(Some(vocab)).unwrap().logits, full.logits);
+        for bad in [0, vocab + 1] {
+            let err = run(Some(bad)).unwrap_err().to_string();
+            assert!(err.contains("vocabulary limit"), "{err}");
+        }
+    }
 }

@@ -414,10 +414,33 @@ impl Weight {
 
     /// `matmul` with an explicit kernel choice (tests and benchmarks compare the two).
     pub fn matmul_with(&self, kernel: MatmulKernel, x: &[f32], m: usize, out: &mut [f32]) {
+        self.first_rows_with(kernel, self.rows, x, m, out)
+    }
+
+    /// `matmul` against the first `rows` rows only: `out[m x rows]` (an LM head restricted to the first token
+    /// ids). Each element equals the full matmul's (same kernel, same quantized input).
+    pub fn matmul_first_rows(&self, rows: usize, x: &[f32], m: usize, out: &mut [f32]) {
+        self.first_rows_with(matmul_kernel(), rows, x, m, out)
+    }
+
+    fn first_rows_with(
+        &self,
+        kernel: MatmulKernel,
+        rows: usize,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+    ) {
+        assert!(
+            rows <= self.rows,
+            "matmul: {rows} rows of a {}-row weight",
+            self.rows
+        );
         assert_eq!(x.len(), m * self.cols, "matmul: input is not m x cols");
-        assert_eq!(out.len(), m * self.rows, "matmul: output is not m x rows");
+        assert_eq!(out.len(), m * rows, "matmul: output is not m x rows");
         with_blocks!(&self.storage, blocks => {
-            matmul_blocks(blocks, self.rows, self.cols, x, m, out, kernel_of(blocks, kernel))
+            let used = &blocks[..blocks.len() / self.rows * rows];
+            matmul_blocks(used, rows, self.cols, x, m, out, kernel_of(blocks, kernel))
         })
     }
 
