@@ -18,9 +18,9 @@
 //! `PREFETCH_DISTANCE` bytes ahead, so memory keeps streaming while a multi-row tile computes (measured with
 //! `examples/prefetch_sweep.rs`: verify(5) of the Qwen 1.5B 74 -> 64 ms; no change at one row).
 
-use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ5_0, BlockQ8_0, GgmlType};
+use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_0, GgmlType};
 
-use super::repack::{BlockQ4KInterleaved, BlockQ6KInterleaved, Interleaved};
+use super::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved, Interleaved};
 
 /// `out[r] = dot(weight_row, x[r])` for the `out.len()` activation rows stored back to back in `x`
 /// (each `weight_row.len()` blocks long). `side` holds per-block data of the activations that the kernel's
@@ -71,6 +71,7 @@ no_fast_kernel!(
     candle_core::quantized::k_quants::BlockQ2K,
     candle_core::quantized::k_quants::BlockQ3K,
     candle_core::quantized::k_quants::BlockQ4K,
+    candle_core::quantized::k_quants::BlockQ5_0,
     candle_core::quantized::k_quants::BlockQ5K,
     candle_core::quantized::k_quants::BlockQ6K
 );
@@ -124,7 +125,14 @@ fast_kernel!(BlockQ6KInterleaved, q6k_q8k, prepare_q6k, {
     }
 });
 fast_kernel!(BlockQ8_0, q8_0_q8_0, prepare_q8_0);
-fast_kernel!(BlockQ5_0, q5_0_q8_0, prepare_q8_0);
+fast_kernel!(BlockQ5_0Interleaved, q5_0_q8_0, prepare_q5_0, {
+    fn reference_kernel() -> RowsKernel<Self> {
+        RowsKernel {
+            rows_dot: reference_rows_dot_q5_0,
+            prepare: no_preparation,
+        }
+    }
+});
 fast_kernel!(BlockQ4_1, q4_1_q8_1, prepare_q8_1);
 
 /// Bytes ahead of the current weight block that the kernels prefetch (0: none). A process-wide knob for
@@ -146,6 +154,16 @@ pub fn reference_rows_dot<T: GgmlType>(
     for (r, o) in out.iter_mut().enumerate() {
         *o = T::vec_dot(k, weight_row, &x[r * x_blocks..(r + 1) * x_blocks]);
     }
+}
+
+/// The reference for interleaved Q5_0 rows: back to GGML order once per weight row, then candle's `vec_dot`.
+fn reference_rows_dot_q5_0(
+    weight_row: &[BlockQ5_0Interleaved],
+    x: &[BlockQ8_0],
+    side: &[f32],
+    out: &mut [f32],
+) {
+    reference_rows_dot(&BlockQ5_0Interleaved::row_to_ggml(weight_row), x, side, out)
 }
 
 /// The reference for interleaved K-quant rows: back to GGML order once per weight row, then candle's `vec_dot`.
@@ -230,7 +248,8 @@ mod layout {
     use candle_core::quantized::k_quants as k;
     const _: () = assert!(same_layout::<k::BlockQ4K, Q4K>());
     const _: () = assert!(same_layout::<k::BlockQ6K, Q6K>());
-    use crate::model::repack::{BlockQ4KInterleaved, BlockQ6KInterleaved};
+    use crate::model::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved};
+    const _: () = assert!(same_layout::<BlockQ5_0Interleaved, Q5_0>());
     const _: () = assert!(same_layout::<BlockQ4KInterleaved, Q4K>());
     const _: () = assert!(same_layout::<BlockQ6KInterleaved, Q6K>());
     const _: () = assert!(same_layout::<k::BlockQ8K, Q8K>());
@@ -248,9 +267,10 @@ mod layout {
 mod avx2 {
     use super::layout::{cast, Q4K, Q4_1, Q5_0, Q6K, Q8K, Q8_0, Q8_1};
     use crate::model::repack::{
-        interleave_activations, q8k_scale_and_sums, BlockQ4KInterleaved, BlockQ6KInterleaved,
+        interleave_activations, interleave_q8_0_row, q8k_scale_and_sums, BlockQ4KInterleaved,
+        BlockQ5_0Interleaved, BlockQ6KInterleaved,
     };
-    use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ5_0, BlockQ8K, BlockQ8_0, BlockQ8_1};
+    use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8K, BlockQ8_0, BlockQ8_1};
     use std::arch::x86_64::*;
 
     /// Most activation rows handled per pass over a weight row. Verify passes are k+1 <= 9 rows for the draft
@@ -600,13 +620,35 @@ mod avx2 {
         by_tiles!(q8_0_tile, w, x, x_scales, 1, out)
     }
 
-    pub fn q5_0_q8_0(w: &[BlockQ5_0], x: &[BlockQ8_0], x_scales: &[f32], out: &mut [f32]) {
-        // SAFETY: layouts checked in `layout`.
+    pub fn q5_0_q8_0(w: &[BlockQ5_0Interleaved], x: &[BlockQ8_0], side: &[f32], out: &mut [f32]) {
+        // SAFETY: layouts checked in `layout` (the interleaved blocks are 22-byte Q5_0 units).
         let (w, x) = unsafe { (cast::<_, Q5_0>(w), cast::<_, Q8_0>(x)) };
-        if has_avx512bw() {
-            by_tiles!(q5_0_tile_avx512, w, x, x_scales, 1, out)
+        if has_vnni() && has_avx512bw() {
+            by_tiles!(q5_0_tile_avx512, w, x, side, 2, out)
         } else {
-            by_tiles!(q5_0_tile_avx2, w, x, x_scales, 1, out)
+            by_tiles!(q5_0_tile_avx2, w, x, side, 2, out)
+        }
+    }
+
+    /// Q8_0 activations for interleaved Q5_0 weights: per row, for each whole group of 8 blocks the 8 scales
+    /// and the 8 values `-16 * sum(x)` as i32 bits (the initial accumulators, which turn the weights' unsigned
+    /// 5-bit codes back into GGML's signed values exactly), then the same for the tail blocks; the values are
+    /// interleaved like the weights (`repack::interleave_q8_0_row`).
+    pub fn prepare_q5_0(x: &mut [BlockQ8_0], blocks_per_row: usize, side: &mut Vec<f32>) {
+        side.reserve(2 * x.len());
+        for row in x.chunks_mut(blocks_per_row.max(1)) {
+            {
+                // SAFETY: layouts checked in `layout`.
+                let blocks = unsafe { cast::<_, Q8_0>(row) };
+                for chunk in blocks.chunks(GROUP) {
+                    side.extend(chunk.iter().map(|b| b.d.to_f32()));
+                    side.extend(chunk.iter().map(|b| {
+                        let sum: i32 = b.qs.iter().map(|&v| v as i32).sum();
+                        f32::from_bits((-16 * sum) as u32)
+                    }));
+                }
+            }
+            interleave_q8_0_row(row);
         }
     }
 
@@ -760,40 +802,112 @@ mod avx2 {
         _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
     }
 
-    /// A Q5_0 block as 32 signed bytes in [-16, 15]: (nibble | fifth bit << 4) - 16, where the fifth bit of
-    /// element i is bit i of `qh`. Computed as: nibble when the bit is set, nibble | 0xF0 (= nibble - 16 in
-    /// two's complement) when it is not.
+    /// Sets bit 4 of byte i of `v` where bit i of `mask` is set (a Q5_0 fifth bit): AVX2 expands the mask
+    /// with a shuffle and compare, AVX-512 BW uses it directly as a byte mask. The same bytes either way.
     #[inline(always)]
-    unsafe fn unpack_q5_0(b: &Q5_0) -> __m256i {
-        // Byte i of the expanded bits looks at byte i / 8 of qh and keeps only bit i % 8 clear in the mask.
+    unsafe fn fifth_bits_avx2(v: __m256i, mask: u32) -> __m256i {
+        // Byte i of the expanded bits looks at byte i / 8 of the mask and keeps only bit i % 8 clear.
         let byte_of_bit = _mm256_setr_epi8(
             0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
         );
         let other_bits = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfeu64 as i64);
-        let qh = u32::from_le_bytes(b.qh);
-        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), byte_of_bit);
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(mask as i32), byte_of_bit);
         let bit_set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, other_bits), _mm256_set1_epi8(-1));
-        let high = _mm256_andnot_si256(bit_set, _mm256_set1_epi8(0xF0u8 as i8));
-        _mm256_or_si256(nibbles(b.qs.as_ptr()), high)
+        _mm256_or_si256(v, _mm256_and_si256(bit_set, _mm256_set1_epi8(0x10)))
     }
-    signed_block_tile!(q5_0_tile_avx2, "avx2,fma,f16c", Q5_0, unpack_q5_0, true);
 
-    /// `unpack_q5_0` with AVX-512 byte masks: the fifth bits are a 32-bit mask, so "0xF0 where the bit is
-    /// clear" is one masked move instead of a broadcast, shuffle, compare and and-not. The same bytes exactly.
     #[inline]
     #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
-    unsafe fn unpack_q5_0_avx512(b: &Q5_0) -> __m256i {
-        let qh = u32::from_le_bytes(b.qh);
-        let high = _mm256_maskz_mov_epi8(!qh, _mm256_set1_epi8(0xF0u8 as i8));
-        _mm256_or_si256(nibbles(b.qs.as_ptr()), high)
+    fn fifth_bits_avx512(v: __m256i, mask: u32) -> __m256i {
+        // Bit 4 of every byte is clear (nibbles), so adding 16 sets it.
+        _mm256_mask_add_epi8(v, mask, v, _mm256_set1_epi8(0x10))
     }
-    signed_block_tile!(
+
+    // Interleaved Q5_0 (see `repack`): per group of 8 blocks, register t holds in lane j the unsigned 5-bit codes
+    // 4t .. 4t + 4 of block j, so eight dot products per row give the 8 blocks' sums in the 8 lanes, and the
+    // 8 scales apply with one multiply. Tail blocks (a row's last nb % 8) take the GGML-order path.
+    macro_rules! q5_0_tile {
+        ($name:ident, $features:literal, $dot:path, $fifth:path) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize>(w: &[Q5_0], x: &[Q8_0], side: &[f32], out: &mut [f32]) {
+                let nb = w.len();
+                let groups = nb / GROUP;
+                let m4 = _mm256_set1_epi8(0x0F);
+                let zero = _mm256_setzero_si256();
+                let mut acc = [_mm256_setzero_ps(); R];
+                let base = w.as_ptr() as *const u8;
+                for g in 0..groups {
+                    let gp = base.add(g * GROUP * 22);
+                    prefetch_ahead(gp, GROUP * 22);
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(gp as *const __m128i));
+                    let mut q = [zero; GROUP];
+                    for c in 0..4 {
+                        let v = load(gp.add(48 + 32 * c));
+                        q[2 * c] = _mm256_and_si256(v, m4);
+                        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                    for (t, qt) in q.iter_mut().enumerate() {
+                        let mask = (gp.add(16 + 4 * t) as *const u32).read_unaligned();
+                        *qt = $fifth(*qt, mask);
+                    }
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let xg = x.as_ptr().add(r * nb + g * GROUP);
+                        let xq = |t: usize| load((*xg.add(t)).qs.as_ptr() as *const u8);
+                        let sd = side.as_ptr().add(2 * nb * r + 2 * GROUP * g);
+                        let init = _mm256_loadu_si256(sd.add(GROUP) as *const __m256i);
+                        let mut s0 = $dot(init, q[0], xq(0));
+                        let mut s1 = $dot(zero, q[1], xq(1));
+                        s0 = $dot(s0, q[2], xq(2));
+                        s1 = $dot(s1, q[3], xq(3));
+                        s0 = $dot(s0, q[4], xq(4));
+                        s1 = $dot(s1, q[5], xq(5));
+                        s0 = $dot(s0, q[6], xq(6));
+                        s1 = $dot(s1, q[7], xq(7));
+                        let sums = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                        *a = _mm256_fmadd_ps(sums, _mm256_mul_ps(dw, _mm256_loadu_ps(sd)), *a);
+                    }
+                }
+                let n = nb - groups * GROUP;
+                if n > 0 {
+                    let t0 = groups * GROUP;
+                    let mut q = [zero; GROUP];
+                    for (j, qj) in q.iter_mut().enumerate().take(n) {
+                        let b = w.get_unchecked(t0 + j);
+                        *qj = $fifth(nibbles(b.qs.as_ptr()), u32::from_le_bytes(b.qh));
+                    }
+                    let dw = f16x8(n, |j| w.get_unchecked(t0 + j).d);
+                    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                    let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lanes);
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let mut p = [zero; GROUP];
+                        for (j, pj) in p.iter_mut().enumerate().take(n) {
+                            let xb = x.get_unchecked(r * nb + t0 + j);
+                            *pj = $dot(zero, q[j], load(xb.qs.as_ptr() as *const u8));
+                        }
+                        let sd = side.as_ptr().add(2 * nb * r + 2 * t0);
+                        let init = _mm256_maskload_epi32(sd.add(n) as *const i32, live);
+                        let sums = _mm256_cvtepi32_ps(_mm256_add_epi32(reduce8(&p), init));
+                        *a = _mm256_fmadd_ps(sums, _mm256_mul_ps(dw, f32x8(n, sd)), *a);
+                    }
+                }
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = hsum(a);
+                }
+            }
+        };
+    }
+    q5_0_tile!(
+        q5_0_tile_avx2,
+        "avx2,fma,f16c",
+        int::dot_u8i8_avx2,
+        fifth_bits_avx2
+    );
+    q5_0_tile!(
         q5_0_tile_avx512,
-        "avx2,fma,f16c,avx512f,avx512bw,avx512vl",
-        Q5_0,
-        unpack_q5_0_avx512,
-        true
+        "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+        int::dot_u8i8_vnni,
+        fifth_bits_avx512
     );
 
     /// Q4_1 (unsigned nibbles with a per-block scale and offset) against Q8_1 activations:
@@ -979,7 +1093,9 @@ mod tests {
             check::<BlockQ4KInterleaved>(1024, seed);
             check::<BlockQ6KInterleaved>(1024, seed);
             check::<BlockQ8_0>(512, seed);
-            check::<BlockQ5_0>(512, seed);
+            check::<BlockQ5_0Interleaved>(512, seed);
+            check::<BlockQ5_0Interleaved>(704, seed);
+            check::<BlockQ5_0Interleaved>(96, seed);
             check::<BlockQ4_1>(512, seed);
         }
     }
@@ -1016,7 +1132,8 @@ mod tests {
             both::<BlockQ4KInterleaved>(2048, seed);
             both::<BlockQ6KInterleaved>(2048, seed);
             both::<BlockQ8_0>(1024, seed);
-            both::<BlockQ5_0>(1024, seed);
+            both::<BlockQ5_0Interleaved>(1024, seed);
+            both::<BlockQ5_0Interleaved>(704, seed);
             both::<BlockQ4_1>(1024, seed);
         }
     }
@@ -1031,7 +1148,7 @@ mod tests {
         assert_eq!(BlockQ4KInterleaved::fast_kernel().is_some(), built);
         assert_eq!(BlockQ6KInterleaved::fast_kernel().is_some(), built);
         assert_eq!(BlockQ8_0::fast_kernel().is_some(), built);
-        assert_eq!(BlockQ5_0::fast_kernel().is_some(), built);
+        assert_eq!(BlockQ5_0Interleaved::fast_kernel().is_some(), built);
         assert_eq!(BlockQ4_1::fast_kernel().is_some(), built);
     }
 }

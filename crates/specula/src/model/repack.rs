@@ -15,7 +15,9 @@
 //! costs one pass over the bytes and memory traffic is unchanged. Dequantization and the reference dot product
 //! restore GGML's order first.
 
-use candle_core::quantized::k_quants::{BlockQ4K, BlockQ6K, BlockQ8K, GgmlType};
+use candle_core::quantized::k_quants::{
+    BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, GgmlType,
+};
 use candle_core::quantized::GgmlDType;
 
 /// Byte views of candle's block structs (their fields are private): `#[repr(C)]` with GGML's field order.
@@ -293,6 +295,195 @@ pub fn interleave_activations(x: &mut [BlockQ8K]) {
     }
 }
 
+// Q5_0 rows are interleaved in groups of 8 blocks (the 32-weight analogue of the K-quant order): register t of a
+// group holds, in lane j, weights 4t .. 4t + 4 of block j, so eight dot-product instructions per row leave one
+// block's dot product per lane and the eight block scales apply with one multiply. A group keeps the 8 x 22
+// bytes of its blocks, laid out as:
+//   bytes   0..16   the eight block scales d_j (f16), in block order
+//   bytes  16..48   eight u32 fifth-bit masks, one per register t: bit 4j + b = fifth bit of block j, weight 4t + b
+//   bytes  48..176  four 32-byte chunks c: byte 4j + b holds register 2c's value in its low nibble and register
+//                   2c + 1's in its high nibble
+// Blocks past the last whole group of a row (a row of 28 blocks has 4) stay in GGML's layout.
+
+/// Q5_0 blocks per interleaved group, and the group's bytes.
+pub const Q5_0_GROUP: usize = 8;
+const Q5_0_GROUP_BYTES: usize = 8 * 22;
+
+#[repr(C)]
+struct Q5_0Bytes {
+    d: [u8; 2],
+    qh: [u8; 4],
+    qs: [u8; 16],
+}
+const _: () = assert!(std::mem::size_of::<Q5_0Bytes>() == std::mem::size_of::<BlockQ5_0>());
+
+/// The 5-bit codes (0..32, GGML's value + 16) of a GGML-order Q5_0 block.
+fn q5_0_codes(b: &Q5_0Bytes) -> [u8; 32] {
+    let qh = u32::from_le_bytes(b.qh);
+    std::array::from_fn(|e| {
+        let nibble = if e < 16 {
+            b.qs[e] & 0x0F
+        } else {
+            b.qs[e - 16] >> 4
+        };
+        nibble | ((((qh >> e) & 1) as u8) << 4)
+    })
+}
+
+fn q5_0_block_from_codes(d: [u8; 2], codes: &[u8; 32]) -> Q5_0Bytes {
+    let mut qh = 0u32;
+    let mut qs = [0u8; 16];
+    for (e, &c) in codes.iter().enumerate() {
+        qh |= ((c >> 4) as u32 & 1) << e;
+        if e < 16 {
+            qs[e] |= c & 0x0F;
+        } else {
+            qs[e - 16] |= (c & 0x0F) << 4;
+        }
+    }
+    Q5_0Bytes {
+        d,
+        qh: qh.to_le_bytes(),
+        qs,
+    }
+}
+
+fn q5_0_bytes(blocks: &[BlockQ5_0]) -> &[Q5_0Bytes] {
+    // SAFETY: same size, alignment 1, BlockQ5_0 is #[repr(C)] plain data in this field order.
+    unsafe { std::slice::from_raw_parts(blocks.as_ptr() as *const Q5_0Bytes, blocks.len()) }
+}
+
+fn q5_0_bytes_mut(blocks: &mut [BlockQ5_0]) -> &mut [u8] {
+    // SAFETY: plain-old-data blocks viewed as bytes.
+    unsafe {
+        std::slice::from_raw_parts_mut(
+            blocks.as_mut_ptr() as *mut u8,
+            std::mem::size_of_val(blocks),
+        )
+    }
+}
+
+/// One group of 8 GGML blocks in the interleaved layout.
+fn q5_0_interleave_group(blocks: &[BlockQ5_0], out: &mut [u8]) {
+    let src = q5_0_bytes(blocks);
+    let codes: Vec<[u8; 32]> = src.iter().map(q5_0_codes).collect();
+    out.fill(0);
+    for (j, b) in src.iter().enumerate() {
+        out[2 * j..2 * j + 2].copy_from_slice(&b.d);
+    }
+    for t in 0..8 {
+        let mut mask = 0u32;
+        for (j, c) in codes.iter().enumerate() {
+            for b in 0..4 {
+                let code = c[4 * t + b];
+                mask |= ((code >> 4) as u32 & 1) << (4 * j + b);
+                out[48 + 32 * (t / 2) + 4 * j + b] |= (code & 0x0F) << (4 * (t % 2));
+            }
+        }
+        out[16 + 4 * t..20 + 4 * t].copy_from_slice(&mask.to_le_bytes());
+    }
+}
+
+/// The inverse of `q5_0_interleave_group`.
+fn q5_0_group_to_ggml(group: &[u8]) -> Vec<Q5_0Bytes> {
+    (0..8)
+        .map(|j| {
+            let codes: [u8; 32] = std::array::from_fn(|e| {
+                let (t, b) = (e / 4, e % 4);
+                let mask = u32::from_le_bytes(group[16 + 4 * t..20 + 4 * t].try_into().unwrap());
+                let nibble = (group[48 + 32 * (t / 2) + 4 * j + b] >> (4 * (t % 2))) & 0x0F;
+                nibble | ((((mask >> (4 * j + b)) & 1) as u8) << 4)
+            });
+            q5_0_block_from_codes([group[2 * j], group[2 * j + 1]], &codes)
+        })
+        .collect()
+}
+
+/// Q5_0 blocks of one weight row, whole groups of 8 interleaved (see above). Slices given to its `GgmlType`
+/// methods must be whole rows.
+#[derive(Clone)]
+#[repr(transparent)]
+pub struct BlockQ5_0Interleaved(BlockQ5_0);
+
+impl BlockQ5_0Interleaved {
+    /// One row of GGML blocks in the interleaved layout.
+    pub fn row_from_ggml(row: &[BlockQ5_0]) -> Vec<Self> {
+        let mut out: Vec<BlockQ5_0> = row.to_vec();
+        let whole = row.len() / Q5_0_GROUP * Q5_0_GROUP;
+        for g in (0..whole).step_by(Q5_0_GROUP) {
+            let bytes = &mut q5_0_bytes_mut(&mut out[g..g + Q5_0_GROUP])[..Q5_0_GROUP_BYTES];
+            q5_0_interleave_group(&row[g..g + Q5_0_GROUP], bytes);
+        }
+        out.into_iter().map(Self).collect()
+    }
+
+    /// One interleaved row back in GGML's layout.
+    pub fn row_to_ggml(row: &[Self]) -> Vec<BlockQ5_0> {
+        let mut out: Vec<BlockQ5_0> = row.iter().map(|b| b.0.clone()).collect();
+        let whole = row.len() / Q5_0_GROUP * Q5_0_GROUP;
+        for g in (0..whole).step_by(Q5_0_GROUP) {
+            let group = q5_0_bytes_mut(&mut out[g..g + Q5_0_GROUP]).to_vec();
+            let blocks = q5_0_group_to_ggml(&group);
+            let dst = q5_0_bytes_mut(&mut out[g..g + Q5_0_GROUP]);
+            for (j, b) in blocks.iter().enumerate() {
+                dst[22 * j..22 * j + 2].copy_from_slice(&b.d);
+                dst[22 * j + 2..22 * j + 6].copy_from_slice(&b.qh);
+                dst[22 * j + 6..22 * j + 22].copy_from_slice(&b.qs);
+            }
+        }
+        out
+    }
+}
+
+impl GgmlType for BlockQ5_0Interleaved {
+    const DTYPE: GgmlDType = GgmlDType::Q5_0;
+    const BLCK_SIZE: usize = 32;
+    type VecDotType = BlockQ8_0;
+
+    fn to_float(xs: &[Self], ys: &mut [f32]) {
+        BlockQ5_0::to_float(&Self::row_to_ggml(xs), ys);
+    }
+
+    fn from_float(xs: &[f32], ys: &mut [Self]) {
+        let mut ggml: Vec<BlockQ5_0> = (0..ys.len()).map(|_| BlockQ5_0::zeros()).collect();
+        BlockQ5_0::from_float(xs, &mut ggml);
+        for (y, b) in ys.iter_mut().zip(Self::row_from_ggml(&ggml)) {
+            *y = b;
+        }
+    }
+
+    fn vec_dot(n: usize, xs: &[Self], ys: &[BlockQ8_0]) -> f32 {
+        BlockQ5_0::vec_dot(n, &Self::row_to_ggml(xs), ys)
+    }
+
+    fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[BlockQ8_0]) -> f32 {
+        BlockQ5_0::vec_dot_unopt(n, &Self::row_to_ggml(xs), ys)
+    }
+}
+
+/// Q8_0 activations for the interleaved Q5_0 kernel, one row of `blocks` in place: within each whole group of 8
+/// blocks, block t's 32 values become register t (lane j = block j's values 4t .. 4t + 4); the tail stays.
+pub fn interleave_q8_0_row(blocks: &mut [BlockQ8_0]) {
+    #[repr(C)]
+    struct Q8_0Bytes {
+        d: [u8; 2],
+        qs: [u8; 32],
+    }
+    // SAFETY: same size (34 bytes), alignment 1, BlockQ8_0 is #[repr(C)] plain data in this field order.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(blocks.as_mut_ptr() as *mut Q8_0Bytes, blocks.len())
+    };
+    let whole = bytes.len() / Q5_0_GROUP * Q5_0_GROUP;
+    for group in bytes[..whole].chunks_exact_mut(Q5_0_GROUP) {
+        let src: Vec<[u8; 32]> = group.iter().map(|b| b.qs).collect();
+        for (t, dst) in group.iter_mut().enumerate() {
+            for (j, s) in src.iter().enumerate() {
+                dst.qs[4 * j..4 * j + 4].copy_from_slice(&s[4 * t..4 * t + 4]);
+            }
+        }
+    }
+}
+
 /// A Q8_K block's scale and its sixteen 16-element sums.
 pub fn q8k_scale_and_sums(b: &BlockQ8K) -> (f32, [i16; 16]) {
     // SAFETY: as in `interleave_activations`.
@@ -416,6 +607,42 @@ mod tests {
         let i6: Vec<_> = q6.iter().map(BlockQ6KInterleaved::from_ggml).collect();
         BlockQ6KInterleaved::to_float(&i6, &mut via);
         assert_eq!(direct, via);
+    }
+
+    #[test]
+    fn q5_0_rows_round_trip_with_a_tail() {
+        // 22 blocks: two interleaved groups and a GGML-order tail of 6.
+        let data = pseudo_random(22 * 32, 3);
+        let mut row: Vec<BlockQ5_0> = (0..22).map(|_| BlockQ5_0::zeros()).collect();
+        BlockQ5_0::from_float(&data, &mut row);
+        let inter = BlockQ5_0Interleaved::row_from_ggml(&row);
+        let back = BlockQ5_0Interleaved::row_to_ggml(&inter);
+        let all = |v: &[BlockQ5_0]| v.iter().flat_map(bytes).collect::<Vec<u8>>();
+        assert_eq!(all(&back), all(&row));
+        let inter_bytes: Vec<u8> = inter.iter().flat_map(bytes).collect();
+        assert_ne!(
+            inter_bytes[..176],
+            all(&row)[..176],
+            "whole groups change order"
+        );
+        assert_eq!(
+            inter_bytes[16 * 22..],
+            all(&row)[16 * 22..],
+            "the tail keeps GGML order"
+        );
+        // Register t, lane j of the first group is block j's codes 4t .. 4t + 4.
+        let codes: Vec<[u8; 32]> = q5_0_bytes(&row).iter().map(q5_0_codes).collect();
+        for t in 0..8 {
+            let mask = u32::from_le_bytes(inter_bytes[16 + 4 * t..20 + 4 * t].try_into().unwrap());
+            for j in 0..8 {
+                for b in 0..4 {
+                    let nibble =
+                        (inter_bytes[48 + 32 * (t / 2) + 4 * j + b] >> (4 * (t % 2))) & 0x0F;
+                    let code = nibble | ((((mask >> (4 * j + b)) & 1) as u8) << 4);
+                    assert_eq!(code, codes[j][4 * t + b], "t={t} j={j} b={b}");
+                }
+            }
+        }
     }
 
     /// The layout the kernels rely on: chunk t, lane i of the interleaved weights and activations holds

@@ -14,7 +14,7 @@ use candle_core::quantized::k_quants::{
 use half::{bf16, f16};
 
 use super::kernels::{FastRowsDot, RowsKernel};
-use super::repack::{BlockQ4KInterleaved, BlockQ6KInterleaved};
+use super::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved};
 
 /// The GGML storage types specula computes with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,7 +135,8 @@ enum Storage {
     BF16(Vec<bf16>),
     Q4_0(Vec<BlockQ4_0>),
     Q4_1(Vec<BlockQ4_1>),
-    Q5_0(Vec<BlockQ5_0>),
+    /// Q5_0 rows are interleaved in groups of 8 blocks (see `repack`).
+    Q5_0(Vec<BlockQ5_0Interleaved>),
     Q5_1(Vec<BlockQ5_1>),
     Q8_0(Vec<BlockQ8_0>),
     Q2K(Vec<BlockQ2K>),
@@ -186,7 +187,7 @@ macro_rules! from_storage {
 }
 
 from_storage!(
-    F32 => f32, F16 => f16, BF16 => bf16, Q4_0 => BlockQ4_0, Q4_1 => BlockQ4_1, Q5_0 => BlockQ5_0,
+    F32 => f32, F16 => f16, BF16 => bf16, Q4_0 => BlockQ4_0, Q4_1 => BlockQ4_1, Q5_0 => BlockQ5_0Interleaved,
     Q5_1 => BlockQ5_1, Q8_0 => BlockQ8_0, Q2K => BlockQ2K, Q3K => BlockQ3K,
     Q4K => BlockQ4KInterleaved, Q5K => BlockQ5K, Q6K => BlockQ6KInterleaved
 );
@@ -250,7 +251,12 @@ impl Weight {
             ),
             GgmlType::Q4_0 => Storage::Q4_0(blocks_from_bytes(bytes)),
             GgmlType::Q4_1 => Storage::Q4_1(blocks_from_bytes(bytes)),
-            GgmlType::Q5_0 => Storage::Q5_0(blocks_from_bytes(bytes)),
+            GgmlType::Q5_0 => Storage::Q5_0(
+                blocks_from_bytes::<BlockQ5_0>(bytes)
+                    .chunks(cols / 32)
+                    .flat_map(BlockQ5_0Interleaved::row_from_ggml)
+                    .collect(),
+            ),
             GgmlType::Q5_1 => Storage::Q5_1(blocks_from_bytes(bytes)),
             GgmlType::Q8_0 => Storage::Q8_0(blocks_from_bytes(bytes)),
             GgmlType::Q2K => Storage::Q2K(blocks_from_bytes(bytes)),
@@ -324,12 +330,16 @@ impl Weight {
                 ty.name()
             ));
         }
-        fn q<T: BlockType>(data: &[f32], block: usize) -> Vec<T> {
-            let mut out: Vec<T> = (0..data.len() / block).map(|_| T::zeros()).collect();
-            T::from_float(data, &mut out);
+        // Row by row: some storage types arrange blocks per row (interleaved Q5_0).
+        fn q<T: BlockType>(data: &[f32], cols: usize) -> Vec<T> {
+            let per_row = cols / T::BLCK_SIZE;
+            let mut out: Vec<T> = (0..data.len() / T::BLCK_SIZE).map(|_| T::zeros()).collect();
+            for (x, y) in data.chunks(cols).zip(out.chunks_mut(per_row)) {
+                T::from_float(x, y);
+            }
             out
         }
-        let bs = ty.block_size();
+        let bs = cols;
         let storage = match ty {
             GgmlType::F32 => Storage::F32(data.to_vec()),
             GgmlType::F16 => Storage::F16(data.iter().map(|&x| f16::from_f32(x)).collect()),
@@ -384,6 +394,11 @@ impl Weight {
         match &self.storage {
             Storage::Q4K(b) => bytes_of(&b.iter().map(|b| b.to_ggml()).collect::<Vec<_>>()),
             Storage::Q6K(b) => bytes_of(&b.iter().map(|b| b.to_ggml()).collect::<Vec<_>>()),
+            Storage::Q5_0(b) => bytes_of(
+                &b.chunks(self.cols / 32)
+                    .flat_map(BlockQ5_0Interleaved::row_to_ggml)
+                    .collect::<Vec<_>>(),
+            ),
             storage => with_blocks!(storage, blocks => bytes_of(blocks)),
         }
     }
