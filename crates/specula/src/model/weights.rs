@@ -568,7 +568,7 @@ fn quantize_activations<T: BlockType>(
         .map(|_| T::VecDotType::zeros())
         .collect();
     for r in 0..m {
-        T::VecDotType::from_float(
+        (kernel.quantize)(
             &x[r * k..(r + 1) * k],
             &mut x_q[r * vd_per_row..(r + 1) * vd_per_row],
         );
