@@ -1,4 +1,6 @@
 //! verify(n) for n = 1..=9 with the fast and the reference matmul kernels, side by side in one process.
+//! (For Q4_K, Q6_K and Q5_0 weights the reference first converts each row back from the interleaved order, so
+//! its times are an upper bound on candle's kernels, not a measurement of them.)
 //! `cargo run --release --example verify_cost -- MODEL [THREADS] [REPEATS]`
 
 use specula::model::weights::{set_matmul_kernel, MatmulKernel};
