@@ -216,6 +216,8 @@ pub struct TuneResult {
     pub predictions: Vec<Prediction>,
     /// The k with the highest predicted tok/s, or None when plain decoding is predicted to win.
     pub recommended_k: Option<usize>,
+    /// The k with the highest predicted tok/s (the recommendation is the smallest k within 2% of it).
+    pub best_predicted_k: usize,
     /// The benchmarked configuration with the highest measured tok/s (k = 0 for plain).
     pub best_measured_k: usize,
     pub best_measured_tok_s: f64,
@@ -313,7 +315,18 @@ pub fn tune(input: &TuneInput) -> TuneResult {
         .iter()
         .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s))
         .expect("at least one k");
-    let recommended_k = (best.tok_s > plain_predicted * (1.0 + MIN_GAIN)).then_some(best.k);
+    // Predictions within MIN_GAIN of the best are ties at the model's resolution (it is within 2-4% of measured
+    // tok/s); among them the smallest k wastes the least drafting and verification when acceptance is lower
+    // than measured.
+    let recommended_k = (best.tok_s > plain_predicted * (1.0 + MIN_GAIN)).then(|| {
+        predictions
+            .iter()
+            .filter(|p| p.tok_s >= best.tok_s * (1.0 - MIN_GAIN))
+            .map(|p| p.k)
+            .min()
+            .unwrap_or(best.k)
+    });
+    let best_predicted_k = best.k;
     let (best_measured_k, best_measured_tok_s) = input
         .configs
         .iter()
@@ -332,6 +345,7 @@ pub fn tune(input: &TuneInput) -> TuneResult {
         overhead_ms: overhead_line,
         predictions,
         recommended_k,
+        best_predicted_k,
         best_measured_k,
         best_measured_tok_s,
         diagnosis,
@@ -454,8 +468,16 @@ impl TuneResult {
             );
         }
         match self.recommended_k {
-            Some(k) => {
+            Some(k) if k == self.best_predicted_k => {
                 let _ = writeln!(s, "recommended: --draft-tokens {k}");
+            }
+            Some(k) => {
+                let _ = writeln!(
+                    s,
+                    "recommended: --draft-tokens {k} (the smallest k predicted within {:.0}% of the best, k={})",
+                    MIN_GAIN * 100.0,
+                    self.best_predicted_k
+                );
             }
             None => {
                 let _ = writeln!(s, "recommended: plain decoding (no speculation)");
@@ -637,7 +659,15 @@ mod tests {
             .iter()
             .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s))
             .unwrap();
-        assert_eq!(r.recommended_k, Some(best.k));
+        assert_eq!(r.best_predicted_k, best.k);
+        let smallest_tie = r
+            .predictions
+            .iter()
+            .filter(|p| p.tok_s >= best.tok_s * (1.0 - MIN_GAIN))
+            .map(|p| p.k)
+            .min();
+        assert_eq!(r.recommended_k, smallest_tie);
+        assert!(r.recommended_k.unwrap() <= best.k);
         assert!(
             r.diagnosis.starts_with("speculation wins"),
             "{}",
