@@ -339,6 +339,12 @@ impl LlamaModel {
         let mut gate = vec![0f32; n * c.intermediate_size];
         let mut up = vec![0f32; n * c.intermediate_size];
         let mut hidden = Vec::new();
+        // One set of rotary angles per position, shared by every head and layer.
+        let half = (hd / 2).min(self.rope_inv_freqs.len());
+        let mut angles = Vec::with_capacity(n * half);
+        for i in 0..n {
+            ops::rope_angles(start + i, &self.rope_inv_freqs[..half], &mut angles);
+        }
 
         for (li, layer) in self.layers.iter().enumerate() {
             {
@@ -365,11 +371,12 @@ impl LlamaModel {
                 }
                 for i in 0..n {
                     let pos = start + i;
+                    let row_angles = &angles[i * half..(i + 1) * half];
                     for head in q[i * q_dim..(i + 1) * q_dim].chunks_exact_mut(hd) {
-                        ops::rope(head, pos, &self.rope_inv_freqs, halves);
+                        ops::rope_apply(head, row_angles, halves);
                     }
                     for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
-                        ops::rope(head, pos, &self.rope_inv_freqs, halves);
+                        ops::rope_apply(head, row_angles, halves);
                     }
                     cache.write(
                         li,
