@@ -321,6 +321,21 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             clock: prof.clock_name(),
             load_s,
             wall_s,
+            draft: match &choice {
+                DraftChoice::None => serde_json::Value::Null,
+                DraftChoice::Model(spec) => serde_json::json!({
+                    "method": "model",
+                    "draft_model": draft_loaded.as_ref().map(|d| d.spec.clone()).unwrap_or_else(|| spec.clone()),
+                    "draft_vocab": args.draft.drafter.draft_vocab,
+                    "draft_tokens": args.draft.draft_tokens,
+                }),
+                DraftChoice::Ngram { min_n, max_n } => serde_json::json!({
+                    "method": "ngram",
+                    "ngram_min": min_n,
+                    "ngram_max": max_n,
+                    "draft_tokens": args.draft.draft_tokens,
+                }),
+            },
         };
         let report = specula::run_report::build(&info, &output, &summary);
         write_json(path, &report)?;

@@ -136,6 +136,11 @@ fn ngram_speculation_on_smollm2_is_lossless_and_reported() {
     let (plain, _) = generate(&[]);
     let (spec, stderr) = generate(&["--draft", "ngram", "--draft-tokens", "4"]);
     assert_eq!(plain["token_ids"], spec["token_ids"]);
+    assert!(plain["config"]["draft"].is_null());
+    let d = &spec["config"]["draft"];
+    assert_eq!(d["method"], "ngram");
+    assert_eq!(d["draft_tokens"], 4);
+    assert_eq!(d["ngram_min"], 2);
     let s = &spec["speculation"];
     assert_eq!(s["method"], "ngram");
     assert_eq!(s["draft_tokens"], 4);

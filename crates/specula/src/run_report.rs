@@ -18,6 +18,9 @@ pub struct RunInfo<'a> {
     pub clock: &'a str,
     pub load_s: f64,
     pub wall_s: f64,
+    /// How drafts were made (`config.draft`): null for plain decoding, else an object with `method` and its
+    /// settings (draft model and `draft_vocab`, or the n-gram lengths) and `draft_tokens`.
+    pub draft: Value,
 }
 
 pub fn build(info: &RunInfo<'_>, out: &GenerateOutput, profile: &ProfileSummary) -> Value {
@@ -41,6 +44,7 @@ pub fn build(info: &RunInfo<'_>, out: &GenerateOutput, profile: &ProfileSummary)
             "clock": info.clock,
             "specula_version": env!("CARGO_PKG_VERSION"),
             "git_rev": option_env!("SPECULA_GIT_REV").unwrap_or("unknown"),
+            "draft": info.draft,
         },
         "prompt_tokens": out.prompt_tokens,
         "prompt_token_ids": info.prompt_token_ids,

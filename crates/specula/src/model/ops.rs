@@ -45,7 +45,11 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 #[inline]
 pub fn rope(head: &mut [f32], pos: usize, inv_freqs: &[f32], halves: bool) {
     let mut angles = Vec::with_capacity(head.len() / 2);
-    rope_angles(pos, &inv_freqs[..(head.len() / 2).min(inv_freqs.len())], &mut angles);
+    rope_angles(
+        pos,
+        &inv_freqs[..(head.len() / 2).min(inv_freqs.len())],
+        &mut angles,
+    );
     rope_apply(head, &angles, halves);
 }
 
