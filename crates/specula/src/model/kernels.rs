@@ -214,8 +214,7 @@ fn reference_rows_dot_interleaved<T: Interleaved>(
     side: &[f32],
     out: &mut [f32],
 ) {
-    let ggml: Vec<T::Ggml> = weight_row.iter().map(Interleaved::to_ggml).collect();
-    reference_rows_dot(&ggml, x, side, out)
+    reference_rows_dot(&T::ggml_row(weight_row), x, side, out)
 }
 
 // Layout mirrors of candle's block structs (whose fields are private to candle). Both are #[repr(C)] with the

@@ -19,6 +19,16 @@ use candle_core::quantized::k_quants::{
     BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, GgmlType,
 };
 use candle_core::quantized::GgmlDType;
+use std::borrow::Cow;
+
+/// Whether this build reorders weights at all: only builds with the multi-row kernels (x86-64 with AVX2 and
+/// FMA) read the interleaved order. Elsewhere the blocks keep GGML's layout and candle's kernels (NEON, ...)
+/// read them in place, with no conversion per call.
+pub const INTERLEAVED: bool = cfg!(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+));
 
 /// Byte views of candle's block structs (their fields are private): `#[repr(C)]` with GGML's field order.
 #[repr(C)]
@@ -197,21 +207,37 @@ pub struct BlockQ6KInterleaved(BlockQ6K);
 
 impl BlockQ4KInterleaved {
     pub fn from_ggml(b: &BlockQ4K) -> Self {
-        Self(reorder_q4k(b))
+        Self(if INTERLEAVED {
+            reorder_q4k(b)
+        } else {
+            b.clone()
+        })
     }
 
     pub fn to_ggml(&self) -> BlockQ4K {
-        reorder_q4k(&self.0)
+        if INTERLEAVED {
+            reorder_q4k(&self.0)
+        } else {
+            self.0.clone()
+        }
     }
 }
 
 impl BlockQ6KInterleaved {
     pub fn from_ggml(b: &BlockQ6K) -> Self {
-        Self(q6k_to_interleaved(b))
+        Self(if INTERLEAVED {
+            q6k_to_interleaved(b)
+        } else {
+            b.clone()
+        })
     }
 
     pub fn to_ggml(&self) -> BlockQ6K {
-        q6k_to_ggml(&self.0)
+        if INTERLEAVED {
+            q6k_to_ggml(&self.0)
+        } else {
+            self.0.clone()
+        }
     }
 }
 
@@ -220,6 +246,19 @@ pub trait Interleaved: Sized {
     type Ggml: GgmlType<VecDotType = BlockQ8K>;
     fn to_ggml(&self) -> Self::Ggml;
     fn from_ggml(b: &Self::Ggml) -> Self;
+
+    /// The row in GGML's layout: borrowed as is where this build does not interleave.
+    fn ggml_row(row: &[Self]) -> Cow<'_, [Self::Ggml]> {
+        if INTERLEAVED {
+            Cow::Owned(row.iter().map(Self::to_ggml).collect())
+        } else {
+            // SAFETY: the interleaved types are #[repr(transparent)] over their GGML block, and without
+            // interleaving their bytes are GGML's.
+            Cow::Borrowed(unsafe {
+                std::slice::from_raw_parts(row.as_ptr() as *const Self::Ggml, row.len())
+            })
+        }
+    }
 }
 
 impl Interleaved for BlockQ4KInterleaved {
@@ -250,9 +289,7 @@ macro_rules! interleaved_ggml_type {
             type VecDotType = BlockQ8K;
 
             fn to_float(xs: &[Self], ys: &mut [f32]) {
-                for (b, out) in xs.iter().zip(ys.chunks_exact_mut(256)) {
-                    <$ggml>::to_float(&[b.to_ggml()], out);
-                }
+                <$ggml>::to_float(&Self::ggml_row(xs), ys);
             }
 
             fn from_float(xs: &[f32], ys: &mut [Self]) {
@@ -264,13 +301,11 @@ macro_rules! interleaved_ggml_type {
             }
 
             fn vec_dot(n: usize, xs: &[Self], ys: &[BlockQ8K]) -> f32 {
-                let ggml: Vec<$ggml> = xs.iter().map(|b| b.to_ggml()).collect();
-                <$ggml>::vec_dot(n, &ggml, ys)
+                <$ggml>::vec_dot(n, &Self::ggml_row(xs), ys)
             }
 
             fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[BlockQ8K]) -> f32 {
-                let ggml: Vec<$ggml> = xs.iter().map(|b| b.to_ggml()).collect();
-                <$ggml>::vec_dot_unopt(n, &ggml, ys)
+                <$ggml>::vec_dot_unopt(n, &Self::ggml_row(xs), ys)
             }
         }
     };
@@ -406,19 +441,44 @@ fn q5_0_group_to_ggml(group: &[u8]) -> Vec<Q5_0Bytes> {
 pub struct BlockQ5_0Interleaved(BlockQ5_0);
 
 impl BlockQ5_0Interleaved {
-    /// One row of GGML blocks in the interleaved layout.
+    /// One row of GGML blocks in this build's layout (interleaved where `INTERLEAVED`).
     pub fn row_from_ggml(row: &[BlockQ5_0]) -> Vec<Self> {
+        if INTERLEAVED {
+            q5_0_interleave_row(row).into_iter().map(Self).collect()
+        } else {
+            row.iter().cloned().map(Self).collect()
+        }
+    }
+
+    /// One row back in GGML's layout: borrowed as is where this build does not interleave.
+    pub fn row_to_ggml(row: &[Self]) -> Cow<'_, [BlockQ5_0]> {
+        if INTERLEAVED {
+            Cow::Owned(q5_0_row_from_interleaved(row))
+        } else {
+            // SAFETY: #[repr(transparent)] over BlockQ5_0, and without interleaving the bytes are GGML's.
+            Cow::Borrowed(unsafe {
+                std::slice::from_raw_parts(row.as_ptr() as *const BlockQ5_0, row.len())
+            })
+        }
+    }
+}
+
+/// One row of GGML Q5_0 blocks with every whole group of 8 interleaved.
+fn q5_0_interleave_row(row: &[BlockQ5_0]) -> Vec<BlockQ5_0> {
+    {
         let mut out: Vec<BlockQ5_0> = row.to_vec();
         let whole = row.len() / Q5_0_GROUP * Q5_0_GROUP;
         for g in (0..whole).step_by(Q5_0_GROUP) {
             let bytes = &mut q5_0_bytes_mut(&mut out[g..g + Q5_0_GROUP])[..Q5_0_GROUP_BYTES];
             q5_0_interleave_group(&row[g..g + Q5_0_GROUP], bytes);
         }
-        out.into_iter().map(Self).collect()
+        out
     }
+}
 
-    /// One interleaved row back in GGML's layout.
-    pub fn row_to_ggml(row: &[Self]) -> Vec<BlockQ5_0> {
+/// The inverse of `q5_0_interleave_row`.
+fn q5_0_row_from_interleaved(row: &[BlockQ5_0Interleaved]) -> Vec<BlockQ5_0> {
+    {
         let mut out: Vec<BlockQ5_0> = row.iter().map(|b| b.0.clone()).collect();
         let whole = row.len() / Q5_0_GROUP * Q5_0_GROUP;
         for g in (0..whole).step_by(Q5_0_GROUP) {
@@ -591,12 +651,20 @@ mod tests {
         let mut q6: Vec<BlockQ6K> = (0..4).map(|_| BlockQ6K::zeros()).collect();
         BlockQ6K::from_float(&data, &mut q6);
         for (a, b) in q4.iter().zip(&q6) {
+            // The reorderings themselves (whatever this build stores).
+            let ra = reorder_q4k(a);
+            assert_ne!(bytes(&ra), bytes(a), "the order must actually change");
+            assert_eq!(bytes(&reorder_q4k(&ra)), bytes(a));
+            let rb = q6k_to_interleaved(b);
+            assert_ne!(bytes(&rb), bytes(b));
+            assert_eq!(bytes(&q6k_to_ggml(&rb)), bytes(b));
+            // The stored blocks: interleaved exactly when this build interleaves.
             let ia = BlockQ4KInterleaved::from_ggml(a);
             assert_eq!(bytes(&ia.to_ggml()), bytes(a));
-            assert_ne!(bytes(&ia), bytes(a), "the order must actually change");
+            assert_eq!(bytes(&ia) == bytes(a), !INTERLEAVED);
             let ib = BlockQ6KInterleaved::from_ggml(b);
             assert_eq!(bytes(&ib.to_ggml()), bytes(b));
-            assert_ne!(bytes(&ib), bytes(b));
+            assert_eq!(bytes(&ib) == bytes(b), !INTERLEAVED);
         }
         let (mut direct, mut via) = (vec![0f32; 1024], vec![0f32; 1024]);
         BlockQ4K::to_float(&q4, &mut direct);
@@ -615,10 +683,14 @@ mod tests {
         let data = pseudo_random(22 * 32, 3);
         let mut row: Vec<BlockQ5_0> = (0..22).map(|_| BlockQ5_0::zeros()).collect();
         BlockQ5_0::from_float(&data, &mut row);
-        let inter = BlockQ5_0Interleaved::row_from_ggml(&row);
-        let back = BlockQ5_0Interleaved::row_to_ggml(&inter);
         let all = |v: &[BlockQ5_0]| v.iter().flat_map(bytes).collect::<Vec<u8>>();
-        assert_eq!(all(&back), all(&row));
+        let stored = BlockQ5_0Interleaved::row_from_ggml(&row);
+        assert_eq!(all(&BlockQ5_0Interleaved::row_to_ggml(&stored)), all(&row));
+        let inter: Vec<BlockQ5_0Interleaved> = q5_0_interleave_row(&row)
+            .into_iter()
+            .map(BlockQ5_0Interleaved)
+            .collect();
+        assert_eq!(all(&q5_0_row_from_interleaved(&inter)), all(&row));
         let inter_bytes: Vec<u8> = inter.iter().flat_map(bytes).collect();
         assert_ne!(
             inter_bytes[..176],
@@ -669,8 +741,8 @@ mod tests {
         BlockQ4K::from_float(&w, &mut q4);
         let mut plain = q4[0].clone();
         let ggml_qs = q4k_bytes_mut(&mut plain).qs;
-        let mut inter = BlockQ4KInterleaved::from_ggml(&q4[0]);
-        let qs = q4k_bytes_mut(&mut inter.0).qs;
+        let mut inter = reorder_q4k(&q4[0]);
+        let qs = q4k_bytes_mut(&mut inter).qs;
         for t in 0..8 {
             for i in 0..8 {
                 for b in 0..4 {
@@ -686,8 +758,8 @@ mod tests {
         BlockQ6K::from_float(&w, &mut q6);
         let mut plain = q6[0].clone();
         let g = q6k_bytes_mut(&mut plain);
-        let mut inter = BlockQ6KInterleaved::from_ggml(&q6[0]);
-        let n = q6k_bytes_mut(&mut inter.0);
+        let mut inter = q6k_to_interleaved(&q6[0]);
+        let n = q6k_bytes_mut(&mut inter);
         let value = |ql: &[u8; 128], qh: &[u8; 64], (lb, lh, hb, hs): (usize, bool, usize, u32)| {
             let low = if lh { ql[lb] >> 4 } else { ql[lb] & 0x0F };
             low | (((qh[hb] >> hs) & 3) << 4)

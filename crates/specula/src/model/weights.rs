@@ -396,7 +396,7 @@ impl Weight {
             Storage::Q6K(b) => bytes_of(&b.iter().map(|b| b.to_ggml()).collect::<Vec<_>>()),
             Storage::Q5_0(b) => bytes_of(
                 &b.chunks(self.cols / 32)
-                    .flat_map(BlockQ5_0Interleaved::row_to_ggml)
+                    .flat_map(|row| BlockQ5_0Interleaved::row_to_ggml(row).into_owned())
                     .collect::<Vec<_>>(),
             ),
             storage => with_blocks!(storage, blocks => bytes_of(blocks)),
