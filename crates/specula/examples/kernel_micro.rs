@@ -3,19 +3,8 @@
 use candle_core::quantized::k_quants::GgmlType;
 use specula::model::kernels::FastRowsDot;
 use specula::model::repack::{BlockQ4KInterleaved, BlockQ6KInterleaved};
+use specula::testing::pseudo_random as pseudo;
 use std::time::Instant;
-
-fn pseudo(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 fn run<T: FastRowsDot>(name: &str, k: usize, rows_w: usize) {
     let kernel = T::fast_kernel().expect("fast kernel");

@@ -78,6 +78,19 @@ pub fn tiny_vocab() -> (Vec<String>, Vec<String>, Vec<i32>) {
     (tokens, merges, types)
 }
 
+/// `n` deterministic pseudo-random values in [-1, 1) (xorshift), for kernel and layout tests and benchmarks.
+pub fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> f32 {

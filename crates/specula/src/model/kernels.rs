@@ -1106,18 +1106,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::testing::pseudo_random;
 
     fn quantize<T: GgmlType>(data: &[f32]) -> Vec<T> {
         let mut out: Vec<T> = (0..data.len() / T::BLCK_SIZE).map(|_| T::zeros()).collect();

@@ -554,6 +554,7 @@ pub fn q8k_scale_and_sums(b: &BlockQ8K) -> (f32, [i16; 16]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::pseudo_random;
 
     // The layouts spelled out element by element (independently of the vectorizable code above).
     /// Where element `e` (0..256) sits in the reordered layout: 32-byte chunk `t` (the unpacked register) and
@@ -609,18 +610,6 @@ mod tests {
             32 * (t / 4) + pos,
             2 * (t % 4) as u32,
         )
-    }
-
-    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
     }
 
     fn bytes<T>(v: &T) -> Vec<u8> {
