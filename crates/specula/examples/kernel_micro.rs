@@ -35,7 +35,10 @@ fn run<T: FastRowsDot>(name: &str, k: usize, rows_w: usize) {
 }
 
 fn main() {
-    if let Some(d) = std::env::var("SPECULA_PREFETCH").ok().and_then(|v| v.parse().ok()) {
+    if let Some(d) = std::env::var("SPECULA_PREFETCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
         specula::model::kernels::PREFETCH_DISTANCE.store(d, std::sync::atomic::Ordering::Relaxed);
     }
     run::<BlockQ4KInterleaved>("Q4_K", 1536, 32);

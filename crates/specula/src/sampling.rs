@@ -173,7 +173,8 @@ pub fn residual(p: &Distribution, q: &Distribution) -> Distribution {
 pub fn distribution(logits: &[f32], params: &SamplingParams) -> Distribution {
     let t = params.temperature.max(1e-6);
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<f32> = logits.iter().map(|&l| ((l - max) / t).exp()).collect();
+    let mut probs: Vec<f32> = logits.iter().map(|&l| (l - max) / t).collect();
+    crate::model::ops::exp_in_place(&mut probs);
     let sum: f32 = probs.iter().sum();
     for p in &mut probs {
         *p /= sum;
@@ -245,7 +246,11 @@ mod tests {
         fn reference(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f32)> {
             let t = p.temperature.max(1e-6);
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let e: Vec<f32> = logits.iter().map(|&l| ((l - max) / t).exp()).collect();
+            // The same exp as `distribution`: this test is about the candidate search.
+            let e: Vec<f32> = logits
+                .iter()
+                .map(|&l| crate::model::ops::exp((l - max) / t))
+                .collect();
             let sum: f32 = e.iter().sum();
             let probs: Vec<f32> = e.iter().map(|v| v / sum).collect();
             let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
