@@ -13,9 +13,10 @@
 //!   model; below 1 for n-gram lookup, which finds no match for some cycles).
 //! - `draft(k)`, `overhead(k)`: least-squares lines through the measured per-cycle phase times (overhead =
 //!   accept + sample + commit + emit + other).
-//! - `verify(n)`: the measured verify-cost curve (n tokens per forward at the prompt's context), shifted so
-//!   that verify(1) equals plain decoding's measured per-step verify time (which includes the longer contexts
-//!   the runs reach).
+//! - `verify(n)`: a least-squares line through the runs' own verify ms per cycle against tokens verified per
+//!   cycle (plain decoding: 1; a config: 1 + its mean drafted tokens), i.e. measured at the contexts and in the
+//!   minutes of the tok/s being predicted. With plain decoding alone, the separately measured verify(n) curve,
+//!   shifted so that verify(1) equals plain decoding's per-step verify time, is used instead.
 //!
 //! Speculation beats plain decoding exactly when the extra tokens per cycle exceed the extra time per cycle
 //! in units of a plain step: `E(k) - 1 > draft/T1 + (verify(1+d) - verify(1))/T1 + (overhead - overhead_plain)/T1`.
@@ -26,9 +27,9 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 
-/// Smallest predicted speedup over plain decoding that tune recommends speculation for. The model matches
-/// interleaved measurements to about 1-2% on this machine (docs/benchmarks.md), so a smaller predicted gain is
-/// not a reliable one.
+/// Smallest predicted speedup over plain decoding that tune recommends speculation for, and the width of a tie
+/// between draft lengths. The model matches interleaved measurements to about 1-4% on this machine
+/// (docs/benchmarks.md), so a smaller predicted difference is not a reliable one.
 pub const MIN_GAIN: f64 = 0.02;
 
 /// One speculative configuration's measurements, read from a bench report.
