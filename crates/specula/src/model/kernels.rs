@@ -834,41 +834,27 @@ mod avx2 {
         _mm256_madd_epi16(p, _mm256_set1_epi16(1))
     }
 
-    /// Signed 32-element weight blocks (Q8_0, Q5_0) against Q8_0 activations.
-    /// One group of `$n` <= 8 blocks starting at `$g0`, for every row of the tile (a macro, not a function, so
-    /// that it is expanded inside each tile function with that function's target features, and so that a
-    /// constant `$n` lets the compiler unroll the group and keep it in registers).
-    macro_rules! signed_group {
-        ($n:expr, $g0:expr, $w:ident, $x:ident, $scales:ident, $acc:ident, $unpack:ident, $hoist:expr) => {{
+    /// Q8_0 weights against Q8_0 activations, one group of `$n` <= 8 blocks starting at `$g0`, for every row of
+    /// the tile (a macro, not a function, so that it is expanded inside the tile function with its target
+    /// features, and so that a constant `$n` lets the compiler unroll the group). The weight blocks are reloaded
+    /// per row (they are plain bytes), which keeps the group in registers.
+    macro_rules! q8_0_group {
+        ($n:expr, $g0:expr, $w:ident, $x:ident, $scales:ident, $acc:ident) => {{
             let n: usize = $n;
             let g0: usize = $g0;
             let nb = $w.len();
-            // Unpacked weights are kept for all rows when unpacking costs more than reloading (Q5_0);
-            // Q8_0 blocks are reloaded per row, which keeps the group in registers.
             prefetch_ahead(
                 $w.as_ptr().add(g0) as *const u8,
-                n * std::mem::size_of_val($w.get_unchecked(g0)),
+                n * std::mem::size_of::<Q8_0>(),
             );
-            let mut signed = [_mm256_setzero_si256(); GROUP];
-            let mut abs = [_mm256_setzero_si256(); GROUP];
-            if $hoist {
-                for j in 0..n {
-                    signed[j] = $unpack($w.get_unchecked(g0 + j));
-                    abs[j] = _mm256_sign_epi8(signed[j], signed[j]);
-                }
-            }
             let dw = f16x8(n, |j| $w.get_unchecked(g0 + j).d);
             for (r, a) in $acc.iter_mut().enumerate() {
                 let xr = $x.as_ptr().add(r * nb + g0);
                 let mut p = [_mm256_setzero_si256(); GROUP];
                 for j in 0..n {
                     let xq = load((*xr.add(j)).qs.as_ptr() as *const u8);
-                    p[j] = if $hoist {
-                        dot_signed(abs[j], signed[j], xq)
-                    } else {
-                        let wj = $unpack($w.get_unchecked(g0 + j));
-                        dot_signed(_mm256_sign_epi8(wj, wj), wj, xq)
-                    };
+                    let wj = load($w.get_unchecked(g0 + j).qs.as_ptr() as *const u8);
+                    p[j] = dot_signed(_mm256_sign_epi8(wj, wj), wj, xq);
                 }
                 let dx = f32x8(n, $scales.as_ptr().add(r * nb + g0));
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(&p)), _mm256_mul_ps(dw, dx), *a);
@@ -876,39 +862,23 @@ mod avx2 {
         }};
     }
 
-    /// Signed 32-element weight blocks (Q8_0, Q5_0) against Q8_0 activations.
-    macro_rules! signed_block_tile {
-        ($name:ident, $features:literal, $block:ty, $unpack:ident, $hoist:expr) => {
-            #[target_feature(enable = $features)]
-            unsafe fn $name<const R: usize>(
-                w: &[$block],
-                x: &[Q8_0],
-                scales: &[f32],
-                out: &mut [f32],
-            ) {
-                let nb = w.len();
-                let mut acc = [_mm256_setzero_ps(); R];
-                let full = nb / GROUP * GROUP;
-                let mut g0 = 0;
-                while g0 < full {
-                    signed_group!(GROUP, g0, w, x, scales, acc, $unpack, $hoist);
-                    g0 += GROUP;
-                }
-                if full < nb {
-                    signed_group!(nb - full, full, w, x, scales, acc, $unpack, $hoist);
-                }
-                for (o, a) in out.iter_mut().zip(acc) {
-                    *o = hsum(a);
-                }
-            }
-        };
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_0_tile<const R: usize>(w: &[Q8_0], x: &[Q8_0], scales: &[f32], out: &mut [f32]) {
+        let nb = w.len();
+        let mut acc = [_mm256_setzero_ps(); R];
+        let full = nb / GROUP * GROUP;
+        let mut g0 = 0;
+        while g0 < full {
+            q8_0_group!(GROUP, g0, w, x, scales, acc);
+            g0 += GROUP;
+        }
+        if full < nb {
+            q8_0_group!(nb - full, full, w, x, scales, acc);
+        }
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = hsum(a);
+        }
     }
-
-    #[inline(always)]
-    unsafe fn unpack_q8_0(b: &Q8_0) -> __m256i {
-        load(b.qs.as_ptr() as *const u8)
-    }
-    signed_block_tile!(q8_0_tile, "avx2,fma,f16c", Q8_0, unpack_q8_0, false);
 
     /// 32 nibbles from 16 bytes: low nibbles are elements 0-15, high nibbles elements 16-31 (GGML order).
     #[inline(always)]
