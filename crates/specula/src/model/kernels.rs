@@ -10,11 +10,11 @@
 //!
 //! The kernels exist only on x86-64 builds with AVX2+FMA enabled at compile time (.cargo/config.toml); other
 //! builds fall back to candle's per-row `vec_dot`, which is also batch invariant. Where the CPU has AVX-512
-//! VNNI (Q4_K, Q6_K) or AVX-512 BW (Q5_0), detected at run time, a second instantiation computes the same exact
-//! integer sums with fewer instructions, so results are bitwise identical either way (tested).
+//! VNNI (Q4_K, Q6_K; Q5_0 also needs AVX-512 BW), detected at run time, a second instantiation computes the same
+//! exact integer sums with fewer instructions, so results are bitwise identical either way (tested).
 //!
-//! Q4_K and Q6_K weights are stored in an interleaved order (`repack`) that lets eight dot-product instructions
-//! per row and block produce one sum per scale group, and every kernel prefetches the weight stream
+//! Q4_K, Q6_K and Q5_0 weights are stored in an interleaved order (`repack`) that lets eight dot-product
+//! instructions per row produce one sum per scale group (or block), and every kernel prefetches the weight stream
 //! `PREFETCH_DISTANCE` bytes ahead, so memory keeps streaming while a multi-row tile computes (measured with
 //! `examples/prefetch_sweep.rs`: verify(5) of the Qwen 1.5B 74 -> 64 ms; no change at one row).
 
