@@ -85,7 +85,15 @@ fn method(args: &BenchArgs) -> anyhow::Result<Option<DraftMethod>> {
         DraftChoice::Model(_) => Some(DraftMethod::Model {
             vocab_limit: args.drafter.draft_vocab,
         }),
-        DraftChoice::Ngram { min_n, max_n } => Some(DraftMethod::Ngram { min_n, max_n }),
+        DraftChoice::Ngram {
+            min_n,
+            max_n,
+            min_confidence,
+        } => Some(DraftMethod::Ngram {
+            min_n,
+            max_n,
+            min_confidence,
+        }),
     })
 }
 

@@ -128,13 +128,17 @@ pub struct DrafterArgs {
     /// Drafting method: `model` (needs --draft-model) or `ngram` (prompt lookup, no model).
     #[arg(long)]
     pub draft: Option<String>,
-    /// Shortest n-gram prompt lookup matches (2: single-token matches draft too often and are rarely right;
-    /// see docs/benchmarks.md).
-    #[arg(long, default_value_t = 2, allow_negative_numbers = true)]
+    /// Shortest n-gram prompt lookup matches (single-token matches are kept only while the lookup is
+    /// confident enough, see --ngram-confidence).
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub ngram_min: usize,
-    /// Longest n-gram prompt lookup tries first.
-    #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
+    /// Longest n-gram prompt lookup tries first (at most 8).
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
     pub ngram_max: usize,
+    /// Prompt lookup drafts while the estimated chance that the whole draft is accepted stays at least this
+    /// (0 = always draft k tokens when a match exists; calibration in docs/benchmarks.md).
+    #[arg(long, default_value_t = specula::draft::ngram::DEFAULT_MIN_CONFIDENCE, allow_negative_numbers = true)]
+    pub ngram_confidence: f64,
     /// Draft model only: propose only token ids below N, so the draft's LM head reads only its first N rows
     /// (cheaper draft steps for large vocabularies; lossless, the target verifies every token). See
     /// docs/benchmarks.md for the measured trade-off.
@@ -146,16 +150,31 @@ pub struct DrafterArgs {
 pub struct DraftArgs {
     #[command(flatten)]
     pub drafter: DrafterArgs,
-    /// Tokens the drafter proposes per cycle (k).
-    #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
-    pub draft_tokens: usize,
+    /// Most tokens the drafter proposes per cycle (k). Default: 3 for a draft model; 8 for prompt lookup,
+    /// which stops earlier by itself when its matches get unreliable.
+    #[arg(long, allow_negative_numbers = true)]
+    pub draft_tokens: Option<usize>,
+}
+
+impl DraftArgs {
+    /// `--draft-tokens`, or the default for the chosen method.
+    pub fn draft_tokens(&self, choice: &DraftChoice) -> usize {
+        self.draft_tokens.unwrap_or(match choice {
+            DraftChoice::Ngram { .. } => 8,
+            _ => 3,
+        })
+    }
 }
 
 /// The drafting method the flags ask for.
 pub enum DraftChoice {
     None,
     Model(String),
-    Ngram { min_n: usize, max_n: usize },
+    Ngram {
+        min_n: usize,
+        max_n: usize,
+        min_confidence: f64,
+    },
 }
 
 impl DrafterArgs {
@@ -166,6 +185,7 @@ impl DrafterArgs {
             &self.draft_model,
             self.ngram_min,
             self.ngram_max,
+            self.ngram_confidence,
         )?;
         if self.draft_vocab.is_some() && !matches!(choice, DraftChoice::Model(_)) {
             anyhow::bail!("--draft-vocab applies to a draft model; add --draft-model PATH|NAME");
@@ -180,6 +200,7 @@ fn parse_draft_choice(
     draft_model: &Option<String>,
     ngram_min: usize,
     ngram_max: usize,
+    min_confidence: f64,
 ) -> anyhow::Result<DraftChoice> {
     match (draft, draft_model) {
         (None, None) => Ok(DraftChoice::None),
@@ -189,6 +210,7 @@ fn parse_draft_choice(
         (Some("ngram"), None) => Ok(DraftChoice::Ngram {
             min_n: ngram_min,
             max_n: ngram_max,
+            min_confidence,
         }),
         (Some("model") | None, Some(m)) => Ok(DraftChoice::Model(m.clone())),
         (Some("model"), None) => anyhow::bail!("--draft model needs --draft-model PATH|NAME"),
@@ -231,6 +253,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     };
     let prof = Profiler::new(args.profile.detail());
     let choice = args.draft.drafter.choice()?;
+    if matches!(choice, DraftChoice::None) && args.draft.draft_tokens.is_some() {
+        anyhow::bail!(
+            "--draft-tokens needs a drafter: add --draft-model PATH|NAME or --draft ngram"
+        );
+    }
+    let draft_tokens = args.draft.draft_tokens(&choice);
     let draft_loaded = match &choice {
         DraftChoice::Model(spec) => {
             let d = specula::load_model(spec, true, &mut |line| eprintln!("{line}"))
@@ -249,13 +277,17 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             ) as Box<dyn specula::draft::Drafter>),
             None => None,
         },
-        DraftChoice::Ngram { min_n, max_n } => Some(Box::new(
-            specula::draft::ngram::NgramDrafter::new(*min_n, *max_n)?,
+        DraftChoice::Ngram {
+            min_n,
+            max_n,
+            min_confidence,
+        } => Some(Box::new(
+            specula::draft::ngram::NgramDrafter::with_confidence(*min_n, *max_n, *min_confidence)?,
         )),
     };
     let speculation = drafter.as_mut().map(|d| decode::Speculation {
         drafter: d.as_mut(),
-        draft_tokens: args.draft.draft_tokens,
+        draft_tokens,
     });
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -327,13 +359,18 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     "method": "model",
                     "draft_model": draft_loaded.as_ref().map(|d| d.spec.clone()).unwrap_or_else(|| spec.clone()),
                     "draft_vocab": args.draft.drafter.draft_vocab,
-                    "draft_tokens": args.draft.draft_tokens,
+                    "draft_tokens": draft_tokens,
                 }),
-                DraftChoice::Ngram { min_n, max_n } => serde_json::json!({
+                DraftChoice::Ngram {
+                    min_n,
+                    max_n,
+                    min_confidence,
+                } => serde_json::json!({
                     "method": "ngram",
                     "ngram_min": min_n,
                     "ngram_max": max_n,
-                    "draft_tokens": args.draft.draft_tokens,
+                    "ngram_confidence": min_confidence,
+                    "draft_tokens": draft_tokens,
                 }),
             },
         };

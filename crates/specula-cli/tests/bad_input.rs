@@ -323,6 +323,40 @@ fn conflicting_or_bad_draft_flags() {
             "hi",
             "--draft",
             "ngram",
+            "--ngram-max",
+            "9",
+        ],
+        &["--ngram-max must be at most 8"],
+    );
+    for bad in ["1.5", "-0.1", "NaN"] {
+        fails_with(
+            &[
+                "generate",
+                "-m",
+                m,
+                "-p",
+                "hi",
+                "--draft",
+                "ngram",
+                "--ngram-confidence",
+                bad,
+            ],
+            &["--ngram-confidence must be between 0 and 1"],
+        );
+    }
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--draft-tokens", "4"],
+        &["--draft-tokens needs a drafter"],
+    );
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
             "--draft-vocab",
             "100",
         ],

@@ -140,7 +140,12 @@ fn ngram_speculation_on_smollm2_is_lossless_and_reported() {
     let d = &spec["config"]["draft"];
     assert_eq!(d["method"], "ngram");
     assert_eq!(d["draft_tokens"], 4);
-    assert_eq!(d["ngram_min"], 2);
+    assert_eq!(d["ngram_min"], 1);
+    assert_eq!(d["ngram_max"], 4);
+    assert_eq!(
+        d["ngram_confidence"],
+        specula::draft::ngram::DEFAULT_MIN_CONFIDENCE
+    );
     let s = &spec["speculation"];
     assert_eq!(s["method"], "ngram");
     assert_eq!(s["draft_tokens"], 4);

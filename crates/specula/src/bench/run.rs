@@ -17,12 +17,16 @@ use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 
 /// The drafting method of the speculative configurations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum DraftMethod {
     /// A separate draft model, optionally drafting only among token ids `0..vocab_limit`.
     Model { vocab_limit: Option<usize> },
-    /// Prompt lookup.
-    Ngram { min_n: usize, max_n: usize },
+    /// Prompt lookup (see [`NgramDrafter`]).
+    Ngram {
+        min_n: usize,
+        max_n: usize,
+        min_confidence: f64,
+    },
 }
 
 /// One configuration: plain decoding (`k == 0`) or a drafter proposing `k` tokens per cycle.
@@ -292,8 +296,13 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             "the model drafting method needs a draft model".into(),
         ));
     }
-    if let Some(DraftMethod::Ngram { min_n, max_n }) = spec.method {
-        NgramDrafter::new(min_n, max_n)?;
+    if let Some(DraftMethod::Ngram {
+        min_n,
+        max_n,
+        min_confidence,
+    }) = spec.method
+    {
+        NgramDrafter::with_confidence(min_n, max_n, min_confidence)?;
     }
     Ok(())
 }
@@ -355,9 +364,18 @@ pub fn run_bench(
                         ModelDrafter::new(spec.draft.expect("validated"), spec.sampling.seed)
                             .with_vocab_limit(vocab_limit)?,
                     )),
-                    (_, Some(DraftMethod::Ngram { min_n, max_n })) => {
-                        Some(Box::new(NgramDrafter::new(min_n, max_n)?))
-                    }
+                    (
+                        _,
+                        Some(DraftMethod::Ngram {
+                            min_n,
+                            max_n,
+                            min_confidence,
+                        }),
+                    ) => Some(Box::new(NgramDrafter::with_confidence(
+                        min_n,
+                        max_n,
+                        min_confidence,
+                    )?)),
                 };
                 let speculation = drafter.as_mut().map(|d| Speculation {
                     drafter: d.as_mut(),

@@ -97,16 +97,23 @@ fn greedy_speculation_equals_plain_decoding() {
             assert_eq!(st.accept_len_histogram.iter().sum::<u64>(), st.cycles);
             saw_partial |= st.accept_len_histogram[1..k].iter().any(|&c| c > 0);
         }
-        let mut ngram = NgramDrafter::new(1, 3).unwrap();
-        let out = run(
-            &target,
-            &req,
-            Some(Speculation {
-                drafter: &mut ngram,
-                draft_tokens: k,
-            }),
-        );
-        assert_eq!(out.tokens, plain.tokens, "ngram k={k}");
+        // Confidence 0 drafts at every match, so the check covers many rejected drafts too.
+        for min_confidence in [0.0, crate::draft::ngram::DEFAULT_MIN_CONFIDENCE] {
+            let mut ngram = NgramDrafter::with_confidence(1, 3, min_confidence).unwrap();
+            let out = run(
+                &target,
+                &req,
+                Some(Speculation {
+                    drafter: &mut ngram,
+                    draft_tokens: k,
+                }),
+            );
+            assert_eq!(out.tokens, plain.tokens, "ngram k={k}");
+            let st = out.speculation.unwrap();
+            if min_confidence == 0.0 {
+                assert!(st.drafted > 0, "ngram k={k} drafted nothing");
+            }
+        }
     }
     assert!(
         saw_partial,
