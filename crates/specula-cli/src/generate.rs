@@ -136,9 +136,10 @@ pub struct DrafterArgs {
     #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
     pub ngram_max: usize,
     /// Prompt lookup drafts while the estimated chance that the whole draft is accepted stays at least this
-    /// (0 = always draft k tokens when a match exists; calibration in docs/benchmarks.md).
-    #[arg(long, default_value_t = specula::draft::ngram::DEFAULT_MIN_CONFIDENCE, allow_negative_numbers = true)]
-    pub ngram_confidence: f64,
+    /// (0 = draft k tokens whenever a match exists). Default: weigh that chance against what one more verified
+    /// token has cost in this generation's own verify passes (see docs/benchmarks.md).
+    #[arg(long, allow_negative_numbers = true)]
+    pub ngram_confidence: Option<f64>,
     /// Draft model only: propose only token ids below N, so the draft's LM head reads only its first N rows
     /// (cheaper draft steps for large vocabularies; lossless, the target verifies every token). See
     /// docs/benchmarks.md for the measured trade-off.
@@ -173,7 +174,8 @@ pub enum DraftChoice {
     Ngram {
         min_n: usize,
         max_n: usize,
-        min_confidence: f64,
+        /// None: cost-aware stopping.
+        min_confidence: Option<f64>,
     },
 }
 
@@ -200,7 +202,7 @@ fn parse_draft_choice(
     draft_model: &Option<String>,
     ngram_min: usize,
     ngram_max: usize,
-    min_confidence: f64,
+    min_confidence: Option<f64>,
 ) -> anyhow::Result<DraftChoice> {
     match (draft, draft_model) {
         (None, None) => Ok(DraftChoice::None),
@@ -282,7 +284,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             max_n,
             min_confidence,
         } => Some(Box::new(
-            specula::draft::ngram::NgramDrafter::with_confidence(*min_n, *max_n, *min_confidence)?,
+            specula::draft::ngram::NgramDrafter::with_stopping(*min_n, *max_n, *min_confidence)?,
         )),
     };
     let speculation = drafter.as_mut().map(|d| decode::Speculation {

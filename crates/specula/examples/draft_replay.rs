@@ -13,6 +13,42 @@ use specula::draft::Drafter;
 use specula::profile::Profiler;
 use specula::sampling::SamplingParams;
 
+/// Prompt lookup that stops where the next token's expected gain (the chance the whole draft so far is
+/// accepted) falls below what verifying one more token costs, from the verify(n) curve.
+struct CostAware {
+    inner: NgramDrafter,
+    /// marginal[j]: verify(j + 2) - verify(j + 1), in verify(1) units.
+    marginal: Vec<f64>,
+    scale: f64,
+}
+
+impl Drafter for CostAware {
+    fn method(&self) -> &'static str {
+        "cost-aware"
+    }
+
+    fn propose(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        _: &SamplingParams,
+    ) -> specula::Result<specula::draft::Draft> {
+        let mut tokens = Vec::new();
+        let mut p = 1.0;
+        for (j, c) in self.inner.candidates(context, k).iter().enumerate() {
+            p *= NgramDrafter::confidence(c);
+            if p < self.scale * self.marginal[j.min(self.marginal.len() - 1)] {
+                break;
+            }
+            tokens.push(c.token);
+        }
+        Ok(specula::draft::Draft {
+            tokens,
+            distributions: None,
+        })
+    }
+}
+
 /// The drafter before session 4: the most recent match of the longest suffix, its continuation copied.
 struct LatestMatch {
     min_n: usize,
@@ -128,6 +164,8 @@ fn replay(
             accepted += acc;
             tokens += produced;
             cost += ratio(n + 1);
+            // The replay's verify costs stand in for measured times (only ratios matter).
+            drafter.observe_verify(n + 1, ratio(n + 1));
             pos += produced;
         }
     }
@@ -232,6 +270,36 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tokens as f64 / cycles as f64,
             tokens as f64 / cost
         );
+    }
+    let marginal: Vec<f64> = match std::env::var("MARGINAL") {
+        Ok(v) => vec![v.parse()?; 11],
+        Err(_) => (1..12).map(|n| ratio(n + 1) - ratio(n)).collect(),
+    };
+    for k in [2, 4, 8] {
+        let mut d = NgramDrafter::new(1, 4)?;
+        let (cycles, drafted, accepted, tokens, cost) = replay(&recs, &mut d, k, &ratio);
+        println!(
+            "default 1-4 conf -    {k}  {cycles:6} {drafted:7} {accepted:8}  {:8.3} {:12.3}  {:7.3}",
+            accepted as f64 / drafted.max(1) as f64,
+            tokens as f64 / cycles as f64,
+            tokens as f64 / cost
+        );
+    }
+    for scale in [1.0, 1.5, 2.0] {
+        for k in [2, 4, 8] {
+            let mut d = CostAware {
+                inner: NgramDrafter::with_confidence(1, 4, 0.0)?,
+                marginal: marginal.clone(),
+                scale,
+            };
+            let (cycles, drafted, accepted, tokens, cost) = replay(&recs, &mut d, k, &ratio);
+            println!(
+                "costaw 1-4 conf {scale:.2}  {k}  {cycles:6} {drafted:7} {accepted:8}  {:8.3} {:12.3}  {:7.3}",
+                accepted as f64 / drafted.max(1) as f64,
+                tokens as f64 / cycles as f64,
+                tokens as f64 / cost
+            );
+        }
     }
     for (min_n, max_n) in [(1, 4), (2, 4)] {
         for &mc in &conf {

@@ -189,6 +189,7 @@ pub fn generate(
             }
             None => Draft::default(),
         };
+        let verify_start = Instant::now();
         let logits = {
             let _s = prof.span(Phase::Verify);
             let mut input = Vec::with_capacity(1 + draft.tokens.len());
@@ -210,6 +211,10 @@ pub fn generate(
                 prof,
             )?
         };
+        if let Some(s) = speculation.as_mut() {
+            s.drafter
+                .observe_verify(1 + draft.tokens.len(), verify_start.elapsed().as_secs_f64());
+        }
         let acceptance = if speculation.is_some() {
             let _s = prof.span(Phase::Accept);
             verify::accept(&draft, &logits, &mut sampler)

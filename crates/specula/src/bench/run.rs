@@ -25,7 +25,8 @@ pub enum DraftMethod {
     Ngram {
         min_n: usize,
         max_n: usize,
-        min_confidence: f64,
+        /// None: cost-aware stopping (see [`NgramDrafter::new`]).
+        min_confidence: Option<f64>,
     },
 }
 
@@ -124,6 +125,9 @@ pub struct BenchReport {
     pub greedy: bool,
     /// The draft model's vocabulary limit (`--draft-vocab`), if any.
     pub draft_vocab: Option<usize>,
+    /// Prompt lookup settings when that is the drafter: `{min_n, max_n, min_confidence}` (null confidence:
+    /// cost-aware stopping).
+    pub ngram: Option<serde_json::Value>,
 }
 
 impl BenchReport {
@@ -229,6 +233,7 @@ impl BenchReport {
             "max_new_tokens": self.max_new_tokens,
             "greedy": self.greedy,
             "draft_vocab": self.draft_vocab,
+            "ngram": self.ngram,
             "configs": configs,
             "verify_cost": self.verify_cost,
         })
@@ -302,7 +307,7 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
         min_confidence,
     }) = spec.method
     {
-        NgramDrafter::with_confidence(min_n, max_n, min_confidence)?;
+        NgramDrafter::with_stopping(min_n, max_n, min_confidence)?;
     }
     Ok(())
 }
@@ -371,7 +376,7 @@ pub fn run_bench(
                             max_n,
                             min_confidence,
                         }),
-                    ) => Some(Box::new(NgramDrafter::with_confidence(
+                    ) => Some(Box::new(NgramDrafter::with_stopping(
                         min_n,
                         max_n,
                         min_confidence,
@@ -449,6 +454,18 @@ pub fn run_bench(
         greedy,
         draft_vocab: match spec.method {
             Some(DraftMethod::Model { vocab_limit }) => vocab_limit,
+            _ => None,
+        },
+        ngram: match spec.method {
+            Some(DraftMethod::Ngram {
+                min_n,
+                max_n,
+                min_confidence,
+            }) => Some(serde_json::json!({
+                "min_n": min_n,
+                "max_n": max_n,
+                "min_confidence": min_confidence,
+            })),
             _ => None,
         },
     })

@@ -98,8 +98,8 @@ fn greedy_speculation_equals_plain_decoding() {
             saw_partial |= st.accept_len_histogram[1..k].iter().any(|&c| c > 0);
         }
         // Confidence 0 drafts at every match, so the check covers many rejected drafts too.
-        for min_confidence in [0.0, crate::draft::ngram::DEFAULT_MIN_CONFIDENCE] {
-            let mut ngram = NgramDrafter::with_confidence(1, 3, min_confidence).unwrap();
+        for min_confidence in [Some(0.0), None] {
+            let mut ngram = NgramDrafter::with_stopping(1, 3, min_confidence).unwrap();
             let out = run(
                 &target,
                 &req,
@@ -110,7 +110,7 @@ fn greedy_speculation_equals_plain_decoding() {
             );
             assert_eq!(out.tokens, plain.tokens, "ngram k={k}");
             let st = out.speculation.unwrap();
-            if min_confidence == 0.0 {
+            if min_confidence == Some(0.0) {
                 assert!(st.drafted > 0, "ngram k={k} drafted nothing");
             }
         }

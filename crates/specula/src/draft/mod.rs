@@ -53,4 +53,107 @@ pub trait Drafter {
     fn target_layers(&self) -> &[usize] {
         &[]
     }
+
+    /// Told after each verify pass how long the target took over `tokens` tokens (the pending token plus the
+    /// drafts), so a drafter can weigh what one more drafted token costs on this hardware. Ignored by default.
+    fn observe_verify(&mut self, _tokens: usize, _seconds: f64) {}
+}
+
+/// What verifying one more token costs, learned from the verify passes of the running generation: the median
+/// time of the last [`VerifyCostTracker::WINDOW`] passes of each size.
+#[derive(Debug, Clone, Default)]
+pub struct VerifyCostTracker {
+    /// samples[n - 1]: recent verify times over n tokens, oldest first.
+    samples: Vec<Vec<f64>>,
+    /// marginal[j - 1]: verify(j + 1) - verify(j), over verify(1), for the sizes measured well enough.
+    marginal: Vec<Option<f64>>,
+}
+
+impl VerifyCostTracker {
+    pub const WINDOW: usize = 31;
+    /// Passes of a size before its median is trusted.
+    pub const MIN_SAMPLES: usize = 4;
+
+    pub fn observe(&mut self, tokens: usize, seconds: f64) {
+        if tokens == 0 || !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        if self.samples.len() < tokens {
+            self.samples.resize(tokens, Vec::new());
+        }
+        let s = &mut self.samples[tokens - 1];
+        if s.len() == Self::WINDOW {
+            s.remove(0);
+        }
+        s.push(seconds);
+        let medians: Vec<Option<f64>> = self
+            .samples
+            .iter()
+            .map(|s| {
+                (s.len() >= Self::MIN_SAMPLES).then(|| {
+                    let mut v = s.clone();
+                    v.sort_by(f64::total_cmp);
+                    v[v.len() / 2]
+                })
+            })
+            .collect();
+        self.marginal = match medians.first().copied().flatten() {
+            Some(one) => medians
+                .windows(2)
+                .map(|w| match (w[0], w[1]) {
+                    (Some(a), Some(b)) => Some((b - a) / one),
+                    _ => None,
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+    }
+
+    /// What the `j`-th drafted token (1-based) costs in verify time, in units of one plain decoding step:
+    /// measured when both sizes have been seen often enough, else the nearest measured smaller draft's cost,
+    /// else `prior`. Never below 1% (noise must not make drafting look free).
+    pub fn marginal(&self, j: usize, prior: f64) -> f64 {
+        let known = self.marginal[..self.marginal.len().min(j)]
+            .iter()
+            .rev()
+            .find_map(|m| *m);
+        known.unwrap_or(prior).max(0.01)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verify_cost_tracker_learns_marginal_costs() {
+        let mut t = VerifyCostTracker::default();
+        // Nothing measured: the prior.
+        assert_eq!(t.marginal(1, 0.2), 0.2);
+        for i in 0..VerifyCostTracker::MIN_SAMPLES {
+            t.observe(1, 0.030);
+            // One wild outlier among the two-token passes must not move the median.
+            t.observe(2, if i == 0 { 1.0 } else { 0.033 });
+        }
+        assert!((t.marginal(1, 0.2) - 0.1).abs() < 1e-9);
+        // Three-token passes not seen yet: the nearest smaller draft's cost.
+        assert!((t.marginal(2, 0.2) - 0.1).abs() < 1e-9);
+        for _ in 0..VerifyCostTracker::MIN_SAMPLES {
+            t.observe(3, 0.042);
+        }
+        assert!((t.marginal(2, 0.2) - 0.3).abs() < 1e-9);
+        // Invalid samples are ignored; a cheaper-than-before size is floored, not negative.
+        t.observe(0, 1.0);
+        t.observe(4, f64::NAN);
+        t.observe(4, -1.0);
+        for _ in 0..VerifyCostTracker::MIN_SAMPLES {
+            t.observe(4, 0.040);
+        }
+        assert_eq!(t.marginal(3, 0.2), 0.01);
+        // Old samples leave the window.
+        for _ in 0..VerifyCostTracker::WINDOW {
+            t.observe(2, 0.036);
+        }
+        assert!((t.marginal(1, 0.2) - 0.2).abs() < 1e-9);
+    }
 }

@@ -5,12 +5,14 @@
 //! often. It drafts one token at a time: the longest suffix of context + draft-so-far (at least min_n tokens)
 //! that occurred before names the candidate, the token that most often followed it (ties: the most recent).
 //! Each proposed token costs a verify slot whether or not it is accepted, so the drafter only continues while
-//! the estimated chance that the whole draft so far is accepted stays above `min_confidence`; the per-token
-//! estimate comes from the match length and how consistently the n-gram was followed by the candidate.
+//! the estimated chance that the whole draft so far is accepted pays for that slot: by default it compares
+//! the chance with what one more verified token has cost on this hardware (learned from the generation's own
+//! verify passes), or with a fixed `--ngram-confidence`. The per-token estimate comes from the length of the
+//! copy being continued and how consistently the n-gram was followed by the candidate.
 
 use std::collections::HashMap;
 
-use crate::draft::{Draft, Drafter};
+use crate::draft::{Draft, Drafter, VerifyCostTracker};
 use crate::error::{Error, Result};
 use crate::sampling::SamplingParams;
 
@@ -36,20 +38,34 @@ struct Followers {
     next: Vec<(u32, u32, usize)>,
 }
 
+/// When to stop drafting.
+#[derive(Debug, Clone)]
+enum Stopping {
+    /// While the estimated chance that the whole draft is accepted is at least this.
+    Fixed(f64),
+    /// While that chance is at least [`COST_MARGIN`] times what verifying one more token costs (in plain
+    /// decoding steps), as measured on the generation's verify passes.
+    CostAware(VerifyCostTracker),
+}
+
+/// The chance a draft must have, as a multiple of the next token's verify cost in plain steps. Above 1 because
+/// the confidence estimates are optimistic at the margin; 1.5 was best on all four recorded prompt sets
+/// (code, held-out code, edits, chat) in `examples/draft_replay.rs` (docs/benchmarks.md).
+pub const COST_MARGIN: f64 = 1.5;
+
+/// Verify cost of a drafted token assumed before the generation has measured it (about this repo's 2-core
+/// CPU; a GPU's own measurements replace it within a few cycles).
+pub const PRIOR_MARGINAL: f64 = 0.2;
+
 pub struct NgramDrafter {
     min_n: usize,
     max_n: usize,
-    /// Draft while the estimated probability that every drafted token is accepted is at least this.
-    min_confidence: f64,
+    stopping: Stopping,
     /// One map per n (index n - 1): hash of the n tokens -> what followed them.
     tables: Vec<HashMap<u64, Followers>>,
     /// The tokens indexed so far: a prefix of every context since the last reset.
     indexed: Vec<u32>,
 }
-
-/// Default for [`NgramDrafter::min_confidence`]: a drafted token costs roughly a fifth of a verify(1) on the CPU
-/// measured in docs/benchmarks.md, so drafting pays while the draft-so-far is more likely accepted than not.
-pub const DEFAULT_MIN_CONFIDENCE: f64 = 0.3;
 
 fn hash_tokens(tokens: &[u32]) -> u64 {
     // FNV-1a over the token ids: the index is rebuilt per request, so no need for DoS resistance.
@@ -64,11 +80,35 @@ fn hash_tokens(tokens: &[u32]) -> u64 {
 }
 
 impl NgramDrafter {
+    /// Cost-aware stopping (the default).
     pub fn new(min_n: usize, max_n: usize) -> Result<Self> {
-        Self::with_confidence(min_n, max_n, DEFAULT_MIN_CONFIDENCE)
+        Self::build(
+            min_n,
+            max_n,
+            Stopping::CostAware(VerifyCostTracker::default()),
+        )
     }
 
+    /// Stops where the estimated chance that the draft is accepted falls below `min_confidence` (0 drafts
+    /// every candidate up to k).
     pub fn with_confidence(min_n: usize, max_n: usize, min_confidence: f64) -> Result<Self> {
+        if !(0.0..=1.0).contains(&min_confidence) {
+            return Err(Error::InvalidArgument(format!(
+                "--ngram-confidence must be between 0 and 1 (got {min_confidence})"
+            )));
+        }
+        Self::build(min_n, max_n, Stopping::Fixed(min_confidence))
+    }
+
+    /// [`Self::new`] or [`Self::with_confidence`].
+    pub fn with_stopping(min_n: usize, max_n: usize, min_confidence: Option<f64>) -> Result<Self> {
+        match min_confidence {
+            Some(c) => Self::with_confidence(min_n, max_n, c),
+            None => Self::new(min_n, max_n),
+        }
+    }
+
+    fn build(min_n: usize, max_n: usize, stopping: Stopping) -> Result<Self> {
         if min_n == 0 || max_n < min_n {
             return Err(Error::InvalidArgument(format!(
                 "n-gram lengths must satisfy 1 <= --ngram-min <= --ngram-max (got {min_n} and {max_n})"
@@ -79,15 +119,10 @@ impl NgramDrafter {
                 "--ngram-max must be at most {MAX_NGRAM} (got {max_n})"
             )));
         }
-        if !(0.0..=1.0).contains(&min_confidence) {
-            return Err(Error::InvalidArgument(format!(
-                "--ngram-confidence must be between 0 and 1 (got {min_confidence})"
-            )));
-        }
         Ok(NgramDrafter {
             min_n,
             max_n,
-            min_confidence,
+            stopping,
             tables: (0..max_n).map(|_| HashMap::new()).collect(),
             indexed: Vec::new(),
         })
@@ -206,7 +241,13 @@ impl Drafter for NgramDrafter {
         let mut all_accepted = 1.0;
         for c in self.candidates(context, k) {
             all_accepted *= Self::confidence(&c);
-            if all_accepted < self.min_confidence {
+            let needed = match &self.stopping {
+                Stopping::Fixed(min) => *min,
+                Stopping::CostAware(cost) => {
+                    COST_MARGIN * cost.marginal(tokens.len() + 1, PRIOR_MARGINAL)
+                }
+            };
+            if all_accepted < needed {
                 break;
             }
             tokens.push(c.token);
@@ -215,6 +256,12 @@ impl Drafter for NgramDrafter {
             tokens,
             distributions: None,
         })
+    }
+
+    fn observe_verify(&mut self, tokens: usize, seconds: f64) {
+        if let Stopping::CostAware(cost) = &mut self.stopping {
+            cost.observe(tokens, seconds);
+        }
     }
 }
 
@@ -240,6 +287,30 @@ mod tests {
         assert!(NgramDrafter::new(3, 2).is_err());
         assert!(NgramDrafter::new(1, MAX_NGRAM + 1).is_err());
         assert!(NgramDrafter::with_confidence(1, 3, 1.5).is_err());
+    }
+
+    #[test]
+    fn cost_aware_stopping_drafts_more_when_verification_is_cheap() {
+        // A context that repeats a 12-token phrase: the lookup is confident about long continuations.
+        let phrase: Vec<u32> = (100..112).collect();
+        let mut ctx = phrase.clone();
+        ctx.extend_from_slice(&phrase[..6]);
+        let drafted = |step_costs: &[f64]| {
+            let mut d = NgramDrafter::new(1, 4).unwrap();
+            for _ in 0..VerifyCostTracker::MIN_SAMPLES {
+                for (n, &c) in step_costs.iter().enumerate() {
+                    d.observe_verify(n + 1, c);
+                }
+            }
+            d.propose(&ctx, 6, &SamplingParams::default())
+                .unwrap()
+                .tokens
+        };
+        let cheap = drafted(&[1.0, 1.01, 1.02, 1.03, 1.04, 1.05, 1.06]);
+        let dear = drafted(&[1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]);
+        assert_eq!(cheap, phrase[6..12].to_vec());
+        assert!(dear.len() < cheap.len(), "{dear:?}");
+        assert_eq!(dear[..], phrase[6..6 + dear.len()]);
     }
 
     #[test]
