@@ -79,21 +79,26 @@ pub struct TuneArgs {
     pub tune_json: Option<PathBuf>,
 }
 
-fn method(args: &BenchArgs) -> anyhow::Result<Option<DraftMethod>> {
-    Ok(match args.drafter.choice()? {
-        DraftChoice::None => None,
-        DraftChoice::Model(_) => Some(DraftMethod::Model {
-            vocab_limit: args.drafter.draft_vocab,
-        }),
-        DraftChoice::Ngram {
-            min_n,
-            max_n,
-            min_confidence,
-        } => Some(DraftMethod::Ngram {
-            min_n,
-            max_n,
-            min_confidence,
-        }),
+/// The drafter variants to compare: one per `--draft-vocab` value (draft model) or `--ngram-confidence`
+/// value (prompt lookup).
+fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
+    let d = &args.drafter;
+    Ok(match d.choice()? {
+        DraftChoice::None => Vec::new(),
+        DraftChoice::Model(_) => d
+            .draft_vocabs()?
+            .into_iter()
+            .map(|vocab_limit| DraftMethod::Model { vocab_limit })
+            .collect(),
+        DraftChoice::Ngram { min_n, max_n, .. } => d
+            .ngram_confidences()?
+            .into_iter()
+            .map(|min_confidence| DraftMethod::Ngram {
+                min_n,
+                max_n,
+                min_confidence,
+            })
+            .collect(),
     })
 }
 
@@ -117,7 +122,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         .prompts
         .as_ref()
         .ok_or_else(|| anyhow::anyhow!("give a prompts file with --prompts FILE.jsonl"))?;
-    let method = method(args)?;
+    let methods = methods(args)?;
     let ks = draft_tokens(args)?;
     let sampling = args.sampling.params()?;
     if args.max_tokens == 0 {
@@ -142,8 +147,11 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         prompts.truncate(limit);
     }
     let (target, threads, _) = load(&args.model)?;
-    let draft = match (&method, &args.drafter.draft_model) {
-        (Some(DraftMethod::Model { .. }), Some(spec)) => {
+    let uses_model = methods
+        .iter()
+        .any(|m| matches!(m, DraftMethod::Model { .. }));
+    let draft = match (uses_model, &args.drafter.draft_model) {
+        (true, Some(spec)) => {
             let d = specula::load_model(spec, true, &mut |line| eprintln!("{line}"))
                 .with_context(|| format!("loading draft model {spec}"))?;
             specula::draft::model::check_compatible(&target, &d)?;
@@ -161,8 +169,8 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         target: &target.model,
         tokenizer: &target.tokenizer,
         draft: draft.as_ref().map(|d| &d.model),
-        method,
-        draft_tokens: if method.is_some() { ks } else { Vec::new() },
+        draft_tokens: if methods.is_empty() { Vec::new() } else { ks },
+        methods,
         prompts: with_ids,
         max_new_tokens: args.max_tokens,
         rounds: args.rounds,
@@ -175,10 +183,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         target.spec,
         draft
             .as_ref()
-            .map(|d| match args.drafter.draft_vocab {
-                Some(n) => format!(", draft {} (token ids < {n})", d.spec),
-                None => format!(", draft {}", d.spec),
-            })
+            .map(|d| format!(", draft {}", d.spec))
             .unwrap_or_default(),
         spec.prompts.len(),
         spec.rounds,
@@ -250,6 +255,12 @@ pub fn tune(args: TuneArgs) -> anyhow::Result<()> {
             if args.bench.drafter.draft.is_none() && args.bench.drafter.draft_model.is_none() {
                 anyhow::bail!(
                     "tune needs a drafter to tune: --draft-model PATH|NAME or --draft ngram (or --from-bench FILE)"
+                );
+            }
+            if methods(&args.bench)?.len() > 1 {
+                anyhow::bail!(
+                    "tune models one drafter variant: give one --draft-vocab / --ngram-confidence value \
+                     (bench compares several)"
                 );
             }
             let report = run_bench(&args.bench)?;

@@ -136,15 +136,53 @@ pub struct DrafterArgs {
     #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
     pub ngram_max: usize,
     /// Prompt lookup drafts while the estimated chance that the whole draft is accepted stays at least this
-    /// (0 = draft k tokens whenever a match exists). Default: weigh that chance against what one more verified
-    /// token has cost in this generation's own verify passes (see docs/benchmarks.md).
-    #[arg(long, allow_negative_numbers = true)]
-    pub ngram_confidence: Option<f64>,
+    /// (0 = draft k tokens whenever a match exists). Default `auto`: weigh that chance against what one more
+    /// verified token has cost in this generation's own verify passes (see docs/benchmarks.md). bench and
+    /// tune take a comma-separated list to compare.
+    #[arg(
+        long,
+        value_name = "C|auto",
+        value_delimiter = ',',
+        allow_negative_numbers = true
+    )]
+    pub ngram_confidence: Vec<String>,
     /// Draft model only: propose only token ids below N, so the draft's LM head reads only its first N rows
-    /// (cheaper draft steps for large vocabularies; lossless, the target verifies every token). See
+    /// (cheaper draft steps for large vocabularies; lossless, the target verifies every token). `full` (the
+    /// default) drafts from the whole vocabulary. bench takes a comma-separated list to compare. See
     /// docs/benchmarks.md for the measured trade-off.
-    #[arg(long, value_name = "N")]
-    pub draft_vocab: Option<usize>,
+    #[arg(
+        long,
+        value_name = "N|full",
+        value_delimiter = ',',
+        allow_negative_numbers = true
+    )]
+    pub draft_vocab: Vec<String>,
+}
+
+/// Parses a comma-separated flag's values; no values means the single default `None`.
+fn parse_values<T>(
+    values: &[String],
+    flag: &str,
+    expected: &str,
+    parse: impl Fn(&str) -> Option<Option<T>>,
+) -> anyhow::Result<Vec<Option<T>>> {
+    if values.is_empty() {
+        return Ok(vec![None]);
+    }
+    values
+        .iter()
+        .map(|v| {
+            parse(v.trim()).ok_or_else(|| anyhow::anyhow!("{flag} takes {expected}, got {v:?}"))
+        })
+        .collect()
+}
+
+/// The one value generate accepts for a flag that bench takes as a list.
+fn single<T: Copy>(values: &[Option<T>], flag: &str) -> anyhow::Result<Option<T>> {
+    match values {
+        [v] => Ok(*v),
+        _ => anyhow::bail!("{flag} takes one value here (lists are for bench and tune)"),
+    }
 }
 
 #[derive(clap::Args, Clone)]
@@ -167,7 +205,8 @@ impl DraftArgs {
     }
 }
 
-/// The drafting method the flags ask for.
+/// The drafting method the flags ask for (for bench, the vocabulary and confidence lists stay in
+/// [`DrafterArgs`]).
 pub enum DraftChoice {
     None,
     Model(String),
@@ -181,18 +220,58 @@ pub enum DraftChoice {
 
 impl DrafterArgs {
     /// The drafting method `--draft` and `--draft-model` ask for.
+    /// The ngram choice carries the first `--ngram-confidence` value.
     pub fn choice(&self) -> anyhow::Result<DraftChoice> {
+        let confidences = self.ngram_confidences()?;
         let choice = parse_draft_choice(
             self.draft.as_deref(),
             &self.draft_model,
             self.ngram_min,
             self.ngram_max,
-            self.ngram_confidence,
+            confidences[0],
         )?;
-        if self.draft_vocab.is_some() && !matches!(choice, DraftChoice::Model(_)) {
+        self.draft_vocabs()?;
+        if !self.draft_vocab.is_empty() && !matches!(choice, DraftChoice::Model(_)) {
             anyhow::bail!("--draft-vocab applies to a draft model; add --draft-model PATH|NAME");
         }
+        if !self.ngram_confidence.is_empty() && !matches!(choice, DraftChoice::Ngram { .. }) {
+            anyhow::bail!("--ngram-confidence applies to prompt lookup; add --draft ngram");
+        }
         Ok(choice)
+    }
+
+    /// generate's drafter: like [`Self::choice`], refusing lists.
+    pub fn single_choice(&self) -> anyhow::Result<DraftChoice> {
+        let choice = self.choice()?;
+        single(&self.draft_vocabs()?, "--draft-vocab")?;
+        single(&self.ngram_confidences()?, "--ngram-confidence")?;
+        Ok(choice)
+    }
+
+    /// `--draft-vocab` values: None is the full vocabulary.
+    pub fn draft_vocabs(&self) -> anyhow::Result<Vec<Option<usize>>> {
+        parse_values(
+            &self.draft_vocab,
+            "--draft-vocab",
+            "token counts or `full`",
+            |s| match s {
+                "full" => Some(None),
+                _ => s.parse().ok().map(Some),
+            },
+        )
+    }
+
+    /// `--ngram-confidence` values: None is cost-aware stopping (`auto`).
+    pub fn ngram_confidences(&self) -> anyhow::Result<Vec<Option<f64>>> {
+        parse_values(
+            &self.ngram_confidence,
+            "--ngram-confidence",
+            "numbers between 0 and 1 or `auto`",
+            |s| match s {
+                "auto" => Some(None),
+                _ => s.parse().ok().map(Some),
+            },
+        )
     }
 }
 
@@ -254,7 +333,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop_at_eos: !args.ignore_eos,
     };
     let prof = Profiler::new(args.profile.detail());
-    let choice = args.draft.drafter.choice()?;
+    let choice = args.draft.drafter.single_choice()?;
+    let draft_vocab = single(&args.draft.drafter.draft_vocabs()?, "--draft-vocab")?;
     if matches!(choice, DraftChoice::None) && args.draft.draft_tokens.is_some() {
         anyhow::bail!(
             "--draft-tokens needs a drafter: add --draft-model PATH|NAME or --draft ngram"
@@ -275,7 +355,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         DraftChoice::Model(_) => match draft_loaded.as_ref() {
             Some(d) => Some(Box::new(
                 specula::draft::model::ModelDrafter::new(&d.model, sampling.seed)
-                    .with_vocab_limit(args.draft.drafter.draft_vocab)?,
+                    .with_vocab_limit(draft_vocab)?,
             ) as Box<dyn specula::draft::Drafter>),
             None => None,
         },
@@ -360,7 +440,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 DraftChoice::Model(spec) => serde_json::json!({
                     "method": "model",
                     "draft_model": draft_loaded.as_ref().map(|d| d.spec.clone()).unwrap_or_else(|| spec.clone()),
-                    "draft_vocab": args.draft.drafter.draft_vocab,
+                    "draft_vocab": draft_vocab,
                     "draft_tokens": draft_tokens,
                 }),
                 DraftChoice::Ngram {

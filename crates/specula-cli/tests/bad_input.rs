@@ -357,6 +357,52 @@ fn conflicting_or_bad_draft_flags() {
             "hi",
             "--draft",
             "ngram",
+            "--ngram-confidence",
+            "high",
+        ],
+        &["--ngram-confidence takes numbers between 0 and 1 or `auto`"],
+    );
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
+            "--ngram-confidence",
+            "0.2,0.4",
+        ],
+        &["--ngram-confidence takes one value here"],
+    );
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--ngram-confidence", "0.2"],
+        &["--ngram-confidence applies to prompt lookup"],
+    );
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft-model",
+            m,
+            "--draft-vocab",
+            "100,200",
+        ],
+        &["--draft-vocab takes one value here"],
+    );
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
             "--draft-vocab",
             "100",
         ],

@@ -170,6 +170,116 @@ fn bench_and_tune_with_ngram_and_model_drafters() {
     );
 }
 
+/// Several drafter variants in one bench: every variant at every k, interleaved, each config carrying its
+/// settings; tune refuses to mix them.
+#[test]
+fn bench_compares_drafter_variants() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, prompts) = setup(dir.path());
+    let (m, p) = (model.to_str().unwrap(), prompts.to_str().unwrap());
+    let ngram_json = dir.path().join("variants.json");
+    let (table, _) = ok(&[
+        "bench",
+        "-m",
+        m,
+        "--prompts",
+        p,
+        "--raw",
+        "-n",
+        "8",
+        "--ignore-eos",
+        "--draft",
+        "ngram",
+        "--ngram-confidence",
+        "auto,0",
+        "--draft-tokens",
+        "1,2",
+        "--verify-repeats",
+        "0",
+        "--json",
+        ngram_json.to_str().unwrap(),
+    ]);
+    for label in [
+        "ngram cost-aware k=1",
+        "ngram cost-aware k=2",
+        "ngram conf>=0 k=1",
+        "ngram conf>=0 k=2",
+    ] {
+        assert!(table.contains(label), "{label} missing: {table}");
+    }
+    let report = json(&ngram_json);
+    check_consistent(&report, 5);
+    let configs = report["configs"].as_array().unwrap();
+    assert!(configs[0]["drafter"].is_null());
+    assert!(configs[1]["drafter"]["ngram_confidence"].is_null());
+    assert_eq!(configs[3]["drafter"]["ngram_confidence"], 0.0);
+    assert_eq!(configs[3]["drafter"]["ngram_max"], 4);
+    fails_with(
+        &["tune", "--from-bench", ngram_json.to_str().unwrap()],
+        &["compares 2 drafter variants"],
+    );
+
+    let vocab_json = dir.path().join("vocab.json");
+    let (table, _) = ok(&[
+        "bench",
+        "-m",
+        m,
+        "--prompts",
+        p,
+        "--raw",
+        "-n",
+        "8",
+        "--ignore-eos",
+        "--draft-model",
+        m,
+        "--draft-vocab",
+        "full,40",
+        "--draft-tokens",
+        "2",
+        "--verify-repeats",
+        "0",
+        "--json",
+        vocab_json.to_str().unwrap(),
+    ]);
+    assert!(
+        table.contains("model full vocab k=2") && table.contains("model vocab<40 k=2"),
+        "{table}"
+    );
+    let report = json(&vocab_json);
+    check_consistent(&report, 3);
+    let configs = report["configs"].as_array().unwrap();
+    assert!(configs[1]["drafter"]["draft_vocab"].is_null());
+    assert_eq!(configs[2]["drafter"]["draft_vocab"], 40);
+    fails_with(
+        &[
+            "tune",
+            "-m",
+            m,
+            "--prompts",
+            p,
+            "--draft-model",
+            m,
+            "--draft-vocab",
+            "full,40",
+        ],
+        &["tune models one drafter variant"],
+    );
+    fails_with(
+        &[
+            "bench",
+            "-m",
+            m,
+            "--prompts",
+            p,
+            "--draft-model",
+            m,
+            "--draft-vocab",
+            "full,many",
+        ],
+        &["--draft-vocab takes token counts or `full`", "\"many\""],
+    );
+}
+
 #[test]
 fn bench_bad_input_is_reported() {
     let dir = tempfile::tempdir().unwrap();

@@ -30,12 +30,62 @@ pub enum DraftMethod {
     },
 }
 
+impl DraftMethod {
+    /// "model" or "ngram".
+    pub fn name(&self) -> &'static str {
+        match self {
+            DraftMethod::Model { .. } => "model",
+            DraftMethod::Ngram { .. } => "ngram",
+        }
+    }
+
+    /// The setting that tells variants of one method apart in a table.
+    pub fn variant(&self) -> String {
+        match self {
+            DraftMethod::Model {
+                vocab_limit: Some(n),
+            } => format!("vocab<{n}"),
+            DraftMethod::Model { vocab_limit: None } => "full vocab".into(),
+            DraftMethod::Ngram {
+                min_confidence: Some(c),
+                ..
+            } => format!("conf>={c}"),
+            DraftMethod::Ngram {
+                min_confidence: None,
+                ..
+            } => "cost-aware".into(),
+        }
+    }
+
+    /// The settings as JSON (bench reports).
+    pub fn settings_json(&self) -> serde_json::Value {
+        match *self {
+            DraftMethod::Model { vocab_limit } => serde_json::json!({
+                "method": "model",
+                "draft_vocab": vocab_limit,
+            }),
+            DraftMethod::Ngram {
+                min_n,
+                max_n,
+                min_confidence,
+            } => serde_json::json!({
+                "method": "ngram",
+                "ngram_min": min_n,
+                "ngram_max": max_n,
+                "ngram_confidence": min_confidence,
+            }),
+        }
+    }
+}
+
 /// One configuration: plain decoding (`k == 0`) or a drafter proposing `k` tokens per cycle.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct BenchConfig {
     pub label: String,
     /// "plain", "model" or "ngram".
     pub method: &'static str,
+    /// The drafter (None for plain decoding).
+    pub drafter: Option<DraftMethod>,
     pub k: usize,
 }
 
@@ -44,7 +94,8 @@ pub struct BenchSpec<'a> {
     pub tokenizer: &'a Tokenizer,
     /// The draft model, for `DraftMethod::Model`.
     pub draft: Option<&'a LlamaModel>,
-    pub method: Option<DraftMethod>,
+    /// Drafter variants to compare (each at every draft length); empty runs plain decoding only.
+    pub methods: Vec<DraftMethod>,
     /// Draft lengths to run; plain decoding always runs too.
     pub draft_tokens: Vec<usize>,
     /// Prompts with their token ids (chat template already applied).
@@ -63,6 +114,8 @@ pub struct BenchSpec<'a> {
 pub struct ConfigResult {
     pub label: String,
     pub method: &'static str,
+    /// The drafter's settings (null for plain decoding).
+    pub drafter: Option<serde_json::Value>,
     pub k: usize,
     pub runs: usize,
     /// Tokens produced by decode steps (the prefill's token excluded) and their time.
@@ -123,11 +176,9 @@ pub struct BenchReport {
     pub rounds: usize,
     pub max_new_tokens: usize,
     pub greedy: bool,
-    /// The draft model's vocabulary limit (`--draft-vocab`), if any.
+    /// The draft model's vocabulary limit (`--draft-vocab`) when the bench ran one drafter variant (each
+    /// config's `drafter` has its own settings).
     pub draft_vocab: Option<usize>,
-    /// Prompt lookup settings when that is the drafter: `{min_n, max_n, min_confidence}` (null confidence:
-    /// cost-aware stopping).
-    pub ngram: Option<serde_json::Value>,
 }
 
 impl BenchReport {
@@ -208,6 +259,7 @@ impl BenchReport {
                 serde_json::json!({
                     "label": c.label,
                     "method": c.method,
+                    "drafter": c.drafter,
                     "k": c.k,
                     "runs": c.runs,
                     "decode_tokens": c.decode_tokens,
@@ -233,7 +285,6 @@ impl BenchReport {
             "max_new_tokens": self.max_new_tokens,
             "greedy": self.greedy,
             "draft_vocab": self.draft_vocab,
-            "ngram": self.ngram,
             "configs": configs,
             "verify_cost": self.verify_cost,
         })
@@ -248,22 +299,25 @@ pub struct Progress<'a> {
     pub prompt_id: &'a str,
 }
 
-/// The configurations a spec asks for: plain first, then each k.
+/// The configurations a spec asks for: plain first, then each drafter variant at each k.
 pub fn configs(spec: &BenchSpec<'_>) -> Vec<BenchConfig> {
     let mut out = vec![BenchConfig {
         label: "plain".into(),
         method: "plain",
+        drafter: None,
         k: 0,
     }];
-    if let Some(method) = spec.method {
-        let name = match method {
-            DraftMethod::Model { .. } => "model",
-            DraftMethod::Ngram { .. } => "ngram",
+    for method in &spec.methods {
+        let name = if spec.methods.len() > 1 {
+            format!("{} {}", method.name(), method.variant())
+        } else {
+            method.name().to_string()
         };
         for &k in &spec.draft_tokens {
             out.push(BenchConfig {
                 label: format!("{name} k={k}"),
-                method: name,
+                method: method.name(),
+                drafter: Some(*method),
                 k,
             });
         }
@@ -283,7 +337,7 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             "--max-tokens must be at least 1".into(),
         ));
     }
-    if spec.method.is_some() && spec.draft_tokens.is_empty() {
+    if !spec.methods.is_empty() && spec.draft_tokens.is_empty() {
         return Err(Error::InvalidArgument(
             "--draft-tokens lists no draft lengths".into(),
         ));
@@ -296,18 +350,30 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             )));
         }
     }
-    if matches!(spec.method, Some(DraftMethod::Model { .. })) && spec.draft.is_none() {
+    let uses_model = spec
+        .methods
+        .iter()
+        .any(|m| matches!(m, DraftMethod::Model { .. }));
+    if uses_model && spec.draft.is_none() {
         return Err(Error::InvalidArgument(
             "the model drafting method needs a draft model".into(),
         ));
     }
-    if let Some(DraftMethod::Ngram {
-        min_n,
-        max_n,
-        min_confidence,
-    }) = spec.method
-    {
-        NgramDrafter::with_stopping(min_n, max_n, min_confidence)?;
+    for method in &spec.methods {
+        match *method {
+            DraftMethod::Ngram {
+                min_n,
+                max_n,
+                min_confidence,
+            } => {
+                NgramDrafter::with_stopping(min_n, max_n, min_confidence)?;
+            }
+            DraftMethod::Model { vocab_limit } => {
+                if let Some(draft) = spec.draft {
+                    crate::draft::model::check_vocab_limit(draft, vocab_limit)?;
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -324,6 +390,7 @@ pub fn run_bench(
         .map(|c| ConfigResult {
             label: c.label.clone(),
             method: c.method,
+            drafter: c.drafter.map(|d| d.settings_json()),
             k: c.k,
             runs: 0,
             decode_tokens: 0,
@@ -363,7 +430,7 @@ pub fn run_bench(
                     prompt_id: &prompt.id,
                 });
                 let prof = Profiler::new(Detail::Phases);
-                let mut drafter: Option<Box<dyn Drafter + '_>> = match (config.k, spec.method) {
+                let mut drafter: Option<Box<dyn Drafter + '_>> = match (config.k, config.drafter) {
                     (0, _) | (_, None) => None,
                     (_, Some(DraftMethod::Model { vocab_limit })) => Some(Box::new(
                         ModelDrafter::new(spec.draft.expect("validated"), spec.sampling.seed)
@@ -452,20 +519,8 @@ pub fn run_bench(
         rounds: spec.rounds,
         max_new_tokens: spec.max_new_tokens,
         greedy,
-        draft_vocab: match spec.method {
-            Some(DraftMethod::Model { vocab_limit }) => vocab_limit,
-            _ => None,
-        },
-        ngram: match spec.method {
-            Some(DraftMethod::Ngram {
-                min_n,
-                max_n,
-                min_confidence,
-            }) => Some(serde_json::json!({
-                "min_n": min_n,
-                "max_n": max_n,
-                "min_confidence": min_confidence,
-            })),
+        draft_vocab: match spec.methods[..] {
+            [DraftMethod::Model { vocab_limit }] => vocab_limit,
             _ => None,
         },
     })

@@ -84,6 +84,23 @@ impl TuneInput {
                     "bench report: no plain decoding configuration (k = 0)".into(),
                 )
             })?;
+        let mut variants: Vec<&Value> = Vec::new();
+        for c in configs
+            .iter()
+            .filter(|c| c.get("k").and_then(Value::as_u64) != Some(0))
+        {
+            let d = c.get("drafter").unwrap_or(&Value::Null);
+            if !variants.contains(&d) {
+                variants.push(d);
+            }
+        }
+        if variants.len() > 1 {
+            return Err(Error::InvalidArgument(format!(
+                "bench report compares {} drafter variants; tune models one (rerun bench with a single \
+                 --draft-vocab / --ngram-confidence value)",
+                variants.len()
+            )));
+        }
         let mut measured = Vec::new();
         let mut method = String::new();
         for c in configs

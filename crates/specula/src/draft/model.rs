@@ -40,14 +40,7 @@ impl<'a> ModelDrafter<'a> {
     /// with sampling the draft distribution is simply zero outside the prefix (speculative sampling is exact
     /// for any draft distribution).
     pub fn with_vocab_limit(mut self, limit: Option<usize>) -> Result<Self> {
-        if let Some(n) = limit {
-            let vocab = self.model.config.vocab_size;
-            if n == 0 || n > vocab {
-                return Err(Error::InvalidArgument(format!(
-                    "--draft-vocab must be between 1 and the draft model's vocabulary size {vocab}, got {n}"
-                )));
-            }
-        }
+        check_vocab_limit(self.model, limit)?;
         self.vocab_limit = limit;
         Ok(self)
     }
@@ -122,6 +115,19 @@ impl Drafter for ModelDrafter<'_> {
 
 /// A draft model must speak the target's vocabulary. Embedding tables may differ only in padding rows past the
 /// tokenizer's last token (as llama.cpp allows).
+/// Checks a `--draft-vocab` value against the draft model.
+pub fn check_vocab_limit(draft: &LlamaModel, limit: Option<usize>) -> Result<()> {
+    if let Some(n) = limit {
+        let vocab = draft.config.vocab_size;
+        if n == 0 || n > vocab {
+            return Err(Error::InvalidArgument(format!(
+                "--draft-vocab must be between 1 and the draft model's vocabulary size {vocab}, got {n}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 pub fn check_compatible(target: &LoadedModel, draft: &LoadedModel) -> Result<()> {
     let (tv, dv) = (target.tokenizer.vocab_size(), draft.tokenizer.vocab_size());
     let mismatch = |what: String| {
