@@ -136,9 +136,9 @@ pub struct DrafterArgs {
     #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
     pub ngram_max: usize,
     /// Prompt lookup drafts while the estimated chance that the whole draft is accepted stays at least this
-    /// (0 = draft k tokens whenever a match exists). Default `auto`: weigh that chance against what one more
-    /// verified token has cost in this generation's own verify passes (see docs/benchmarks.md). bench and
-    /// tune take a comma-separated list to compare.
+    /// (0 = draft k tokens whenever a match exists; default 0.5). `auto` weighs that chance against what one
+    /// more verified token has cost in this generation's own verify passes instead (see docs/benchmarks.md).
+    /// bench takes a comma-separated list to compare.
     #[arg(
         long,
         value_name = "C|auto",
@@ -159,15 +159,16 @@ pub struct DrafterArgs {
     pub draft_vocab: Vec<String>,
 }
 
-/// Parses a comma-separated flag's values; no values means the single default `None`.
+/// Parses a comma-separated flag's values; no values means the single `default`.
 fn parse_values<T>(
     values: &[String],
     flag: &str,
     expected: &str,
+    default: Option<T>,
     parse: impl Fn(&str) -> Option<Option<T>>,
 ) -> anyhow::Result<Vec<Option<T>>> {
     if values.is_empty() {
-        return Ok(vec![None]);
+        return Ok(vec![default]);
     }
     values
         .iter()
@@ -254,6 +255,7 @@ impl DrafterArgs {
             &self.draft_vocab,
             "--draft-vocab",
             "token counts or `full`",
+            None,
             |s| match s {
                 "full" => Some(None),
                 _ => s.parse().ok().map(Some),
@@ -267,6 +269,7 @@ impl DrafterArgs {
             &self.ngram_confidence,
             "--ngram-confidence",
             "numbers between 0 and 1 or `auto`",
+            Some(specula::draft::ngram::DEFAULT_MIN_CONFIDENCE),
             |s| match s {
                 "auto" => Some(None),
                 _ => s.parse().ok().map(Some),

@@ -142,8 +142,10 @@ fn ngram_speculation_on_smollm2_is_lossless_and_reported() {
     assert_eq!(d["draft_tokens"], 4);
     assert_eq!(d["ngram_min"], 1);
     assert_eq!(d["ngram_max"], 4);
-    // null: cost-aware stopping.
-    assert!(d["ngram_confidence"].is_null());
+    assert_eq!(
+        d["ngram_confidence"],
+        specula::draft::ngram::DEFAULT_MIN_CONFIDENCE
+    );
     let s = &spec["speculation"];
     assert_eq!(s["method"], "ngram");
     assert_eq!(s["draft_tokens"], 4);

@@ -13,42 +13,6 @@ use specula::draft::Drafter;
 use specula::profile::Profiler;
 use specula::sampling::SamplingParams;
 
-/// Prompt lookup that stops where the next token's expected gain (the chance the whole draft so far is
-/// accepted) falls below what verifying one more token costs, from the verify(n) curve.
-struct CostAware {
-    inner: NgramDrafter,
-    /// marginal[j]: verify(j + 2) - verify(j + 1), in verify(1) units.
-    marginal: Vec<f64>,
-    scale: f64,
-}
-
-impl Drafter for CostAware {
-    fn method(&self) -> &'static str {
-        "cost-aware"
-    }
-
-    fn propose(
-        &mut self,
-        context: &[u32],
-        k: usize,
-        _: &SamplingParams,
-    ) -> specula::Result<specula::draft::Draft> {
-        let mut tokens = Vec::new();
-        let mut p = 1.0;
-        for (j, c) in self.inner.candidates(context, k).iter().enumerate() {
-            p *= NgramDrafter::confidence(c);
-            if p < self.scale * self.marginal[j.min(self.marginal.len() - 1)] {
-                break;
-            }
-            tokens.push(c.token);
-        }
-        Ok(specula::draft::Draft {
-            tokens,
-            distributions: None,
-        })
-    }
-}
-
 /// The drafter before session 4: the most recent match of the longest suffix, its continuation copied.
 struct LatestMatch {
     min_n: usize,
@@ -135,15 +99,44 @@ fn record(
     Ok(out)
 }
 
-/// Replays one drafter over every recording: cycles, drafted, accepted, and cost in verify(1) units.
+/// Totals of one replay.
+#[derive(Default)]
+struct Totals {
+    cycles: usize,
+    drafted: usize,
+    accepted: usize,
+    tokens: usize,
+    /// Verify time in verify(1) units.
+    cost: f64,
+}
+
+impl Totals {
+    fn print(&self, variant: &str, k: usize) {
+        println!(
+            "{variant:24} {k:2}  {:6} {:7} {:8}  {:8.3} {:12.3}  {:7.3}",
+            self.cycles,
+            self.drafted,
+            self.accepted,
+            self.accepted as f64 / self.drafted.max(1) as f64,
+            self.tokens as f64 / self.cycles as f64,
+            self.tokens as f64 / self.cost
+        );
+    }
+}
+
+/// Replays a drafter over every recording (a fresh one per recording, as each generation gets): the drafter
+/// sees each cycle's verify time as `ratio(n)` times a pseudo-random factor in 1 +- `noise`, like measured times.
 fn replay(
     recs: &[Recorded],
-    drafter: &mut dyn Drafter,
+    make: &dyn Fn() -> Box<dyn Drafter>,
     k: usize,
     ratio: &dyn Fn(usize) -> f64,
-) -> (usize, usize, usize, usize, f64) {
-    let (mut cycles, mut drafted, mut accepted, mut tokens, mut cost) = (0, 0, 0, 0, 0.0);
+    noise: f64,
+) -> Totals {
+    let mut t = Totals::default();
+    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
     for r in recs {
+        let mut drafter = make();
         // The first output token comes from prefill; decode cycles start with it pending.
         let mut pos = 1;
         while pos < r.output.len() {
@@ -159,40 +152,27 @@ fn replay(
                 .take_while(|(a, b)| a == b)
                 .count();
             let produced = (acc + 1).min(r.output.len() - pos);
-            cycles += 1;
-            drafted += n;
-            accepted += acc;
-            tokens += produced;
-            cost += ratio(n + 1);
-            // The replay's verify costs stand in for measured times (only ratios matter).
-            drafter.observe_verify(n + 1, ratio(n + 1));
+            t.cycles += 1;
+            t.drafted += n;
+            t.accepted += acc;
+            t.tokens += produced;
+            t.cost += ratio(n + 1);
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let jitter = 1.0 + noise * ((seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0);
+            drafter.observe_verify(n + 1, ratio(n + 1) * jitter);
             pos += produced;
         }
     }
-    (cycles, drafted, accepted, tokens, cost)
+    t
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().collect();
-    let recs = record(&args[1], &args[2], args[3].parse()?, &args[4])?;
-    let mut ratios: Vec<f64> = args[5..]
-        .iter()
-        .map(|s| s.parse())
-        .collect::<Result<_, _>>()?;
-    if ratios.is_empty() {
-        ratios = vec![1.21, 1.47, 1.70, 1.87, 2.05, 2.25, 2.45, 2.65];
-    }
-    let ratio = move |n: usize| {
-        if n <= 1 {
-            1.0
-        } else {
-            ratios[(n - 2).min(ratios.len() - 1)]
-        }
-    };
-    // Calibration: acceptance of each candidate whose predecessors were all accepted, by match length and
-    // by how consistently the n-gram was followed by the candidate.
+/// Acceptance of each candidate whose predecessors were all accepted, by the length of the copy it continues
+/// and by how consistently its n-gram was followed by it (10 x (count + 1) / (total + 2)).
+fn calibration(recs: &[Recorded]) -> Result<(), Box<dyn std::error::Error>> {
     let mut buckets: std::collections::BTreeMap<(usize, u32), (usize, usize)> = Default::default();
-    for r in &recs {
+    for r in recs {
         let mut d = NgramDrafter::with_confidence(1, 4, 0.0)?;
         for pos in 1..r.output.len() {
             let mut context = r.prompt.clone();
@@ -220,32 +200,57 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("run  consistency(x10)  candidates  accepted  rate");
     for ((n, cons), (seen, acc)) in &buckets {
         println!(
-            "{n}  {cons:16}  {seen:10}  {acc:8}  {:.2}",
+            "{n:3}  {cons:16}  {seen:10}  {acc:8}  {:.2}",
             *acc as f64 / *seen as f64
         );
     }
-    println!("variant              k  cycles drafted accepted  acc.rate tokens/cycle  speedup");
-    let conf: Vec<f64> = std::env::var("CONF")
-        .unwrap_or("0.0,0.2,0.3,0.4,0.5".into())
-        .split(',')
-        .map(|s| s.parse().unwrap())
-        .collect();
-    for k in [1, 2, 3, 4, 6, 8, 12] {
-        let mut d = LatestMatch { min_n: 2, max_n: 3 };
-        let (cycles, drafted, accepted, tokens, cost) = replay(&recs, &mut d, k, &ratio);
-        println!(
-            "latest 2-3 conf -     {k}  {cycles:6} {drafted:7} {accepted:8}  {:8.3} {:12.3}  {:7.3}",
-            accepted as f64 / drafted.max(1) as f64,
-            tokens as f64 / cycles as f64,
-            tokens as f64 / cost
+    Ok(())
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() < 5 {
+        return Err(
+            "usage: draft_replay MODEL PROMPTS.jsonl MAX_TOKENS CACHE.json [r2 r3 ...]".into(),
         );
+    }
+    let recs = record(&args[1], &args[2], args[3].parse()?, &args[4])?;
+    let mut ratios: Vec<f64> = args[5..]
+        .iter()
+        .map(|s| s.parse())
+        .collect::<Result<_, _>>()?;
+    if ratios.is_empty() {
+        ratios = vec![1.21, 1.47, 1.70, 1.87, 2.05, 2.25, 2.45, 2.65];
+    }
+    let ratio = move |n: usize| {
+        if n <= 1 {
+            1.0
+        } else {
+            ratios[(n - 2).min(ratios.len() - 1)]
+        }
+    };
+    let noise: f64 = std::env::var("NOISE").map_or(Ok(0.1), |v| v.parse())?;
+    calibration(&recs)?;
+    println!(
+        "variant                   k  cycles drafted accepted  acc.rate tokens/cycle  speedup"
+    );
+    let ks = [1, 2, 4, 8];
+    for k in ks {
+        replay(
+            &recs,
+            &|| Box::new(LatestMatch { min_n: 2, max_n: 3 }),
+            k,
+            &ratio,
+            noise,
+        )
+        .print("latest match 2-3", k);
     }
     // Ceiling for any stopping rule over these candidates: an oracle that drafts exactly the candidates the
     // target will accept (and nothing when the first is wrong).
-    for k in [1, 2, 4, 8] {
-        let mut d = NgramDrafter::with_confidence(1, 4, 0.0)?;
-        let (mut cycles, mut accepted, mut tokens, mut cost) = (0, 0, 0, 0.0);
+    for k in ks {
+        let mut t = Totals::default();
         for r in &recs {
+            let mut d = NgramDrafter::with_confidence(1, 4, 0.0)?;
             let mut pos = 1;
             while pos < r.output.len() {
                 let mut context = r.prompt.clone();
@@ -257,62 +262,41 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .take_while(|(c, t)| c.token == **t)
                     .count();
                 let produced = (acc + 1).min(r.output.len() - pos);
-                cycles += 1;
-                accepted += acc;
-                tokens += produced;
-                cost += ratio(acc + 1);
+                t.cycles += 1;
+                t.drafted += acc;
+                t.accepted += acc;
+                t.tokens += produced;
+                t.cost += ratio(acc + 1);
                 pos += produced;
             }
         }
-        println!(
-            "oracle 1-4 conf -     {k}  {cycles:6} {accepted:7} {accepted:8}  {:8.3} {:12.3}  {:7.3}",
-            1.0,
-            tokens as f64 / cycles as f64,
-            tokens as f64 / cost
-        );
+        t.print("oracle stopping 1-4", k);
     }
-    let marginal: Vec<f64> = match std::env::var("MARGINAL") {
-        Ok(v) => vec![v.parse()?; 11],
-        Err(_) => (1..12).map(|n| ratio(n + 1) - ratio(n)).collect(),
-    };
-    for k in [2, 4, 8] {
-        let mut d = NgramDrafter::new(1, 4)?;
-        let (cycles, drafted, accepted, tokens, cost) = replay(&recs, &mut d, k, &ratio);
-        println!(
-            "default 1-4 conf -    {k}  {cycles:6} {drafted:7} {accepted:8}  {:8.3} {:12.3}  {:7.3}",
-            accepted as f64 / drafted.max(1) as f64,
-            tokens as f64 / cycles as f64,
-            tokens as f64 / cost
-        );
+    for k in ks {
+        replay(
+            &recs,
+            &|| Box::new(NgramDrafter::cost_aware(1, 4).unwrap()),
+            k,
+            &ratio,
+            noise,
+        )
+        .print("cost-aware 1-4", k);
     }
-    for scale in [1.0, 1.5, 2.0] {
-        for k in [2, 4, 8] {
-            let mut d = CostAware {
-                inner: NgramDrafter::with_confidence(1, 4, 0.0)?,
-                marginal: marginal.clone(),
-                scale,
-            };
-            let (cycles, drafted, accepted, tokens, cost) = replay(&recs, &mut d, k, &ratio);
-            println!(
-                "costaw 1-4 conf {scale:.2}  {k}  {cycles:6} {drafted:7} {accepted:8}  {:8.3} {:12.3}  {:7.3}",
-                accepted as f64 / drafted.max(1) as f64,
-                tokens as f64 / cycles as f64,
-                tokens as f64 / cost
-            );
-        }
-    }
-    for (min_n, max_n) in [(1, 4), (2, 4)] {
-        for &mc in &conf {
-            for k in [1, 2, 3, 4, 6, 8, 12] {
-                let mut d = NgramDrafter::with_confidence(min_n, max_n, mc)?;
-                let (cycles, drafted, accepted, tokens, cost) = replay(&recs, &mut d, k, &ratio);
-                println!(
-                    "ngram {min_n}-{max_n} conf {mc:.2}  {k}  {cycles:6} {drafted:7} {accepted:8}  {:8.3} {:12.3}  {:7.3}",
-                    accepted as f64 / drafted.max(1) as f64,
-                    tokens as f64 / cycles as f64,
-                    tokens as f64 / cost
-                );
-            }
+    let confidences: Vec<f64> = std::env::var("CONF")
+        .unwrap_or("0,0.3,0.4,0.5".into())
+        .split(',')
+        .map(|s| s.parse())
+        .collect::<Result<_, _>>()?;
+    for c in confidences {
+        for k in ks {
+            replay(
+                &recs,
+                &|| Box::new(NgramDrafter::with_confidence(1, 4, c).unwrap()),
+                k,
+                &ratio,
+                noise,
+            )
+            .print(&format!("confidence {c} 1-4"), k);
         }
     }
     Ok(())

@@ -98,7 +98,11 @@ fn greedy_speculation_equals_plain_decoding() {
             saw_partial |= st.accept_len_histogram[1..k].iter().any(|&c| c > 0);
         }
         // Confidence 0 drafts at every match, so the check covers many rejected drafts too.
-        for min_confidence in [Some(0.0), None] {
+        for min_confidence in [
+            Some(0.0),
+            Some(crate::draft::ngram::DEFAULT_MIN_CONFIDENCE),
+            None,
+        ] {
             let mut ngram = NgramDrafter::with_stopping(1, 3, min_confidence).unwrap();
             let out = run(
                 &target,

@@ -110,14 +110,18 @@ impl VerifyCostTracker {
     }
 
     /// What the `j`-th drafted token (1-based) costs in verify time, in units of one plain decoding step:
-    /// measured when both sizes have been seen often enough, else the nearest measured smaller draft's cost,
-    /// else `prior`. Never below 1% (noise must not make drafting look free).
+    /// measured when both sizes have been seen often enough; else `prior`, or the nearest measured smaller
+    /// draft's cost when that is higher (an unmeasured deeper token is not assumed cheaper than either). Never
+    /// below 1% (noise must not make drafting look free).
     pub fn marginal(&self, j: usize, prior: f64) -> f64 {
-        let known = self.marginal[..self.marginal.len().min(j)]
+        if let Some(Some(m)) = self.marginal.get(j - 1) {
+            return m.max(0.01);
+        }
+        let smaller = self.marginal[..self.marginal.len().min(j)]
             .iter()
             .rev()
             .find_map(|m| *m);
-        known.unwrap_or(prior).max(0.01)
+        smaller.map_or(prior, |m| m.max(prior)).max(0.01)
     }
 }
 
@@ -136,8 +140,9 @@ mod tests {
             t.observe(2, if i == 0 { 1.0 } else { 0.033 });
         }
         assert!((t.marginal(1, 0.2) - 0.1).abs() < 1e-9);
-        // Three-token passes not seen yet: the nearest smaller draft's cost.
-        assert!((t.marginal(2, 0.2) - 0.1).abs() < 1e-9);
+        // Three-token passes not seen yet: the prior, or the nearest smaller draft's cost when higher.
+        assert!((t.marginal(2, 0.2) - 0.2).abs() < 1e-9);
+        assert!((t.marginal(2, 0.05) - 0.1).abs() < 1e-9);
         for _ in 0..VerifyCostTracker::MIN_SAMPLES {
             t.observe(3, 0.042);
         }
