@@ -207,8 +207,101 @@ fn calibration(recs: &[Recorded]) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// Greedy outputs with the target's probability of each output token (for calibrating on target
+/// confidence): `(prompt, output, probs)`.
+fn record_confidence(
+    model: &str,
+    prompts: &str,
+    max_tokens: usize,
+    cache: &str,
+) -> Result<Vec<(Vec<u32>, Vec<u32>, Vec<f32>)>, Box<dyn std::error::Error>> {
+    if let Ok(text) = std::fs::read_to_string(cache) {
+        return Ok(serde_json::from_str(&text)?);
+    }
+    let loaded = specula::load_model(model, false, &mut |l| eprintln!("{l}"))?;
+    let (prompts, _) = read_prompts(std::path::Path::new(prompts), BadLines::Stop)?;
+    let opts = specula::model::ForwardOptions {
+        logits: specula::model::LogitsFor::Last,
+        capture_layers: &[],
+        vocab_limit: None,
+    };
+    let quiet = Profiler::disabled();
+    let mut out = Vec::new();
+    for p in prompts {
+        let text = loaded.format_prompt(&p.prompt, false, None)?;
+        let prompt = loaded.tokenizer.encode(&text)?;
+        let mut cache = loaded.model.new_cache();
+        let mut logits = loaded.model.forward(&prompt, &mut cache, &opts, &quiet)?;
+        let (mut output, mut probs) = (Vec::new(), Vec::new());
+        while output.len() < max_tokens {
+            let mut row = logits.last().to_vec();
+            let (best, _) = row
+                .iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |a, (i, &v)| if v > a.1 { (i, v) } else { a },
+                );
+            specula::model::ops::softmax(&mut row);
+            output.push(best as u32);
+            probs.push(row[best]);
+            logits = loaded
+                .model
+                .forward(&[best as u32], &mut cache, &opts, &quiet)?;
+        }
+        eprintln!("{}: {} tokens", p.id, output.len());
+        out.push((prompt, output, probs));
+    }
+    std::fs::write(cache, serde_json::to_string(&out)?)?;
+    Ok(out)
+}
+
+/// Acceptance of single-occurrence candidates by copy length and by the target's probability of the pending
+/// token (the last one it produced).
+fn calibration_by_confidence(
+    recs: &[(Vec<u32>, Vec<u32>, Vec<f32>)],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut buckets: std::collections::BTreeMap<(usize, u32), (usize, usize)> = Default::default();
+    for (prompt, output, probs) in recs {
+        let mut d = NgramDrafter::with_confidence(1, 4, 0.0)?;
+        for pos in 1..output.len() {
+            let mut context = prompt.clone();
+            context.extend_from_slice(&output[..pos]);
+            let p_bucket = (probs[pos - 1] * 10.0).min(9.0) as u32;
+            for (i, c) in d.candidates(&context, 6).iter().enumerate() {
+                let Some(&truth) = output.get(pos + i) else {
+                    break;
+                };
+                let run = match c.run {
+                    0..=2 => c.run,
+                    3..=7 => 3,
+                    _ => 8,
+                };
+                let b = buckets.entry((run, p_bucket)).or_default();
+                b.0 += 1;
+                b.1 += usize::from(c.token == truth);
+                if c.token != truth {
+                    break;
+                }
+            }
+        }
+    }
+    println!("run  p(pending)x10  candidates  accepted  rate");
+    for ((n, p), (seen, acc)) in &buckets {
+        println!(
+            "{n:3}  {p:13}  {seen:10}  {acc:8}  {:.2}",
+            *acc as f64 / *seen as f64
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("confidence") {
+        let recs = record_confidence(&args[2], &args[3], args[4].parse()?, &args[5])?;
+        return calibration_by_confidence(&recs);
+    }
     if args.len() < 5 {
         return Err(
             "usage: draft_replay MODEL PROMPTS.jsonl MAX_TOKENS CACHE.json [r2 r3 ...]".into(),
