@@ -207,14 +207,17 @@ fn calibration(recs: &[Recorded]) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// A greedy output with the target's probability of each output token: `(prompt, output, probs)`.
+type WithConfidence = (Vec<u32>, Vec<u32>, Vec<f32>);
+
 /// Greedy outputs with the target's probability of each output token (for calibrating on target
-/// confidence): `(prompt, output, probs)`.
+/// confidence).
 fn record_confidence(
     model: &str,
     prompts: &str,
     max_tokens: usize,
     cache: &str,
-) -> Result<Vec<(Vec<u32>, Vec<u32>, Vec<f32>)>, Box<dyn std::error::Error>> {
+) -> Result<Vec<WithConfidence>, Box<dyn std::error::Error>> {
     if let Ok(text) = std::fs::read_to_string(cache) {
         return Ok(serde_json::from_str(&text)?);
     }
@@ -259,7 +262,7 @@ fn record_confidence(
 /// Acceptance of single-occurrence candidates by copy length and by the target's probability of the pending
 /// token (the last one it produced).
 fn calibration_by_confidence(
-    recs: &[(Vec<u32>, Vec<u32>, Vec<f32>)],
+    recs: &[WithConfidence],
 ) -> Result<(), Box<dyn std::error::Error>> {
     let mut buckets: std::collections::BTreeMap<(usize, u32), (usize, usize)> = Default::default();
     for (prompt, output, probs) in recs {
