@@ -259,11 +259,9 @@ fn record_confidence(
     Ok(out)
 }
 
-/// Acceptance of single-occurrence candidates by copy length and by the target's probability of the pending
+/// Acceptance of candidates (predecessors accepted) by copy length and by the target's probability of the pending
 /// token (the last one it produced).
-fn calibration_by_confidence(
-    recs: &[WithConfidence],
-) -> Result<(), Box<dyn std::error::Error>> {
+fn calibration_by_confidence(recs: &[WithConfidence]) -> Result<(), Box<dyn std::error::Error>> {
     let mut buckets: std::collections::BTreeMap<(usize, u32), (usize, usize)> = Default::default();
     for (prompt, output, probs) in recs {
         let mut d = NgramDrafter::with_confidence(1, 4, 0.0)?;

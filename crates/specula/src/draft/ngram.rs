@@ -22,8 +22,8 @@ pub struct Candidate {
     pub token: u32,
     /// Length of the matched suffix.
     pub n: usize,
-    /// How far the match extends backwards beyond n (capped at [`MAX_RUN`]): the length of the copy the
-    /// draft is continuing.
+    /// How many tokens the match extends backwards from the candidate's latest occurrence (at least n, at
+    /// most [`MAX_RUN`]): the length of the copy the draft is continuing.
     pub run: usize,
     /// Times the matched n-gram was followed by `token`, and followed by anything.
     pub count: u32,
@@ -49,8 +49,8 @@ enum Stopping {
 }
 
 /// The chance a draft must have, as a multiple of the next token's verify cost in plain steps. Above 1 because
-/// the confidence estimates are optimistic at the margin; 1.5 was best on all four recorded prompt sets
-/// (code, held-out code, edits, chat) in `examples/draft_replay.rs` (docs/benchmarks.md).
+/// the confidence estimates are optimistic at the margin; of 1, 1.5 and 2, 1.5 was best on all four recorded
+/// prompt sets (code, held-out code, edits, chat) replayed with exact verify costs in `examples/draft_replay.rs`.
 pub const COST_MARGIN: f64 = 1.5;
 
 /// Default stopping threshold: on recorded greedy outputs of four prompt sets replayed with this CPU's verify
@@ -59,8 +59,8 @@ pub const COST_MARGIN: f64 = 1.5;
 /// generations to learn the verify costs.
 pub const DEFAULT_MIN_CONFIDENCE: f64 = 0.5;
 
-/// Verify cost of a drafted token assumed before the generation has measured it (about this repo's 2-core
-/// CPU; a GPU's own measurements replace it within a few cycles).
+/// Verify cost of a drafted token assumed until the generation has measured it (about this repo's 2-core CPU;
+/// measurements replace it once each draft length has been verified a few times).
 pub const PRIOR_MARGINAL: f64 = 0.2;
 
 pub struct NgramDrafter {
