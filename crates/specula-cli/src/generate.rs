@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
+use specula::bench::run::DraftMethod;
 use specula::decode::{self, GenerateRequest};
 use specula::profile::{Detail, Profiler};
 use specula::sampling::SamplingParams;
@@ -438,25 +439,35 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             clock: prof.clock_name(),
             load_s,
             wall_s,
+            // The same settings object as a bench config's `drafter`, plus the draft length (and model).
             draft: match &choice {
                 DraftChoice::None => serde_json::Value::Null,
-                DraftChoice::Model(spec) => serde_json::json!({
-                    "method": "model",
-                    "draft_model": draft_loaded.as_ref().map(|d| d.spec.clone()).unwrap_or_else(|| spec.clone()),
-                    "draft_vocab": draft_vocab,
-                    "draft_tokens": draft_tokens,
-                }),
+                DraftChoice::Model(spec) => {
+                    let mut d = DraftMethod::Model {
+                        vocab_limit: draft_vocab,
+                    }
+                    .settings_json();
+                    d["draft_model"] = draft_loaded
+                        .as_ref()
+                        .map_or_else(|| spec.clone(), |d| d.spec.clone())
+                        .into();
+                    d["draft_tokens"] = draft_tokens.into();
+                    d
+                }
                 DraftChoice::Ngram {
                     min_n,
                     max_n,
                     min_confidence,
-                } => serde_json::json!({
-                    "method": "ngram",
-                    "ngram_min": min_n,
-                    "ngram_max": max_n,
-                    "ngram_confidence": min_confidence,
-                    "draft_tokens": draft_tokens,
-                }),
+                } => {
+                    let mut d = DraftMethod::Ngram {
+                        min_n: *min_n,
+                        max_n: *max_n,
+                        min_confidence: *min_confidence,
+                    }
+                    .settings_json();
+                    d["draft_tokens"] = draft_tokens.into();
+                    d
+                }
             },
         };
         let report = specula::run_report::build(&info, &output, &summary);
