@@ -27,6 +27,12 @@ use super::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleav
 /// [`PrepareActivations`] computed once per matmul call (f32 scales, block sums), row after row.
 pub type RowsDot<W, X> = fn(weight_row: &[W], x: &[X], side: &[f32], out: &mut [f32]);
 
+/// `out0[r] = dot(row0, x[r])` and `out1[r] = dot(row1, x[r])` for two weight rows stored pair-interleaved
+/// (`pair` = row 0 block 0, row 1 block 0, row 0 block 1, ...; see [`FastRowsDot::PAIRED_ROWS`]): one pass that
+/// feeds every activation load to both rows and reads the weights as one sequential stream. Each result is
+/// bitwise what [`RowsDot`] gives for that row alone.
+pub type PairDot<W, X> = fn(pair: &[W], x: &[X], side: &[f32], out0: &mut [f32], out1: &mut [f32]);
+
 /// Readies a matmul call's quantized activations (`blocks_per_row` blocks per row) for a kernel: may reorder
 /// their values and append per-block side data to `side`, row after row.
 pub type PrepareActivations<X> = fn(x: &mut [X], blocks_per_row: usize, side: &mut Vec<f32>);
@@ -38,6 +44,8 @@ pub type QuantizeActivations<X> = fn(x: &[f32], out: &mut [X]);
 /// activation preparation it expects.
 pub struct RowsKernel<W: GgmlType> {
     pub rows_dot: RowsDot<W, W::VecDotType>,
+    /// Two weight rows at a time, where a kernel for that exists.
+    pub pair_dot: Option<PairDot<W, W::VecDotType>>,
     pub quantize: QuantizeActivations<W::VecDotType>,
     pub prepare: PrepareActivations<W::VecDotType>,
 }
@@ -46,12 +54,18 @@ fn no_preparation<X>(_x: &mut [X], _blocks_per_row: usize, _side: &mut Vec<f32>)
 
 /// The kernels for a weight storage type: the multi-row kernel if this build has one, and the reference.
 pub trait FastRowsDot: GgmlType + Sized {
+    /// Whether `Weight` stores this type's matrices pair-interleaved: rows 2p and 2p + 1 block by block (row
+    /// 2p block 0, row 2p + 1 block 0, row 2p block 1, ...), a last odd row alone. A layout fixed per type
+    /// (not per CPU) so every build reads the same storage; it exists for [`PairDot`] kernels.
+    const PAIRED_ROWS: bool = false;
+
     fn fast_kernel() -> Option<RowsKernel<Self>>;
 
     /// candle's single-row `vec_dot`, once per activation row.
     fn reference_kernel() -> RowsKernel<Self> {
         RowsKernel {
             rows_dot: reference_rows_dot::<Self>,
+            pair_dot: None,
             quantize: <Self::VecDotType as GgmlType>::from_float,
             prepare: no_preparation,
         }
@@ -90,12 +104,13 @@ macro_rules! fast_kernel {
         fast_kernel!(
             $t,
             $kernel,
+            None,
             $prepare,
             <<$t as GgmlType>::VecDotType as GgmlType>::from_float,
             {$($extra)*}
         );
     };
-    ($t:ty, $kernel:ident, $prepare:ident, $quantize:expr, {$($extra:item)*}) => {
+    ($t:ty, $kernel:ident, $pair:expr, $prepare:ident, $quantize:expr, {$($extra:item)*}) => {
         impl FastRowsDot for $t {
             fn fast_kernel() -> Option<RowsKernel<Self>> {
                 #[cfg(all(
@@ -106,6 +121,7 @@ macro_rules! fast_kernel {
                 {
                     Some(RowsKernel {
                         rows_dot: avx2::$kernel,
+                        pair_dot: $pair,
                         quantize: $quantize,
                         prepare: avx2::$prepare,
                     })
@@ -124,29 +140,47 @@ macro_rules! fast_kernel {
     };
 }
 
-fast_kernel!(BlockQ4KInterleaved, q4k_q8k, prepare_q4k, quantize_q8k, {
-    fn reference_kernel() -> RowsKernel<Self> {
-        RowsKernel {
-            rows_dot: reference_rows_dot_interleaved::<Self>,
-            quantize: BlockQ8K::from_float,
-            prepare: no_preparation,
+fast_kernel!(
+    BlockQ4KInterleaved,
+    q4k_q8k,
+    Some(avx2::q4k_q8k_pair),
+    prepare_q4k,
+    quantize_q8k,
+    {
+        const PAIRED_ROWS: bool = true;
+        fn reference_kernel() -> RowsKernel<Self> {
+            RowsKernel {
+                rows_dot: reference_rows_dot_interleaved::<Self>,
+                pair_dot: None,
+                quantize: BlockQ8K::from_float,
+                prepare: no_preparation,
+            }
         }
     }
-});
-fast_kernel!(BlockQ6KInterleaved, q6k_q8k, prepare_q6k, quantize_q8k, {
-    fn reference_kernel() -> RowsKernel<Self> {
-        RowsKernel {
-            rows_dot: reference_rows_dot_interleaved::<Self>,
-            quantize: BlockQ8K::from_float,
-            prepare: no_preparation,
+);
+fast_kernel!(
+    BlockQ6KInterleaved,
+    q6k_q8k,
+    None,
+    prepare_q6k,
+    quantize_q8k,
+    {
+        fn reference_kernel() -> RowsKernel<Self> {
+            RowsKernel {
+                rows_dot: reference_rows_dot_interleaved::<Self>,
+                pair_dot: None,
+                quantize: BlockQ8K::from_float,
+                prepare: no_preparation,
+            }
         }
     }
-});
+);
 fast_kernel!(BlockQ8_0, q8_0_q8_0, prepare_q8_0);
 fast_kernel!(BlockQ5_0Interleaved, q5_0_q8_0, prepare_q5_0, {
     fn reference_kernel() -> RowsKernel<Self> {
         RowsKernel {
             rows_dot: reference_rows_dot_q5_0,
+            pair_dot: None,
             quantize: BlockQ8_0::from_float,
             prepare: no_preparation,
         }
@@ -560,10 +594,53 @@ mod avx2 {
     pub fn q4k_q8k(w: &[BlockQ4KInterleaved], x: &[BlockQ8K], side: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q4K>(w), cast::<_, Q8K>(x)) };
-        if has_vnni() {
-            by_tiles!(q4k_tile_vnni, w, x, side, 8, out)
-        } else {
-            by_tiles!(q4k_tile_avx2, w, x, side, 8, out)
+        q4k_rows(w.as_ptr(), 1, w.len(), x, side, out);
+    }
+
+    /// One Q4_K weight row whose block b is at `w + b * step`, against `out.len()` activation rows, in tiles.
+    fn q4k_rows(w: *const Q4K, step: usize, nb: usize, x: &[Q8K], side: &[f32], out: &mut [f32]) {
+        let m = out.len();
+        assert_eq!(
+            x.len(),
+            m * nb,
+            "q4k: activations are not m rows of the weight length"
+        );
+        assert_eq!(
+            side.len(),
+            8 * m * nb,
+            "q4k: activation side data has the wrong length"
+        );
+        let vnni = has_vnni();
+        let mut r0 = 0;
+        while r0 < m {
+            let t = (m - r0).min(MAX_TILE);
+            let xs = &x[r0 * nb..(r0 + t) * nb];
+            let ss = &side[r0 * 8 * nb..(r0 + t) * 8 * nb];
+            let o = &mut out[r0..r0 + t];
+            macro_rules! tile {
+                ($n:literal) => {
+                    if vnni {
+                        q4k_tile_vnni::<$n>(w, step, nb, xs, ss, o)
+                    } else {
+                        q4k_tile_avx2::<$n>(w, step, nb, xs, ss, o)
+                    }
+                };
+            }
+            // SAFETY: AVX2+FMA are enabled for this build and VNNI was checked; the caller guarantees nb
+            // blocks at `w + b * step`; the tile indexes only within xs, ss and o.
+            unsafe {
+                match t {
+                    1 => tile!(1),
+                    2 => tile!(2),
+                    3 => tile!(3),
+                    4 => tile!(4),
+                    5 => tile!(5),
+                    6 => tile!(6),
+                    7 => tile!(7),
+                    _ => tile!(8),
+                }
+            }
+            r0 += t;
         }
     }
 
@@ -573,12 +650,19 @@ mod avx2 {
     macro_rules! q4k_tile {
         ($name:ident, $features:literal, $dot:path) => {
             #[target_feature(enable = $features)]
-            unsafe fn $name<const R: usize>(w: &[Q4K], x: &[Q8K], side: &[f32], out: &mut [f32]) {
-                let nb = w.len();
+            unsafe fn $name<const R: usize>(
+                w: *const Q4K,
+                step: usize,
+                nb: usize,
+                x: &[Q8K],
+                side: &[f32],
+                out: &mut [f32],
+            ) {
                 let m4 = _mm256_set1_epi8(0x0F);
                 let zero = _mm256_setzero_si256();
                 let mut acc = [_mm256_setzero_ps(); R];
-                for (b, wb) in w.iter().enumerate() {
+                for b in 0..nb {
+                    let wb = &*w.add(b * step);
                     prefetch_ahead(wb as *const Q4K as *const u8, 144);
                     let (sc, mn) = q4k_scales_mins(&wb.scales);
                     let scales = _mm256_mul_ps(u8x8_to_f32(sc), _mm256_set1_ps(wb.d.to_f32()));
@@ -613,6 +697,154 @@ mod avx2 {
             }
         };
     }
+    /// Two Q4_K weight rows stored pair-interleaved (row 0 block 0, row 1 block 0, row 0 block 1, ...: one
+    /// sequential stream) against the same activation rows. With VNNI (32 vector registers) both rows'
+    /// unpacked weights stay in registers and each activation load feeds two `vpdpbusd`; without it, the
+    /// one-row kernel on each row. The integer sums are exact and the float steps per (row, block) are those of
+    /// `q4k_tile`, so each output is bitwise the one-row kernel's.
+    pub fn q4k_q8k_pair(
+        pair: &[BlockQ4KInterleaved],
+        x: &[BlockQ8K],
+        side: &[f32],
+        out0: &mut [f32],
+        out1: &mut [f32],
+    ) {
+        assert!(
+            pair.len().is_multiple_of(2),
+            "q4k_q8k_pair: odd number of blocks for two rows"
+        );
+        // SAFETY: layouts checked in `layout`.
+        let (w, x) = unsafe { (cast::<_, Q4K>(pair), cast::<_, Q8K>(x)) };
+        let nb = w.len() / 2;
+        if nb == 0 {
+            out0.fill(0.0);
+            out1.fill(0.0);
+            return;
+        }
+        let (p0, p1) = (w.as_ptr(), w[1..].as_ptr());
+        if !has_vnni() {
+            q4k_rows(p0, 2, nb, x, side, out0);
+            q4k_rows(p1, 2, nb, x, side, out1);
+            return;
+        }
+        assert_eq!(
+            out0.len(),
+            out1.len(),
+            "q4k_q8k_pair: outputs of different lengths"
+        );
+        let m = out0.len();
+        assert_eq!(
+            x.len(),
+            m * nb,
+            "q4k_q8k_pair: activations are not m rows of the weight length"
+        );
+        assert_eq!(
+            side.len(),
+            8 * m * nb,
+            "q4k_q8k_pair: side data has the wrong length"
+        );
+        let mut r0 = 0;
+        while r0 < m {
+            let t = (m - r0).min(PAIR_TILE);
+            let xs = &x[r0 * nb..(r0 + t) * nb];
+            let ss = &side[r0 * 8 * nb..(r0 + t) * 8 * nb];
+            let (o0, o1) = (&mut out0[r0..r0 + t], &mut out1[r0..r0 + t]);
+            // SAFETY: VNNI checked above; block b of the rows is at p0/p1 + 2b, within `pair`; the tile
+            // indexes only within xs, ss and the outputs.
+            unsafe {
+                match t {
+                    1 => q4k_pair_tile_vnni::<1>(p0, p1, 2, nb, xs, ss, o0, o1),
+                    2 => q4k_pair_tile_vnni::<2>(p0, p1, 2, nb, xs, ss, o0, o1),
+                    3 => q4k_pair_tile_vnni::<3>(p0, p1, 2, nb, xs, ss, o0, o1),
+                    4 => q4k_pair_tile_vnni::<4>(p0, p1, 2, nb, xs, ss, o0, o1),
+                    5 => q4k_pair_tile_vnni::<5>(p0, p1, 2, nb, xs, ss, o0, o1),
+                    6 => q4k_pair_tile_vnni::<6>(p0, p1, 2, nb, xs, ss, o0, o1),
+                    7 => q4k_pair_tile_vnni::<7>(p0, p1, 2, nb, xs, ss, o0, o1),
+                    _ => q4k_pair_tile_vnni::<8>(p0, p1, 2, nb, xs, ss, o0, o1),
+                }
+            }
+            r0 += t;
+        }
+    }
+
+    /// Most activation rows per pass of the two-row kernels (their registers: 2 x 8 partial sums and 2 x 8
+    /// accumulators at most, plus the weights being unpacked).
+    const PAIR_TILE: usize = 8;
+
+    /// Block b of the two weight rows is at `w0 + b * step` and `w1 + b * step` (`nb` blocks per row).
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn q4k_pair_tile_vnni<const R: usize>(
+        w0: *const Q4K,
+        w1: *const Q4K,
+        step: usize,
+        nb: usize,
+        x: &[Q8K],
+        side: &[f32],
+        out0: &mut [f32],
+        out1: &mut [f32],
+    ) {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let zero = _mm256_setzero_si256();
+        let mut acc0 = [_mm256_setzero_ps(); R];
+        let mut acc1 = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let (wa, wb) = (&*w0.add(b * step), &*w1.add(b * step));
+            prefetch_ahead(wa as *const Q4K as *const u8, 144);
+            prefetch_ahead(wb as *const Q4K as *const u8, 144);
+            let mut s0 = [zero; R];
+            let mut s1 = [zero; R];
+            for j in 0..4 {
+                let va = load(wa.qs.as_ptr().add(32 * j));
+                let vb = load(wb.qs.as_ptr().add(32 * j));
+                let (a_lo, a_hi) = (
+                    _mm256_and_si256(va, m4),
+                    _mm256_and_si256(_mm256_srli_epi16(va, 4), m4),
+                );
+                let (b_lo, b_hi) = (
+                    _mm256_and_si256(vb, m4),
+                    _mm256_and_si256(_mm256_srli_epi16(vb, 4), m4),
+                );
+                for r in 0..R {
+                    let xq = x.get_unchecked(r * nb + b).qs.as_ptr() as *const u8;
+                    let x_lo = load(xq.add(64 * j));
+                    let x_hi = load(xq.add(64 * j + 32));
+                    s0[r] = _mm256_dpbusd_epi32(s0[r], a_lo, x_lo);
+                    s1[r] = _mm256_dpbusd_epi32(s1[r], b_lo, x_lo);
+                    s0[r] = _mm256_dpbusd_epi32(s0[r], a_hi, x_hi);
+                    s1[r] = _mm256_dpbusd_epi32(s1[r], b_hi, x_hi);
+                }
+            }
+            let (sc, mn) = q4k_scales_mins(&wa.scales);
+            let scales0 = _mm256_mul_ps(u8x8_to_f32(sc), _mm256_set1_ps(wa.d.to_f32()));
+            let mins0 = _mm256_mul_ps(u8x8_to_f32(mn), _mm256_set1_ps(wa.dmin.to_f32()));
+            let (sc, mn) = q4k_scales_mins(&wb.scales);
+            let scales1 = _mm256_mul_ps(u8x8_to_f32(sc), _mm256_set1_ps(wb.d.to_f32()));
+            let mins1 = _mm256_mul_ps(u8x8_to_f32(mn), _mm256_set1_ps(wb.dmin.to_f32()));
+            for r in 0..R {
+                let xb = x.get_unchecked(r * nb + b);
+                let dx = _mm256_set1_ps(xb.d);
+                let block_sums = _mm256_loadu_ps(side.as_ptr().add(8 * (r * nb + b)));
+                let a = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(s0[r]),
+                    _mm256_mul_ps(scales0, dx),
+                    acc0[r],
+                );
+                acc0[r] = _mm256_fnmadd_ps(mins0, block_sums, a);
+                let a = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(s1[r]),
+                    _mm256_mul_ps(scales1, dx),
+                    acc1[r],
+                );
+                acc1[r] = _mm256_fnmadd_ps(mins1, block_sums, a);
+            }
+        }
+        for r in 0..R {
+            out0[r] = hsum(acc0[r]);
+            out1[r] = hsum(acc1[r]);
+        }
+    }
+
     q4k_tile!(q4k_tile_avx2, "avx2,fma", int::dot_u8i8_avx2);
     q4k_tile!(
         q4k_tile_vnni,
@@ -1172,6 +1404,65 @@ mod tests {
             check::<BlockQ5_0Interleaved>(704, seed);
             check::<BlockQ5_0Interleaved>(96, seed);
             check::<BlockQ4_1>(512, seed);
+        }
+    }
+
+    /// The pair kernel gives, for each of its two rows, bitwise the one-row kernel's result, at every row
+    /// count up to two tiles plus one, on the VNNI path and on the AVX2 fallback.
+    #[test]
+    fn pair_kernels_equal_one_row_kernels_bitwise() {
+        fn check_pair<T: FastRowsDot + Clone>(k: usize, seed: u64) {
+            let Some(kernel) = T::fast_kernel() else {
+                return;
+            };
+            let Some(pair_dot) = kernel.pair_dot else {
+                return;
+            };
+            let w0: Vec<T> = quantize(&pseudo_random(k, seed));
+            let w1: Vec<T> = quantize(&pseudo_random(k, seed + 50));
+            let pair: Vec<T> = w0
+                .iter()
+                .zip(&w1)
+                .flat_map(|(a, b)| [a.clone(), b.clone()])
+                .collect();
+            let max_rows = 17;
+            let x: Vec<T::VecDotType> = quantize(&pseudo_random(max_rows * k, seed + 1));
+            let (x, side) = prepared(&kernel, &x, k);
+            let xb = x.len() / max_rows;
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for m in 1..=max_rows {
+                let (xs, ss) = (&x[..m * xb], row_scales(&side, max_rows, 0, m));
+                let (mut e0, mut e1) = (vec![0f32; m], vec![0f32; m]);
+                (kernel.rows_dot)(&w0, xs, ss, &mut e0);
+                (kernel.rows_dot)(&w1, xs, ss, &mut e1);
+                let (mut o0, mut o1) = (vec![0f32; m], vec![0f32; m]);
+                pair_dot(&pair, xs, ss, &mut o0, &mut o1);
+                let name = std::any::type_name::<T>();
+                assert_eq!(
+                    (bits(&o0), bits(&o1)),
+                    (bits(&e0), bits(&e1)),
+                    "{name} m={m}"
+                );
+                #[cfg(all(
+                    target_arch = "x86_64",
+                    target_feature = "avx2",
+                    target_feature = "fma"
+                ))]
+                {
+                    let (mut a0, mut a1) = (vec![0f32; m], vec![0f32; m]);
+                    avx2::with_avx2_only(|| pair_dot(&pair, xs, ss, &mut a0, &mut a1));
+                    assert_eq!(
+                        (bits(&a0), bits(&a1)),
+                        (bits(&e0), bits(&e1)),
+                        "{name} m={m} AVX2"
+                    );
+                }
+            }
+        }
+        for seed in [1, 2] {
+            check_pair::<BlockQ4KInterleaved>(1024, seed);
+            check_pair::<BlockQ4KInterleaved>(256, seed);
+            check_pair::<BlockQ6KInterleaved>(1024, seed);
         }
     }
 

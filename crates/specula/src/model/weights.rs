@@ -211,6 +211,50 @@ fn blocks_from_bytes<T: BlockType>(bytes: &[u8]) -> Vec<T> {
     out
 }
 
+/// Index of block `b` of `row` in a matrix of `rows` rows of `per_row` blocks stored in `T`'s layout:
+/// row-major, or pair-interleaved when `T::PAIRED_ROWS` (rows 2p and 2p + 1 alternate block by block; a last
+/// odd row is stored alone).
+fn block_index<T: FastRowsDot>(row: usize, b: usize, rows: usize, per_row: usize) -> usize {
+    if T::PAIRED_ROWS && (row % 2 == 1 || row + 1 < rows) {
+        (row / 2) * 2 * per_row + 2 * b + row % 2
+    } else {
+        row * per_row + b
+    }
+}
+
+/// Row-major blocks rearranged into `T`'s storage layout (see `block_index`).
+fn arrange<T: FastRowsDot + Clone>(row_major: Vec<T>, rows: usize, per_row: usize) -> Vec<T> {
+    if !T::PAIRED_ROWS || rows < 2 {
+        return row_major;
+    }
+    let mut order: Vec<usize> = vec![0; row_major.len()];
+    for row in 0..rows {
+        for b in 0..per_row {
+            order[block_index::<T>(row, b, rows, per_row)] = row * per_row + b;
+        }
+    }
+    order.into_iter().map(|i| row_major[i].clone()).collect()
+}
+
+/// One row's blocks, contiguous (borrowed when the layout already stores the row alone).
+fn row_blocks<T: FastRowsDot + Clone>(
+    blocks: &[T],
+    row: usize,
+    rows: usize,
+    per_row: usize,
+) -> std::borrow::Cow<'_, [T]> {
+    let first = block_index::<T>(row, 0, rows, per_row);
+    if per_row < 2 || block_index::<T>(row, 1, rows, per_row) == first + 1 {
+        std::borrow::Cow::Borrowed(&blocks[first..first + per_row])
+    } else {
+        std::borrow::Cow::Owned(
+            (0..per_row)
+                .map(|b| blocks[block_index::<T>(row, b, rows, per_row)].clone())
+                .collect(),
+        )
+    }
+}
+
 impl Weight {
     /// Builds a weight from raw little-endian GGML bytes.
     pub fn from_raw(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
@@ -261,12 +305,14 @@ impl Weight {
             GgmlType::Q8_0 => Storage::Q8_0(blocks_from_bytes(bytes)),
             GgmlType::Q2K => Storage::Q2K(blocks_from_bytes(bytes)),
             GgmlType::Q3K => Storage::Q3K(blocks_from_bytes(bytes)),
-            GgmlType::Q4K => Storage::Q4K(
+            GgmlType::Q4K => Storage::Q4K(arrange(
                 blocks_from_bytes::<BlockQ4K>(bytes)
                     .iter()
                     .map(BlockQ4KInterleaved::from_ggml)
                     .collect(),
-            ),
+                rows,
+                cols / 256,
+            )),
             GgmlType::Q5K => Storage::Q5K(blocks_from_bytes(bytes)),
             GgmlType::Q6K => Storage::Q6K(
                 blocks_from_bytes::<BlockQ6K>(bytes)
@@ -331,13 +377,13 @@ impl Weight {
             ));
         }
         // Row by row: some storage types arrange blocks per row (interleaved Q5_0).
-        fn q<T: BlockType>(data: &[f32], cols: usize) -> Vec<T> {
+        fn q<T: BlockType + FastRowsDot + Clone>(data: &[f32], cols: usize) -> Vec<T> {
             let per_row = cols / T::BLCK_SIZE;
             let mut out: Vec<T> = (0..data.len() / T::BLCK_SIZE).map(|_| T::zeros()).collect();
             for (x, y) in data.chunks(cols).zip(out.chunks_mut(per_row)) {
                 T::from_float(x, y);
             }
-            out
+            arrange(out, data.len() / cols.max(1), per_row)
         }
         let bs = cols;
         let storage = match ty {
@@ -391,8 +437,14 @@ impl Weight {
             unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
                 .to_vec()
         }
+        let per_row = self.cols / self.dtype().block_size();
         match &self.storage {
-            Storage::Q4K(b) => bytes_of(&b.iter().map(|b| b.to_ggml()).collect::<Vec<_>>()),
+            Storage::Q4K(b) => bytes_of(
+                &(0..self.rows)
+                    .flat_map(|r| row_blocks(b, r, self.rows, per_row).into_owned())
+                    .map(|b| b.to_ggml())
+                    .collect::<Vec<_>>(),
+            ),
             Storage::Q6K(b) => bytes_of(&b.iter().map(|b| b.to_ggml()).collect::<Vec<_>>()),
             Storage::Q5_0(b) => bytes_of(
                 &b.chunks(self.cols / 32)
@@ -408,7 +460,7 @@ impl Weight {
         debug_assert!(row < self.rows && out.len() == self.cols);
         with_blocks!(&self.storage, blocks => {
             let per_row = blocks.len() / self.rows;
-            BlockType::to_float(&blocks[row * per_row..(row + 1) * per_row], out);
+            BlockType::to_float(&row_blocks(blocks, row, self.rows, per_row), out);
         })
     }
 
@@ -454,8 +506,7 @@ impl Weight {
         assert_eq!(x.len(), m * self.cols, "matmul: input is not m x cols");
         assert_eq!(out.len(), m * rows, "matmul: output is not m x rows");
         with_blocks!(&self.storage, blocks => {
-            let used = &blocks[..blocks.len() / self.rows * rows];
-            matmul_blocks(used, rows, self.cols, x, m, out, kernel_of(blocks, kernel))
+            matmul_blocks(blocks, self.rows, rows, self.cols, x, m, out, kernel_of(blocks, kernel))
         })
     }
 
@@ -530,8 +581,11 @@ fn kernel_of<T: FastRowsDot>(_blocks: &[T], kernel: MatmulKernel) -> RowsKernel<
 /// Rows of weight columns handled per work item: small enough to balance two threads, large enough to amortize.
 const COLS_PER_ITEM: usize = 16;
 
-fn matmul_blocks<T: BlockType>(
+/// `out[m x n]`: the first `n` rows of a weight of `stored_rows` rows (its storage layout depends on that).
+#[allow(clippy::too_many_arguments)]
+fn matmul_blocks<T: BlockType + FastRowsDot + Clone>(
     weight: &[T],
+    stored_rows: usize,
     n: usize,
     k: usize,
     x: &[f32],
@@ -543,16 +597,10 @@ fn matmul_blocks<T: BlockType>(
     let part = Part {
         weight,
         rows: n,
+        stored_rows,
         out: SendPtr(out.as_mut_ptr()),
     };
-    run_parts(
-        std::slice::from_ref(&part),
-        k,
-        &x_q,
-        &x_side,
-        m,
-        kernel.rows_dot,
-    );
+    run_parts(std::slice::from_ref(&part), k, &x_q, &x_side, m, &kernel);
 }
 
 /// Activations quantized once per call to the kernel's partner type (Q8_0/Q8_1/Q8_K, or f32/f16) and prepared
@@ -578,21 +626,24 @@ fn quantize_activations<T: BlockType>(
     (x_q, side)
 }
 
-/// One weight matrix of a (possibly grouped) matmul and where its `m x rows` output goes.
+/// One weight matrix of a (possibly grouped) matmul and where its `m x rows` output goes: its first `rows`
+/// rows of `stored_rows` (the storage layout depends on the latter, see `block_index`).
 struct Part<'a, T> {
     weight: &'a [T],
     rows: usize,
+    stored_rows: usize,
     out: SendPtr,
 }
 
-/// Computes every part's output in one parallel pass over work items of COLS_PER_ITEM weight rows.
-fn run_parts<T: BlockType>(
+/// Computes every part's output in one parallel pass over work items of COLS_PER_ITEM weight rows. Rows stored
+/// as pairs go through the kernel's pair version when it has one (else each row is gathered and dotted alone).
+fn run_parts<T: BlockType + FastRowsDot + Clone>(
     parts: &[Part<'_, T>],
     k: usize,
     x_q: &[T::VecDotType],
     x_side: &[f32],
     m: usize,
-    rows_dot: super::kernels::RowsDot<T, T::VecDotType>,
+    kernel: &RowsKernel<T>,
 ) {
     let blocks_per_row = k / T::BLCK_SIZE;
     // First work item of each part, and the total.
@@ -603,23 +654,45 @@ fn run_parts<T: BlockType>(
         total += p.rows.div_ceil(COLS_PER_ITEM);
     }
     first_item.push(total);
+    let (rows_dot, pair_dot) = (kernel.rows_dot, kernel.pair_dot);
     let work = |items: std::ops::Range<usize>| {
         let mut col_out = vec![0f32; m];
+        let mut pair_out = vec![0f32; m];
         let mut pi = 0;
         for item in items {
             while item >= first_item[pi + 1] {
                 pi += 1;
             }
             let part = &parts[pi];
+            // SAFETY: each (part, r, col) is written by exactly one work item; each part's output has
+            // m * rows elements.
+            let write = |col: usize, values: &[f32]| {
+                for (r, &v) in values.iter().enumerate() {
+                    unsafe { *part.out.0.add(r * part.rows + col) = v };
+                }
+            };
             let col_start = (item - first_item[pi]) * COLS_PER_ITEM;
             let col_end = (col_start + COLS_PER_ITEM).min(part.rows);
-            for col in col_start..col_end {
-                let w_row = &part.weight[col * blocks_per_row..(col + 1) * blocks_per_row];
-                rows_dot(w_row, x_q, x_side, &mut col_out);
-                for (r, &v) in col_out.iter().enumerate() {
-                    // SAFETY: each (part, r, col) is written by exactly one work item; each part's output
-                    // has m * rows elements.
-                    unsafe { *part.out.0.add(r * part.rows + col) = v };
+            let mut col = col_start;
+            while col < col_end {
+                let paired = T::PAIRED_ROWS && col + 1 < part.stored_rows;
+                match pair_dot {
+                    Some(pair_dot) if paired => {
+                        // COLS_PER_ITEM is even, so `col` is the first row of its pair.
+                        let pair = &part.weight[col * blocks_per_row..(col + 2) * blocks_per_row];
+                        pair_dot(pair, x_q, x_side, &mut col_out, &mut pair_out);
+                        write(col, &col_out);
+                        if col + 1 < col_end {
+                            write(col + 1, &pair_out);
+                        }
+                        col += 2;
+                    }
+                    _ => {
+                        let w_row = row_blocks(part.weight, col, part.stored_rows, blocks_per_row);
+                        rows_dot(&w_row, x_q, x_side, &mut col_out);
+                        write(col, &col_out);
+                        col += 1;
+                    }
                 }
             }
         }
@@ -627,7 +700,7 @@ fn run_parts<T: BlockType>(
     crate::parallel::run_chunked(total, work);
 }
 
-fn matmul_many_typed<T: BlockType + FastRowsDot + FromStorage>(
+fn matmul_many_typed<T: BlockType + FastRowsDot + FromStorage + Clone>(
     _first: &[T],
     ws: &[&Weight],
     x: &[f32],
@@ -645,13 +718,14 @@ fn matmul_many_typed<T: BlockType + FastRowsDot + FromStorage>(
             Part {
                 weight: T::blocks(&w.storage).expect("same storage type checked by the caller"),
                 rows: w.rows,
+                stored_rows: w.rows,
                 out: SendPtr(out.as_mut_ptr()),
             }
         })
         .collect();
     let kernel = kernel_of::<T>(&[], kernel);
     let (x_q, x_side) = quantize_activations(&kernel, x, m, k);
-    run_parts(&parts, k, &x_q, &x_side, m, kernel.rows_dot);
+    run_parts(&parts, k, &x_q, &x_side, m, &kernel);
 }
 
 struct SendPtr(*mut f32);
@@ -747,6 +821,69 @@ mod tests {
         a.matmul(&x, m, &mut ea);
         b.matmul(&x, m, &mut eb);
         assert_eq!((oa, ob), (ea, eb));
+    }
+
+    /// Types stored pair-interleaved (Q4_K) read back exactly what was stored: rows, GGML bytes, and every
+    /// matmul output bitwise equal to that row's matmul as a one-row weight (stored alone), for odd and even
+    /// row counts, the first-rows matmul with an odd count, and the reference kernel on the same storage.
+    #[test]
+    fn paired_storage_reads_back_row_by_row() {
+        let (k, m) = (512, 5);
+        let x = pseudo_random(m * k, 31);
+        for n in [1usize, 2, 7, 40] {
+            let data = pseudo_random(n * k, 30 + n as u64);
+            let weight = Weight::quantize(&data, n, k, GgmlType::Q4K).unwrap();
+            let rows: Vec<Weight> = (0..n)
+                .map(|c| Weight::quantize(&data[c * k..(c + 1) * k], 1, k, GgmlType::Q4K).unwrap())
+                .collect();
+            // Rows and GGML bytes.
+            let mut raw = Vec::new();
+            for (c, row) in rows.iter().enumerate() {
+                let mut got = vec![0f32; k];
+                weight.row_to_f32(c, &mut got);
+                assert_eq!(got, row.to_f32(), "n={n} row {c}");
+                raw.extend(row.raw_bytes());
+            }
+            assert_eq!(weight.raw_bytes(), raw, "n={n}: GGML bytes");
+            let reloaded = Weight::from_raw(GgmlType::Q4K, &raw, n, k).unwrap();
+            assert_eq!(reloaded.to_f32(), weight.to_f32(), "n={n}: from_raw");
+            // Matmul outputs, column by column.
+            let mut all = vec![0f32; m * n];
+            weight.matmul(&x, m, &mut all);
+            for (c, row) in rows.iter().enumerate() {
+                let mut one = vec![0f32; m];
+                row.matmul(&x, m, &mut one);
+                for r in 0..m {
+                    assert_eq!(
+                        all[r * n + c].to_bits(),
+                        one[r].to_bits(),
+                        "n={n} ({r}, {c})"
+                    );
+                }
+            }
+            // An odd number of first rows (its last row's partner is stored but not computed).
+            let first = n.div_ceil(2) | 1;
+            if first < n {
+                let mut part = vec![0f32; m * first];
+                weight.matmul_first_rows(first, &x, m, &mut part);
+                for r in 0..m {
+                    assert_eq!(
+                        &part[r * first..(r + 1) * first],
+                        &all[r * n..r * n + first]
+                    );
+                }
+            }
+            // The reference kernel gathers rows from the same storage.
+            let mut reference = vec![0f32; m * n];
+            weight.matmul_with(MatmulKernel::Reference, &x, m, &mut reference);
+            let scale = reference.iter().map(|v| v.abs()).fold(1f32, f32::max);
+            for (a, b) in all.iter().zip(&reference) {
+                assert!(
+                    (a - b).abs() <= 1e-4 * scale,
+                    "n={n}: fast {a} vs reference {b}"
+                );
+            }
+        }
     }
 
     #[test]
