@@ -13,7 +13,7 @@ fn run<T: FastRowsDot>(name: &str, k: usize, rows_w: usize) {
     let mut w: Vec<T> = (0..rows_w * nb).map(|_| T::zeros()).collect();
     T::from_float(&pseudo(rows_w * k, 3), &mut w);
     let mut line = format!("{name} k={k}:");
-    for m in [1usize, 2, 4, 5, 8] {
+    for m in [1usize, 2, 3, 4, 5, 6, 7, 8] {
         let xf = pseudo(m * k, 5);
         let mut x: Vec<T::VecDotType> = (0..m * k / T::VecDotType::BLCK_SIZE)
             .map(|_| T::VecDotType::zeros())

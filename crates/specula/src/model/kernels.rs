@@ -161,10 +161,11 @@ fast_kernel!(
 fast_kernel!(
     BlockQ6KInterleaved,
     q6k_q8k,
-    None,
+    Some(avx2::q6k_q8k_pair),
     prepare_q6k,
     quantize_q8k,
     {
+        const PAIRED_ROWS: bool = true;
         fn reference_kernel() -> RowsKernel<Self> {
             RowsKernel {
                 rows_dot: reference_rows_dot_interleaved::<Self>,
@@ -597,52 +598,160 @@ mod avx2 {
         q4k_rows(w.as_ptr(), 1, w.len(), x, side, out);
     }
 
-    /// One Q4_K weight row whose block b is at `w + b * step`, against `out.len()` activation rows, in tiles.
-    fn q4k_rows(w: *const Q4K, step: usize, nb: usize, x: &[Q8K], side: &[f32], out: &mut [f32]) {
-        let m = out.len();
-        assert_eq!(
-            x.len(),
-            m * nb,
-            "q4k: activations are not m rows of the weight length"
-        );
-        assert_eq!(
-            side.len(),
-            8 * m * nb,
-            "q4k: activation side data has the wrong length"
-        );
-        let vnni = has_vnni();
-        let mut r0 = 0;
-        while r0 < m {
-            let t = (m - r0).min(MAX_TILE);
-            let xs = &x[r0 * nb..(r0 + t) * nb];
-            let ss = &side[r0 * 8 * nb..(r0 + t) * 8 * nb];
-            let o = &mut out[r0..r0 + t];
-            macro_rules! tile {
-                ($n:literal) => {
-                    if vnni {
-                        q4k_tile_vnni::<$n>(w, step, nb, xs, ss, o)
-                    } else {
-                        q4k_tile_avx2::<$n>(w, step, nb, xs, ss, o)
+    /// Defines `$name(w, step, nb, x, side, out)`: one weight row whose block b is at `w + b * step`, against
+    /// `out.len()` activation rows (`$side` side values per activation block), in tiles of at most MAX_TILE
+    /// rows, on the VNNI tile kernel where the CPU has it.
+    macro_rules! strided_rows {
+        ($name:ident, $block:ty, $vnni:ident, $avx2:ident, $side:expr) => {
+            fn $name(
+                w: *const $block,
+                step: usize,
+                nb: usize,
+                x: &[Q8K],
+                side: &[f32],
+                out: &mut [f32],
+            ) {
+                let m = out.len();
+                assert_eq!(
+                    x.len(),
+                    m * nb,
+                    "activations are not m rows of the weight length"
+                );
+                assert_eq!(
+                    side.len(),
+                    $side * m * nb,
+                    "activation side data has the wrong length"
+                );
+                let vnni = has_vnni();
+                let mut r0 = 0;
+                while r0 < m {
+                    let t = (m - r0).min(MAX_TILE);
+                    let xs = &x[r0 * nb..(r0 + t) * nb];
+                    let ss = &side[r0 * $side * nb..(r0 + t) * $side * nb];
+                    let o = &mut out[r0..r0 + t];
+                    macro_rules! tile {
+                        ($n:literal) => {
+                            if vnni {
+                                $vnni::<$n>(w, step, nb, xs, ss, o)
+                            } else {
+                                $avx2::<$n>(w, step, nb, xs, ss, o)
+                            }
+                        };
                     }
-                };
-            }
-            // SAFETY: AVX2+FMA are enabled for this build and VNNI was checked; the caller guarantees nb
-            // blocks at `w + b * step`; the tile indexes only within xs, ss and o.
-            unsafe {
-                match t {
-                    1 => tile!(1),
-                    2 => tile!(2),
-                    3 => tile!(3),
-                    4 => tile!(4),
-                    5 => tile!(5),
-                    6 => tile!(6),
-                    7 => tile!(7),
-                    _ => tile!(8),
+                    // SAFETY: AVX2+FMA are enabled for this build and VNNI was checked; the caller
+                    // guarantees nb blocks at `w + b * step`; the tile indexes only within xs, ss and o.
+                    unsafe {
+                        match t {
+                            1 => tile!(1),
+                            2 => tile!(2),
+                            3 => tile!(3),
+                            4 => tile!(4),
+                            5 => tile!(5),
+                            6 => tile!(6),
+                            7 => tile!(7),
+                            _ => tile!(8),
+                        }
+                    }
+                    r0 += t;
                 }
             }
-            r0 += t;
-        }
+        };
     }
+    strided_rows!(q4k_rows, Q4K, q4k_tile_vnni, q4k_tile_avx2, 8);
+    strided_rows!(q6k_rows, Q6K, q6k_tile_vnni, q6k_tile_avx2, 16);
+
+    /// Defines the pair entry point `$name(pair, x, side, out0, out1)` over a `$tile` two-row VNNI kernel,
+    /// falling back to the one-row kernel on each row without VNNI.
+    macro_rules! pair_rows {
+        ($name:ident, $public:ty, $block:ty, $rows:ident, $tile:ident, $side:expr, $max_tile:expr) => {
+            pub fn $name(
+                pair: &[$public],
+                x: &[BlockQ8K],
+                side: &[f32],
+                out0: &mut [f32],
+                out1: &mut [f32],
+            ) {
+                assert!(
+                    pair.len().is_multiple_of(2),
+                    "pair kernel: odd number of blocks for two rows"
+                );
+                // SAFETY: layouts checked in `layout`.
+                let (w, x) = unsafe { (cast::<_, $block>(pair), cast::<_, Q8K>(x)) };
+                let nb = w.len() / 2;
+                if nb == 0 {
+                    out0.fill(0.0);
+                    out1.fill(0.0);
+                    return;
+                }
+                let (p0, p1) = (w.as_ptr(), w[1..].as_ptr());
+                if !has_vnni() {
+                    $rows(p0, 2, nb, x, side, out0);
+                    $rows(p1, 2, nb, x, side, out1);
+                    return;
+                }
+                assert_eq!(
+                    out0.len(),
+                    out1.len(),
+                    "pair kernel: outputs of different lengths"
+                );
+                let m = out0.len();
+                assert_eq!(
+                    x.len(),
+                    m * nb,
+                    "pair kernel: activations are not m rows of the weight length"
+                );
+                assert_eq!(
+                    side.len(),
+                    $side * m * nb,
+                    "pair kernel: side data has the wrong length"
+                );
+                let mut r0 = 0;
+                while r0 < m {
+                    // Balanced tiles of at most $max_tile rows (9 rows as 5 + 4, not 8 + 1).
+                    let left = m - r0;
+                    let t = left.div_ceil(left.div_ceil($max_tile));
+                    let xs = &x[r0 * nb..(r0 + t) * nb];
+                    let ss = &side[r0 * $side * nb..(r0 + t) * $side * nb];
+                    let (o0, o1) = (&mut out0[r0..r0 + t], &mut out1[r0..r0 + t]);
+                    // SAFETY: VNNI checked above; block b of the rows is at p0/p1 + 2b, within `pair`; the
+                    // tile indexes only within xs, ss and the outputs.
+                    unsafe {
+                        match t {
+                            1 => $tile::<1>(p0, p1, 2, nb, xs, ss, o0, o1),
+                            2 => $tile::<2>(p0, p1, 2, nb, xs, ss, o0, o1),
+                            3 => $tile::<3>(p0, p1, 2, nb, xs, ss, o0, o1),
+                            4 => $tile::<4>(p0, p1, 2, nb, xs, ss, o0, o1),
+                            5 => $tile::<5>(p0, p1, 2, nb, xs, ss, o0, o1),
+                            6 => $tile::<6>(p0, p1, 2, nb, xs, ss, o0, o1),
+                            7 => $tile::<7>(p0, p1, 2, nb, xs, ss, o0, o1),
+                            _ => $tile::<8>(p0, p1, 2, nb, xs, ss, o0, o1),
+                        }
+                    }
+                    r0 += t;
+                }
+            }
+        };
+    }
+    // Most activation rows per pass, from `examples/kernel_micro.rs`: the Q4_K pair kernel gets cheaper per row up
+    // to 8; the Q6_K one runs out of registers past 5 (per-row cost 2.3 ns/block up to 4 rows, 3.6 at the 6th).
+    pair_rows!(
+        q4k_q8k_pair,
+        BlockQ4KInterleaved,
+        Q4K,
+        q4k_rows,
+        q4k_pair_tile_vnni,
+        8,
+        8
+    );
+    pair_rows!(
+        q6k_q8k_pair,
+        BlockQ6KInterleaved,
+        Q6K,
+        q6k_rows,
+        q6k_pair_tile_vnni,
+        16,
+        5
+    );
 
     // Interleaved K-quant kernels (see `repack`): unpacked weight register t holds in lane i the weights
     // 32i + 4t .. 32i + 4t + 4, and the activations are interleaved the same way, so eight dot-product
@@ -697,79 +806,10 @@ mod avx2 {
             }
         };
     }
-    /// Two Q4_K weight rows stored pair-interleaved (row 0 block 0, row 1 block 0, row 0 block 1, ...: one
-    /// sequential stream) against the same activation rows. With VNNI (32 vector registers) both rows'
-    /// unpacked weights stay in registers and each activation load feeds two `vpdpbusd`; without it, the
-    /// one-row kernel on each row. The integer sums are exact and the float steps per (row, block) are those of
-    /// `q4k_tile`, so each output is bitwise the one-row kernel's.
-    pub fn q4k_q8k_pair(
-        pair: &[BlockQ4KInterleaved],
-        x: &[BlockQ8K],
-        side: &[f32],
-        out0: &mut [f32],
-        out1: &mut [f32],
-    ) {
-        assert!(
-            pair.len().is_multiple_of(2),
-            "q4k_q8k_pair: odd number of blocks for two rows"
-        );
-        // SAFETY: layouts checked in `layout`.
-        let (w, x) = unsafe { (cast::<_, Q4K>(pair), cast::<_, Q8K>(x)) };
-        let nb = w.len() / 2;
-        if nb == 0 {
-            out0.fill(0.0);
-            out1.fill(0.0);
-            return;
-        }
-        let (p0, p1) = (w.as_ptr(), w[1..].as_ptr());
-        if !has_vnni() {
-            q4k_rows(p0, 2, nb, x, side, out0);
-            q4k_rows(p1, 2, nb, x, side, out1);
-            return;
-        }
-        assert_eq!(
-            out0.len(),
-            out1.len(),
-            "q4k_q8k_pair: outputs of different lengths"
-        );
-        let m = out0.len();
-        assert_eq!(
-            x.len(),
-            m * nb,
-            "q4k_q8k_pair: activations are not m rows of the weight length"
-        );
-        assert_eq!(
-            side.len(),
-            8 * m * nb,
-            "q4k_q8k_pair: side data has the wrong length"
-        );
-        let mut r0 = 0;
-        while r0 < m {
-            let t = (m - r0).min(PAIR_TILE);
-            let xs = &x[r0 * nb..(r0 + t) * nb];
-            let ss = &side[r0 * 8 * nb..(r0 + t) * 8 * nb];
-            let (o0, o1) = (&mut out0[r0..r0 + t], &mut out1[r0..r0 + t]);
-            // SAFETY: VNNI checked above; block b of the rows is at p0/p1 + 2b, within `pair`; the tile
-            // indexes only within xs, ss and the outputs.
-            unsafe {
-                match t {
-                    1 => q4k_pair_tile_vnni::<1>(p0, p1, 2, nb, xs, ss, o0, o1),
-                    2 => q4k_pair_tile_vnni::<2>(p0, p1, 2, nb, xs, ss, o0, o1),
-                    3 => q4k_pair_tile_vnni::<3>(p0, p1, 2, nb, xs, ss, o0, o1),
-                    4 => q4k_pair_tile_vnni::<4>(p0, p1, 2, nb, xs, ss, o0, o1),
-                    5 => q4k_pair_tile_vnni::<5>(p0, p1, 2, nb, xs, ss, o0, o1),
-                    6 => q4k_pair_tile_vnni::<6>(p0, p1, 2, nb, xs, ss, o0, o1),
-                    7 => q4k_pair_tile_vnni::<7>(p0, p1, 2, nb, xs, ss, o0, o1),
-                    _ => q4k_pair_tile_vnni::<8>(p0, p1, 2, nb, xs, ss, o0, o1),
-                }
-            }
-            r0 += t;
-        }
-    }
-
-    /// Most activation rows per pass of the two-row kernels (their registers: 2 x 8 partial sums and 2 x 8
-    /// accumulators at most, plus the weights being unpacked).
-    const PAIR_TILE: usize = 8;
+    // Two-row kernels: rows stored pair-interleaved (row 0 block 0, row 1 block 0, row 0 block 1, ...: one
+    // sequential stream). With VNNI (32 vector registers) both rows' unpacked weights stay in registers and each
+    // activation load feeds two `vpdpbusd`; without it, the one-row kernel runs on each row. The integer sums
+    // are exact and the float steps per (row, block) are the one-row kernel's, so each output is bitwise its.
 
     /// Block b of the two weight rows is at `w0 + b * step` and `w1 + b * step` (`nb` blocks per row).
     #[allow(clippy::too_many_arguments)]
@@ -855,25 +895,28 @@ mod avx2 {
     pub fn q6k_q8k(w: &[BlockQ6KInterleaved], x: &[BlockQ8K], side: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q6K>(w), cast::<_, Q8K>(x)) };
-        if has_vnni() {
-            by_tiles!(q6k_tile_vnni, w, x, side, 16, out)
-        } else {
-            by_tiles!(q6k_tile_avx2, w, x, side, 16, out)
-        }
+        q6k_rows(w.as_ptr(), 1, w.len(), x, side, out);
     }
 
     macro_rules! q6k_tile {
         ($name:ident, $features:literal, $dot:path) => {
             #[target_feature(enable = $features)]
-            unsafe fn $name<const R: usize>(w: &[Q6K], x: &[Q8K], side: &[f32], out: &mut [f32]) {
-                let nb = w.len();
+            unsafe fn $name<const R: usize>(
+                w: *const Q6K,
+                step: usize,
+                nb: usize,
+                x: &[Q8K],
+                side: &[f32],
+                out: &mut [f32],
+            ) {
                 let m4 = _mm256_set1_epi8(0x0F);
                 let m_high = _mm256_set1_epi8(0x30);
                 // Even-numbered scales to bytes 0-7, odd ones to bytes 8-15.
                 let deinterleave =
                     _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
                 let mut acc = [_mm256_setzero_ps(); R];
-                for (b, wb) in w.iter().enumerate() {
+                for b in 0..nb {
+                    let wb = &*w.add(b * step);
                     prefetch_ahead(wb as *const Q6K as *const u8, 210);
                     let d = _mm256_set1_ps(wb.d.to_f32());
                     let sc = _mm_shuffle_epi8(
@@ -938,6 +981,101 @@ mod avx2 {
             }
         };
     }
+    /// Two Q6_K rows (see the two-row kernels above). Per block, the even groups' sums for all activation rows,
+    /// then the odd groups', so only one phase's partial sums are live at a time.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn q6k_pair_tile_vnni<const R: usize>(
+        w0: *const Q6K,
+        w1: *const Q6K,
+        step: usize,
+        nb: usize,
+        x: &[Q8K],
+        side: &[f32],
+        out0: &mut [f32],
+        out1: &mut [f32],
+    ) {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m_high = _mm256_set1_epi8(0x30);
+        let deinterleave = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        // Lane i of the even (odd) phase's scales is group 2i (2i + 1), times the block scale.
+        let scales = |wb: &Q6K| {
+            let d = _mm256_set1_ps(wb.d.to_f32());
+            let sc = _mm_shuffle_epi8(
+                _mm_loadu_si128(wb.scales.as_ptr() as *const __m128i),
+                deinterleave,
+            );
+            [
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d),
+                _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))),
+                    d,
+                ),
+            ]
+        };
+        // Unpacked weight register t (0..8) of a block: low nibbles from ql, two high bits from qh.
+        let weights = |wb: &Q6K, t: usize| {
+            let v = load(wb.ql.as_ptr().add(32 * (t / 2)));
+            let low = if t % 2 == 0 {
+                v
+            } else {
+                _mm256_srli_epi16(v, 4)
+            };
+            let h = load(wb.qh.as_ptr().add(32 * (t / 4)));
+            let high = match t % 4 {
+                0 => _mm256_slli_epi16(h, 4),
+                1 => _mm256_slli_epi16(h, 2),
+                2 => h,
+                _ => _mm256_srli_epi16(h, 2),
+            };
+            _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_and_si256(high, m_high))
+        };
+        let mut acc0 = [_mm256_setzero_ps(); R];
+        let mut acc1 = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let (wa, wb) = (&*w0.add(b * step), &*w1.add(b * step));
+            prefetch_ahead(wa as *const Q6K as *const u8, 210);
+            prefetch_ahead(wb as *const Q6K as *const u8, 210);
+            let (scales0, scales1) = (scales(wa), scales(wb));
+            for phase in 0..2 {
+                let mut s0 = [_mm256_setzero_si256(); R];
+                let mut s1 = [_mm256_setzero_si256(); R];
+                for r in 0..R {
+                    let init = side.as_ptr().add(16 * (r * nb + b) + 8 * phase) as *const __m256i;
+                    s0[r] = _mm256_loadu_si256(init);
+                    s1[r] = s0[r];
+                }
+                for c in 0..4 {
+                    let t = 4 * phase + c;
+                    let (qa, qb) = (weights(wa, t), weights(wb, t));
+                    for r in 0..R {
+                        let xq = x.get_unchecked(r * nb + b).qs.as_ptr() as *const u8;
+                        let xt = load(xq.add(32 * t));
+                        s0[r] = _mm256_dpbusd_epi32(s0[r], qa, xt);
+                        s1[r] = _mm256_dpbusd_epi32(s1[r], qb, xt);
+                    }
+                }
+                for r in 0..R {
+                    let dx = _mm256_set1_ps(x.get_unchecked(r * nb + b).d);
+                    acc0[r] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(s0[r]),
+                        _mm256_mul_ps(scales0[phase], dx),
+                        acc0[r],
+                    );
+                    acc1[r] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(s1[r]),
+                        _mm256_mul_ps(scales1[phase], dx),
+                        acc1[r],
+                    );
+                }
+            }
+        }
+        for r in 0..R {
+            out0[r] = hsum(acc0[r]);
+            out1[r] = hsum(acc1[r]);
+        }
+    }
+
     q6k_tile!(q6k_tile_avx2, "avx2,fma", int::dot_u8i8_avx2);
     q6k_tile!(
         q6k_tile_vnni,

@@ -314,12 +314,14 @@ impl Weight {
                 cols / 256,
             )),
             GgmlType::Q5K => Storage::Q5K(blocks_from_bytes(bytes)),
-            GgmlType::Q6K => Storage::Q6K(
+            GgmlType::Q6K => Storage::Q6K(arrange(
                 blocks_from_bytes::<BlockQ6K>(bytes)
                     .iter()
                     .map(BlockQ6KInterleaved::from_ggml)
                     .collect(),
-            ),
+                rows,
+                cols / 256,
+            )),
         };
         Ok(Weight {
             storage,
@@ -445,7 +447,12 @@ impl Weight {
                     .map(|b| b.to_ggml())
                     .collect::<Vec<_>>(),
             ),
-            Storage::Q6K(b) => bytes_of(&b.iter().map(|b| b.to_ggml()).collect::<Vec<_>>()),
+            Storage::Q6K(b) => bytes_of(
+                &(0..self.rows)
+                    .flat_map(|r| row_blocks(b, r, self.rows, per_row).into_owned())
+                    .map(|b| b.to_ggml())
+                    .collect::<Vec<_>>(),
+            ),
             Storage::Q5_0(b) => bytes_of(
                 &b.chunks(self.cols / 32)
                     .flat_map(|row| BlockQ5_0Interleaved::row_to_ggml(row).into_owned())
@@ -823,18 +830,21 @@ mod tests {
         assert_eq!((oa, ob), (ea, eb));
     }
 
-    /// Types stored pair-interleaved (Q4_K) read back exactly what was stored: rows, GGML bytes, and every
+    /// Types stored pair-interleaved (Q4_K, Q6_K) read back exactly what was stored: rows, GGML bytes, and every
     /// matmul output bitwise equal to that row's matmul as a one-row weight (stored alone), for odd and even
     /// row counts, the first-rows matmul with an odd count, and the reference kernel on the same storage.
     #[test]
     fn paired_storage_reads_back_row_by_row() {
         let (k, m) = (512, 5);
         let x = pseudo_random(m * k, 31);
-        for n in [1usize, 2, 7, 40] {
+        for (n, ty) in [1usize, 2, 7, 40]
+            .into_iter()
+            .flat_map(|n| [(n, GgmlType::Q4K), (n, GgmlType::Q6K)])
+        {
             let data = pseudo_random(n * k, 30 + n as u64);
-            let weight = Weight::quantize(&data, n, k, GgmlType::Q4K).unwrap();
+            let weight = Weight::quantize(&data, n, k, ty).unwrap();
             let rows: Vec<Weight> = (0..n)
-                .map(|c| Weight::quantize(&data[c * k..(c + 1) * k], 1, k, GgmlType::Q4K).unwrap())
+                .map(|c| Weight::quantize(&data[c * k..(c + 1) * k], 1, k, ty).unwrap())
                 .collect();
             // Rows and GGML bytes.
             let mut raw = Vec::new();
@@ -845,7 +855,7 @@ mod tests {
                 raw.extend(row.raw_bytes());
             }
             assert_eq!(weight.raw_bytes(), raw, "n={n}: GGML bytes");
-            let reloaded = Weight::from_raw(GgmlType::Q4K, &raw, n, k).unwrap();
+            let reloaded = Weight::from_raw(ty, &raw, n, k).unwrap();
             assert_eq!(reloaded.to_f32(), weight.to_f32(), "n={n}: from_raw");
             // Matmul outputs, column by column.
             let mut all = vec![0f32; m * n];
