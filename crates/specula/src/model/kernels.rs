@@ -1016,7 +1016,7 @@ mod avx2 {
         // Unpacked weight register t (0..8) of a block: low nibbles from ql, two high bits from qh.
         let weights = |wb: &Q6K, t: usize| {
             let v = load(wb.ql.as_ptr().add(32 * (t / 2)));
-            let low = if t % 2 == 0 {
+            let low = if t.is_multiple_of(2) {
                 v
             } else {
                 _mm256_srli_epi16(v, 4)
