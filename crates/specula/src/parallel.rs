@@ -38,3 +38,32 @@ pub fn run_chunked<F: Fn(std::ops::Range<usize>) + Sync>(n_items: usize, work: F
     }
     candle_core::utils::barrier_pool().execute_chunked(n_items, work);
 }
+
+/// Runs `f` on consecutive chunks of `data` (at most `chunk` elements each, with the index of the chunk's first
+/// element) across the pool. For element-wise work, whose results cannot depend on the split.
+pub fn for_each_chunk_mut<T: Send, F: Fn(usize, &mut [T]) + Sync>(
+    data: &mut [T],
+    chunk: usize,
+    f: F,
+) {
+    let chunk = chunk.max(1);
+    let n_chunks = data.len().div_ceil(chunk);
+    if n_chunks <= 1 {
+        f(0, data);
+        return;
+    }
+    struct Base<T>(*mut T);
+    // SAFETY: the pointer is only used to hand out disjoint chunks to the pool's workers during this call.
+    unsafe impl<T> Sync for Base<T> {}
+    let (base, len) = (Base(data.as_mut_ptr()), data.len());
+    run_chunked(n_chunks, |chunks| {
+        let base = &base;
+        for c in chunks {
+            let start = c * chunk;
+            let end = (start + chunk).min(len);
+            // SAFETY: chunk c covers start..end of `data`, and each chunk index is visited exactly once.
+            let part = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), end - start) };
+            f(start, part);
+        }
+    });
+}

@@ -17,6 +17,10 @@
 //! instructions per row produce one sum per scale group (or block), and every kernel prefetches the weight stream
 //! `PREFETCH_DISTANCE` bytes ahead, so memory keeps streaming while a multi-row tile computes (measured with
 //! `examples/prefetch_sweep.rs`: verify(5) of the Qwen 1.5B 74 -> 64 ms; no change at one row).
+//!
+//! Q4_K and Q6_K also have pair kernels ([`PairDot`]) over two weight rows stored pair-interleaved: every
+//! activation load feeds both rows, and the rows stream from memory as one sequence (verify(5) of the Qwen 1.5B
+//! -13%, one row -3%; `examples/kernel_micro.rs`, docs/benchmarks.md).
 
 use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8K, BlockQ8_0, GgmlType};
 

@@ -400,9 +400,10 @@ impl LlamaModel {
                     n,
                     &mut [&mut gate, &mut up],
                 );
-                for (g, &u) in gate.iter_mut().zip(&up) {
-                    *g = ops::silu(*g) * u;
-                }
+                // Element-wise, so split across the pool when there is enough of it (verify passes).
+                parallel::for_each_chunk_mut(&mut gate, SWIGLU_CHUNK, |start, g| {
+                    ops::swiglu_in_place(g, &up[start..start + g.len()])
+                });
                 layer.w_down.matmul(&gate, n, &mut proj);
                 for (xo, &p) in x.iter_mut().zip(&proj) {
                     *xo += p;
@@ -484,6 +485,9 @@ impl LlamaModel {
         });
     }
 }
+
+/// Elements of SwiGLU per parallel work item: one item (no pool wake-up) for a single token's 8960.
+const SWIGLU_CHUNK: usize = 12 * 1024;
 
 struct OutPtr(*mut f32);
 // SAFETY: used only for disjoint writes from pool workers within one call.
