@@ -1040,7 +1040,10 @@ mod avx2 {
             let (wa, wb) = (&*w0.add(b * step), &*w1.add(b * step));
             prefetch_ahead(wa as *const Q6K as *const u8, 210);
             prefetch_ahead(wb as *const Q6K as *const u8, 210);
-            let (scales0, scales1) = (scales(wa), scales(wb));
+            // Kept in memory (four loads per activation row) rather than four registers: with five rows the
+            // registers are all taken by partial sums and accumulators.
+            let scale_table: [[__m256; 2]; 2] = [scales(wa), scales(wb)];
+            let scale_ptr = scale_table.as_ptr() as *const f32;
             for phase in 0..2 {
                 let mut s0 = [_mm256_setzero_si256(); R];
                 let mut s1 = [_mm256_setzero_si256(); R];
@@ -1063,12 +1066,12 @@ mod avx2 {
                     let dx = _mm256_set1_ps(x.get_unchecked(r * nb + b).d);
                     acc0[r] = _mm256_fmadd_ps(
                         _mm256_cvtepi32_ps(s0[r]),
-                        _mm256_mul_ps(scales0[phase], dx),
+                        _mm256_mul_ps(_mm256_loadu_ps(scale_ptr.add(8 * phase)), dx),
                         acc0[r],
                     );
                     acc1[r] = _mm256_fmadd_ps(
                         _mm256_cvtepi32_ps(s1[r]),
-                        _mm256_mul_ps(scales1[phase], dx),
+                        _mm256_mul_ps(_mm256_loadu_ps(scale_ptr.add(16 + 8 * phase)), dx),
                         acc1[r],
                     );
                 }
