@@ -578,12 +578,18 @@ mod avx2 {
             let b = _mm256_packs_epi16(w01, w23);
             let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_storeu_si256(y.qs.as_mut_ptr().add(32 * j) as *mut __m256i, b);
-        }
-        for (j, s) in y.bsums.iter_mut().enumerate() {
-            *s = y.qs[16 * j..16 * j + 16]
-                .iter()
-                .map(|&v| v as i32)
-                .sum::<i32>() as i16;
+            // The sums of values 0-15 and 16-31 (exact: the packs did not saturate, values are in -128..=127).
+            let halves = _mm256_hadd_epi32(
+                _mm256_add_epi32(q[0], q[1]),
+                _mm256_add_epi32(q[2], q[3]),
+            );
+            let sums = _mm256_hadd_epi32(halves, halves);
+            let sums = _mm_add_epi32(
+                _mm256_castsi256_si128(sums),
+                _mm256_extracti128_si256::<1>(sums),
+            );
+            y.bsums[2 * j] = _mm_cvtsi128_si32(sums) as i16;
+            y.bsums[2 * j + 1] = _mm_extract_epi32::<1>(sums) as i16;
         }
         y.d = 1.0 / iscale;
     }
