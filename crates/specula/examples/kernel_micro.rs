@@ -1,9 +1,10 @@
 //! Pure compute cost of the multi-row kernels: a few weight rows that stay in L1/L2, dotted with 1..8
 //! activation rows many times on one thread (fastest of 7 repetitions), one-row and pair kernels.
 //! `cargo run --release --example kernel_micro`; `STREAM=1` streams 256 MB of weights from DRAM instead.
+use candle_core::quantized::k_quants::BlockQ8_0;
 use candle_core::quantized::k_quants::GgmlType;
 use specula::model::kernels::FastRowsDot;
-use specula::model::repack::{BlockQ4KInterleaved, BlockQ6KInterleaved};
+use specula::model::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved};
 use specula::testing::pseudo_random as pseudo;
 use std::time::Instant;
 
@@ -146,11 +147,15 @@ fn main() {
             .unwrap_or(256);
         stream::<BlockQ4KInterleaved>("Q4_K", 1536, mb);
         stream::<BlockQ6KInterleaved>("Q6_K", 1536, mb);
+        stream::<BlockQ5_0Interleaved>("Q5_0", 896, mb);
+        stream::<BlockQ8_0>("Q8_0", 896, mb);
         return;
     }
     // Everything in L1: two weight rows, activations of at most 8 x 8 blocks.
     run::<BlockQ4KInterleaved>("Q4_K L1", 2048, 2);
     run::<BlockQ6KInterleaved>("Q6_K L1", 2048, 2);
+    run::<BlockQ5_0Interleaved>("Q5_0 L1", 1024, 2);
+    run::<BlockQ8_0>("Q8_0 L1", 1024, 2);
     run::<BlockQ4KInterleaved>("Q4_K", 1536, 32);
     run::<BlockQ6KInterleaved>("Q6_K", 1536, 32);
     run::<BlockQ6KInterleaved>("Q6_K", 8960, 8);

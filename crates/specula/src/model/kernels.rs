@@ -579,10 +579,8 @@ mod avx2 {
             let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_storeu_si256(y.qs.as_mut_ptr().add(32 * j) as *mut __m256i, b);
             // The sums of values 0-15 and 16-31 (exact: the packs did not saturate, values are in -128..=127).
-            let halves = _mm256_hadd_epi32(
-                _mm256_add_epi32(q[0], q[1]),
-                _mm256_add_epi32(q[2], q[3]),
-            );
+            let halves =
+                _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
             let sums = _mm256_hadd_epi32(halves, halves);
             let sums = _mm_add_epi32(
                 _mm256_castsi256_si128(sums),
@@ -1097,10 +1095,18 @@ mod avx2 {
     );
 
     /// Q8_0 activations: each block's scale as f32.
-    pub fn prepare_q8_0(x: &mut [BlockQ8_0], _blocks_per_row: usize, side: &mut Vec<f32>) {
+    /// Q8_0 activations: per row, each block's scale as f32, then `128 * (sum of the block's values)` as i32
+    /// bits (the VNNI kernel's correction for reading weights as unsigned bytes).
+    pub fn prepare_q8_0(x: &mut [BlockQ8_0], blocks_per_row: usize, side: &mut Vec<f32>) {
         // SAFETY: layouts checked in `layout`.
         let x = unsafe { cast::<_, Q8_0>(x) };
-        side.extend(x.iter().map(|b| b.d.to_f32()));
+        for row in x.chunks(blocks_per_row.max(1)) {
+            side.extend(row.iter().map(|b| b.d.to_f32()));
+            side.extend(row.iter().map(|b| {
+                let sum: i32 = b.qs.iter().map(|&v| v as i32).sum();
+                f32::from_bits((128 * sum) as u32)
+            }));
+        }
     }
 
     /// Q8_1 activations: per row, each block's scale, then each block's sum, as f32.
@@ -1113,10 +1119,14 @@ mod avx2 {
         }
     }
 
-    pub fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0], x_scales: &[f32], out: &mut [f32]) {
+    pub fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0], side: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q8_0>(w), cast::<_, Q8_0>(x)) };
-        by_tiles!(q8_0_tile, w, x, x_scales, 1, out)
+        if has_vnni() {
+            by_tiles!(q8_0_tile_vnni, w, x, side, 2, out)
+        } else {
+            by_tiles!(q8_0_tile_avx2, w, x, side, 2, out)
+        }
     }
 
     pub fn q5_0_q8_0(w: &[BlockQ5_0Interleaved], x: &[BlockQ8_0], side: &[f32], out: &mut [f32]) {
@@ -1181,21 +1191,16 @@ mod avx2 {
         )
     }
 
-    /// Eight f16 values (zero past `n`) as f32 lanes, built in registers (a store of eight u16 followed by a
-    /// vector load would stall on store forwarding).
+    /// Eight f16 values (zero past `n`) as f32 lanes. The halves are packed into two u64 with scalar shifts (the
+    /// integer pipes are idle here), then moved over: eight `pinsrw` form a serial chain on one vector register
+    /// that cost Q8_0 0.6 ns per block at one row (`examples/kernel_micro.rs`), and a store of eight u16 followed
+    /// by a vector load would stall on store forwarding.
     #[inline(always)]
     unsafe fn f16x8(n: usize, get: impl Fn(usize) -> half::f16) -> __m256 {
-        let v = |j: usize| if j < n { get(j).to_bits() as i16 } else { 0 };
-        _mm256_cvtph_ps(_mm_setr_epi16(
-            v(0),
-            v(1),
-            v(2),
-            v(3),
-            v(4),
-            v(5),
-            v(6),
-            v(7),
-        ))
+        let v = |j: usize| if j < n { get(j).to_bits() as u64 } else { 0 };
+        let lo = v(0) | (v(1) << 16) | (v(2) << 32) | (v(3) << 48);
+        let hi = v(4) | (v(5) << 16) | (v(6) << 32) | (v(7) << 48);
+        _mm256_cvtph_ps(_mm_set_epi64x(hi as i64, lo as i64))
     }
 
     /// Eight f32 values from `p` (zero past `n`, without reading past it).
@@ -1219,10 +1224,12 @@ mod avx2 {
 
     /// Q8_0 weights against Q8_0 activations, one group of `$n` <= 8 blocks starting at `$g0`, for every row of
     /// the tile (a macro, not a function, so that it is expanded inside the tile function with its target
-    /// features, and so that a constant `$n` lets the compiler unroll the group). The weight blocks are reloaded
-    /// per row (they are plain bytes), which keeps the group in registers.
+    /// features, and so that a constant `$n` lets the compiler unroll the group). `$side` holds per row the
+    /// blocks' scales, then `128 * (block sum)` as i32 bits. With VNNI the weights are read as unsigned bytes
+    /// (w + 128: one `vpdpbusd` per block, minus 128 x the activation sum per block, applied after the
+    /// reduction); without it, |w| * (x * sign(w)). Both give the exact integer sums, so the same floats.
     macro_rules! q8_0_group {
-        ($n:expr, $g0:expr, $w:ident, $x:ident, $scales:ident, $acc:ident) => {{
+        ($vnni:expr, $n:expr, $g0:expr, $w:ident, $x:ident, $side:ident, $acc:ident) => {{
             let n: usize = $n;
             let g0: usize = $g0;
             let nb = $w.len();
@@ -1231,37 +1238,61 @@ mod avx2 {
                 n * std::mem::size_of::<Q8_0>(),
             );
             let dw = f16x8(n, |j| $w.get_unchecked(g0 + j).d);
+            let mut wq = [_mm256_setzero_si256(); GROUP];
+            for (j, q) in wq.iter_mut().enumerate().take(n) {
+                let v = load($w.get_unchecked(g0 + j).qs.as_ptr() as *const u8);
+                *q = if $vnni {
+                    _mm256_xor_si256(v, _mm256_set1_epi8(-128))
+                } else {
+                    v
+                };
+            }
             for (r, a) in $acc.iter_mut().enumerate() {
                 let xr = $x.as_ptr().add(r * nb + g0);
+                let row_side = $side.as_ptr().add(2 * r * nb);
                 let mut p = [_mm256_setzero_si256(); GROUP];
                 for j in 0..n {
                     let xq = load((*xr.add(j)).qs.as_ptr() as *const u8);
-                    let wj = load($w.get_unchecked(g0 + j).qs.as_ptr() as *const u8);
-                    p[j] = dot_signed(_mm256_sign_epi8(wj, wj), wj, xq);
+                    p[j] = if $vnni {
+                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq[j], xq)
+                    } else {
+                        dot_signed(_mm256_sign_epi8(wq[j], wq[j]), wq[j], xq)
+                    };
                 }
-                let dx = f32x8(n, $scales.as_ptr().add(r * nb + g0));
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(&p)), _mm256_mul_ps(dw, dx), *a);
+                let mut sums = reduce8(&p);
+                if $vnni {
+                    let offsets = _mm256_castps_si256(f32x8(n, row_side.add(nb + g0)));
+                    sums = _mm256_sub_epi32(sums, offsets);
+                }
+                let dx = f32x8(n, row_side.add(g0));
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, dx), *a);
             }
         }};
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_0_tile<const R: usize>(w: &[Q8_0], x: &[Q8_0], scales: &[f32], out: &mut [f32]) {
-        let nb = w.len();
-        let mut acc = [_mm256_setzero_ps(); R];
-        let full = nb / GROUP * GROUP;
-        let mut g0 = 0;
-        while g0 < full {
-            q8_0_group!(GROUP, g0, w, x, scales, acc);
-            g0 += GROUP;
-        }
-        if full < nb {
-            q8_0_group!(nb - full, full, w, x, scales, acc);
-        }
-        for (o, a) in out.iter_mut().zip(acc) {
-            *o = hsum(a);
-        }
+    macro_rules! q8_0_tile {
+        ($name:ident, $features:literal, $vnni:expr) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize>(w: &[Q8_0], x: &[Q8_0], side: &[f32], out: &mut [f32]) {
+                let nb = w.len();
+                let mut acc = [_mm256_setzero_ps(); R];
+                let full = nb / GROUP * GROUP;
+                let mut g0 = 0;
+                while g0 < full {
+                    q8_0_group!($vnni, GROUP, g0, w, x, side, acc);
+                    g0 += GROUP;
+                }
+                if full < nb {
+                    q8_0_group!($vnni, nb - full, full, w, x, side, acc);
+                }
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = hsum(a);
+                }
+            }
+        };
     }
+    q8_0_tile!(q8_0_tile_avx2, "avx2,fma", false);
+    q8_0_tile!(q8_0_tile_vnni, "avx2,fma,avx512vnni,avx512vl", true);
 
     /// 32 nibbles from 16 bytes: low nibbles are elements 0-15, high nibbles elements 16-31 (GGML order).
     #[inline(always)]
