@@ -144,6 +144,19 @@ macro_rules! fast_kernel {
     };
 }
 
+/// The reference for interleaved K-quant rows: each row back in GGML order, then candle's `vec_dot`.
+fn interleaved_k_quant_reference<T>() -> RowsKernel<T>
+where
+    T: Interleaved + GgmlType<VecDotType = BlockQ8K>,
+{
+    RowsKernel {
+        rows_dot: reference_rows_dot_interleaved::<T>,
+        pair_dot: None,
+        quantize: BlockQ8K::from_float,
+        prepare: no_preparation,
+    }
+}
+
 fast_kernel!(
     BlockQ4KInterleaved,
     q4k_q8k,
@@ -153,12 +166,7 @@ fast_kernel!(
     {
         const PAIRED_ROWS: bool = true;
         fn reference_kernel() -> RowsKernel<Self> {
-            RowsKernel {
-                rows_dot: reference_rows_dot_interleaved::<Self>,
-                pair_dot: None,
-                quantize: BlockQ8K::from_float,
-                prepare: no_preparation,
-            }
+            interleaved_k_quant_reference()
         }
     }
 );
@@ -171,12 +179,7 @@ fast_kernel!(
     {
         const PAIRED_ROWS: bool = true;
         fn reference_kernel() -> RowsKernel<Self> {
-            RowsKernel {
-                rows_dot: reference_rows_dot_interleaved::<Self>,
-                pair_dot: None,
-                quantize: BlockQ8K::from_float,
-                prepare: no_preparation,
-            }
+            interleaved_k_quant_reference()
         }
     }
 );

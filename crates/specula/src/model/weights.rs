@@ -14,7 +14,7 @@ use candle_core::quantized::k_quants::{
 use half::{bf16, f16};
 
 use super::kernels::{FastRowsDot, RowsKernel};
-use super::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved};
+use super::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved, Interleaved};
 
 /// The GGML storage types specula computes with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -439,20 +439,22 @@ impl Weight {
             unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
                 .to_vec()
         }
+        // Interleaved K-quants: each row gathered from the storage layout and converted back to GGML order.
+        fn k_quant_rows<T: Interleaved + FastRowsDot + Clone>(
+            b: &[T],
+            rows: usize,
+            per_row: usize,
+        ) -> Vec<u8> {
+            bytes_of(
+                &(0..rows)
+                    .flat_map(|r| T::ggml_row(&row_blocks(b, r, rows, per_row)).into_owned())
+                    .collect::<Vec<_>>(),
+            )
+        }
         let per_row = self.cols / self.dtype().block_size();
         match &self.storage {
-            Storage::Q4K(b) => bytes_of(
-                &(0..self.rows)
-                    .flat_map(|r| row_blocks(b, r, self.rows, per_row).into_owned())
-                    .map(|b| b.to_ggml())
-                    .collect::<Vec<_>>(),
-            ),
-            Storage::Q6K(b) => bytes_of(
-                &(0..self.rows)
-                    .flat_map(|r| row_blocks(b, r, self.rows, per_row).into_owned())
-                    .map(|b| b.to_ggml())
-                    .collect::<Vec<_>>(),
-            ),
+            Storage::Q4K(b) => k_quant_rows(b, self.rows, per_row),
+            Storage::Q6K(b) => k_quant_rows(b, self.rows, per_row),
             Storage::Q5_0(b) => bytes_of(
                 &b.chunks(self.cols / 32)
                     .flat_map(|row| BlockQ5_0Interleaved::row_to_ggml(row).into_owned())
