@@ -155,6 +155,7 @@ fn main() {
     run::<BlockQ4KInterleaved>("Q4_K L1", 2048, 2);
     run::<BlockQ6KInterleaved>("Q6_K L1", 2048, 2);
     run::<BlockQ5_0Interleaved>("Q5_0 L1", 1024, 2);
+    run::<BlockQ5_0Interleaved>("Q5_0 L1", 4096, 2);
     run::<BlockQ8_0>("Q8_0 L1", 1024, 2);
     run::<BlockQ4KInterleaved>("Q4_K", 1536, 32);
     run::<BlockQ6KInterleaved>("Q6_K", 1536, 32);
