@@ -803,7 +803,13 @@ mod tests {
     fn grouped_matmul_equals_separate_matmuls_bitwise() {
         let (k, m) = (512, 3);
         let x = pseudo_random(m * k, 9);
-        for ty in [GgmlType::Q4K, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::F32] {
+        for ty in [
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+            GgmlType::F32,
+        ] {
             let ws: Vec<Weight> = [40, 7, 23]
                 .iter()
                 .enumerate()
