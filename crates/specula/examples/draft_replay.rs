@@ -297,8 +297,47 @@ fn calibration_by_confidence(recs: &[WithConfidence]) -> Result<(), Box<dyn std:
     Ok(())
 }
 
+/// How often the second and third most likely candidates are right when the first is wrong, by the first's
+/// confidence: the case for verifying sibling candidates (a token tree) instead of one chain.
+fn siblings(recs: &[Recorded]) -> Result<(), Box<dyn std::error::Error>> {
+    let mut buckets = [[0usize; 5]; 10];
+    for r in recs {
+        let mut d = NgramDrafter::with_confidence(1, 4, 0.0)?;
+        for pos in 1..r.output.len() {
+            let mut context = r.prompt.clone();
+            context.extend_from_slice(&r.output[..pos]);
+            let alts = d.alternatives(&context, 3);
+            let Some(first) = alts.first() else { continue };
+            let truth = r.output[pos];
+            let b = &mut buckets[((NgramDrafter::confidence(first) * 10.0) as usize).min(9)];
+            b[0] += 1;
+            b[1] += usize::from(first.token == truth);
+            b[2] += usize::from(alts.get(1).is_some_and(|c| c.token == truth));
+            b[3] += usize::from(alts.get(2).is_some_and(|c| c.token == truth));
+            b[4] += usize::from(alts.len() > 1);
+        }
+    }
+    println!("conf(first)  positions  first  second  third  with a second");
+    for (i, b) in buckets.iter().enumerate() {
+        let f = |v: usize| v as f64 / b[0].max(1) as f64;
+        println!(
+            "0.{i}          {:9}  {:5.2}  {:6.2}  {:5.2}  {:5.2}",
+            b[0],
+            f(b[1]),
+            f(b[2]),
+            f(b[3]),
+            f(b[4])
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("siblings") {
+        let recs = record(&args[2], &args[3], args[4].parse()?, &args[5])?;
+        return siblings(&recs);
+    }
     if args.get(1).map(String::as_str) == Some("confidence") {
         let recs = record_confidence(&args[2], &args[3], args[4].parse()?, &args[5])?;
         return calibration_by_confidence(&recs);

@@ -1,6 +1,7 @@
 //! Pure compute cost of the multi-row kernels: a few weight rows that stay in L1/L2, dotted with 1..8
 //! activation rows many times on one thread (fastest of 7 repetitions), one-row and pair kernels.
-//! `cargo run --release --example kernel_micro`; `STREAM=1` streams 256 MB of weights from DRAM instead.
+//! `cargo run --release --example kernel_micro`; `STREAM=1` streams 256 MB of weights from DRAM instead
+//! (`SPECULA_PREFETCH` / `SPECULA_K_PREFETCH` set the small-block / K-quant prefetch distances).
 use candle_core::quantized::k_quants::BlockQ8_0;
 use candle_core::quantized::k_quants::GgmlType;
 use specula::model::kernels::FastRowsDot;
@@ -138,6 +139,13 @@ fn main() {
         .and_then(|v| v.parse().ok())
     {
         specula::model::kernels::PREFETCH_DISTANCE.store(d, std::sync::atomic::Ordering::Relaxed);
+    }
+    if let Some(d) = std::env::var("SPECULA_K_PREFETCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        specula::model::kernels::K_QUANT_PREFETCH_DISTANCE
+            .store(d, std::sync::atomic::Ordering::Relaxed);
     }
     if std::env::var_os("STREAM").is_some() {
         // Weights from DRAM (256 MB, or MB=...), one thread; run two at once to share the memory bus.

@@ -219,6 +219,45 @@ impl NgramDrafter {
         1.0 / (1.0 + (-log_odds).exp())
     }
 
+    /// Distinct candidates for the next token after `context`, most likely first: the followers of the
+    /// longest matching n-gram by count, then those of shorter matches. Exposed for calibration.
+    pub fn alternatives(&mut self, context: &[u32], max: usize) -> Vec<Candidate> {
+        self.sync(context);
+        let mut out: Vec<Candidate> = Vec::new();
+        for n in (self.min_n..=self.max_n.min(context.len())).rev() {
+            let pattern = &context[context.len() - n..];
+            let Some(f) = self.tables[n - 1].get(&hash_tokens(pattern)) else {
+                continue;
+            };
+            if self.indexed[f.last_start..f.last_start + n] != *pattern {
+                continue;
+            }
+            let total = f.next.iter().map(|(_, c, _)| c).sum();
+            let mut next = f.next.clone();
+            next.sort_by_key(|&(_, c, last)| std::cmp::Reverse((c, last)));
+            for (token, count, follow) in next {
+                if out.len() >= max || out.iter().any(|c| c.token == token) {
+                    continue;
+                }
+                let run = context
+                    .iter()
+                    .rev()
+                    .zip(self.indexed[..follow].iter().rev())
+                    .take(MAX_RUN)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                out.push(Candidate {
+                    token,
+                    n,
+                    run,
+                    count,
+                    total,
+                });
+            }
+        }
+        out
+    }
+
     /// Candidates for successive draft positions, each with its confidence, stopping at `k` or when no
     /// n-gram matches. Exposed for calibration.
     pub fn candidates(&mut self, context: &[u32], k: usize) -> Vec<Candidate> {

@@ -15,8 +15,9 @@
 //!
 //! Q4_K, Q6_K and Q5_0 weights are stored in an interleaved order (`repack`) that lets eight dot-product
 //! instructions per row produce one sum per scale group (or block), and every kernel prefetches the weight stream
-//! `PREFETCH_DISTANCE` bytes ahead, so memory keeps streaming while a multi-row tile computes (measured with
-//! `examples/prefetch_sweep.rs`: verify(5) of the Qwen 1.5B 74 -> 64 ms; no change at one row).
+//! ahead (`PREFETCH_DISTANCE`, `K_QUANT_PREFETCH_DISTANCE`), so memory keeps streaming while a multi-row tile
+//! computes (measured with `examples/prefetch_sweep.rs`: verify(5) of the Qwen 1.5B 74 -> 64 ms in session 3;
+//! K-quants into L2 further ahead, verify(2) -12% in session 6).
 //!
 //! Q4_K and Q6_K also have pair kernels ([`PairDot`]) over two weight rows stored pair-interleaved: every
 //! activation load feeds both rows, and the rows stream from memory as one sequence (verify(5) of the Qwen 1.5B
@@ -196,11 +197,29 @@ fast_kernel!(BlockQ5_0Interleaved, q5_0_q8_0, prepare_q5_0, {
 });
 fast_kernel!(BlockQ4_1, q4_1_q8_1, prepare_q8_1);
 
-/// Bytes ahead of the current weight block that the kernels prefetch (0: none). A process-wide knob for
-/// benchmarks (`examples/prefetch_sweep.rs`); 1536 measured best or tied on the Qwen 1.5B and 0.5B.
+/// Bytes ahead of the current weight block that the small-block kernels (Q5_0, Q8_0, Q4_1) prefetch into L1
+/// (0: none). A process-wide knob for benchmarks (`examples/prefetch_sweep.rs`); 1536 measured best or tied on
+/// the Qwen 1.5B and 0.5B.
 #[doc(hidden)]
 pub static PREFETCH_DISTANCE: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(1536);
+
+/// The Q4_K/Q6_K kernels' prefetch distance (0: none); they prefetch into L2 rather than L1. Measured on the
+/// Qwen 1.5B with two threads (`examples/prefetch_sweep.rs`, docs/benchmarks.md): 6144 bytes into L2 against
+/// 1536 into L1, verify(2) 38.4 -> 33.9 ms, verify(5) -4%, one row -3%; 4096-16384 all within noise of 6144,
+/// while 1536 into L2 was the slowest setting. An L1 prefetch holds one of the core's few L1 miss buffers until
+/// its line arrives, which caps how far ahead it can usefully run; an L2 prefetch does not. The small-block
+/// kernels (Q5_0, Q8_0, Q4_1) keep [`PREFETCH_DISTANCE`] into L1: on the Qwen 0.5B, whose matrices are mostly
+/// those, L2 at 6144 was 30% slower.
+#[doc(hidden)]
+pub static K_QUANT_PREFETCH_DISTANCE: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(6144);
+
+/// Benchmark knob: the K-quant kernels prefetch like the small-block ones (into L1, [`PREFETCH_DISTANCE`]
+/// ahead), to compare against.
+#[doc(hidden)]
+pub static K_QUANT_PREFETCH_L1: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 
 /// The simple reference: candle's single-row `vec_dot`, once per activation row.
 pub fn reference_rows_dot<T: GgmlType>(
@@ -460,6 +479,25 @@ mod avx2 {
         let mut off = 0;
         while off < block_bytes {
             _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+            off += 64;
+        }
+    }
+
+    /// The Q4_K/Q6_K kernels' prefetch: into L2, `K_QUANT_PREFETCH_DISTANCE` ahead.
+    #[inline(always)]
+    unsafe fn prefetch_k_quant(block: *const u8, block_bytes: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if super::K_QUANT_PREFETCH_L1.load(Relaxed) {
+            return prefetch_ahead(block, block_bytes);
+        }
+        let distance = super::K_QUANT_PREFETCH_DISTANCE.load(Relaxed);
+        if distance == 0 {
+            return;
+        }
+        let p = block.wrapping_add(distance);
+        let mut off = 0;
+        while off < block_bytes {
+            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off) as *const i8);
             off += 64;
         }
     }
@@ -783,7 +821,7 @@ mod avx2 {
                 let mut acc = [_mm256_setzero_ps(); R];
                 for b in 0..nb {
                     let wb = &*w.add(b * step);
-                    prefetch_ahead(wb as *const Q4K as *const u8, 144);
+                    prefetch_k_quant(wb as *const Q4K as *const u8, 144);
                     let (sc, mn) = q4k_scales_mins(&wb.scales);
                     let scales = _mm256_mul_ps(u8x8_to_f32(sc), _mm256_set1_ps(wb.d.to_f32()));
                     let mins = _mm256_mul_ps(u8x8_to_f32(mn), _mm256_set1_ps(wb.dmin.to_f32()));
@@ -841,8 +879,8 @@ mod avx2 {
         let mut acc1 = [_mm256_setzero_ps(); R];
         for b in 0..nb {
             let (wa, wb) = (&*w0.add(b * step), &*w1.add(b * step));
-            prefetch_ahead(wa as *const Q4K as *const u8, 144);
-            prefetch_ahead(wb as *const Q4K as *const u8, 144);
+            prefetch_k_quant(wa as *const Q4K as *const u8, 144);
+            prefetch_k_quant(wb as *const Q4K as *const u8, 144);
             let mut s0 = [zero; R];
             let mut s1 = [zero; R];
             for j in 0..4 {
@@ -928,7 +966,7 @@ mod avx2 {
                 let mut acc = [_mm256_setzero_ps(); R];
                 for b in 0..nb {
                     let wb = &*w.add(b * step);
-                    prefetch_ahead(wb as *const Q6K as *const u8, 210);
+                    prefetch_k_quant(wb as *const Q6K as *const u8, 210);
                     let d = _mm256_set1_ps(wb.d.to_f32());
                     let sc = _mm_shuffle_epi8(
                         _mm_loadu_si128(wb.scales.as_ptr() as *const __m128i),
@@ -1045,8 +1083,8 @@ mod avx2 {
         let mut acc1 = [_mm256_setzero_ps(); R];
         for b in 0..nb {
             let (wa, wb) = (&*w0.add(b * step), &*w1.add(b * step));
-            prefetch_ahead(wa as *const Q6K as *const u8, 210);
-            prefetch_ahead(wb as *const Q6K as *const u8, 210);
+            prefetch_k_quant(wa as *const Q6K as *const u8, 210);
+            prefetch_k_quant(wb as *const Q6K as *const u8, 210);
             // Kept in memory (four loads per activation row) rather than four registers: with five rows the
             // registers are all taken by partial sums and accumulators.
             let scale_table: [[__m256; 2]; 2] = [scales(wa), scales(wb)];
