@@ -5,6 +5,9 @@
 //! `cargo run --release --example draft_replay -- MODEL PROMPTS.jsonl MAX_TOKENS CACHE.json [r2 r3 r4 r5 ...]`
 //!
 //! r2.. are verify(n)/verify(1) for n = 2, 3, ...: `specula bench` prints them (defaults: session-3 figures).
+//! `draft_replay confidence MODEL PROMPTS MAX_TOKENS CACHE` calibrates against the target's probabilities,
+//! `draft_replay siblings ...` measures how often the second and third candidates are right when the first is
+//! wrong (the case for token trees), and `draft_replay misses ...` prints confident candidates with their context.
 
 use specula::bench::{read_prompts, BadLines};
 use specula::decode::{generate, GenerateRequest};
@@ -332,8 +335,46 @@ fn siblings(recs: &[Recorded]) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// Prints drafted candidates (first draft position, confidence >= 0.5) with their context, to see what the
+/// rejected ones have in common.
+fn misses(model: &str, recs: &[Recorded]) -> Result<(), Box<dyn std::error::Error>> {
+    let loaded = specula::load_model(model, false, &mut |_| {})?;
+    let tk = &loaded.tokenizer;
+    let show = |ids: &[u32]| format!("{:?}", tk.decode(ids).unwrap_or_default());
+    for r in recs {
+        let mut d = NgramDrafter::with_confidence(1, 4, 0.0)?;
+        for pos in 1..r.output.len() {
+            let mut context = r.prompt.clone();
+            context.extend_from_slice(&r.output[..pos]);
+            let Some(c) = d.candidates(&context, 1).first().copied() else {
+                continue;
+            };
+            let conf = NgramDrafter::confidence(&c);
+            if conf < 0.5 {
+                continue;
+            }
+            let ok = c.token == r.output[pos];
+            println!(
+                "{} conf {conf:.2} run {:2} {}/{}  ...{} -> {} (truth {})",
+                if ok { "ACC" } else { "REJ" },
+                c.run,
+                c.count,
+                c.total,
+                show(&context[context.len().saturating_sub(6)..]),
+                show(&[c.token]),
+                show(&[r.output[pos]])
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("misses") {
+        let recs = record(&args[2], &args[3], args[4].parse()?, &args[5])?;
+        return misses(&args[2], &recs);
+    }
     if args.get(1).map(String::as_str) == Some("siblings") {
         let recs = record(&args[2], &args[3], args[4].parse()?, &args[5])?;
         return siblings(&recs);

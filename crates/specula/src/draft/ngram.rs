@@ -340,6 +340,24 @@ mod tests {
     }
 
     #[test]
+    fn alternatives_rank_longest_match_first_then_shorter_ones() {
+        let mut d = NgramDrafter::with_confidence(1, 3, 0.0).unwrap();
+        // [1, 2, 3] never occurred before; [2, 3] was followed by 4 twice and by 5 once; [3] alone also by 8
+        // (after [7, 3]).
+        let ctx = [2, 3, 4, 2, 3, 5, 7, 3, 8, 2, 3, 4, 1, 2, 3];
+        let alts = d.alternatives(&ctx, 3);
+        let tokens: Vec<u32> = alts.iter().map(|c| c.token).collect();
+        assert_eq!(tokens, vec![4, 5, 8]);
+        assert_eq!((alts[0].n, alts[0].count, alts[0].total), (2, 2, 3));
+        assert_eq!((alts[1].n, alts[1].count, alts[1].total), (2, 1, 3));
+        assert_eq!(alts[2].n, 1);
+        // The first alternative is the drafter's own first candidate.
+        assert_eq!(d.candidates(&ctx, 1)[0].token, alts[0].token);
+        assert_eq!(d.alternatives(&ctx, 1).len(), 1);
+        assert!(d.alternatives(&[42], 3).is_empty());
+    }
+
+    #[test]
     fn cost_aware_stopping_drafts_more_when_verification_is_cheap() {
         // A context that repeats a 12-token phrase: the lookup is confident about long continuations.
         let phrase: Vec<u32> = (100..112).collect();
