@@ -79,17 +79,25 @@ pub struct TuneArgs {
     pub tune_json: Option<PathBuf>,
 }
 
-/// The drafter variants to compare: one per `--draft-vocab` value (draft model) or `--ngram-confidence`
-/// value (prompt lookup).
+/// The drafter variants to compare: one per `--draft-vocab` and `--draft-confidence` pair (draft model) or
+/// `--ngram-confidence` value (prompt lookup).
 fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
     let d = &args.drafter;
     Ok(match d.choice()? {
         DraftChoice::None => Vec::new(),
-        DraftChoice::Model(_) => d
-            .draft_vocabs()?
-            .into_iter()
-            .map(|vocab_limit| DraftMethod::Model { vocab_limit })
-            .collect(),
+        DraftChoice::Model(_) => {
+            let confidences = d.draft_confidences()?;
+            let mut out = Vec::new();
+            for vocab_limit in d.draft_vocabs()? {
+                for c in &confidences {
+                    out.push(DraftMethod::Model {
+                        vocab_limit,
+                        min_confidence: c.unwrap_or(specula::draft::model::DEFAULT_MIN_CONFIDENCE),
+                    });
+                }
+            }
+            out
+        }
         DraftChoice::Ngram { min_n, max_n, .. } => d
             .ngram_confidences()?
             .into_iter()
@@ -259,7 +267,7 @@ pub fn tune(args: TuneArgs) -> anyhow::Result<()> {
             }
             if methods(&args.bench)?.len() > 1 {
                 anyhow::bail!(
-                    "tune models one drafter variant: give one --draft-vocab / --ngram-confidence value \
+                    "tune models one drafter variant: give one --draft-vocab / --draft-confidence / --ngram-confidence value \
                      (bench compares several)"
                 );
             }

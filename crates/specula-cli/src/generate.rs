@@ -158,6 +158,17 @@ pub struct DrafterArgs {
         allow_negative_numbers = true
     )]
     pub draft_vocab: Vec<String>,
+    /// Draft model only: stop drafting when the draft's own estimate that the target accepts its whole draft
+    /// (the product of its top-token probabilities) falls below C (default 0.6; 0 always drafts
+    /// --draft-tokens). Lossless for any C. bench takes a comma-separated list to compare; see
+    /// docs/benchmarks.md for measurements.
+    #[arg(
+        long,
+        value_name = "C",
+        value_delimiter = ',',
+        allow_negative_numbers = true
+    )]
+    pub draft_confidence: Vec<String>,
 }
 
 /// Parses a comma-separated flag's values; no values means the single `default`.
@@ -236,6 +247,13 @@ impl DrafterArgs {
         if !self.draft_vocab.is_empty() && !matches!(choice, DraftChoice::Model(_)) {
             anyhow::bail!("--draft-vocab applies to a draft model; add --draft-model PATH|NAME");
         }
+        self.draft_confidences()?;
+        if !self.draft_confidence.is_empty() && !matches!(choice, DraftChoice::Model(_)) {
+            anyhow::bail!(
+                "--draft-confidence applies to a draft model; add --draft-model PATH|NAME \
+                 (prompt lookup has --ngram-confidence)"
+            );
+        }
         if !self.ngram_confidence.is_empty() && !matches!(choice, DraftChoice::Ngram { .. }) {
             anyhow::bail!("--ngram-confidence applies to prompt lookup; add --draft ngram");
         }
@@ -247,6 +265,7 @@ impl DrafterArgs {
         let choice = self.choice()?;
         single(&self.draft_vocabs()?, "--draft-vocab")?;
         single(&self.ngram_confidences()?, "--ngram-confidence")?;
+        single(&self.draft_confidences()?, "--draft-confidence")?;
         Ok(choice)
     }
 
@@ -262,6 +281,21 @@ impl DrafterArgs {
                 _ => s.parse().ok().map(Some),
             },
         )
+    }
+
+    /// `--draft-confidence` values (default [`specula::draft::model::DEFAULT_MIN_CONFIDENCE`]).
+    pub fn draft_confidences(&self) -> anyhow::Result<Vec<Option<f64>>> {
+        let values = parse_values(
+            &self.draft_confidence,
+            "--draft-confidence",
+            "numbers between 0 and 1",
+            Some(specula::draft::model::DEFAULT_MIN_CONFIDENCE),
+            |s| s.parse().ok().map(Some),
+        )?;
+        for c in values.iter().flatten() {
+            specula::draft::model::check_min_confidence(*c)?;
+        }
+        Ok(values)
     }
 
     /// `--ngram-confidence` values: None is cost-aware stopping (`auto`).
@@ -339,6 +373,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let prof = Profiler::new(args.profile.detail());
     let choice = args.draft.drafter.single_choice()?;
     let draft_vocab = single(&args.draft.drafter.draft_vocabs()?, "--draft-vocab")?;
+    let draft_confidence = single(
+        &args.draft.drafter.draft_confidences()?,
+        "--draft-confidence",
+    )?
+    .unwrap_or(0.0);
     if matches!(choice, DraftChoice::None) && args.draft.draft_tokens.is_some() {
         anyhow::bail!(
             "--draft-tokens needs a drafter: add --draft-model PATH|NAME or --draft ngram"
@@ -359,7 +398,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         DraftChoice::Model(_) => match draft_loaded.as_ref() {
             Some(d) => Some(Box::new(
                 specula::draft::model::ModelDrafter::new(&d.model, sampling.seed)
-                    .with_vocab_limit(draft_vocab)?,
+                    .with_vocab_limit(draft_vocab)?
+                    .with_min_confidence(draft_confidence)?,
             ) as Box<dyn specula::draft::Drafter>),
             None => None,
         },
@@ -445,6 +485,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 DraftChoice::Model(spec) => {
                     let mut d = DraftMethod::Model {
                         vocab_limit: draft_vocab,
+                        min_confidence: draft_confidence,
                     }
                     .settings_json();
                     d["draft_model"] = draft_loaded

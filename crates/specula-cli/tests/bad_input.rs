@@ -380,6 +380,50 @@ fn conflicting_or_bad_draft_flags() {
         &["generate", "-m", m, "-p", "hi", "--ngram-confidence", "0.2"],
         &["--ngram-confidence applies to prompt lookup"],
     );
+    for bad in ["1.5", "-0.1", "NaN"] {
+        fails_with(
+            &[
+                "generate",
+                "-m",
+                m,
+                "-p",
+                "hi",
+                "--draft-model",
+                m,
+                "--draft-confidence",
+                bad,
+            ],
+            &["--draft-confidence must be between 0 and 1"],
+        );
+    }
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
+            "--draft-confidence",
+            "0.5",
+        ],
+        &["--draft-confidence applies to a draft model"],
+    );
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft-model",
+            m,
+            "--draft-confidence",
+            "0.2,0.4",
+        ],
+        &["--draft-confidence takes one value here"],
+    );
     fails_with(
         &[
             "generate",

@@ -234,6 +234,8 @@ fn bench_compares_drafter_variants() {
         m,
         "--draft-vocab",
         "full,40",
+        "--draft-confidence",
+        "0,0.5",
         "--draft-tokens",
         "2",
         "--verify-repeats",
@@ -241,15 +243,21 @@ fn bench_compares_drafter_variants() {
         "--json",
         vocab_json.to_str().unwrap(),
     ]);
-    assert!(
-        table.contains("model full vocab k=2") && table.contains("model vocab<40 k=2"),
-        "{table}"
-    );
+    for label in [
+        "model full vocab k=2",
+        "model full vocab conf>=0.5 k=2",
+        "model vocab<40 k=2",
+        "model vocab<40 conf>=0.5 k=2",
+    ] {
+        assert!(table.contains(label), "{label} missing: {table}");
+    }
     let report = json(&vocab_json);
-    check_consistent(&report, 3);
+    check_consistent(&report, 5);
     let configs = report["configs"].as_array().unwrap();
     assert!(configs[1]["drafter"]["draft_vocab"].is_null());
-    assert_eq!(configs[2]["drafter"]["draft_vocab"], 40);
+    assert_eq!(configs[1]["drafter"]["draft_confidence"], 0.0);
+    assert_eq!(configs[2]["drafter"]["draft_confidence"], 0.5);
+    assert_eq!(configs[3]["drafter"]["draft_vocab"], 40);
     fails_with(
         &[
             "tune",

@@ -65,6 +65,20 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// The largest logit's token (as [`argmax`]) and its softmax probability at temperature 1; `scratch` is reused
+/// between calls.
+pub fn top_probability(logits: &[f32], scratch: &mut Vec<f32>) -> (u32, f32) {
+    let best = argmax(logits);
+    let Some(&max) = logits.get(best as usize) else {
+        return (0, 0.0);
+    };
+    scratch.clear();
+    scratch.extend(logits.iter().map(|&l| l - max));
+    crate::model::ops::exp_in_place(scratch);
+    let sum: f32 = scratch.iter().sum();
+    (best, 1.0 / sum)
+}
+
 /// A sparse probability distribution: candidate token ids with probabilities summing to 1.
 #[derive(Debug, Clone, Default)]
 pub struct Distribution {
@@ -238,6 +252,26 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Distribution {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_probability_is_the_softmax_of_the_argmax() {
+        let mut scratch = Vec::new();
+        for logits in [
+            vec![1.0f32, 3.0, 2.0, -1.0],
+            vec![0.0; 7],
+            (0..5000).map(|i| ((i * 37 % 101) as f32) * 0.07).collect(),
+        ] {
+            let (token, p) = top_probability(&logits, &mut scratch);
+            assert_eq!(token, argmax(&logits));
+            let sum: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+            let exact = (logits[token as usize] as f64).exp() / sum;
+            assert!(
+                (p as f64 - exact).abs() < 1e-5 * exact.max(1e-3),
+                "{p} vs {exact}"
+            );
+        }
+        assert_eq!(top_probability(&[], &mut scratch), (0, 0.0));
+    }
 
     /// The fast candidate search gives what a full sort gives: the same kept ids (in probability order when
     /// truncated, id order otherwise) and probabilities, over peaked and flat logits and every kind of truncation.

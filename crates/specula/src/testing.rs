@@ -20,6 +20,9 @@ pub struct TinySpec {
     /// Storage type of the matrices (norms stay f32).
     pub weight_type: GgmlType,
     pub attention_bias: bool,
+    /// Multiplies the final norm's weights, and so the logits: below 1 flattens the next-token distributions
+    /// (random weights otherwise give near-certain top tokens).
+    pub logit_scale: f32,
 }
 
 impl Default for TinySpec {
@@ -35,6 +38,7 @@ impl Default for TinySpec {
             seed: 1,
             weight_type: GgmlType::F32,
             attention_bias: true,
+            logit_scale: 1.0,
         }
     }
 }
@@ -230,7 +234,10 @@ pub fn tiny_tensors(
         "model.norm.weight".into(),
         1,
         h,
-        norm(&mut rng, h),
+        norm(&mut rng, h)
+            .into_iter()
+            .map(|v| v * spec.logit_scale)
+            .collect(),
     );
     out
 }

@@ -19,8 +19,13 @@ use crate::tokenizer::Tokenizer;
 /// The drafting method of the speculative configurations.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum DraftMethod {
-    /// A separate draft model, optionally drafting only among token ids `0..vocab_limit`.
-    Model { vocab_limit: Option<usize> },
+    /// A separate draft model, optionally drafting only among token ids `0..vocab_limit`, and stopping early
+    /// where its confidence falls below `min_confidence` (see [`ModelDrafter::with_min_confidence`]; 0: always
+    /// k tokens).
+    Model {
+        vocab_limit: Option<usize>,
+        min_confidence: f64,
+    },
     /// Prompt lookup (see [`NgramDrafter`]).
     Ngram {
         min_n: usize,
@@ -43,9 +48,19 @@ impl DraftMethod {
     pub fn variant(&self) -> String {
         match self {
             DraftMethod::Model {
-                vocab_limit: Some(n),
-            } => format!("vocab<{n}"),
-            DraftMethod::Model { vocab_limit: None } => "full vocab".into(),
+                vocab_limit,
+                min_confidence,
+            } => {
+                let vocab = match vocab_limit {
+                    Some(n) => format!("vocab<{n}"),
+                    None => "full vocab".into(),
+                };
+                if *min_confidence > 0.0 {
+                    format!("{vocab} conf>={min_confidence}")
+                } else {
+                    vocab
+                }
+            }
             DraftMethod::Ngram {
                 min_confidence: Some(c),
                 ..
@@ -60,9 +75,13 @@ impl DraftMethod {
     /// The settings as JSON (bench reports).
     pub fn settings_json(&self) -> serde_json::Value {
         match *self {
-            DraftMethod::Model { vocab_limit } => serde_json::json!({
+            DraftMethod::Model {
+                vocab_limit,
+                min_confidence,
+            } => serde_json::json!({
                 "method": "model",
                 "draft_vocab": vocab_limit,
+                "draft_confidence": min_confidence,
             }),
             DraftMethod::Ngram {
                 min_n,
@@ -368,10 +387,14 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             } => {
                 NgramDrafter::with_stopping(min_n, max_n, min_confidence)?;
             }
-            DraftMethod::Model { vocab_limit } => {
+            DraftMethod::Model {
+                vocab_limit,
+                min_confidence,
+            } => {
                 if let Some(draft) = spec.draft {
                     crate::draft::model::check_vocab_limit(draft, vocab_limit)?;
                 }
+                crate::draft::model::check_min_confidence(min_confidence)?;
             }
         }
     }
@@ -432,9 +455,16 @@ pub fn run_bench(
                 let prof = Profiler::new(Detail::Phases);
                 let mut drafter: Option<Box<dyn Drafter + '_>> = match (config.k, config.drafter) {
                     (0, _) | (_, None) => None,
-                    (_, Some(DraftMethod::Model { vocab_limit })) => Some(Box::new(
+                    (
+                        _,
+                        Some(DraftMethod::Model {
+                            vocab_limit,
+                            min_confidence,
+                        }),
+                    ) => Some(Box::new(
                         ModelDrafter::new(spec.draft.expect("validated"), spec.sampling.seed)
-                            .with_vocab_limit(vocab_limit)?,
+                            .with_vocab_limit(vocab_limit)?
+                            .with_min_confidence(min_confidence)?,
                     )),
                     (
                         _,
@@ -520,7 +550,7 @@ pub fn run_bench(
         max_new_tokens: spec.max_new_tokens,
         greedy,
         draft_vocab: match spec.methods[..] {
-            [DraftMethod::Model { vocab_limit }] => vocab_limit,
+            [DraftMethod::Model { vocab_limit, .. }] => vocab_limit,
             _ => None,
         },
     })

@@ -97,7 +97,7 @@ impl TuneInput {
         if variants.len() > 1 {
             return Err(Error::InvalidArgument(format!(
                 "bench report compares {} drafter variants; tune models one (rerun bench with a single \
-                 --draft-vocab / --ngram-confidence value)",
+                 --draft-vocab / --draft-confidence / --ngram-confidence value)",
                 variants.len()
             )));
         }

@@ -125,6 +125,122 @@ fn greedy_speculation_equals_plain_decoding() {
     );
 }
 
+/// A draft model that stops at its own uncertain positions (`--draft-confidence`) drafts exactly the tokens whose
+/// running product of top-token probabilities (recomputed here with full forward passes) stays above the bar,
+/// and decoding with it gives plain decoding's tokens.
+#[test]
+fn confidence_stopped_draft_model_is_lossless_and_drafts_where_confident() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            seed: 3,
+            ..Default::default()
+        },
+    );
+    let close = tiny(
+        dir.path(),
+        "c.gguf",
+        TinySpec {
+            seed: 3,
+            weight_type: GgmlType::Q4_0,
+            // Flatter distributions, so the draft's confidence spans a range worth thresholding.
+            logit_scale: 0.3,
+            ..Default::default()
+        },
+    );
+    let req = request(&PROMPT, 40, SamplingParams::default());
+    let plain = run(&target, &req, None);
+
+    // Reference: the draft's greedy chain of 5 after a context, with the running products of its top-token
+    // probabilities.
+    let prof = Profiler::disabled();
+    let last = ForwardOptions {
+        logits: LogitsFor::Last,
+        capture_layers: &[],
+        vocab_limit: None,
+    };
+    let mut scratch = Vec::new();
+    let mut chain = |ctx: &[u32]| {
+        let (mut seq, mut prod, mut out) = (ctx.to_vec(), 1.0f64, Vec::new());
+        for _ in 0..5 {
+            let mut cache = close.model.new_cache();
+            let o = close.model.forward(&seq, &mut cache, &last, &prof).unwrap();
+            let (t, p) = crate::sampling::top_probability(o.last(), &mut scratch);
+            prod *= p as f64;
+            out.push((t, prod));
+            seq.push(t);
+        }
+        out
+    };
+    let contexts: Vec<Vec<u32>> = (0..24)
+        .step_by(3)
+        .map(|i| [&PROMPT[..], &plain.tokens[..i]].concat())
+        .collect();
+    let chains: Vec<_> = contexts.iter().map(|c| chain(c)).collect();
+    let mut uncertain: Vec<f64> = chains
+        .iter()
+        .flatten()
+        .map(|&(_, p)| p)
+        .filter(|&p| p < 0.99)
+        .collect();
+    assert!(
+        uncertain.len() >= 4,
+        "the draft is too sure of itself for this test"
+    );
+    uncertain.sort_by(f64::total_cmp);
+    let bar = uncertain[uncertain.len() / 2];
+    let mut checked = 0;
+    for (ctx, chain) in contexts.iter().zip(&chains) {
+        if chain.iter().any(|&(_, p)| (p - bar).abs() < 1e-3) {
+            continue; // too close to call between incremental and full forward passes
+        }
+        let expected: Vec<u32> = chain
+            .iter()
+            .take_while(|&&(_, p)| p >= bar)
+            .map(|&(t, _)| t)
+            .collect();
+        let mut drafter = ModelDrafter::new(&close.model, 0)
+            .with_min_confidence(bar)
+            .unwrap();
+        let draft = drafter.propose(ctx, 5, &SamplingParams::default()).unwrap();
+        assert_eq!(draft.tokens, expected, "confidence {bar}");
+        checked += 1;
+    }
+    assert!(checked >= 4, "only {checked} contexts checked");
+
+    let mut drafted = Vec::new();
+    for c in [0.0, bar, 1.0] {
+        let mut drafter = ModelDrafter::new(&close.model, 0)
+            .with_min_confidence(c)
+            .unwrap();
+        let out = run(
+            &target,
+            &req,
+            Some(Speculation {
+                drafter: &mut drafter,
+                draft_tokens: 5,
+            }),
+        );
+        assert_eq!(out.tokens, plain.tokens, "confidence {c}");
+        let st = out.speculation.unwrap();
+        assert_eq!(st.accept_len_histogram.iter().sum::<u64>(), st.cycles);
+        drafted.push(st.drafted);
+    }
+    assert!(
+        drafted[0] > drafted[1] && drafted[1] > drafted[2],
+        "drafted tokens by confidence: {drafted:?}"
+    );
+    for bad in [-0.1, 1.5, f64::NAN] {
+        let err = ModelDrafter::new(&close.model, 0)
+            .with_min_confidence(bad)
+            .err()
+            .expect("out-of-range confidence accepted");
+        assert!(err.to_string().contains("--draft-confidence"), "{err}");
+    }
+}
+
 /// A draft model restricted to a prefix of the vocabulary (`--draft-vocab`) stays lossless. The target drafts for
 /// itself: with the limit just above its greedy tokens every draft can be right, with the limit at the largest
 /// greedy token the drafts that need it are necessarily wrong.
@@ -210,6 +326,17 @@ fn chi2_critical(df: usize, z: f64) -> f64 {
 
 #[test]
 fn sampled_speculation_has_the_targets_distribution() {
+    check_sampled_distribution(None);
+}
+
+/// The same when the draft length depends on the tokens drafted so far (as with `--draft-confidence`): the
+/// drafter ends its draft after proposing token 200.
+#[test]
+fn sampled_speculation_with_draft_dependent_lengths_has_the_targets_distribution() {
+    check_sampled_distribution(Some(200));
+}
+
+fn check_sampled_distribution(stop_at: Option<u32>) {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny(
         dir.path(),
@@ -263,6 +390,7 @@ fn sampled_speculation_has_the_targets_distribution() {
         let mut drafter = FixedQDrafter {
             support: q_support.clone(),
             rng: ChaCha20Rng::seed_from_u64(seed + 77),
+            stop_after: stop_at,
         };
         let out = run(
             &target,
@@ -309,10 +437,13 @@ fn sampled_speculation_has_the_targets_distribution() {
     );
 }
 
-/// Proposes tokens drawn from a fixed uniform q, whatever the context.
+/// Proposes tokens drawn from a fixed uniform q, whatever the context; ends the draft after proposing
+/// `stop_after`. (Stopping *at* a draw, discarding it, would make the proposals follow q conditioned on not being
+/// that token, and verifying them against q would be biased.)
 struct FixedQDrafter {
     support: Vec<u32>,
     rng: ChaCha20Rng,
+    stop_after: Option<u32>,
 }
 
 impl Drafter for FixedQDrafter {
@@ -324,12 +455,18 @@ impl Drafter for FixedQDrafter {
             ids: self.support.clone(),
             probs: vec![1.0 / self.support.len() as f32; self.support.len()],
         };
-        let tokens = (0..k)
-            .map(|_| crate::sampling::draw(&q, &mut self.rng))
-            .collect();
+        let mut tokens = Vec::new();
+        for _ in 0..k {
+            let t = crate::sampling::draw(&q, &mut self.rng);
+            tokens.push(t);
+            if Some(t) == self.stop_after {
+                break;
+            }
+        }
+        let n = tokens.len();
         Ok(Draft {
             tokens,
-            distributions: Some(vec![q; k]),
+            distributions: Some(vec![q; n]),
         })
     }
 }
