@@ -11,8 +11,11 @@
 //! - `a_i`: the measured rate at which draft position i is accepted (all of 1..i accepted), pooled over every
 //!   configuration that drafted position i; `d_i`: how often position i was drafted at all (1 for a draft
 //!   model; below 1 for n-gram lookup, which finds no match for some cycles).
-//! - `draft(k)`, `overhead(k)`: least-squares lines through the measured per-cycle phase times (overhead =
-//!   accept + sample + commit + emit + other).
+//! - `draft(k)`: a least-squares line through the measured draft ms per cycle against draft steps per cycle,
+//!   `1 + sum_{i=1..k-1} d_i` (a step proposes position 1, and one more follows each drafted position before the
+//!   k-th; `k` for a drafter that always drafts k, fewer for one that stops where it is unsure).
+//! - `overhead(k)`: a least-squares line through the measured per-cycle overhead (accept + sample + commit +
+//!   emit + other) against k.
 //! - `verify(n)`: a least-squares line through the runs' own verify ms per cycle against tokens verified per
 //!   cycle (plain decoding: 1; a config: 1 + its mean drafted tokens), i.e. measured at the contexts and in the
 //!   minutes of the tok/s being predicted. With plain decoding alone, the separately measured verify(n) curve,
@@ -289,11 +292,23 @@ pub fn tune(input: &TuneInput) -> TuneResult {
             }
         })
         .collect();
+    // Draft cost against draft steps per cycle: one step to propose position 1, and one more after each drafted
+    // position before the k-th (a drafter that stops early skips the rest). Equal to k for a drafter that
+    // always drafts k; with early stopping the cost grows slower than k, and a line in k overestimated small k.
+    let draft_steps = |k: usize, drafted: &dyn Fn(usize) -> f64| {
+        1.0 + (0..k.saturating_sub(1)).map(drafted).sum::<f64>()
+    };
     let draft_line = Line::fit(
         &input
             .configs
             .iter()
-            .map(|c| (c.k as f64, c.draft_ms))
+            .filter(|c| c.cycles > 0.0)
+            .map(|c| {
+                let steps = draft_steps(c.k, &|i| {
+                    c.drafted_per_position.get(i).copied().unwrap_or(0.0) / c.cycles
+                });
+                (steps, c.draft_ms)
+            })
             .collect::<Vec<_>>(),
     );
     let overhead_line = Line::fit(
@@ -326,7 +341,7 @@ pub fn tune(input: &TuneInput) -> TuneResult {
         .map(|k| {
             let tokens = 1.0 + (0..k).map(|i| drafted_rate[i] * acceptance[i]).sum::<f64>();
             let rows = 1.0 + drafted_rate[..k].iter().sum::<f64>();
-            let draft_ms = draft_line.at(k as f64).max(0.0);
+            let draft_ms = draft_line.at(draft_steps(k, &|i| drafted_rate[i])).max(0.0);
             let verify_ms = match &verify_line {
                 Some(line) => line.at(rows),
                 None => verify_at(&curve, rows),
@@ -473,7 +488,7 @@ impl TuneResult {
         let _ = writeln!(s, "acceptance by draft position: {}", rates.join(" "));
         let _ = writeln!(
             s,
-            "draft ms/cycle = {:.2} + {:.2} k;  overhead ms/cycle = {:.2} + {:.2} k",
+            "draft ms/cycle = {:.2} + {:.2} x draft steps;  overhead ms/cycle = {:.2} + {:.2} k",
             self.draft_ms.intercept,
             self.draft_ms.slope,
             self.overhead_ms.intercept,
@@ -691,6 +706,55 @@ mod tests {
             plain_overhead_ms: 0.5,
             configs,
             verify_curve_ms: (0..6).map(|i| 10.0 + 2.0 * i as f64).collect(),
+        }
+    }
+
+    /// A drafter that stops early (position i drafted in 0.9 x 0.8^i of cycles) and pays per draft step: the
+    /// model, fitting draft cost against draft steps, reproduces every measurement exactly.
+    #[test]
+    fn model_reproduces_a_drafter_that_stops_early() {
+        let cycles = 100.0;
+        let d = |i: usize| 0.9 * 0.8f64.powi(i as i32);
+        let configs = (1..=5)
+            .map(|k| {
+                let drafted: Vec<f64> = (0..k).map(|i| cycles * d(i)).collect();
+                let accepted: Vec<f64> = (0..k)
+                    .map(|i| cycles * d(i) * 0.7f64.powi(i as i32 + 1))
+                    .collect();
+                let tokens = 1.0 + accepted.iter().sum::<f64>() / cycles;
+                let rows = 1.0 + drafted.iter().sum::<f64>() / cycles;
+                let steps = 1.0 + (0..k - 1).map(d).sum::<f64>();
+                let (draft_ms, verify_ms) = (2.0 + 5.0 * steps, 10.0 + 2.0 * (rows - 1.0));
+                MeasuredConfig {
+                    label: format!("model k={k}"),
+                    k,
+                    tok_s: tokens * 1e3 / (draft_ms + verify_ms + 0.5),
+                    cycles,
+                    draft_ms,
+                    verify_ms,
+                    overhead_ms: 0.5,
+                    drafted_per_position: drafted,
+                    accepted_per_position: accepted,
+                }
+            })
+            .collect();
+        let r = tune(&TuneInput {
+            method: "model".into(),
+            plain_tok_s: 1e3 / 10.5,
+            plain_verify_ms: 10.0,
+            plain_overhead_ms: 0.5,
+            configs,
+            verify_curve_ms: (0..7).map(|i| 10.0 + 2.0 * i as f64).collect(),
+        });
+        assert!((r.draft_ms.slope - 5.0).abs() < 1e-9 && (r.draft_ms.intercept - 2.0).abs() < 1e-9);
+        for p in &r.predictions {
+            let m = p.measured_tok_s.unwrap();
+            assert!(
+                (p.tok_s - m).abs() < 1e-9 * m,
+                "k={}: {} vs {m}",
+                p.k,
+                p.tok_s
+            );
         }
     }
 
