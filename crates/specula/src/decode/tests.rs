@@ -326,18 +326,42 @@ fn chi2_critical(df: usize, z: f64) -> f64 {
 
 #[test]
 fn sampled_speculation_has_the_targets_distribution() {
-    check_sampled_distribution(None);
+    check_sampled_distribution(SampledDrafter::FixedQ { stop_after: None });
 }
 
 /// The same when the draft length depends on the tokens drafted so far (as with `--draft-confidence`): the
 /// drafter ends its draft after proposing token 200.
 #[test]
 fn sampled_speculation_with_draft_dependent_lengths_has_the_targets_distribution() {
-    check_sampled_distribution(Some(200));
+    check_sampled_distribution(SampledDrafter::FixedQ {
+        stop_after: Some(200),
+    });
 }
 
-fn check_sampled_distribution(stop_at: Option<u32>) {
+/// And with a draft model that stops at its own uncertain positions (`--draft-confidence`).
+#[test]
+fn sampled_speculation_with_a_confidence_stopped_draft_model_has_the_targets_distribution() {
+    check_sampled_distribution(SampledDrafter::Model {
+        min_confidence: 0.3,
+    });
+}
+
+enum SampledDrafter {
+    FixedQ { stop_after: Option<u32> },
+    Model { min_confidence: f64 },
+}
+
+fn check_sampled_distribution(which: SampledDrafter) {
     let dir = tempfile::tempdir().unwrap();
+    let draft = tiny(
+        dir.path(),
+        "d.gguf",
+        TinySpec {
+            seed: 11,
+            logit_scale: 0.3,
+            ..Default::default()
+        },
+    );
     let target = tiny(
         dir.path(),
         "t.gguf",
@@ -385,28 +409,45 @@ fn check_sampled_distribution(stop_at: Option<u32>) {
     let runs = 6000;
     let mut counts = vec![0usize; exact.len()];
     let mut stats_rejections = 0;
+    let (mut drafted_total, mut cycles_total) = (0, 0);
     for seed in 0..runs {
         let req = request(prompt, 5, SamplingParams { seed, ..params });
-        let mut drafter = FixedQDrafter {
-            support: q_support.clone(),
-            rng: ChaCha20Rng::seed_from_u64(seed + 77),
-            stop_after: stop_at,
+        let mut drafter: Box<dyn Drafter> = match which {
+            SampledDrafter::FixedQ { stop_after } => Box::new(FixedQDrafter {
+                support: q_support.clone(),
+                rng: ChaCha20Rng::seed_from_u64(seed + 77),
+                stop_after,
+            }),
+            SampledDrafter::Model { min_confidence } => Box::new(
+                ModelDrafter::new(&draft.model, seed)
+                    .with_min_confidence(min_confidence)
+                    .unwrap(),
+            ),
         };
         let out = run(
             &target,
             &req,
             Some(Speculation {
-                drafter: &mut drafter,
+                drafter: drafter.as_mut(),
                 draft_tokens: 2,
             }),
         );
         let st = out.speculation.unwrap();
         stats_rejections += st.drafted - st.accepted;
+        drafted_total += st.drafted;
+        cycles_total += st.cycles;
         let idx = exact
             .iter()
             .position(|(t, _)| t[..] == out.tokens[..3])
             .expect("sequence outside the target's support");
         counts[idx] += 1;
+    }
+    if let SampledDrafter::Model { .. } = which {
+        // Some drafts stopped early and some did not: the draft length really varied.
+        assert!(
+            drafted_total < 2 * cycles_total && drafted_total > cycles_total,
+            "drafted {drafted_total} tokens in {cycles_total} cycles of k = 2"
+        );
     }
     assert!(
         stats_rejections > runs / 4,

@@ -112,28 +112,29 @@ impl Drafter for ModelDrafter<'_> {
         let mut distributions = Vec::with_capacity(k);
         let mut all_accepted = 1.0f64;
         for i in 0..k {
-            let (token, p) = if sampling.is_greedy() {
-                if self.min_confidence > 0.0 {
+            let token = if sampling.is_greedy() {
+                let (token, p) = if self.min_confidence > 0.0 {
                     sampling::top_probability(&logits, &mut self.scratch)
                 } else {
                     (sampling::argmax(&logits), 1.0)
+                };
+                all_accepted *= p as f64;
+                if all_accepted < self.min_confidence {
+                    break;
                 }
+                token
             } else {
                 let dist = sampling::distribution(&logits, sampling);
-                // The confidence must not depend on this position's draw: a proposal kept only for some draws
-                // would no longer be distributed as `dist`, and verification against `dist` would be biased.
-                let top = dist.probs.iter().copied().fold(0.0f32, f32::max);
-                if all_accepted * (top as f64) < self.min_confidence {
+                // Decided before the draw: a proposal kept only for some draws would no longer be distributed
+                // as `dist`, and verifying it against `dist` would bias the output.
+                all_accepted *= dist.probs.iter().copied().fold(0.0f32, f32::max) as f64;
+                if all_accepted < self.min_confidence {
                     break;
                 }
                 let token = sampling::draw(&dist, &mut self.rng);
                 distributions.push(dist);
-                (token, top)
+                token
             };
-            all_accepted *= p as f64;
-            if all_accepted < self.min_confidence {
-                break;
-            }
             tokens.push(token);
             if i + 1 < k {
                 logits = self.feed(&[token])?;
