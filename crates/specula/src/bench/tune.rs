@@ -699,13 +699,31 @@ mod tests {
                 }
             })
             .collect();
+        synthetic_input(configs)
+    }
+
+    /// The synthetic machine around `configs`: plain step 10 ms verify + 0.5 ms overhead, verify(n) = 10 + 2 (n - 1).
+    fn synthetic_input(configs: Vec<MeasuredConfig>) -> TuneInput {
         TuneInput {
             method: "model".into(),
             plain_tok_s: 1e3 / 10.5,
             plain_verify_ms: 10.0,
             plain_overhead_ms: 0.5,
             configs,
-            verify_curve_ms: (0..6).map(|i| 10.0 + 2.0 * i as f64).collect(),
+            verify_curve_ms: (0..7).map(|i| 10.0 + 2.0 * i as f64).collect(),
+        }
+    }
+
+    /// Every prediction equals the measurement at its k (the synthetic data follow the model exactly).
+    fn assert_reproduces_measurements(r: &TuneResult) {
+        for p in &r.predictions {
+            let m = p.measured_tok_s.unwrap();
+            assert!(
+                (p.tok_s - m).abs() < 1e-9 * m,
+                "k={}: {} vs {m}",
+                p.k,
+                p.tok_s
+            );
         }
     }
 
@@ -738,38 +756,15 @@ mod tests {
                 }
             })
             .collect();
-        let r = tune(&TuneInput {
-            method: "model".into(),
-            plain_tok_s: 1e3 / 10.5,
-            plain_verify_ms: 10.0,
-            plain_overhead_ms: 0.5,
-            configs,
-            verify_curve_ms: (0..7).map(|i| 10.0 + 2.0 * i as f64).collect(),
-        });
+        let r = tune(&synthetic_input(configs));
         assert!((r.draft_ms.slope - 5.0).abs() < 1e-9 && (r.draft_ms.intercept - 2.0).abs() < 1e-9);
-        for p in &r.predictions {
-            let m = p.measured_tok_s.unwrap();
-            assert!(
-                (p.tok_s - m).abs() < 1e-9 * m,
-                "k={}: {} vs {m}",
-                p.k,
-                p.tok_s
-            );
-        }
+        assert_reproduces_measurements(&r);
     }
 
     #[test]
     fn model_reproduces_exact_synthetic_measurements_and_picks_the_best_k() {
         let r = tune(&input(1.0, 0.8));
-        for p in &r.predictions {
-            let m = p.measured_tok_s.unwrap();
-            assert!(
-                (p.tok_s - m).abs() < 1e-9 * m,
-                "k={}: {} vs {m}",
-                p.k,
-                p.tok_s
-            );
-        }
+        assert_reproduces_measurements(&r);
         let best = r
             .predictions
             .iter()

@@ -170,39 +170,40 @@ impl NgramDrafter {
         }
     }
 
+    /// What followed the last `n` tokens of `seq` in the index, if they occurred before.
+    fn followers(&self, seq: &[u32], n: usize) -> Option<&Followers> {
+        let pattern = &seq[seq.len() - n..];
+        let f = self.tables[n - 1].get(&hash_tokens(pattern))?;
+        // A hash collision is not a match.
+        (self.indexed[f.last_start..f.last_start + n] == *pattern).then_some(f)
+    }
+
+    /// [`Candidate::run`]: how far `seq` matches backwards from the occurrence whose follower is at `follow`.
+    fn copy_run(&self, seq: &[u32], follow: usize) -> usize {
+        seq.iter()
+            .rev()
+            .zip(self.indexed[..follow].iter().rev())
+            .take(MAX_RUN)
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+
     /// The candidate after `seq` (the context plus the draft so far): longest match first.
     fn candidate(&self, seq: &[u32]) -> Option<Candidate> {
-        for n in (self.min_n..=self.max_n.min(seq.len())).rev() {
-            let pattern = &seq[seq.len() - n..];
-            let Some(f) = self.tables[n - 1].get(&hash_tokens(pattern)) else {
-                continue;
-            };
-            if self.indexed[f.last_start..f.last_start + n] != *pattern {
-                continue; // hash collision
-            }
-            let total = f.next.iter().map(|(_, c, _)| c).sum();
-            let &(token, count, follow) = f
-                .next
-                .iter()
-                .max_by_key(|(_, c, last)| (*c, *last))
-                .expect("indexed n-grams have a follower");
-            // Extend the match backwards from the candidate's latest occurrence.
-            let run = seq[..seq.len()]
-                .iter()
-                .rev()
-                .zip(self.indexed[..follow].iter().rev())
-                .take(MAX_RUN)
-                .take_while(|(a, b)| a == b)
-                .count();
-            return Some(Candidate {
-                token,
-                n,
-                run,
-                count,
-                total,
-            });
-        }
-        None
+        (self.min_n..=self.max_n.min(seq.len()))
+            .rev()
+            .find_map(|n| {
+                let f = self.followers(seq, n)?;
+                let &(token, count, follow) =
+                    f.next.iter().max_by_key(|(_, c, last)| (*c, *last))?;
+                Some(Candidate {
+                    token,
+                    n,
+                    run: self.copy_run(seq, follow),
+                    count,
+                    total: f.next.iter().map(|(_, c, _)| c).sum(),
+                })
+            })
     }
 
     /// Estimated probability that the target agrees with `c`, from two things that predict it on recorded
@@ -225,13 +226,9 @@ impl NgramDrafter {
         self.sync(context);
         let mut out: Vec<Candidate> = Vec::new();
         for n in (self.min_n..=self.max_n.min(context.len())).rev() {
-            let pattern = &context[context.len() - n..];
-            let Some(f) = self.tables[n - 1].get(&hash_tokens(pattern)) else {
+            let Some(f) = self.followers(context, n) else {
                 continue;
             };
-            if self.indexed[f.last_start..f.last_start + n] != *pattern {
-                continue;
-            }
             let total = f.next.iter().map(|(_, c, _)| c).sum();
             let mut next = f.next.clone();
             next.sort_by_key(|&(_, c, last)| std::cmp::Reverse((c, last)));
@@ -239,17 +236,10 @@ impl NgramDrafter {
                 if out.len() >= max || out.iter().any(|c| c.token == token) {
                     continue;
                 }
-                let run = context
-                    .iter()
-                    .rev()
-                    .zip(self.indexed[..follow].iter().rev())
-                    .take(MAX_RUN)
-                    .take_while(|(a, b)| a == b)
-                    .count();
                 out.push(Candidate {
                     token,
                     n,
-                    run,
+                    run: self.copy_run(context, follow),
                     count,
                     total,
                 });

@@ -17,7 +17,7 @@
 //! instructions per row produce one sum per scale group (or block), and every kernel prefetches the weight stream
 //! ahead (`PREFETCH_DISTANCE`, `K_QUANT_PREFETCH_DISTANCE`), so memory keeps streaming while a multi-row tile
 //! computes (measured with `examples/prefetch_sweep.rs`: verify(5) of the Qwen 1.5B 74 -> 64 ms in session 3;
-//! K-quants into L2 further ahead, verify(2) -12% in session 6).
+//! K-quants into L2 further ahead, verify(2) -14% in session 6).
 //!
 //! Q4_K and Q6_K also have pair kernels ([`PairDot`]) over two weight rows stored pair-interleaved: every
 //! activation load feeds both rows, and the rows stream from memory as one sequence (verify(5) of the Qwen 1.5B
@@ -475,10 +475,15 @@ mod avx2 {
         if distance == 0 {
             return;
         }
-        let p = block.wrapping_add(distance);
+        prefetch_lines::<_MM_HINT_T0>(block.wrapping_add(distance), block_bytes);
+    }
+
+    /// Prefetches every 64-byte line of `bytes` bytes from `p` with `HINT`.
+    #[inline(always)]
+    unsafe fn prefetch_lines<const HINT: i32>(p: *const u8, bytes: usize) {
         let mut off = 0;
-        while off < block_bytes {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+        while off < bytes {
+            _mm_prefetch::<HINT>(p.wrapping_add(off) as *const i8);
             off += 64;
         }
     }
@@ -494,12 +499,7 @@ mod avx2 {
         if distance == 0 {
             return;
         }
-        let p = block.wrapping_add(distance);
-        let mut off = 0;
-        while off < block_bytes {
-            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off) as *const i8);
-            off += 64;
-        }
+        prefetch_lines::<_MM_HINT_T1>(block.wrapping_add(distance), block_bytes);
     }
 
     #[inline(always)]
