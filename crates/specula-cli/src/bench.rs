@@ -136,9 +136,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     if args.max_tokens == 0 {
         anyhow::bail!("--max-tokens must be at least 1");
     }
-    if args.rounds == 0 {
-        anyhow::bail!("--rounds must be at least 1");
-    }
+    bench::check_repetitions(args.rounds, args.verify_repeats)?;
     let bad_lines = if args.skip_bad_lines {
         BadLines::Skip
     } else {
@@ -172,6 +170,9 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         let text = target.format_prompt(&p.prompt, args.raw, None)?;
         let ids = target.tokenizer.encode(&text)?;
         with_ids.push((p, ids));
+    }
+    if let Some(longest) = with_ids.iter().map(|(_, ids)| ids.len()).max() {
+        crate::generate::note_context_cap(&target.model, longest, args.max_tokens);
     }
     let spec = BenchSpec {
         target: &target.model,

@@ -361,16 +361,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if args.trace.is_some() && args.profile == ProfileLevel::Off {
         anyhow::bail!("--trace needs profiling on (--profile phases or fine)");
     }
-    let (loaded, threads, load_s) = load(&args.model)?;
-    let text = loaded.format_prompt(&prompt, args.raw, args.system.as_deref())?;
-    let prompt_tokens = loaded.tokenizer.encode(&text)?;
-    let req = GenerateRequest {
-        prompt_tokens,
-        max_new_tokens: args.max_tokens,
-        sampling,
-        stop_at_eos: !args.ignore_eos,
-    };
-    let prof = Profiler::new(args.profile.detail());
+    // Every flag is checked before a model is loaded (loading takes seconds).
     let choice = args.draft.drafter.single_choice()?;
     let draft_vocab = single(&args.draft.drafter.draft_vocabs()?, "--draft-vocab")?;
     let draft_confidence = single(
@@ -384,6 +375,20 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     let draft_tokens = args.draft.draft_tokens(&choice);
+    if !matches!(choice, DraftChoice::None) {
+        specula::decode::check_draft_tokens(draft_tokens)?;
+    }
+    let (loaded, threads, load_s) = load(&args.model)?;
+    let text = loaded.format_prompt(&prompt, args.raw, args.system.as_deref())?;
+    let prompt_tokens = loaded.tokenizer.encode(&text)?;
+    note_context_cap(&loaded.model, prompt_tokens.len(), args.max_tokens);
+    let req = GenerateRequest {
+        prompt_tokens,
+        max_new_tokens: args.max_tokens,
+        sampling,
+        stop_at_eos: !args.ignore_eos,
+    };
+    let prof = Profiler::new(args.profile.detail());
     let draft_loaded = match &choice {
         DraftChoice::Model(spec) => {
             let d = specula::load_model(spec, true, &mut |line| eprintln!("{line}"))
@@ -520,6 +525,24 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         eprintln!("trace: {} (open in ui.perfetto.dev)", path.display());
     }
     Ok(())
+}
+
+/// `--max-tokens` beyond what the context leaves is capped, not refused: generation simply ends when the context
+/// is full (stop reason `context_full`), as llama.cpp's `-n` does, and the prompt's length (which decides the
+/// room) is known only after the model's tokenizer has run. The note says so before any time is spent.
+pub fn note_context_cap(
+    model: &specula::model::LlamaModel,
+    prompt_tokens: usize,
+    max_tokens: usize,
+) {
+    let room = specula::decode::context_room(model, prompt_tokens);
+    if max_tokens > room {
+        eprintln!(
+            "note: --max-tokens {max_tokens} is more than the context leaves ({} tokens of context, {prompt_tokens} \
+             in the prompt): at most {room} tokens will be generated",
+            model.config.context_length
+        );
+    }
 }
 
 pub fn write_json(path: &std::path::Path, value: &serde_json::Value) -> anyhow::Result<()> {

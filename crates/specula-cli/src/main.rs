@@ -82,13 +82,17 @@ fn fetch(args: FetchArgs) -> anyhow::Result<()> {
 
 fn models() {
     println!(
-        "{:<22} {:>14}  {:<8} description",
+        "{:<22} {:>14}  {:<9} description",
         "name", "bytes", "cached"
     );
     for m in specula::registry::MODELS {
-        let cached = if m.cached().is_some() { "yes" } else { "no" };
+        let cached = match m.cache_state() {
+            specula::registry::CacheState::Verified(_) => "yes",
+            specula::registry::CacheState::Unverified(_) => "unchecked",
+            specula::registry::CacheState::Missing => "no",
+        };
         println!(
-            "{:<22} {:>14}  {:<8} {}",
+            "{:<22} {:>14}  {:<9} {}",
             m.name, m.bytes, cached, m.description
         );
     }

@@ -29,13 +29,16 @@ pub struct OverheadArgs {
 }
 
 pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
-    if args.rounds == 0 || args.max_tokens < 2 {
-        anyhow::bail!("--rounds must be >= 1 and --max-tokens >= 2");
+    if args.max_tokens < 2 {
+        anyhow::bail!("--max-tokens must be at least 2");
     }
+    specula::bench::check_repetitions(args.rounds, 0)?;
     let (loaded, threads, _) = crate::generate::load(&args.model)?;
     let text = loaded.format_prompt(&args.prompt, false, None)?;
+    let prompt_tokens = loaded.tokenizer.encode(&text)?;
+    crate::generate::note_context_cap(&loaded.model, prompt_tokens.len(), args.max_tokens);
     let req = GenerateRequest {
-        prompt_tokens: loaded.tokenizer.encode(&text)?,
+        prompt_tokens,
         max_new_tokens: args.max_tokens,
         sampling: SamplingParams::default(),
         stop_at_eos: false,

@@ -4,8 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use specula::model::gguf::{write_gguf, Value};
-use specula::testing::{write_tiny_gguf, write_tiny_hf_dir, TinySpec};
+use specula::model::gguf::Value;
+use specula::testing::{
+    read_gguf_parts, set_metadata, write_gguf_parts, write_tiny_gguf, write_tiny_hf_dir, TinySpec,
+};
 
 fn specula(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_specula"))
@@ -116,44 +118,294 @@ fn unsupported_quantization_type_is_named() {
     // Rewrite the tiny model with one matrix stored as IQ2_XXS (GGML type 16): 66 bytes per 256 values.
     let dir = tempfile::tempdir().unwrap();
     let p = tiny_gguf(dir.path());
-    let g = specula::model::gguf::GgufFile::open(&p).unwrap();
-    let md: Vec<(String, Value)> = g
-        .metadata
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    let mut tensors = Vec::new();
-    for t in &g.tensors {
-        let w = g
-            .weight(&t.name, t.dims.get(1).copied().unwrap_or(1), t.dims[0])
-            .unwrap();
-        if t.name == "blk.0.attn_q.weight" {
-            tensors.push((
-                t.name.clone(),
-                t.dims.clone(),
-                16u32,
-                vec![0u8; t.n_elements() / 256 * 66],
-            ));
-        } else {
-            tensors.push((
-                t.name.clone(),
-                t.dims.clone(),
-                w.dtype().id(),
-                w.raw_bytes(),
-            ));
+    let mut parts = read_gguf_parts(&p).unwrap();
+    for t in &mut parts.1 {
+        if t.0 == "blk.0.attn_q.weight" {
+            let elements: usize = t.1.iter().product();
+            t.2 = 16;
+            t.3 = vec![0u8; elements / 256 * 66];
         }
     }
     let bad = dir.path().join("iq2.gguf");
-    let md_ref: Vec<(&str, Value)> = md.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let t_ref: Vec<(&str, Vec<usize>, u32, Vec<u8>)> = tensors
-        .iter()
-        .map(|(n, d, t, b)| (n.as_str(), d.clone(), *t, b.clone()))
-        .collect();
-    write_gguf(&bad, &md_ref, &t_ref).unwrap();
+    write_gguf_parts(&bad, &parts).unwrap();
     fails_with(
         &["generate", "-m", bad.to_str().unwrap(), "-p", "hi"],
         &["blk.0.attn_q.weight", "IQ2_XXS", "does not support"],
     );
+}
+
+/// The tiny model with one metadata entry changed.
+fn tiny_with(dir: &Path, key: &str, value: Value) -> PathBuf {
+    let mut parts = read_gguf_parts(&tiny_gguf(dir)).unwrap();
+    set_metadata(&mut parts, key, value);
+    let p = dir.join(format!("{key}.gguf"));
+    write_gguf_parts(&p, &parts).unwrap();
+    p
+}
+
+/// Sizes a file controls are bounded before anything is allocated by them, and the error names the field, the
+/// value and the limit.
+#[test]
+fn huge_or_empty_sizes_in_gguf_metadata_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for (key, value, expected) in [
+        (
+            "qwen2.block_count",
+            Value::U64(1 << 40),
+            "GGUF metadata qwen2.block_count is 1099511627776; it must be between 1 and 1024",
+        ),
+        (
+            "qwen2.attention.head_count",
+            Value::U64(u64::MAX),
+            "qwen2.attention.head_count is 18446744073709551615",
+        ),
+        (
+            "qwen2.embedding_length",
+            Value::U32(0),
+            "qwen2.embedding_length is 0",
+        ),
+        (
+            "qwen2.context_length",
+            Value::U64(1 << 50),
+            "qwen2.context_length is 1125899906842624; it must be between 1 and 16777216",
+        ),
+        (
+            "qwen2.attention.layer_norm_rms_epsilon",
+            Value::F32(f32::NAN),
+            "RMSNorm epsilon is NaN",
+        ),
+        (
+            "tokenizer.ggml.tokens",
+            Value::Array(vec![]),
+            "tokenizer.ggml.tokens is empty",
+        ),
+    ] {
+        let p = tiny_with(dir.path(), key, value);
+        fails_with(
+            &["generate", "-m", p.to_str().unwrap(), "-p", "hi"],
+            &[expected],
+        );
+    }
+}
+
+/// Four dimensions of 2^40 each pass a per-dimension check; their product overflows 64 bits and, wrapped in a
+/// release build, would have passed the check that the tensor lies inside the file.
+#[test]
+fn tensor_dimensions_whose_product_overflows_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut parts = read_gguf_parts(&tiny_gguf(dir.path())).unwrap();
+    parts.1[0].1 = vec![1 << 40, 1 << 40, 1 << 40, 1 << 40];
+    let name = parts.1[0].0.clone();
+    let p = dir.path().join("dims.gguf");
+    write_gguf_parts(&p, &parts).unwrap();
+    fails_with(
+        &["generate", "-m", p.to_str().unwrap(), "-p", "hi"],
+        &[&name, "product overflows"],
+    );
+}
+
+#[test]
+fn huge_sizes_in_config_json_are_refused() {
+    for (key, value, expected) in [
+        (
+            "num_hidden_layers",
+            serde_json::json!(99_999_999_999u64),
+            "config.json num_hidden_layers is 99999999999; it must be between 1 and 1024",
+        ),
+        (
+            "vocab_size",
+            serde_json::json!(1u64 << 40),
+            "config.json vocab_size is 1099511627776",
+        ),
+        (
+            "num_key_value_heads",
+            serde_json::json!(0),
+            "config.json num_key_value_heads is 0",
+        ),
+        (
+            "num_hidden_layers",
+            serde_json::json!(-3),
+            "num_hidden_layers",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_hf_dir(dir.path(), &TinySpec::default()).unwrap();
+        let path = dir.path().join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config[key] = value;
+        std::fs::write(&path, config.to_string()).unwrap();
+        fails_with(
+            &["generate", "-m", dir.path().to_str().unwrap(), "-p", "hi"],
+            &[expected],
+        );
+    }
+}
+
+/// `--max-tokens` beyond the context is capped with a note (generation ends when the context is full), never
+/// sized into an allocation.
+#[test]
+fn max_tokens_beyond_the_context_is_capped_with_a_note() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = tiny_gguf(dir.path()); // context 256
+    let report = dir.path().join("r.json");
+    for n in ["99999999999", "18446744073709551615"] {
+        let out = specula(&[
+            "generate",
+            "-m",
+            p.to_str().unwrap(),
+            "--raw",
+            "-p",
+            "the tea",
+            "-n",
+            n,
+            "--ignore-eos",
+            "--quiet",
+            "--report-json",
+            report.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "note: --max-tokens {n} is more than the context leaves"
+            )),
+            "{stderr}"
+        );
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        assert_eq!(r["stop_reason"], "context_full", "{r}");
+        let total = r["prompt_tokens"].as_u64().unwrap() + r["generated_tokens"].as_u64().unwrap();
+        // Every cache position holds a token; the last token is generated from the last position.
+        assert_eq!(total, 257);
+    }
+}
+
+/// Counts that size loops or buffers are bounded, and checked before the model loads (the model path here
+/// does not exist, so a check that ran after loading would report the path instead).
+#[test]
+fn huge_counts_in_flags_are_refused_before_loading() {
+    let m = "/nonexistent/model.gguf";
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
+            "--draft-tokens",
+            "99999999999",
+        ],
+        &["--draft-tokens must be between 1 and 64, got 99999999999"],
+    );
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--threads", "99999999"],
+        &["--threads must be between 1 and 1024, got 99999999"],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("p.jsonl");
+    std::fs::write(&prompts, "{\"prompt\": \"hi\"}\n").unwrap();
+    let pr = prompts.to_str().unwrap();
+    fails_with(
+        &[
+            "bench",
+            "-m",
+            m,
+            "--prompts",
+            pr,
+            "--rounds",
+            "99999999999999",
+        ],
+        &["--rounds must be between 1 and 1000, got 99999999999999"],
+    );
+    fails_with(
+        &[
+            "bench",
+            "-m",
+            m,
+            "--prompts",
+            pr,
+            "--verify-repeats",
+            "99999999999999",
+        ],
+        &["--verify-repeats must be between 0 and 1000, got 99999999999999"],
+    );
+    fails_with(
+        &[
+            "bench",
+            "-m",
+            m,
+            "--prompts",
+            pr,
+            "--draft",
+            "ngram",
+            "--draft-tokens",
+            "2,99999999999",
+        ],
+        &["--draft-tokens values must be between 1 and 64, got 99999999999"],
+    );
+    fails_with(
+        &[
+            "bench",
+            "-m",
+            m,
+            "--prompts",
+            pr,
+            "--draft",
+            "ngram",
+            "--draft-tokens",
+            "99999999999999999999999",
+        ],
+        &["--draft-tokens"],
+    );
+    fails_with(
+        &["profile-overhead", "-m", m, "--rounds", "99999999999999"],
+        &["--rounds must be between 1 and 1000"],
+    );
+}
+
+/// A bench JSON file is untrusted input too: `tune --from-bench` bounds the draft length it sizes tables by and
+/// refuses numbers that are not measurements.
+#[test]
+fn tune_from_bench_refuses_huge_or_non_numeric_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |k: serde_json::Value, tok_s: serde_json::Value| {
+        serde_json::json!({"k": k, "decode_tok_s": tok_s, "cycles": 10, "draft_ms_per_cycle": 1.0,
+            "verify_ms_per_cycle": 2.0, "overhead_ms_per_cycle": 0.1, "label": "x", "method": "ngram",
+            "speculation": {"drafted_per_position": [5], "accepted_per_position": [3]}})
+    };
+    let plain = config(serde_json::json!(0), serde_json::json!(50.0));
+    for (spec_config, expected) in [
+        (
+            config(serde_json::json!(1u64 << 60), serde_json::json!(60.0)),
+            "k = 1152921504606846976; expected a draft length between 1 and 64",
+        ),
+        (
+            config(serde_json::json!(2), serde_json::json!(-1.0)),
+            "\"decode_tok_s\" is -1",
+        ),
+        (
+            config(serde_json::json!(2), serde_json::json!("fast")),
+            "missing number \"decode_tok_s\"",
+        ),
+    ] {
+        let report = serde_json::json!({"configs": [plain, spec_config],
+            "verify_cost": {"ms": [2.0, 2.5, 3.0]}});
+        let path = dir.path().join("bench.json");
+        std::fs::write(&path, report.to_string()).unwrap();
+        fails_with(
+            &[
+                "tune",
+                "--from-bench",
+                path.to_str().unwrap(),
+                "--plot",
+                dir.path().join("t.svg").to_str().unwrap(),
+            ],
+            &[expected],
+        );
+    }
 }
 
 #[test]

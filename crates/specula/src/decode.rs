@@ -67,6 +67,18 @@ pub struct GenerateOutput {
     pub speculation: Option<SpeculationStats>,
 }
 
+/// The most new tokens a prompt of `prompt_tokens` leaves room for: every position up to the context length,
+/// plus the last token, which is generated from the last position but never needs a cache slot itself.
+/// Generation stops there with [`StopReason::ContextFull`], whatever `max_new_tokens` asks.
+pub fn context_room(model: &LlamaModel, prompt_tokens: usize) -> usize {
+    let ctx = model.config.context_length;
+    if prompt_tokens < ctx {
+        ctx - prompt_tokens + 1
+    } else {
+        0
+    }
+}
+
 /// Checks a request against the model before any work is done.
 pub fn validate_request(model: &LlamaModel, req: &GenerateRequest) -> Result<()> {
     req.sampling.validate()?;
@@ -109,17 +121,14 @@ pub fn generate(
 ) -> Result<GenerateOutput> {
     validate_request(model, req)?;
     if let Some(s) = &speculation {
-        if s.draft_tokens == 0 || s.draft_tokens > MAX_DRAFT_TOKENS {
-            return Err(Error::InvalidArgument(format!(
-                "--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {}",
-                s.draft_tokens
-            )));
-        }
+        check_draft_tokens(s.draft_tokens)?;
     }
     let mut sampler = Sampler::new(req.sampling)?;
     let mut cache = model.new_cache();
     let mut stream = StreamDecoder::new();
-    let mut tokens: Vec<u32> = Vec::with_capacity(req.max_new_tokens);
+    // Never sized by max_new_tokens alone (a caller may ask for more than the context can hold).
+    let room = context_room(model, req.prompt_tokens.len());
+    let mut tokens: Vec<u32> = Vec::with_capacity(req.max_new_tokens.min(room));
     // Prompt and committed tokens; the last one is pending (not yet in the target's cache).
     let mut context: Vec<u32> = req.prompt_tokens.clone();
     let mut timing = Timing::default();
@@ -319,6 +328,16 @@ fn emit_tokens(
 
 /// The most tokens a drafter may propose per cycle.
 pub const MAX_DRAFT_TOKENS: usize = 64;
+
+/// Checks a draft length (`--draft-tokens`).
+pub fn check_draft_tokens(k: usize) -> Result<()> {
+    if k == 0 || k > MAX_DRAFT_TOKENS {
+        return Err(Error::InvalidArgument(format!(
+            "--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {k}"
+        )));
+    }
+    Ok(())
+}
 
 /// Acceptance statistics of a speculative run (vLLM's definitions).
 #[derive(Debug, Clone, serde::Serialize)]

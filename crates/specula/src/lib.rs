@@ -33,19 +33,21 @@ pub fn resolve_model(
         model::ModelLocation::File(p) | model::ModelLocation::Dir(p) => Ok((p, None)),
         model::ModelLocation::Hub(id) => Ok((hub::download(&id)?, None)),
         model::ModelLocation::Registry(m) => {
-            let path = match m.cached() {
-                Some(p) => p,
-                None if fetch => registry::fetch(m, log)?,
-                None => {
-                    return Err(Error::Fetch {
-                        name: m.name.to_string(),
-                        reason: format!(
-                            "not in the cache ({}); run `specula fetch {}`",
-                            m.cached_path().display(),
-                            m.name
-                        ),
-                    })
-                }
+            let path = match fetch {
+                true => registry::fetch(m, log)?,
+                false => match registry::check_cached(m, log)? {
+                    Some(p) => p,
+                    None => {
+                        return Err(Error::Fetch {
+                            name: m.name.to_string(),
+                            reason: format!(
+                                "not in the cache ({}); run `specula fetch {}`",
+                                m.cached_path().display(),
+                                m.name
+                            ),
+                        })
+                    }
+                },
             };
             Ok((path, Some(m.sha256.to_string())))
         }

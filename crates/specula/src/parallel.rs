@@ -3,13 +3,19 @@
 
 use std::sync::OnceLock;
 
+/// Most compute threads specula starts (far above any CPU's cores; a larger number is a typo, and each thread
+/// is a real OS thread with its own stack).
+pub const MAX_THREADS: usize = 1024;
+
 static CONFIGURED_THREADS: OnceLock<usize> = OnceLock::new();
 
 /// Sets the number of compute threads. Must be called before the first forward pass; later calls with a
 /// different number are refused because the pool is already running.
 pub fn set_threads(threads: usize) -> Result<(), String> {
-    if threads == 0 {
-        return Err("--threads must be at least 1".into());
+    if threads == 0 || threads > MAX_THREADS {
+        return Err(format!(
+            "--threads must be between 1 and {MAX_THREADS}, got {threads}"
+        ));
     }
     let actual = *CONFIGURED_THREADS.get_or_init(|| {
         // candle reads these once, when its pool starts.

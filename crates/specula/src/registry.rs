@@ -115,12 +115,112 @@ impl RegistryModel {
         cache_dir().join(format!("{}.gguf", self.name))
     }
 
-    /// The cached file if it is there with the right size (the hash was checked when it was written).
-    pub fn cached(&self) -> Option<PathBuf> {
-        let p = self.cached_path();
-        let len = std::fs::metadata(&p).ok()?.len();
-        (len == self.bytes).then_some(p)
+    /// Where the record that the cached file's SHA-256 was checked lives.
+    fn verified_marker_path(&self) -> PathBuf {
+        cache_dir().join(format!(".{}.sha256-verified", self.name))
     }
+
+    /// The cached file if it is there and its SHA-256 was checked since it last changed (size and modification
+    /// time as recorded then). Cheap: reads metadata only. See [`check_cached`] for a file never checked.
+    pub fn cached(&self) -> Option<PathBuf> {
+        match self.cache_state() {
+            CacheState::Verified(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    pub fn cache_state(&self) -> CacheState {
+        let path = self.cached_path();
+        let Some(stamp) = file_stamp(&path) else {
+            return CacheState::Missing;
+        };
+        let recorded = std::fs::read_to_string(self.verified_marker_path()).unwrap_or_default();
+        if recorded.trim() == marker_text(self.sha256, &stamp) && stamp.0 == self.bytes {
+            CacheState::Verified(path)
+        } else {
+            CacheState::Unverified(path)
+        }
+    }
+
+    /// Records that the cached file, as it is now, has the registry's SHA-256.
+    fn record_verified(&self) -> Result<()> {
+        let path = self.cached_path();
+        let stamp = file_stamp(&path).ok_or_else(|| {
+            Error::io(
+                &path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "vanished after its check"),
+            )
+        })?;
+        let marker = self.verified_marker_path();
+        std::fs::write(&marker, marker_text(self.sha256, &stamp) + "\n")
+            .map_err(|e| Error::io(&marker, e))
+    }
+}
+
+/// What the cache holds for a registry model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheState {
+    /// Present and checked: its SHA-256 matched, and it has not changed since.
+    Verified(PathBuf),
+    /// Present but never checked, or changed since its check.
+    Unverified(PathBuf),
+    Missing,
+}
+
+/// Size and modification time (ns since the epoch) of a file, if it exists.
+fn file_stamp(path: &Path) -> Option<(u64, u128)> {
+    let meta = std::fs::metadata(path).ok()?;
+    let mtime = meta
+        .modified()
+        .ok()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_nanos();
+    Some((meta.len(), mtime))
+}
+
+fn marker_text(sha256: &str, stamp: &(u64, u128)) -> String {
+    format!("sha256 {sha256} bytes {} mtime_ns {}", stamp.0, stamp.1)
+}
+
+/// The cached file of `model` once its SHA-256 is known to be right: checked now (once; `log` says so) when it
+/// never was or changed since, so a corrupt, truncated-and-padded or replaced file is caught instead of trusted
+/// for its size. None when nothing is cached. A file with the wrong hash is deleted and reported as an error.
+pub fn check_cached(model: &RegistryModel, log: &mut dyn FnMut(&str)) -> Result<Option<PathBuf>> {
+    let path = match model.cache_state() {
+        CacheState::Verified(p) => return Ok(Some(p)),
+        CacheState::Missing => return Ok(None),
+        CacheState::Unverified(p) => p,
+    };
+    log(&format!(
+        "checking the SHA-256 of cached {} (once, after download or a change)",
+        path.display()
+    ));
+    let size = std::fs::metadata(&path)
+        .map_err(|e| Error::io(&path, e))?
+        .len();
+    let digest = if size == model.bytes {
+        sha256_file(&path)?
+    } else {
+        String::from("(not computed: wrong size)")
+    };
+    if size != model.bytes || digest != model.sha256 {
+        let _ = std::fs::remove_file(&path);
+        let _ = std::fs::remove_file(model.verified_marker_path());
+        return Err(Error::Fetch {
+            name: model.name.to_string(),
+            reason: format!(
+                "the cached file {} was corrupt ({size} bytes, sha256 {digest}; expected {} bytes, sha256 {}) \
+                 and has been deleted; `specula fetch {}` downloads it again",
+                path.display(),
+                model.bytes,
+                model.sha256,
+                model.name
+            ),
+        });
+    }
+    model.record_verified()?;
+    Ok(Some(path))
 }
 
 pub fn sha256_file(path: &Path) -> Result<String> {
@@ -140,8 +240,10 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 /// Fetches a registry model into the cache (no-op when already there) and returns its path.
 /// `log` receives progress lines.
 pub fn fetch(model: &RegistryModel, log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
-    if let Some(p) = model.cached() {
-        return Ok(p);
+    match check_cached(model, log) {
+        Ok(Some(p)) => return Ok(p),
+        Ok(None) => {}
+        Err(e) => log(&format!("{e}; downloading it again")),
     }
     let fail = |reason: String| Error::Fetch {
         name: model.name.to_string(),
@@ -219,6 +321,7 @@ pub fn fetch(model: &RegistryModel, log: &mut dyn FnMut(&str)) -> Result<PathBuf
         )));
     }
     std::fs::rename(&partial, &dest).map_err(|e| Error::io(&dest, e))?;
+    model.record_verified()?;
     log(&format!(
         "{} ready: {} ({} bytes, sha256 ok)",
         model.name,

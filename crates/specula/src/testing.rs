@@ -382,3 +382,55 @@ pub fn write_tiny_hf_dir(dir: &Path, spec: &TinySpec) -> crate::Result<()> {
         .collect();
     crate::model::safetensors::write_f32_safetensors(&dir.join("model.safetensors"), &tensors)
 }
+
+/// Metadata and tensors of a GGUF file as `write_gguf` takes them (tensor: name, dims, type id, bytes).
+pub type GgufParts = (
+    Vec<(String, Value)>,
+    Vec<(String, Vec<usize>, u32, Vec<u8>)>,
+);
+
+/// Reads a GGUF file into parts that a test can edit and write back with [`write_gguf_parts`].
+pub fn read_gguf_parts(path: &Path) -> crate::Result<GgufParts> {
+    let g = crate::model::gguf::GgufFile::open(path)?;
+    let mut metadata: Vec<(String, Value)> = g
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    metadata.sort_by(|a, b| a.0.cmp(&b.0));
+    let tensors = g
+        .tensors
+        .iter()
+        .map(|t| {
+            Ok((
+                t.name.clone(),
+                t.dims.clone(),
+                t.type_id,
+                g.raw_tensor_bytes(&t.name)?.to_vec(),
+            ))
+        })
+        .collect::<crate::Result<_>>()?;
+    Ok((metadata, tensors))
+}
+
+pub fn write_gguf_parts(path: &Path, parts: &GgufParts) -> std::io::Result<()> {
+    let md: Vec<(&str, Value)> = parts
+        .0
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    let ts: Vec<(&str, Vec<usize>, u32, Vec<u8>)> = parts
+        .1
+        .iter()
+        .map(|(n, d, t, b)| (n.as_str(), d.clone(), *t, b.clone()))
+        .collect();
+    write_gguf(path, &md, &ts)
+}
+
+/// Sets (or adds) one metadata entry of a GGUF's parts.
+pub fn set_metadata(parts: &mut GgufParts, key: &str, value: Value) {
+    match parts.0.iter_mut().find(|(k, _)| k == key) {
+        Some(entry) => entry.1 = value,
+        None => parts.0.push((key.to_string(), value)),
+    }
+}

@@ -55,6 +55,17 @@ impl Tokenizer {
             .iter()
             .map(|v| v.as_str().unwrap_or(""))
             .collect();
+        if tokens.is_empty() {
+            return Err(Error::Tokenizer(
+                "GGUF tokenizer.ggml.tokens is empty".into(),
+            ));
+        }
+        if tokens.len() > u32::MAX as usize {
+            return Err(Error::Tokenizer(format!(
+                "GGUF tokenizer.ggml.tokens has {} entries; token ids are 32-bit",
+                tokens.len()
+            )));
+        }
         let token_types: Vec<u64> = gguf
             .get("tokenizer.ggml.token_type")
             .and_then(|v| v.as_array())
@@ -122,10 +133,24 @@ impl Tokenizer {
                 path.display()
             )));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let json = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
         let config = read_json(&dir.join("tokenizer_config.json"))?;
         let gen_config = read_json(&dir.join("generation_config.json"))?;
+        Self::from_hf_json(&json, &config, &gen_config)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))
+    }
+
+    /// A tokenizer from the bytes of a `tokenizer.json` and the parsed `tokenizer_config.json` and
+    /// `generation_config.json` (`Value::Null` when absent).
+    pub fn from_hf_json(
+        tokenizer_json: &[u8],
+        config: &serde_json::Value,
+        gen_config: &serde_json::Value,
+    ) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(tok_err)?;
+        if inner.get_vocab_size(true) == 0 {
+            return Err(Error::Tokenizer("the vocabulary is empty".into()));
+        }
         let token_id = |v: Option<&serde_json::Value>| -> Option<u32> {
             let v = v?;
             let text = v
@@ -145,10 +170,15 @@ impl Tokenizer {
                 .is_some_and(|first| Some(first) == bos_token),
         };
         let mut stop_tokens: Vec<u32> = eos_token.into_iter().collect();
+        let in_vocab = |id: u64| {
+            u32::try_from(id)
+                .ok()
+                .filter(|&i| inner.id_to_token(i).is_some())
+        };
         match gen_config.get("eos_token_id") {
-            Some(serde_json::Value::Number(n)) => stop_tokens.extend(n.as_u64().map(|v| v as u32)),
+            Some(serde_json::Value::Number(n)) => stop_tokens.extend(n.as_u64().and_then(in_vocab)),
             Some(serde_json::Value::Array(a)) => {
-                stop_tokens.extend(a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32))
+                stop_tokens.extend(a.iter().filter_map(|v| v.as_u64()).filter_map(in_vocab))
             }
             _ => {}
         }

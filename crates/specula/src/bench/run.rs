@@ -344,13 +344,31 @@ pub fn configs(spec: &BenchSpec<'_>) -> Vec<BenchConfig> {
     out
 }
 
+/// Most passes over the prompts a bench runs (more only multiplies the run time; noise is averaged by then).
+pub const MAX_ROUNDS: usize = 1000;
+/// Most repetitions per size of the verify-cost measurement.
+pub const MAX_VERIFY_REPEATS: usize = 1000;
+
+/// Checks `--rounds` and `--verify-repeats` (callers check them before loading any model).
+pub fn check_repetitions(rounds: usize, verify_repeats: usize) -> Result<()> {
+    if rounds == 0 || rounds > MAX_ROUNDS {
+        return Err(Error::InvalidArgument(format!(
+            "--rounds must be between 1 and {MAX_ROUNDS}, got {rounds}"
+        )));
+    }
+    if verify_repeats > MAX_VERIFY_REPEATS {
+        return Err(Error::InvalidArgument(format!(
+            "--verify-repeats must be between 0 and {MAX_VERIFY_REPEATS}, got {verify_repeats}"
+        )));
+    }
+    Ok(())
+}
+
 pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
     if spec.prompts.is_empty() {
         return Err(Error::InvalidArgument("no prompts to benchmark".into()));
     }
-    if spec.rounds == 0 {
-        return Err(Error::InvalidArgument("--rounds must be at least 1".into()));
-    }
+    check_repetitions(spec.rounds, spec.verify_cost_repeats)?;
     if spec.max_new_tokens == 0 {
         return Err(Error::InvalidArgument(
             "--max-tokens must be at least 1".into(),
@@ -362,12 +380,7 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
         ));
     }
     for &k in &spec.draft_tokens {
-        if k == 0 || k > decode::MAX_DRAFT_TOKENS {
-            return Err(Error::InvalidArgument(format!(
-                "--draft-tokens values must be between 1 and {}, got {k}",
-                decode::MAX_DRAFT_TOKENS
-            )));
-        }
+        decode::check_draft_tokens(k)?;
     }
     let uses_model = spec
         .methods

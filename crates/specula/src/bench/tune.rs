@@ -60,16 +60,53 @@ pub struct TuneInput {
     pub verify_curve_ms: Vec<f64>,
 }
 
+/// A finite, non-negative number (every measured quantity in a bench report is one).
 fn num(v: &Value, key: &str) -> Result<f64> {
-    v.get(key)
+    let x = v
+        .get(key)
         .and_then(Value::as_f64)
-        .ok_or_else(|| Error::InvalidArgument(format!("bench report: missing number {key:?}")))
+        .ok_or_else(|| Error::InvalidArgument(format!("bench report: missing number {key:?}")))?;
+    if !(x.is_finite() && x >= 0.0) {
+        return Err(Error::InvalidArgument(format!(
+            "bench report: {key:?} is {x}; expected a finite number >= 0"
+        )));
+    }
+    Ok(x)
 }
 
-fn num_list(v: Option<&Value>) -> Vec<f64> {
-    v.and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(Value::as_f64).collect())
-        .unwrap_or_default()
+/// A list of finite, non-negative numbers, at most `max_len` long (missing: empty).
+fn num_list(v: Option<&Value>, key: &str, max_len: usize) -> Result<Vec<f64>> {
+    let Some(items) = v.and_then(Value::as_array) else {
+        return Ok(Vec::new());
+    };
+    if items.len() > max_len {
+        return Err(Error::InvalidArgument(format!(
+            "bench report: {key:?} has {} entries; at most {max_len} expected",
+            items.len()
+        )));
+    }
+    items
+        .iter()
+        .map(|item| match item.as_f64() {
+            Some(x) if x.is_finite() && x >= 0.0 => Ok(x),
+            _ => Err(Error::InvalidArgument(format!(
+                "bench report: {key:?} holds {item}; expected finite numbers >= 0"
+            ))),
+        })
+        .collect()
+}
+
+/// A draft length read from a report: 1..=MAX_DRAFT_TOKENS, as bench itself allows (tune sizes its per-position
+/// tables by it).
+fn draft_length(c: &Value) -> Result<usize> {
+    let max = crate::decode::MAX_DRAFT_TOKENS;
+    match c.get("k").and_then(Value::as_u64) {
+        Some(k) if k >= 1 && k <= max as u64 => Ok(k as usize),
+        _ => Err(Error::InvalidArgument(format!(
+            "bench report: a speculative config has k = {}; expected a draft length between 1 and {max}",
+            c.get("k").unwrap_or(&Value::Null)
+        ))),
+    }
 }
 
 impl TuneInput {
@@ -104,6 +141,7 @@ impl TuneInput {
                 variants.len()
             )));
         }
+        let max_k = crate::decode::MAX_DRAFT_TOKENS;
         let mut measured = Vec::new();
         let mut method = String::new();
         for c in configs
@@ -126,14 +164,22 @@ impl TuneInput {
                     .and_then(Value::as_str)
                     .unwrap_or("?")
                     .to_string(),
-                k: num(c, "k")? as usize,
+                k: draft_length(c)?,
                 tok_s: num(c, "decode_tok_s")?,
                 cycles: num(c, "cycles")?,
                 draft_ms: num(c, "draft_ms_per_cycle")?,
                 verify_ms: num(c, "verify_ms_per_cycle")?,
                 overhead_ms: num(c, "overhead_ms_per_cycle")?,
-                drafted_per_position: num_list(spec.get("drafted_per_position")),
-                accepted_per_position: num_list(spec.get("accepted_per_position")),
+                drafted_per_position: num_list(
+                    spec.get("drafted_per_position"),
+                    "drafted_per_position",
+                    max_k,
+                )?,
+                accepted_per_position: num_list(
+                    spec.get("accepted_per_position"),
+                    "accepted_per_position",
+                    max_k,
+                )?,
             });
         }
         if measured.is_empty() {
@@ -143,7 +189,11 @@ impl TuneInput {
             ));
         }
         measured.sort_by_key(|c| c.k);
-        let verify_curve_ms = num_list(report.get("verify_cost").and_then(|v| v.get("ms")));
+        let verify_curve_ms = num_list(
+            report.get("verify_cost").and_then(|v| v.get("ms")),
+            "verify_cost.ms",
+            max_k + 1,
+        )?;
         if verify_curve_ms.len() < 2 {
             return Err(Error::InvalidArgument(
                 "bench report has no verify-cost curve (rerun bench without --verify-repeats 0)"

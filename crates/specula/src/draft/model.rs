@@ -191,6 +191,9 @@ pub fn check_compatible(target: &LoadedModel, draft: &LoadedModel) -> Result<()>
             "the target's tokenizer has {tv} tokens and the draft's has {dv}"
         ));
     }
+    if tv == 0 {
+        return mismatch("both tokenizers have an empty vocabulary".into());
+    }
     for id in (0..tv as u32)
         .step_by((tv / 512).max(1))
         .chain([tv as u32 - 1])

@@ -44,39 +44,145 @@ pub struct Config {
     pub tie_word_embeddings: bool,
 }
 
+/// Where a configuration was read from, so that an error names the field as that file spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigSource<'a> {
+    /// GGUF metadata of an architecture (`{arch}.block_count`, ...).
+    Gguf { arch: &'a str },
+    /// A Hugging Face `config.json` (`num_hidden_layers`, ...).
+    HfJson,
+    /// Built in code (tests, tools): the struct's own field names.
+    Code,
+}
+
+/// The configuration fields that size things, with the largest value specula accepts for each. The limits sit
+/// far above every released Llama-family model (the largest have 126 layers, hidden size 16384, a 256k
+/// vocabulary, head dimension 256) and far below what would overflow a product of two of them, so a corrupt or
+/// hostile file is refused with the field named before anything is sized by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Field {
+    Layers,
+    Hidden,
+    Intermediate,
+    Vocab,
+    Heads,
+    KvHeads,
+    HeadDim,
+    Context,
+}
+
+impl Field {
+    fn limit(self) -> usize {
+        match self {
+            Field::Layers => 1024,
+            Field::Hidden => 1 << 16,
+            Field::Intermediate => 1 << 18,
+            Field::Vocab => 1 << 22,
+            Field::Heads | Field::KvHeads => 1024,
+            Field::HeadDim => 1024,
+            Field::Context => 1 << 24,
+        }
+    }
+
+    fn name(self, source: ConfigSource<'_>) -> String {
+        let (gguf, hf, code) = match self {
+            Field::Layers => ("block_count", "num_hidden_layers", "num_layers"),
+            Field::Hidden => ("embedding_length", "hidden_size", "hidden_size"),
+            Field::Intermediate => (
+                "feed_forward_length",
+                "intermediate_size",
+                "intermediate_size",
+            ),
+            Field::Vocab => ("vocab_size", "vocab_size", "vocab_size"),
+            Field::Heads => ("attention.head_count", "num_attention_heads", "num_heads"),
+            Field::KvHeads => (
+                "attention.head_count_kv",
+                "num_key_value_heads",
+                "num_kv_heads",
+            ),
+            Field::HeadDim => ("attention.key_length", "head_dim", "head_dim"),
+            Field::Context => (
+                "context_length",
+                "max_position_embeddings",
+                "context_length",
+            ),
+        };
+        match source {
+            ConfigSource::Gguf { arch } => format!("GGUF metadata {arch}.{gguf}"),
+            ConfigSource::HfJson => format!("config.json {hf}"),
+            ConfigSource::Code => code.to_string(),
+        }
+    }
+}
+
 impl Config {
+    /// Checks every field against the limits above and the relations between fields.
     pub fn validate(&self) -> Result<()> {
+        self.validate_from(ConfigSource::Code)
+    }
+
+    /// [`Config::validate`], naming fields as `source` spells them.
+    pub fn validate_from(&self, source: ConfigSource<'_>) -> Result<()> {
         let fail = |m: String| Err(Error::Config(m));
-        if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+        for (field, value) in [
+            (Field::Layers, self.num_layers),
+            (Field::Hidden, self.hidden_size),
+            (Field::Intermediate, self.intermediate_size),
+            (Field::Vocab, self.vocab_size),
+            (Field::Heads, self.num_heads),
+            (Field::KvHeads, self.num_kv_heads),
+            (Field::HeadDim, self.head_dim),
+            (Field::Context, self.context_length),
+        ] {
+            if value == 0 || value > field.limit() {
+                return fail(format!(
+                    "{} is {value}; it must be between 1 and {}",
+                    field.name(source),
+                    field.limit()
+                ));
+            }
+        }
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return fail(format!(
-                "layers {}, hidden size {}, vocab {} must all be positive",
-                self.num_layers, self.hidden_size, self.vocab_size
+                "{} attention heads ({}) cannot share {} KV heads ({}) evenly",
+                self.num_heads,
+                Field::Heads.name(source),
+                self.num_kv_heads,
+                Field::KvHeads.name(source)
             ));
         }
-        if self.num_heads == 0
-            || self.num_kv_heads == 0
-            || !self.num_heads.is_multiple_of(self.num_kv_heads)
-        {
+        if !self.head_dim.is_multiple_of(2) {
             return fail(format!(
-                "{} attention heads cannot share {} KV heads evenly",
-                self.num_heads, self.num_kv_heads
-            ));
-        }
-        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
-            return fail(format!(
-                "head dimension {} must be even and positive",
+                "{} is {}; rotary embeddings need an even head dimension",
+                Field::HeadDim.name(source),
                 self.head_dim
             ));
         }
-        if self.rope_theta.is_nan()
-            || self.rope_theta <= 0.0
-            || self.rms_norm_eps.is_nan()
-            || self.rms_norm_eps <= 0.0
-        {
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return fail(format!(
-                "rope theta {} and RMSNorm eps {} must be positive",
-                self.rope_theta, self.rms_norm_eps
+                "rope theta is {}; it must be a positive finite number",
+                self.rope_theta
             ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0 && self.rms_norm_eps < 1.0) {
+            return fail(format!(
+                "RMSNorm epsilon is {}; it must be in (0, 1)",
+                self.rms_norm_eps
+            ));
+        }
+        if let Some(s) = &self.rope_scaling {
+            let positive = |v: f64| v.is_finite() && v > 0.0;
+            if !(positive(s.factor)
+                && positive(s.low_freq_factor)
+                && positive(s.high_freq_factor)
+                && s.high_freq_factor != s.low_freq_factor
+                && s.original_max_position_embeddings > 0)
+            {
+                return fail(format!(
+                    "llama3 rope scaling needs positive finite factors with high_freq_factor != low_freq_factor \
+                     and original_max_position_embeddings > 0; got {s:?}"
+                ));
+            }
         }
         Ok(())
     }
@@ -115,13 +221,19 @@ impl Config {
             .unwrap_or(hidden_size.checked_div(num_heads).unwrap_or(0));
         let vocab_size = match gguf.get_u64(&key("vocab_size")) {
             Some(v) => v as usize,
-            None => gguf
-                .get("tokenizer.ggml.tokens")
-                .and_then(|v| v.as_array())
-                .map(|a| a.len())
-                .ok_or_else(|| {
-                    Error::Config("GGUF has neither a vocab size nor a token list".into())
-                })?,
+            None => match gguf.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
+                Some([]) => {
+                    return Err(Error::Config(
+                        "GGUF has no vocab size and tokenizer.ggml.tokens is empty".into(),
+                    ))
+                }
+                Some(tokens) => tokens.len(),
+                None => {
+                    return Err(Error::Config(
+                        "GGUF has neither a vocab size nor a token list".into(),
+                    ))
+                }
+            },
         };
         let tie_word_embeddings = gguf.tensor_info("output.weight").is_none();
         let attention_bias = gguf.tensor_info("blk.0.attn_q.bias").is_some();
@@ -157,13 +269,18 @@ impl Config {
             attention_bias,
             tie_word_embeddings,
         };
-        config.validate()?;
+        config.validate_from(ConfigSource::Gguf { arch: &arch })?;
         Ok(config)
     }
 
     pub fn from_hf_json(text: &str) -> Result<Self> {
+        // The path of the offending field goes into the error (serde alone says only "expected usize").
         let hf: HfConfig =
-            serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json: {e}")))?;
+            serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text))
+                .map_err(|e| match e.path().to_string().as_str() {
+                    "." => Error::Config(format!("config.json: {}", e.inner())),
+                    path => Error::Config(format!("config.json {path}: {}", e.inner())),
+                })?;
         let arch = match hf.model_type.as_deref() {
             Some("llama") | Some("mistral") => "llama",
             Some("qwen2") => "qwen2",
@@ -214,7 +331,7 @@ impl Config {
             attention_bias: hf.attention_bias.unwrap_or(arch == "qwen2"),
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
         };
-        config.validate()?;
+        config.validate_from(ConfigSource::HfJson)?;
         Ok(config)
     }
 

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::model::file_bytes::FileBytes;
 use crate::model::weights::{GgmlType, Weight};
 
 const GGUF_MAGIC: u32 = 0x4655_4747; // "GGUF" little-endian
@@ -84,19 +85,20 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
+    /// The product of the dimensions (checked to fit when the file was read).
     pub fn n_elements(&self) -> usize {
         self.dims.iter().product()
     }
 }
 
-/// A parsed GGUF file, memory-mapped; tensors are copied out on demand.
+/// A parsed GGUF file, memory-mapped (or in memory); tensors are copied out on demand.
 pub struct GgufFile {
     pub path: PathBuf,
     pub metadata: HashMap<String, Value>,
     pub tensors: Vec<TensorInfo>,
     tensor_index: HashMap<String, usize>,
     data_start: u64,
-    mmap: memmap2::Mmap,
+    bytes: FileBytes,
 }
 
 struct Cursor<'a> {
@@ -191,12 +193,31 @@ impl<'a> Cursor<'a> {
 }
 
 impl GgufFile {
+    /// Maps and parses a GGUF file, checking that every tensor lies inside it.
     pub fn open(path: &Path) -> Result<Self> {
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        // SAFETY: the map is read-only and the file is not modified by us while mapped.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let gguf = Self::parse(FileBytes::map(path)?, path)?;
+        gguf.check_tensor_extents()?;
+        Ok(gguf)
+    }
+
+    /// Parses GGUF bytes held in memory (`label` names them in errors), checking tensor extents like [`open`].
+    ///
+    /// [`open`]: GgufFile::open
+    pub fn from_bytes(bytes: Vec<u8>, label: &Path) -> Result<Self> {
+        let gguf = Self::parse(FileBytes::Owned(bytes), label)?;
+        gguf.check_tensor_extents()?;
+        Ok(gguf)
+    }
+
+    /// Header, metadata and tensor directory only: tensors are not checked against the file's length until
+    /// [`GgufFile::check_tensor_extents`] (a header without its data still has a config and a tokenizer).
+    pub fn parse_header(bytes: Vec<u8>, label: &Path) -> Result<Self> {
+        Self::parse(FileBytes::Owned(bytes), label)
+    }
+
+    fn parse(bytes: FileBytes, path: &Path) -> Result<Self> {
         let mut cur = Cursor {
-            bytes: &mmap,
+            bytes: &bytes,
             pos: 0,
             path,
         };
@@ -240,6 +261,16 @@ impl GgufFile {
                 }
                 dims.push(d as usize);
             }
+            // Four dimensions of up to 2^40 can overflow; a wrapped product would defeat the extent check.
+            if dims
+                .iter()
+                .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+                .is_none()
+            {
+                return Err(cur.bad(format!(
+                    "tensor {name} has dimensions {dims:?}, whose product overflows"
+                )));
+            }
             let type_id = cur.u32(&format!("type of tensor {name}"))?;
             let offset = cur.u64(&format!("offset of tensor {name}"))?;
             tensors.push(TensorInfo {
@@ -260,28 +291,26 @@ impl GgufFile {
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
-        let gguf = GgufFile {
+        Ok(GgufFile {
             path: path.to_path_buf(),
             metadata,
             tensors,
             tensor_index,
             data_start,
-            mmap,
-        };
-        gguf.check_tensor_extents()?;
-        Ok(gguf)
+            bytes,
+        })
     }
 
     /// Every tensor must lie inside the file: a truncated download is caught at load, naming the first tensor cut off.
-    fn check_tensor_extents(&self) -> Result<()> {
-        let file_len = self.mmap.len() as u64;
+    pub fn check_tensor_extents(&self) -> Result<()> {
+        let file_len = self.bytes.len() as u64;
         for t in &self.tensors {
             let Some(ty) = GgmlType::from_id(t.type_id) else {
                 continue; // reported when (and if) the tensor is used, with its type named
             };
             let Some(bytes) = ty.bytes_for(t.n_elements()) else {
                 return Err(self.bad(format!(
-                    "tensor {} has {} elements, not a multiple of {}'s block size {}",
+                    "tensor {} has {} elements: not a multiple of {}'s block size {}, or too many",
                     t.name,
                     t.n_elements(),
                     ty.name(),
@@ -336,7 +365,9 @@ impl GgufFile {
             name: name.to_string(),
             hint: format!(" in {}", self.path.display()),
         })?;
-        let expected_elems = rows * cols;
+        let expected_elems = rows
+            .checked_mul(cols)
+            .ok_or_else(|| self.bad(format!("tensor {name}: {rows} x {cols} elements overflow")))?;
         let shape_ok = match info.dims.as_slice() {
             [c] => rows == 1 && *c == cols,
             [c, r] => *c == cols && *r == rows,
@@ -372,10 +403,43 @@ impl GgufFile {
                 ty.block_size()
             )));
         }
-        let start = (self.data_start + info.offset) as usize;
-        let data = &self.mmap[start..start + bytes];
+        let data = self.data_of(info, bytes)?;
         Weight::from_raw(ty, data, rows, cols)
             .map_err(|reason| self.bad(format!("tensor {name}: {reason}")))
+    }
+}
+
+impl GgufFile {
+    /// The `len` bytes of a tensor's data, or an error if they lie past the end of the file.
+    fn data_of(&self, info: &TensorInfo, len: usize) -> Result<&[u8]> {
+        self.data_start
+            .checked_add(info.offset)
+            .and_then(|start| usize::try_from(start).ok())
+            .and_then(|start| self.bytes.get(start..start.checked_add(len)?))
+            .ok_or_else(|| {
+                self.bad(format!(
+                    "tensor {} lies past the end of the file ({} bytes); the file is truncated",
+                    info.name,
+                    self.bytes.len()
+                ))
+            })
+    }
+
+    /// A tensor's stored bytes as they are in the file (any type specula knows the size of).
+    pub fn raw_tensor_bytes(&self, name: &str) -> Result<&[u8]> {
+        let info = self.tensor_info(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            hint: format!(" in {}", self.path.display()),
+        })?;
+        let len = GgmlType::from_id(info.type_id)
+            .and_then(|ty| ty.bytes_for(info.n_elements()))
+            .ok_or_else(|| {
+                self.bad(format!(
+                    "tensor {name} has type {}, whose size specula cannot compute",
+                    ggml_type_name(info.type_id)
+                ))
+            })?;
+        self.data_of(info, len)
     }
 }
 

@@ -2,6 +2,7 @@
 //! template from a GGUF file, a Hugging Face directory, `hf:ORG/NAME`, or a registry short name.
 
 pub mod config;
+pub mod file_bytes;
 pub mod gguf;
 pub mod kernels;
 pub mod kv_cache;
@@ -121,7 +122,12 @@ pub fn load_path(path: &Path, spec: &str) -> Result<LoadedModel> {
 }
 
 pub fn load_gguf(path: &Path, spec: &str) -> Result<LoadedModel> {
-    let file = gguf::GgufFile::open(path)?;
+    load_gguf_file(gguf::GgufFile::open(path)?, spec)
+}
+
+/// A model from an opened GGUF file (from disk or from memory).
+pub fn load_gguf_file(file: gguf::GgufFile, spec: &str) -> Result<LoadedModel> {
+    let path = file.path.clone();
     let config = Config::from_gguf(&file)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     check_vocab(&config, &tokenizer)?;
@@ -134,7 +140,7 @@ pub fn load_gguf(path: &Path, spec: &str) -> Result<LoadedModel> {
         model,
         tokenizer,
         chat_template,
-        path: path.to_path_buf(),
+        path,
         spec: spec.to_string(),
         format: Format::Gguf,
         known_sha256: None,

@@ -7,12 +7,13 @@ use safetensors::tensor::{Dtype, Metadata};
 use safetensors::SafeTensors;
 
 use crate::error::{Error, Result};
+use crate::model::file_bytes::FileBytes;
 use crate::model::llama::WeightSource;
 use crate::model::weights::{GgmlType, Weight};
 
 struct Shard {
     path: PathBuf,
-    mmap: memmap2::Mmap,
+    bytes: FileBytes,
     header_len: usize,
     metadata: Metadata,
 }
@@ -42,14 +43,29 @@ impl SafetensorsFiles {
     }
 
     pub fn open(paths: &[PathBuf]) -> Result<Self> {
+        let shards = paths
+            .iter()
+            .map(|path| Ok((path.clone(), FileBytes::map(path)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_shards(shards)
+    }
+
+    /// Shards held in memory, each with the path that names it in errors.
+    pub fn from_bytes(shards: Vec<(PathBuf, Vec<u8>)>) -> Result<Self> {
+        Self::from_shards(
+            shards
+                .into_iter()
+                .map(|(path, bytes)| (path, FileBytes::Owned(bytes)))
+                .collect(),
+        )
+    }
+
+    fn from_shards(files: Vec<(PathBuf, FileBytes)>) -> Result<Self> {
         let mut shards = Vec::new();
         let mut index = HashMap::new();
-        for path in paths {
-            let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-            // SAFETY: read-only map of a file we do not modify.
-            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        for (path, bytes) in files {
             let (header_len, metadata) =
-                SafeTensors::read_metadata(&mmap).map_err(|e| Error::BadSafetensors {
+                SafeTensors::read_metadata(&bytes).map_err(|e| Error::BadSafetensors {
                     path: path.clone(),
                     reason: match e {
                         safetensors::SafeTensorError::MetadataIncompleteBuffer => {
@@ -63,8 +79,8 @@ impl SafetensorsFiles {
                 index.insert(name.clone(), shards.len());
             }
             shards.push(Shard {
-                path: path.clone(),
-                mmap,
+                path,
+                bytes,
                 header_len,
                 metadata,
             });
@@ -94,13 +110,12 @@ impl WeightSource for SafetensorsFiles {
                 name: name.to_string(),
                 hint: format!(" in {}", shard.path.display()),
             })?;
-        let n: usize = info.shape.iter().product();
         let shape_ok = match info.shape.as_slice() {
             [c] => rows == 1 && *c == cols,
             [r, c] => *r == rows && *c == cols,
             _ => false,
         };
-        if !shape_ok || n != rows * cols {
+        if !shape_ok {
             return Err(Error::ShapeMismatch {
                 name: name.to_string(),
                 actual: info.shape.clone(),
@@ -126,7 +141,14 @@ impl WeightSource for SafetensorsFiles {
         };
         let (begin, end) = info.data_offsets;
         let base = 8 + shard.header_len;
-        let data = &shard.mmap[base + begin..base + end];
+        let data = base
+            .checked_add(begin)
+            .zip(base.checked_add(end))
+            .and_then(|(b, e)| shard.bytes.get(b..e))
+            .ok_or_else(|| Error::BadSafetensors {
+                path: shard.path.clone(),
+                reason: format!("tensor {name}'s data offsets {begin}..{end} lie outside the file"),
+            })?;
         Weight::from_raw(ty, data, rows, cols).map_err(|reason| Error::BadSafetensors {
             path: shard.path.clone(),
             reason: format!("tensor {name}: {reason}"),

@@ -122,9 +122,10 @@ impl GgmlType {
 
     /// Storage bytes of `n_elements`, or None if they do not fill whole blocks.
     pub fn bytes_for(self, n_elements: usize) -> Option<usize> {
-        n_elements
-            .is_multiple_of(self.block_size())
-            .then(|| n_elements / self.block_size() * self.block_bytes())
+        if !n_elements.is_multiple_of(self.block_size()) {
+            return None;
+        }
+        (n_elements / self.block_size()).checked_mul(self.block_bytes())
     }
 }
 
@@ -258,10 +259,12 @@ fn row_blocks<T: FastRowsDot + Clone>(
 impl Weight {
     /// Builds a weight from raw little-endian GGML bytes.
     pub fn from_raw(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
-        let expected = ty.bytes_for(rows * cols).ok_or_else(|| {
+        let elements = rows
+            .checked_mul(cols)
+            .ok_or_else(|| format!("{rows} x {cols} elements overflow"))?;
+        let expected = ty.bytes_for(elements).ok_or_else(|| {
             format!(
-                "{} elements do not fill whole {} blocks",
-                rows * cols,
+                "{elements} elements do not fill whole {} blocks (or their size overflows)",
                 ty.name()
             )
         })?;
