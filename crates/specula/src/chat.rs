@@ -67,20 +67,63 @@ impl ChatTemplate {
         env.add_function("strftime_now", |fmt: String| -> String {
             format_today(&fmt)
         });
+        // A template comes from the model file: bound its work and its output so that a hostile or broken one
+        // ends with an error instead of running forever or filling memory.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template("chat", &self.source).map_err(|e| {
             Error::ChatTemplate(format!("the model's template does not parse: {e}"))
         })?;
         let tmpl = env
             .get_template("chat")
             .map_err(|e| Error::ChatTemplate(e.to_string()))?;
-        tmpl.render(minijinja::context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => bos_token,
-            eos_token => eos_token,
-            tools => minijinja::Value::UNDEFINED,
-        })
-        .map_err(|e| Error::ChatTemplate(format!("rendering failed: {e}")))
+        let mut out = BoundedOutput::default();
+        let rendered = tmpl.render_captured_to(
+            minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => bos_token,
+                eos_token => eos_token,
+                tools => minijinja::Value::UNDEFINED,
+            },
+            &mut out,
+        );
+        if out.overflowed {
+            return Err(Error::ChatTemplate(format!(
+                "rendering produced more than {TEMPLATE_MAX_OUTPUT} bytes; the template is broken"
+            )));
+        }
+        rendered.map_err(|e| Error::ChatTemplate(format!("rendering failed: {e}")))?;
+        String::from_utf8(out.bytes)
+            .map_err(|_| Error::ChatTemplate("rendering produced invalid UTF-8".into()))
+    }
+}
+
+/// Instructions a template may execute per rendering: real templates use a few hundred per message, so this is
+/// ample for any conversation while ending an endless loop within about a second.
+const TEMPLATE_FUEL: u64 = 50_000_000;
+
+/// Bytes a rendering may produce: far more text than any model's context holds.
+const TEMPLATE_MAX_OUTPUT: usize = 64 << 20;
+
+/// Collects rendered text, failing the write once it passes [`TEMPLATE_MAX_OUTPUT`].
+#[derive(Default)]
+struct BoundedOutput {
+    bytes: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > TEMPLATE_MAX_OUTPUT {
+            self.overflowed = true;
+            return Err(std::io::Error::other("template output too large"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -143,6 +186,23 @@ mod tests {
         let t = ChatTemplate::new("{{ raise_exception('no system role') }}");
         let err = t.render(&[], true, "", "").unwrap_err().to_string();
         assert!(err.contains("no system role"), "{err}");
+    }
+
+    /// A template that never ends, or one that prints without bound, stops with an error.
+    #[test]
+    fn endless_or_huge_templates_end_with_an_error() {
+        let endless = ChatTemplate::new(
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+        );
+        let start = std::time::Instant::now();
+        let err = endless.render(&[], true, "", "").unwrap_err().to_string();
+        assert!(err.contains("fuel"), "{err}");
+        assert!(start.elapsed().as_secs() < 30);
+        let huge = ChatTemplate::new(
+            "{% for a in range(100) %}{{ 'x' * 10000000 }}{% endfor %}",
+        );
+        let err = huge.render(&[], true, "", "").unwrap_err().to_string();
+        assert!(err.contains("more than"), "{err}");
     }
 
     #[test]

@@ -349,6 +349,10 @@ pub struct SpeculationStats {
     pub cycles: u64,
     /// Cycles where the drafter proposed nothing (n-gram without a match).
     pub empty_drafts: u64,
+    /// Cycles that accepted part of their draft: some tokens, not all (the rollback path).
+    pub partially_accepted: u64,
+    /// Cycles whose draft was rejected from its first token.
+    pub fully_rejected: u64,
     pub drafted: u64,
     pub accepted: u64,
     /// Per draft position 1..=k: how many cycles drafted / accepted a token there.
@@ -365,6 +369,8 @@ impl SpeculationStats {
             draft_tokens: k,
             cycles: 0,
             empty_drafts: 0,
+            partially_accepted: 0,
+            fully_rejected: 0,
             drafted: 0,
             accepted: 0,
             drafted_per_position: vec![0; k],
@@ -376,6 +382,8 @@ impl SpeculationStats {
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         self.cycles += 1;
         self.empty_drafts += u64::from(drafted == 0);
+        self.partially_accepted += u64::from(accepted > 0 && accepted < drafted);
+        self.fully_rejected += u64::from(drafted > 0 && accepted == 0);
         self.drafted += drafted as u64;
         self.accepted += accepted as u64;
         for i in 0..drafted {
@@ -392,6 +400,8 @@ impl SpeculationStats {
         debug_assert_eq!(self.draft_tokens, other.draft_tokens);
         self.cycles += other.cycles;
         self.empty_drafts += other.empty_drafts;
+        self.partially_accepted += other.partially_accepted;
+        self.fully_rejected += other.fully_rejected;
         self.drafted += other.drafted;
         self.accepted += other.accepted;
         for (a, b) in self
@@ -450,6 +460,8 @@ impl SpeculationStats {
             "draft_tokens": self.draft_tokens,
             "cycles": self.cycles,
             "empty_drafts": self.empty_drafts,
+            "partially_accepted": self.partially_accepted,
+            "fully_rejected": self.fully_rejected,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate(),

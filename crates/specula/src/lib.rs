@@ -8,6 +8,7 @@ pub mod chat;
 pub mod decode;
 pub mod draft;
 pub mod error;
+pub mod fuzz;
 pub mod hub;
 pub mod model;
 pub mod parallel;

@@ -318,10 +318,35 @@ fn weight_bytes(weight: &Weight, data: &[f32], ty: GgmlType) -> Vec<u8> {
     }
 }
 
+/// The tiny vocabulary as a Hugging Face `tokenizer.json` (byte-level BPE, ChatML special tokens).
+pub fn tiny_tokenizer_json() -> serde_json::Value {
+    let (tokens, merges, _) = tiny_vocab();
+    let vocab: serde_json::Map<String, serde_json::Value> = tokens[..tokens.len() - 2]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), serde_json::json!(i)))
+        .collect();
+    let n = tokens.len();
+    serde_json::json!({
+        "version": "1.0",
+        "added_tokens": [
+            {"id": n - 2, "content": "<|im_start|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+            {"id": n - 1, "content": "<|im_end|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+        ],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "vocab": vocab, "merges": merges}
+    })
+}
+
 /// Writes a tiny model as a Hugging Face directory: config.json, model.safetensors (f32), tokenizer.json.
 pub fn write_tiny_hf_dir(dir: &Path, spec: &TinySpec) -> crate::Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| crate::Error::io(dir, e))?;
-    let (tokens, merges, _) = tiny_vocab();
+    let (tokens, _, _) = tiny_vocab();
     let config = serde_json::json!({
         "model_type": spec.architecture,
         "vocab_size": tokens.len(),
@@ -341,26 +366,7 @@ pub fn write_tiny_hf_dir(dir: &Path, spec: &TinySpec) -> crate::Result<()> {
         std::fs::write(&p, text).map_err(|e| crate::Error::io(&p, e))
     };
     write("config.json", config.to_string())?;
-    let vocab: serde_json::Map<String, serde_json::Value> = tokens[..tokens.len() - 2]
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), serde_json::json!(i)))
-        .collect();
-    let n = tokens.len();
-    let tokenizer = serde_json::json!({
-        "version": "1.0",
-        "added_tokens": [
-            {"id": n - 2, "content": "<|im_start|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
-            {"id": n - 1, "content": "<|im_end|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
-        ],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                  "vocab": vocab, "merges": merges}
-    });
+    let tokenizer = tiny_tokenizer_json();
     write("tokenizer.json", tokenizer.to_string())?;
     write(
         "tokenizer_config.json",

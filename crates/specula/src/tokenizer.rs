@@ -147,7 +147,17 @@ impl Tokenizer {
         config: &serde_json::Value,
         gen_config: &serde_json::Value,
     ) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(tok_err)?;
+        // tokenizers 0.22 panics on some malformed files instead of returning an error (found by fuzzing:
+        // `expect("Helper")` in its decoder deserializer on bad JSON such as an invalid \u escape, and a string
+        // slice in its BPE builder when a merge does not start with `continuing_subword_prefix`). So the JSON is
+        // checked first (fully: escapes included), and a panic inside the library still becomes an error.
+        serde_json::from_slice::<serde_json::Value>(tokenizer_json)
+            .map_err(|e| Error::Tokenizer(format!("not valid JSON: {e}")))?;
+        let inner = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(tokenizer_json))
+            .map_err(|_| {
+                Error::Tokenizer("the tokenizers library failed on this tokenizer.json (it panicked)".into())
+            })?
+            .map_err(tok_err)?;
         if inner.get_vocab_size(true) == 0 {
             return Err(Error::Tokenizer("the vocabulary is empty".into()));
         }
@@ -194,6 +204,11 @@ impl Tokenizer {
             add_bos,
             stop_tokens,
         })
+    }
+
+    /// The tokenizer as Hugging Face `tokenizer.json` text (a GGUF vocabulary rebuilt as one, for instance).
+    pub fn to_hf_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(tok_err)
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -289,6 +304,9 @@ fn byte_level_bpe_from_gguf(gguf: &GgufFile, tokens: &[&str]) -> Result<tokenize
     Ok(inner)
 }
 
+/// Longest SentencePiece piece (in bytes) that is split into merges.
+const MAX_SPM_PIECE_BYTES: usize = 256;
+
 /// GGML token types (llama.cpp's `llama_token_type`).
 const TOKEN_TYPE_NORMAL: u64 = 1;
 const TOKEN_TYPE_UNKNOWN: u64 = 2;
@@ -336,7 +354,9 @@ fn sentencepiece_from_gguf(
     // Every split of a normal piece into two normal pieces is a merge, ranked by the piece's score.
     let mut ranked: Vec<(f32, u32, u32, u32)> = Vec::new();
     for (id, piece) in tokens.iter().enumerate() {
-        if !is_normal(id) {
+        // Splitting costs the square of a piece's length; SentencePiece pieces are at most 16 characters by
+        // default, so longer ones (a corrupt vocabulary) keep their id but get no merges.
+        if !is_normal(id) || piece.len() > MAX_SPM_PIECE_BYTES {
             continue;
         }
         for (split, _) in piece.char_indices().skip(1) {

@@ -326,32 +326,127 @@ fn chi2_critical(df: usize, z: f64) -> f64 {
 
 #[test]
 fn sampled_speculation_has_the_targets_distribution() {
-    check_sampled_distribution(SampledDrafter::FixedQ { stop_after: None });
+    check_sampled_distribution(SampledCase::top_k3(SampledDrafter::FixedQ { stop_after: None }));
 }
 
 /// The same when the draft length depends on the tokens drafted so far (as with `--draft-confidence`): the
 /// drafter ends its draft after proposing token 200.
 #[test]
 fn sampled_speculation_with_draft_dependent_lengths_has_the_targets_distribution() {
-    check_sampled_distribution(SampledDrafter::FixedQ {
+    check_sampled_distribution(SampledCase::top_k3(SampledDrafter::FixedQ {
         stop_after: Some(200),
-    });
+    }));
 }
 
 /// And with a draft model that stops at its own uncertain positions (`--draft-confidence`).
 #[test]
 fn sampled_speculation_with_a_confidence_stopped_draft_model_has_the_targets_distribution() {
-    check_sampled_distribution(SampledDrafter::Model {
+    check_sampled_distribution(SampledCase::top_k3(SampledDrafter::Model {
         min_confidence: 0.3,
-    });
+    }));
+}
+
+/// The default sampling settings: the whole vocabulary (no top-k, no top-p), at temperature 1, with a draft
+/// model whose q also spans the whole vocabulary.
+#[test]
+fn sampled_speculation_over_the_full_vocabulary_has_the_targets_distribution() {
+    check_sampled_distribution(SampledCase::full_vocabulary(SampledDrafter::Model {
+        min_confidence: 0.0,
+    }));
+    check_sampled_distribution(SampledCase::full_vocabulary(SampledDrafter::FixedQ {
+        stop_after: None,
+    }));
+}
+
+/// Nucleus sampling (top-p 0.8): the target's distribution is truncated and renormalized before verification.
+#[test]
+fn sampled_speculation_with_top_p_has_the_targets_distribution() {
+    let mut case = SampledCase::full_vocabulary(SampledDrafter::FixedQ { stop_after: None });
+    case.params.top_p = 0.8;
+    check_sampled_distribution(case);
+}
+
+/// Prompt lookup under sampling: q is a point mass on the looked-up token, so a draft is accepted with
+/// probability p(x) and a rejection draws from p without x.
+#[test]
+fn sampled_prompt_lookup_has_the_targets_distribution() {
+    check_sampled_distribution(SampledCase::full_vocabulary(SampledDrafter::PromptLookup));
 }
 
 enum SampledDrafter {
+    /// Draws from a fixed uniform q over the target's likeliest first tokens and two tokens outside them.
     FixedQ { stop_after: Option<u32> },
     Model { min_confidence: f64 },
+    /// The n-gram drafter (deterministic: q is a point mass).
+    PromptLookup,
 }
 
-fn check_sampled_distribution(which: SampledDrafter) {
+struct SampledCase {
+    drafter: SampledDrafter,
+    params: SamplingParams,
+    /// Multiplies the target's final norm: below 1 flattens its distributions (the tail matters).
+    target_logit_scale: f32,
+}
+
+impl SampledCase {
+    fn top_k3(drafter: SampledDrafter) -> Self {
+        SampledCase {
+            drafter,
+            params: SamplingParams {
+                temperature: 5.0,
+                top_k: 3,
+                top_p: 1.0,
+                seed: 0,
+            },
+            target_logit_scale: 1.0,
+        }
+    }
+
+    fn full_vocabulary(drafter: SampledDrafter) -> Self {
+        SampledCase {
+            drafter,
+            params: SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 0,
+            },
+            target_logit_scale: 0.15,
+        }
+    }
+}
+
+/// Cells of the exact joint distribution of the first three generated tokens: a full three-token sequence, or a
+/// shorter prefix standing for all its continuations when its probability is too small to expand (the cells
+/// partition the sequence space, so an observed sequence falls in exactly one).
+fn joint_cells(
+    dist_after: &mut dyn FnMut(&[u32]) -> crate::sampling::Distribution,
+    prompt: &[u32],
+    min_expected: f64,
+) -> Vec<(Vec<u32>, f64)> {
+    let mut cells = Vec::new();
+    let mut stack: Vec<(Vec<u32>, f64)> = vec![(Vec::new(), 1.0)];
+    while let Some((prefix, p)) = stack.pop() {
+        if prefix.len() == 3 || (!prefix.is_empty() && p < min_expected) {
+            cells.push((prefix, p));
+            continue;
+        }
+        let d = dist_after(&[prompt, &prefix[..]].concat());
+        for (&t, &pt) in d.ids.iter().zip(&d.probs) {
+            stack.push(([&prefix[..], &[t]].concat(), p * pt as f64));
+        }
+    }
+    cells
+}
+
+/// Runs 6000 seeded speculative generations and compares the first three tokens with the target's exact joint
+/// distribution (chi-square, significance 0.001).
+///
+/// Checked to fail (2026-12-01): drawing a rejection's replacement from p instead of normalize(max(0, p - q))
+/// fails all six tests (chi-square 217-1202 against critical 33-195); accepting with probability p(x) instead of
+/// p(x)/q(x) fails the four with a spread-out q (prompt lookup's point mass makes them the same rule); verifying
+/// against the untruncated p when sampling with top-p fails the top-p test.
+fn check_sampled_distribution(case: SampledCase) {
     let dir = tempfile::tempdir().unwrap();
     let draft = tiny(
         dir.path(),
@@ -367,52 +462,72 @@ fn check_sampled_distribution(which: SampledDrafter) {
         "t.gguf",
         TinySpec {
             seed: 5,
+            logit_scale: case.target_logit_scale,
             ..Default::default()
         },
     );
-    let params = SamplingParams {
-        temperature: 5.0,
-        top_k: 3,
-        top_p: 1.0,
-        seed: 0,
-    };
-    let prompt = &PROMPT[..6];
-
-    // Exact target joint distribution of the first three tokens.
+    let params = case.params;
     let prof = Profiler::disabled();
     let last = ForwardOptions {
         logits: LogitsFor::Last,
         capture_layers: &[],
         vocab_limit: None,
     };
-    let dist_after = |ctx: &[u32]| {
+    let mut dist_after = |ctx: &[u32]| {
         let mut cache = target.model.new_cache();
         let out = target.model.forward(ctx, &mut cache, &last, &prof).unwrap();
         crate::sampling::distribution(out.last(), &params)
     };
-    let mut exact: Vec<(Vec<u32>, f64)> = Vec::new();
-    let d1 = dist_after(prompt);
-    for (&a, &pa) in d1.ids.iter().zip(&d1.probs) {
-        let ctx_a = [prompt, &[a]].concat();
-        let d2 = dist_after(&ctx_a);
-        for (&b, &pb) in d2.ids.iter().zip(&d2.probs) {
-            let d3 = dist_after(&[&ctx_a[..], &[b]].concat());
-            for (&c, &pc) in d3.ids.iter().zip(&d3.probs) {
-                exact.push((vec![a, b, c], pa as f64 * pb as f64 * pc as f64));
+    let base = &PROMPT[..6];
+    // Prompt lookup needs the context to repeat: the base prompt, the target's likeliest continuation, and the
+    // base again, so the lookup proposes that continuation (which the target often, not always, accepts).
+    let prompt: Vec<u32> = match case.drafter {
+        SampledDrafter::PromptLookup => {
+            let mut ctx = base.to_vec();
+            for _ in 0..4 {
+                let d = dist_after(&ctx);
+                let best = d
+                    .ids
+                    .iter()
+                    .zip(&d.probs)
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .map(|(&t, _)| t)
+                    .unwrap();
+                ctx.push(best);
             }
+            [&ctx[..], base].concat()
         }
-    }
-    // Losslessness must hold for any q: draft from a fixed uniform q over the target's first-step support plus
-    // two tokens outside it, so drafts are often rejected and the residual distribution is exercised.
-    let mut q_support = d1.ids.clone();
-    q_support.extend([200, 201]);
+        _ => base.to_vec(),
+    };
     let runs = 6000;
+    // Exact joint distribution of the first three tokens; a prefix expected fewer than 5 times is not expanded
+    // (its continuations would all be pooled below anyway).
+    let exact = joint_cells(&mut dist_after, &prompt, 5.0 / runs as f64);
+    let total: f64 = exact.iter().map(|c| c.1).sum();
+    assert!((total - 1.0).abs() < 1e-3, "cells hold mass {total}");
+    // q for the fixed-q drafter: uniform over the target's four likeliest first tokens and two it never
+    // proposes first, so drafts are often rejected and the residual distribution is exercised.
+    let d1 = dist_after(&prompt);
+    let mut by_prob: Vec<(u32, f32)> = d1.ids.iter().copied().zip(d1.probs.iter().copied()).collect();
+    by_prob.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let mut q_support: Vec<u32> = by_prob.iter().take(4).map(|&(t, _)| t).collect();
+    let vocab = target.model.config.vocab_size as u32;
+    let outside: Vec<u32> = (0..vocab)
+        .rev()
+        .filter(|t| !q_support.contains(t) && d1.prob_of(*t) < 1e-4)
+        .take(2)
+        .collect();
+    q_support.extend(outside);
+    let cell_index: std::collections::HashMap<&[u32], usize> = exact
+        .iter()
+        .enumerate()
+        .map(|(i, (cell, _))| (cell.as_slice(), i))
+        .collect();
     let mut counts = vec![0usize; exact.len()];
-    let mut stats_rejections = 0;
-    let (mut drafted_total, mut cycles_total) = (0, 0);
+    let (mut rejections, mut accepted_total, mut drafted_total, mut cycles_total) = (0, 0, 0, 0);
     for seed in 0..runs {
-        let req = request(prompt, 5, SamplingParams { seed, ..params });
-        let mut drafter: Box<dyn Drafter> = match which {
+        let req = request(&prompt, 5, SamplingParams { seed, ..params });
+        let mut drafter: Box<dyn Drafter> = match case.drafter {
             SampledDrafter::FixedQ { stop_after } => Box::new(FixedQDrafter {
                 support: q_support.clone(),
                 rng: ChaCha20Rng::seed_from_u64(seed + 77),
@@ -423,6 +538,9 @@ fn check_sampled_distribution(which: SampledDrafter) {
                     .with_min_confidence(min_confidence)
                     .unwrap(),
             ),
+            SampledDrafter::PromptLookup => {
+                Box::new(NgramDrafter::with_stopping(1, 4, Some(0.0)).unwrap())
+            }
         };
         let out = run(
             &target,
@@ -433,25 +551,33 @@ fn check_sampled_distribution(which: SampledDrafter) {
             }),
         );
         let st = out.speculation.unwrap();
-        stats_rejections += st.drafted - st.accepted;
+        rejections += st.drafted - st.accepted;
+        accepted_total += st.accepted;
         drafted_total += st.drafted;
         cycles_total += st.cycles;
-        let idx = exact
-            .iter()
-            .position(|(t, _)| t[..] == out.tokens[..3])
+        let idx = (1..=3)
+            .find_map(|n| cell_index.get(&out.tokens[..n]).copied())
             .expect("sequence outside the target's support");
         counts[idx] += 1;
     }
-    if let SampledDrafter::Model { .. } = which {
-        // Some drafts stopped early and some did not: the draft length really varied.
-        assert!(
-            drafted_total < 2 * cycles_total && drafted_total > cycles_total,
-            "drafted {drafted_total} tokens in {cycles_total} cycles of k = 2"
-        );
+    if let SampledDrafter::Model { min_confidence } = case.drafter {
+        if min_confidence > 0.0 {
+            // Some drafts stopped early and some did not: the draft length really varied.
+            assert!(
+                drafted_total < 2 * cycles_total && drafted_total > cycles_total,
+                "drafted {drafted_total} tokens in {cycles_total} cycles of k = 2"
+            );
+        }
     }
+    // Both branches of the acceptance test ran many times: a draft kept, and a rejection that draws from the
+    // residual.
     assert!(
-        stats_rejections > runs / 4,
-        "too few rejections ({stats_rejections}) to test the residual path"
+        rejections > runs / 4,
+        "too few rejections ({rejections}) to test the residual path"
+    );
+    assert!(
+        accepted_total > runs / 10,
+        "too few acceptances ({accepted_total} of {drafted_total} drafted) to test the accept path"
     );
     // Chi-square over cells, pooling cells with small expected counts.
     let (mut chi2, mut df, mut pool_obs, mut pool_exp) = (0.0, 0usize, 0.0, 0.0);
@@ -469,12 +595,18 @@ fn check_sampled_distribution(which: SampledDrafter) {
         chi2 += (pool_obs - pool_exp).powi(2) / pool_exp;
         df += 1;
     }
+    assert!(df >= 8, "only {df} cells: the test could not see a bias");
+    eprintln!(
+        "chi-square {chi2:.1} over {df} cells ({} exact cells); {accepted_total} of {drafted_total} drafts accepted",
+        exact.len()
+    );
     let df = df - 1;
     // z = 3.09: significance 0.001, so an exact sampler fails one run in a thousand.
     let critical = chi2_critical(df, 3.09);
     assert!(
         chi2 < critical,
-        "chi-square {chi2:.1} >= {critical:.1} (df {df}): speculative sampling is biased"
+        "chi-square {chi2:.1} >= {critical:.1} (df {df}): speculative sampling is biased \
+         ({accepted_total} of {drafted_total} drafts accepted)"
     );
 }
 

@@ -393,3 +393,62 @@ struct HfConfig {
     attention_bias: Option<bool>,
     tie_word_embeddings: Option<bool>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama(scaling: Option<Llama3RopeScaling>) -> Config {
+        Config {
+            architecture: "llama".into(),
+            vocab_size: 100,
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_layers: 1,
+            num_heads: 1,
+            num_kv_heads: 1,
+            head_dim: 128,
+            context_length: 128,
+            rope_theta: 500_000.0,
+            rms_norm_eps: 1e-5,
+            rope_style: RopeStyle::Interleaved,
+            rope_scaling: scaling,
+            attention_bias: false,
+            tie_word_embeddings: true,
+        }
+    }
+
+    /// Inverse frequencies are theta^(-2i/d); Llama 3.1's scaling divides the low frequencies (wavelength above
+    /// original_max / low_freq_factor) by the factor, keeps the high ones, and blends in between. Values for
+    /// Llama 3.1's settings from Hugging Face's `_compute_llama3_parameters`, evaluated in Python at
+    /// i = 0, 20 (kept), 31 (blended), 40, 63 (divided).
+    #[test]
+    fn rope_inverse_frequencies_match_the_published_formulas() {
+        let plain = llama(None).rope_inv_freqs(None);
+        for (i, f) in plain.iter().enumerate() {
+            let expected = 500_000f64.powf(-2.0 * i as f64 / 128.0);
+            assert!(((*f as f64) - expected).abs() <= 1e-6 * expected, "i={i}");
+        }
+        let scaled = llama(Some(Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }))
+        .rope_inv_freqs(None);
+        for (i, expected) in [
+            (0, 1.0),
+            (20, 0.016_560_440_080_994_446),
+            (31, 8.567_514_129_196_321e-4),
+            (40, 3.428_102_195_952_591e-5),
+            (63, 3.068_925_988_914_511e-7),
+        ] {
+            let got = scaled[i] as f64;
+            assert!((got - expected).abs() <= 1e-5 * expected, "i={i}: {got} vs {expected}");
+        }
+        // rope_freqs factors (GGUF) divide each frequency.
+        let factors: Vec<f32> = (0..64).map(|i| 1.0 + i as f32).collect();
+        let with_factors = llama(None).rope_inv_freqs(Some(&factors));
+        assert!((with_factors[3] - plain[3] / 4.0).abs() <= 1e-6 * plain[3]);
+    }
+}

@@ -489,6 +489,30 @@ pub fn write_gguf(
     metadata: &[(&str, Value)],
     tensors: &[(&str, Vec<usize>, u32, Vec<u8>)],
 ) -> std::io::Result<()> {
+    let mut offset = 0u64;
+    let mut infos = Vec::new();
+    for (name, dims, ty, data) in tensors {
+        infos.push(TensorInfo {
+            name: name.to_string(),
+            dims: dims.clone(),
+            type_id: *ty,
+            offset,
+        });
+        offset += (data.len() as u64).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
+    }
+    let mut out = header_bytes(metadata, &infos);
+    for (_, _, _, data) in tensors {
+        out.extend_from_slice(data);
+        while !(out.len() as u64).is_multiple_of(DEFAULT_ALIGNMENT) {
+            out.push(0);
+        }
+    }
+    std::fs::write(path, out)
+}
+
+/// A GGUF header (magic, version 3, metadata, tensor directory with the given offsets) padded to the default
+/// alignment, where the tensor data would start. Used to write tiny models and fuzzing seeds.
+pub fn header_bytes(metadata: &[(&str, Value)], tensors: &[TensorInfo]) -> Vec<u8> {
     fn put_string(out: &mut Vec<u8>, s: &str) {
         out.extend_from_slice(&(s.len() as u64).to_le_bytes());
         out.extend_from_slice(s.as_bytes());
@@ -544,27 +568,17 @@ pub fn write_gguf(
         out.extend_from_slice(&type_of(v).to_le_bytes());
         put_value(&mut out, v);
     }
-    let mut offset = 0u64;
-    let mut offsets = Vec::new();
-    for (name, dims, ty, data) in tensors {
-        put_string(&mut out, name);
-        out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
-        for d in dims {
+    for t in tensors {
+        put_string(&mut out, &t.name);
+        out.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
+        for d in &t.dims {
             out.extend_from_slice(&(*d as u64).to_le_bytes());
         }
-        out.extend_from_slice(&ty.to_le_bytes());
-        out.extend_from_slice(&offset.to_le_bytes());
-        offsets.push(offset);
-        offset += (data.len() as u64).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
+        out.extend_from_slice(&t.type_id.to_le_bytes());
+        out.extend_from_slice(&t.offset.to_le_bytes());
     }
     while !(out.len() as u64).is_multiple_of(DEFAULT_ALIGNMENT) {
         out.push(0);
     }
-    for (_, _, _, data) in tensors {
-        out.extend_from_slice(data);
-        while !(out.len() as u64).is_multiple_of(DEFAULT_ALIGNMENT) {
-            out.push(0);
-        }
-    }
-    std::fs::write(path, out)
+    out
 }

@@ -256,20 +256,56 @@ mod tests {
         assert!((dot(&a, &b) - naive).abs() < 1e-4);
     }
 
+    /// RoPE against its definition, computed here in f64: pair (a, b) of a head rotates by the angle
+    /// pos * theta^(-2i/d), with pairs (i, i + d/2) in the halves layout and (2i, 2i + 1) interleaved. Checked to
+    /// fail with a RoPE that does nothing (the test this replaces passed then: it checked only the norm and
+    /// position 0).
     #[test]
-    fn rope_preserves_norm_and_rotates_pairs() {
-        let inv: Vec<f32> = (0..4)
-            .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / 8.0))
+    fn rope_matches_the_formula() {
+        let d = 16;
+        let theta = 10_000f64;
+        let inv: Vec<f32> = (0..d / 2)
+            .map(|i| theta.powf(-2.0 * i as f64 / d as f64) as f32)
             .collect();
+        let x: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin() + 0.1).collect();
         for halves in [true, false] {
-            let mut h = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
-            let before = dot(&h, &h);
-            rope(&mut h, 7, &inv, halves);
-            assert!((dot(&h, &h) - before).abs() < 1e-3);
-            let mut z = h.clone();
-            rope(&mut z, 0, &inv, halves);
-            assert_eq!(z, h, "position 0 is the identity");
+            for pos in [0usize, 1, 7, 300, 100_000] {
+                let mut got = x.clone();
+                rope(&mut got, pos, &inv, halves);
+                let mut expected = vec![0f64; d];
+                for i in 0..d / 2 {
+                    let (a, b) = if halves { (i, i + d / 2) } else { (2 * i, 2 * i + 1) };
+                    let angle = pos as f64 * inv[i] as f64;
+                    let (x0, x1) = (x[a] as f64, x[b] as f64);
+                    expected[a] = x0 * angle.cos() - x1 * angle.sin();
+                    expected[b] = x0 * angle.sin() + x1 * angle.cos();
+                }
+                for j in 0..d {
+                    assert!(
+                        (got[j] as f64 - expected[j]).abs() < 1e-5,
+                        "halves={halves} pos={pos} element {j}: {} vs {}",
+                        got[j],
+                        expected[j]
+                    );
+                }
+                // The precomputed-angle path used by the forward pass is bitwise the same.
+                let mut angles = Vec::new();
+                rope_angles(pos, &inv, &mut angles);
+                let mut applied = x.clone();
+                rope_apply(&mut applied, &angles, halves);
+                assert_eq!(applied, got);
+            }
         }
+        // The defining property: a query-key dot product depends only on the distance between positions.
+        let (q, k) = (x.clone(), x.iter().rev().copied().collect::<Vec<f32>>());
+        let dot_at = |pq: usize, pk: usize| {
+            let (mut q, mut k) = (q.clone(), k.clone());
+            rope(&mut q, pq, &inv, true);
+            rope(&mut k, pk, &inv, true);
+            dot(&q, &k)
+        };
+        assert!((dot_at(10, 3) - dot_at(107, 100)).abs() < 1e-4);
+        assert!((dot_at(10, 3) - dot_at(10, 4)).abs() > 1e-3);
     }
 
     #[test]

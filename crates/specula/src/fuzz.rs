@@ -1,0 +1,241 @@
+//! Entry points for fuzzing: each takes untrusted bytes, parses them the way the engine does, and uses what
+//! parses. None of them may panic, abort or hang, whatever the bytes; errors are the expected outcome and are
+//! dropped. The cargo-fuzz targets in `fuzz/` call these for long runs, and `tests/fuzz_bounded.rs` runs a
+//! bounded property-based campaign over them in every test run (docs/correctness.md).
+
+use std::path::{Path, PathBuf};
+
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::decode::{generate, GenerateRequest, Speculation};
+use crate::draft::ngram::NgramDrafter;
+use crate::model::gguf::GgufFile;
+use crate::model::{Config, ForwardOptions, LlamaModel, LogitsFor};
+use crate::profile::Profiler;
+use crate::sampling::SamplingParams;
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+/// How far an input got: the campaigns count these to show that mutated inputs reach the deep code, not only
+/// the first check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Reached {
+    /// Refused at the first step (bad syntax, bad magic).
+    Rejected,
+    /// Parsed (a GGUF header, JSON, a template), then refused.
+    Parsed,
+    /// Built what it describes (a config and tokenizer, a template's output, a prompt list, a tune input).
+    Built,
+    /// Ran: a model loaded and generated, a tune was fitted.
+    Ran,
+}
+
+/// A GGUF file: header, metadata, tensor directory, the config and tokenizer built from them, the chat
+/// template, and (when the tensors are all there) the model itself, run for a few tokens.
+pub fn gguf(bytes: &[u8]) -> Reached {
+    let Ok(file) = GgufFile::parse_header(bytes.to_vec(), Path::new("fuzz.gguf")) else {
+        return Reached::Rejected;
+    };
+    let mut reached = Reached::Parsed;
+    let config = Config::from_gguf(&file);
+    if let Ok(tokenizer) = Tokenizer::from_gguf(&file) {
+        use_tokenizer(&tokenizer);
+        if let Some(source) = file.get_str("tokenizer.chat_template") {
+            render(&ChatTemplate::new(source), &tokenizer);
+        }
+        if config.is_ok() {
+            reached = Reached::Built;
+        }
+    }
+    if file.check_tensor_extents().is_err() {
+        return reached;
+    }
+    match crate::model::load_gguf_file(file, "fuzz") {
+        Ok(loaded) => {
+            run_model(&loaded.model, &loaded.tokenizer);
+            Reached::Ran
+        }
+        Err(_) => reached,
+    }
+}
+
+/// A Hugging Face checkpoint: `config.json` and one safetensors shard, framed as a little-endian u16 length
+/// of the config followed by the config and then the shard. The tokenizer is a fixed valid one (it has its own
+/// target), so inputs reach the weights.
+pub fn hf_checkpoint(bytes: &[u8]) -> Reached {
+    let Some((config, shard)) = split_u16_framed(bytes) else {
+        return Reached::Rejected;
+    };
+    let Ok(config) = std::str::from_utf8(config) else {
+        return Reached::Rejected;
+    };
+    let Ok(config) = Config::from_hf_json(config) else {
+        return Reached::Rejected;
+    };
+    let Ok(files) = crate::model::safetensors::SafetensorsFiles::from_bytes(vec![(
+        PathBuf::from("fuzz.safetensors"),
+        shard.to_vec(),
+    )]) else {
+        return Reached::Parsed;
+    };
+    let Ok(model) = LlamaModel::load(config, &files, &crate::model::llama::HF_NAMES) else {
+        return Reached::Built;
+    };
+    match fixed_tokenizer() {
+        Ok(tokenizer) => {
+            run_model(&model, &tokenizer);
+            Reached::Ran
+        }
+        Err(_) => Reached::Built,
+    }
+}
+
+/// A `tokenizer.json` (with no tokenizer_config.json or generation_config.json).
+pub fn tokenizer_json(bytes: &[u8]) -> Reached {
+    let null = serde_json::Value::Null;
+    match Tokenizer::from_hf_json(bytes, &null, &null) {
+        Ok(tokenizer) => {
+            use_tokenizer(&tokenizer);
+            Reached::Ran
+        }
+        Err(_) if serde_json::from_slice::<serde_json::Value>(bytes).is_ok() => Reached::Parsed,
+        Err(_) => Reached::Rejected,
+    }
+}
+
+/// A chat template's source, rendered with a fixed conversation.
+pub fn chat_template(bytes: &[u8]) -> Reached {
+    let source = String::from_utf8_lossy(bytes);
+    let template = ChatTemplate::new(source.as_ref());
+    let messages = [
+        ChatMessage::system("You are terse."),
+        ChatMessage::user("Hi <|im_start|> {{ x }}"),
+    ];
+    match template.render(&messages, true, "<s>", "</s>") {
+        Ok(_) => Reached::Ran,
+        Err(crate::Error::ChatTemplate(m)) if m.contains("does not parse") => Reached::Rejected,
+        Err(_) => Reached::Parsed,
+    }
+}
+
+/// A bench prompts file (JSON Lines), in both bad-line modes.
+pub fn prompts_jsonl(bytes: &[u8]) -> Reached {
+    let text = String::from_utf8_lossy(bytes);
+    let mut reached = Reached::Rejected;
+    for (mode, level) in [
+        (crate::bench::BadLines::Skip, Reached::Parsed),
+        (crate::bench::BadLines::Stop, Reached::Ran),
+    ] {
+        if crate::bench::prompts::parse_prompts(&text, "fuzz.jsonl", mode).is_ok() {
+            reached = level;
+        }
+    }
+    reached
+}
+
+/// A `specula bench --json` report as `tune --from-bench` reads it, tuned when it parses.
+pub fn bench_json(bytes: &[u8]) -> Reached {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+        return Reached::Rejected;
+    };
+    match crate::bench::TuneInput::from_bench_json(&value) {
+        Ok(input) => {
+            let result = crate::bench::tune(&input);
+            let _ = result.table();
+            let _ = result.plot_svg();
+            Reached::Ran
+        }
+        Err(_) => Reached::Parsed,
+    }
+}
+
+fn split_u16_framed(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
+    let len = u16::from_le_bytes([*bytes.first()?, *bytes.get(1)?]) as usize;
+    let rest = &bytes[2..];
+    (len <= rest.len()).then(|| rest.split_at(len))
+}
+
+/// Frames a config and a shard the way [`hf_checkpoint`] reads them (for seeds).
+pub fn frame_hf_checkpoint(config_json: &[u8], shard: &[u8]) -> Option<Vec<u8>> {
+    let len = u16::try_from(config_json.len()).ok()?;
+    let mut out = len.to_le_bytes().to_vec();
+    out.extend_from_slice(config_json);
+    out.extend_from_slice(shard);
+    Some(out)
+}
+
+/// The tiny byte-level tokenizer of [`crate::testing`].
+fn fixed_tokenizer() -> crate::Result<Tokenizer> {
+    let json = crate::testing::tiny_tokenizer_json().to_string();
+    let null = serde_json::Value::Null;
+    Tokenizer::from_hf_json(json.as_bytes(), &null, &null)
+}
+
+fn use_tokenizer(tokenizer: &Tokenizer) {
+    for text in ["Hello, world! 123 <|im_start|>user\n\u{e9}\u{1f375}", "", "  \t\n"] {
+        if let Ok(ids) = tokenizer.encode(text) {
+            let _ = tokenizer.decode(&ids);
+        }
+    }
+    let vocab = tokenizer.vocab_size().min(512) as u32;
+    let ids: Vec<u32> = (0..vocab).collect();
+    let _ = tokenizer.decode(&ids);
+    let mut stream = StreamDecoder::new();
+    for &id in ids.iter().take(64) {
+        let _ = stream.push(tokenizer, id);
+    }
+    let _ = stream.flush(tokenizer);
+    for id in [0, vocab.saturating_sub(1), u32::MAX] {
+        let _ = tokenizer.token_text(id);
+        let _ = tokenizer.is_stop(id);
+    }
+}
+
+fn render(template: &ChatTemplate, tokenizer: &Tokenizer) {
+    let text = |id: Option<u32>| {
+        id.and_then(|i| tokenizer.token_text(i))
+            .unwrap_or_default()
+    };
+    let _ = template.render(
+        &[ChatMessage::user("hi")],
+        true,
+        &text(tokenizer.bos_token),
+        &text(tokenizer.eos_token),
+    );
+}
+
+/// A forward pass with hidden-state capture, then a short greedy generation with prompt lookup (a verify pass
+/// over several rows, a rollback), on whatever model parsed.
+fn run_model(model: &LlamaModel, tokenizer: &Tokenizer) {
+    let c = &model.config;
+    let vocab = c.vocab_size.min(u32::MAX as usize) as u32;
+    let prompt: Vec<u32> = [1u32, 2, 1, 2, 1]
+        .iter()
+        .map(|&t| t % vocab.max(1))
+        .collect();
+    let mut cache = model.new_cache();
+    let opts = ForwardOptions {
+        logits: LogitsFor::All,
+        capture_layers: &[0, c.num_layers - 1],
+        vocab_limit: None,
+    };
+    let _ = model.forward(&prompt, &mut cache, &opts, &Profiler::disabled());
+    let req = GenerateRequest {
+        prompt_tokens: prompt,
+        max_new_tokens: 4,
+        sampling: SamplingParams::default(),
+        stop_at_eos: true,
+    };
+    if let Ok(mut ngram) = NgramDrafter::new(1, 2) {
+        let speculation = Speculation {
+            drafter: &mut ngram,
+            draft_tokens: 3,
+        };
+        let _ = generate(
+            model,
+            tokenizer,
+            &req,
+            Some(speculation),
+            &Profiler::disabled(),
+            &mut |_| {},
+        );
+    }
+}
