@@ -35,6 +35,7 @@ pub fn build(info: &RunInfo<'_>, out: &GenerateOutput, profile: &ProfileSummary)
             "weight_types": m.model.weight_types(),
             "device": "cpu",
             "threads": info.threads,
+            "kernel_paths": crate::model::kernels::active_kernel_paths(),
             "temperature": info.sampling.temperature,
             "top_k": info.sampling.top_k,
             "top_p": info.sampling.top_p,

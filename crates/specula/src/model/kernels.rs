@@ -360,6 +360,36 @@ mod layout {
     const _: () = assert!(same_layout::<k::BlockQ8_1, Q8_1>());
 }
 
+/// The instruction sets the quantized kernels run with in this process: `avx2` (the build's baseline), plus
+/// `avx512-vnni` (Q4_K, Q6_K, Q8_0) and `avx512-bw` (Q5_0) where the CPU has them and they are not turned off
+/// (`SPECULA_NO_VNNI=1`, `SPECULA_NO_AVX512=1` force the AVX2 kernels; every path gives bitwise the same
+/// results). Builds without AVX2/FMA run candle's one-row kernels.
+pub fn active_kernel_paths() -> Vec<&'static str> {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    {
+        let mut paths = vec!["avx2"];
+        if avx2::has_vnni() {
+            paths.push("avx512-vnni");
+        }
+        if avx2::has_avx512bw() {
+            paths.push("avx512-bw");
+        }
+        paths
+    }
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    {
+        vec!["candle-vec-dot"]
+    }
+}
+
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
@@ -381,7 +411,7 @@ mod avx2 {
     /// Whether the CPU has 256-bit VNNI (AVX-512 VNNI + VL), checked once. The VNNI kernels compute the same
     /// exact integer sums with fewer instructions and then run the same float steps, so both paths give
     /// bitwise identical results (tested), and a CI machine without VNNI reproduces this one's tokens.
-    fn has_vnni() -> bool {
+    pub(super) fn has_vnni() -> bool {
         #[cfg(test)]
         if FORCE_AVX2.with(|c| c.get()) {
             return false;
@@ -396,7 +426,7 @@ mod avx2 {
 
     /// Whether the CPU has AVX-512 BW + VL (byte masks on 256-bit vectors), checked once. Kernels using them
     /// compute the same bytes as their AVX2 versions (tested).
-    fn has_avx512bw() -> bool {
+    pub(super) fn has_avx512bw() -> bool {
         #[cfg(test)]
         if FORCE_AVX2.with(|c| c.get()) {
             return false;
@@ -1560,8 +1590,27 @@ mod tests {
         (x, side)
     }
 
+    /// Whether this build must have the multi-row kernels: every x86-64 build does (.cargo/config.toml turns
+    /// on AVX2/FMA), unless `SPECULA_ALLOW_NO_AVX2=1` says it was built without them on purpose (README,
+    /// "Building for other CPUs"). Then the kernel tests say loudly that they did not run.
+    fn fast_kernels_expected() -> bool {
+        let allowed_without = std::env::var_os("SPECULA_ALLOW_NO_AVX2").is_some();
+        if !cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")) {
+            eprintln!(
+                "WARNING: this build has no AVX2/FMA kernels; the multi-row kernel tests did not run{}",
+                if allowed_without { " (SPECULA_ALLOW_NO_AVX2 is set)" } else { "" }
+            );
+        }
+        cfg!(target_arch = "x86_64") && !allowed_without
+    }
+
     fn check<T: FastRowsDot>(k: usize, seed: u64) {
         let Some(fast_kernel) = T::fast_kernel() else {
+            assert!(
+                !fast_kernels_expected(),
+                "{} has no multi-row kernel in this x86-64 build: .cargo/config.toml's AVX2/FMA flags were lost",
+                std::any::type_name::<T>()
+            );
             return;
         };
         let fast = fast_kernel.rows_dot;
@@ -1634,13 +1683,21 @@ mod tests {
     /// count up to two tiles plus one, on the VNNI path and on the AVX2 fallback.
     #[test]
     fn pair_kernels_equal_one_row_kernels_bitwise() {
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ))]
+        warn_if_vnni_untested("pair_kernels_equal_one_row_kernels_bitwise");
         fn check_pair<T: FastRowsDot + Clone>(k: usize, seed: u64) {
+            let name = std::any::type_name::<T>();
             let Some(kernel) = T::fast_kernel() else {
+                assert!(!fast_kernels_expected(), "{name}: no multi-row kernel in an x86-64 build");
                 return;
             };
-            let Some(pair_dot) = kernel.pair_dot else {
-                return;
-            };
+            let pair_dot = kernel
+                .pair_dot
+                .unwrap_or_else(|| panic!("{name} is stored in pairs but has no pair kernel"));
             let w0: Vec<T> = quantize(&pseudo_random(k, seed));
             let w1: Vec<T> = quantize(&pseudo_random(k, seed + 50));
             let pair: Vec<T> = w0
@@ -1660,7 +1717,6 @@ mod tests {
                 (kernel.rows_dot)(&w1, xs, ss, &mut e1);
                 let (mut o0, mut o1) = (vec![0f32; m], vec![0f32; m]);
                 pair_dot(&pair, xs, ss, &mut o0, &mut o1);
-                let name = std::any::type_name::<T>();
                 assert_eq!(
                     (bits(&o0), bits(&o1)),
                     (bits(&e0), bits(&e1)),
@@ -1698,6 +1754,7 @@ mod tests {
     ))]
     #[test]
     fn vnni_and_avx2_kernels_agree_bitwise() {
+        warn_if_vnni_untested("vnni_and_avx2_kernels_agree_bitwise");
         fn both<T: FastRowsDot>(k: usize, seed: u64) {
             let kernel = T::fast_kernel().unwrap();
             let fast = kernel.rows_dot;
@@ -1724,6 +1781,37 @@ mod tests {
             both::<BlockQ5_0Interleaved>(1024, seed);
             both::<BlockQ5_0Interleaved>(704, seed);
             both::<BlockQ4_1>(1024, seed);
+        }
+    }
+
+    /// Says loudly when this CPU cannot run the AVX-512 paths, so a pass does not hide that the VNNI side of a
+    /// comparison was AVX2 again; `SPECULA_REQUIRE_VNNI=1` turns that into a failure (for a machine that must
+    /// test both).
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    fn warn_if_vnni_untested(test: &str) {
+        let missing: Vec<&str> = [
+            ("AVX-512 VNNI", avx2::has_vnni()),
+            ("AVX-512 BW", avx2::has_avx512bw()),
+        ]
+        .into_iter()
+        .filter(|(_, present)| !present)
+        .map(|(name, _)| name)
+        .collect();
+        if !missing.is_empty() {
+            eprintln!(
+                "WARNING {test}: this CPU lacks {} (or it is turned off): those kernels were NOT tested, only \
+                 AVX2 against itself",
+                missing.join(" and ")
+            );
+            assert!(
+                std::env::var_os("SPECULA_REQUIRE_VNNI").is_none(),
+                "SPECULA_REQUIRE_VNNI is set but {} cannot be tested here",
+                missing.join(" and ")
+            );
         }
     }
 
@@ -1765,6 +1853,10 @@ mod tests {
             target_feature = "avx2",
             target_feature = "fma"
         ));
+        assert!(
+            built || !fast_kernels_expected(),
+            "an x86-64 build without AVX2/FMA: .cargo/config.toml's target features were not applied"
+        );
         assert_eq!(BlockQ4KInterleaved::fast_kernel().is_some(), built);
         assert_eq!(BlockQ6KInterleaved::fast_kernel().is_some(), built);
         assert_eq!(BlockQ8_0::fast_kernel().is_some(), built);

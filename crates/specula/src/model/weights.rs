@@ -763,16 +763,6 @@ mod tests {
             .collect()
     }
 
-    fn reference_matmul(w: &[f32], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
-        let mut out = vec![0f32; m * n];
-        for r in 0..m {
-            for c in 0..n {
-                out[r * n + c] = (0..k).map(|i| x[r * k + i] * w[c * k + i]).sum();
-            }
-        }
-        out
-    }
-
     /// The activations as the kernels see them: rounded to the weight type's partner (f16, bf16, or 8-bit
     /// blocks: Q8_0, Q8_1, Q8_K) and read back.
     fn activations_as_seen(ty: GgmlType, x: &[f32]) -> Vec<f32> {
