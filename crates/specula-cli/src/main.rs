@@ -3,6 +3,7 @@
 mod bench;
 mod generate;
 mod overhead;
+mod selftest;
 
 use clap::{Parser, Subcommand};
 
@@ -32,6 +33,9 @@ enum Command {
     Tune(bench::TuneArgs),
     /// Measure the profiler's own cost: the same generation with profiling off, on, and fine, interleaved.
     ProfileOverhead(overhead::OverheadArgs),
+    /// Check this machine's kernels on a real model: every matrix type against the reference kernel, and a
+    /// digest of the logits to compare runs bitwise (e.g. with SPECULA_NO_VNNI=1, or on another CPU).
+    Selftest(selftest::SelftestArgs),
 }
 
 #[derive(clap::Args)]
@@ -53,6 +57,7 @@ fn main() {
         Command::ProfileOverhead(args) => overhead::run(args),
         Command::Bench(args) => bench::bench(args),
         Command::Tune(args) => bench::tune(args),
+        Command::Selftest(args) => selftest::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -486,6 +486,87 @@ impl LlamaModel {
     }
 }
 
+/// One weight matrix's fast matmul against the reference kernel ([`LlamaModel::check_kernels_against_reference`]).
+#[derive(Debug, Clone)]
+pub struct KernelCheck {
+    pub name: String,
+    pub dtype: &'static str,
+    /// max |fast - reference| / max |reference| over the outputs.
+    pub max_relative_error: f64,
+    pub tolerance: f64,
+}
+
+impl LlamaModel {
+    /// Runs the first matrix of every (storage type, shape) in the model, and the LM head, through the fast
+    /// kernels and the reference kernel on the same activations (the tokens' embeddings where the shape
+    /// allows, deterministic values with outliers elsewhere): both see the same quantized activations, so only
+    /// float summation order may differ.
+    pub fn check_kernels_against_reference(&self, tokens: &[u32]) -> Result<Vec<KernelCheck>> {
+        use crate::model::weights::MatmulKernel;
+        let h = self.config.hidden_size;
+        let m = tokens.len().clamp(1, 9);
+        let mut embedded = vec![0f32; m * h];
+        for (i, &t) in tokens.iter().take(m).enumerate() {
+            if t as usize >= self.config.vocab_size {
+                return Err(Error::InvalidArgument(format!(
+                    "token id {t} is outside the vocabulary"
+                )));
+            }
+            self.embed.row_to_f32(t as usize, &mut embedded[i * h..(i + 1) * h]);
+        }
+        let mut matrices: Vec<(String, &Weight)> = Vec::new();
+        for (li, l) in self.layers.iter().enumerate() {
+            for (name, w) in [
+                ("attn_q", &l.wq),
+                ("attn_k", &l.wk),
+                ("attn_v", &l.wv),
+                ("attn_output", &l.wo),
+                ("ffn_gate", &l.w_gate),
+                ("ffn_up", &l.w_up),
+                ("ffn_down", &l.w_down),
+            ] {
+                let seen = matrices
+                    .iter()
+                    .any(|(_, o)| o.dtype() == w.dtype() && o.rows == w.rows && o.cols == w.cols);
+                if !seen {
+                    matrices.push((format!("blk.{li}.{name}"), w));
+                }
+            }
+        }
+        matrices.push(("lm_head".into(), self.lm_head.as_ref().unwrap_or(&self.embed)));
+        let mut checks = Vec::new();
+        for (name, w) in matrices {
+            let x: Vec<f32> = if w.cols == h {
+                embedded.clone()
+            } else {
+                let mut v = crate::testing::pseudo_random(m * w.cols, w.rows as u64);
+                for (i, e) in v.iter_mut().enumerate() {
+                    if i % 97 == 0 {
+                        *e *= 30.0;
+                    }
+                }
+                v
+            };
+            let (mut fast, mut reference) = (vec![0f32; m * w.rows], vec![0f32; m * w.rows]);
+            w.matmul_with(MatmulKernel::Fast, &x, m, &mut fast);
+            w.matmul_with(MatmulKernel::Reference, &x, m, &mut reference);
+            let scale = reference.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-30) as f64;
+            let worst = fast
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs() as f64)
+                .fold(0f64, f64::max);
+            checks.push(KernelCheck {
+                name,
+                dtype: w.dtype().name(),
+                max_relative_error: worst / scale,
+                tolerance: 1e-4,
+            });
+        }
+        Ok(checks)
+    }
+}
+
 /// Elements of SwiGLU per parallel work item: one item (no pool wake-up) for a single token's 8960.
 const SWIGLU_CHUNK: usize = 12 * 1024;
 
