@@ -18,7 +18,11 @@ pub struct SelftestArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Text the forward pass runs over (fed raw).
-    #[arg(long, short = 'p', default_value = "def quicksort(arr):\n    if len(arr) <= 1:")]
+    #[arg(
+        long,
+        short = 'p',
+        default_value = "def quicksort(arr):\n    if len(arr) <= 1:"
+    )]
     pub prompt: String,
     /// Write the results as JSON here.
     #[arg(long)]

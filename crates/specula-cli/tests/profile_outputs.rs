@@ -145,7 +145,14 @@ fn ngram_speculation_on_smollm2_is_lossless_and_reported() {
     let (spec, stderr) = generate_with(
         prompt,
         "64",
-        &["--draft", "ngram", "--draft-tokens", "4", "--ngram-confidence", "0"],
+        &[
+            "--draft",
+            "ngram",
+            "--draft-tokens",
+            "4",
+            "--ngram-confidence",
+            "0",
+        ],
     );
     assert_eq!(plain["token_ids"], spec["token_ids"]);
     assert!(plain["config"]["draft"].is_null());

@@ -29,15 +29,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::fs::create_dir_all(&d)?;
         Ok(d)
     };
-    let (gguf_dir, tok_dir, chat_dir) = (dir("gguf")?, dir("tokenizer_json")?, dir("chat_template")?);
+    let (gguf_dir, tok_dir, chat_dir) =
+        (dir("gguf")?, dir("tokenizer_json")?, dir("chat_template")?);
 
     for model in specula::registry::MODELS {
-        let path = model
-            .cached()
-            .ok_or_else(|| format!("{} is not cached: run `specula fetch {}`", model.name, model.name))?;
+        let path = model.cached().ok_or_else(|| {
+            format!(
+                "{} is not cached: run `specula fetch {}`",
+                model.name, model.name
+            )
+        })?;
         let real = GgufFile::open(&path)?;
         let header = shrunk_header(&real);
-        std::fs::write(gguf_dir.join(format!("{}-header.gguf", model.name)), &header)?;
+        std::fs::write(
+            gguf_dir.join(format!("{}-header.gguf", model.name)),
+            &header,
+        )?;
         let parsed = GgufFile::parse_header(header, Path::new("seed"))?;
         let tokenizer = specula::tokenizer::Tokenizer::from_gguf(&parsed)?;
         std::fs::write(
@@ -47,9 +54,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if let Some(t) = real.get_str("tokenizer.chat_template") {
             std::fs::write(chat_dir.join(format!("{}.jinja", model.name)), t)?;
         }
-        println!("{}: header seed {} bytes", model.name, parsed_len(&gguf_dir, model.name));
+        println!(
+            "{}: header seed {} bytes",
+            model.name,
+            parsed_len(&gguf_dir, model.name)
+        );
     }
-    std::fs::write(chat_dir.join("chatml.jinja"), specula::chat::CHATML_TEMPLATE)?;
+    std::fs::write(
+        chat_dir.join("chatml.jinja"),
+        specula::chat::CHATML_TEMPLATE,
+    )?;
 
     // Tiny complete models: small enough that a fuzzer runs thousands a second, in the storage types and
     // architectures the loader distinguishes.
@@ -104,15 +118,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (name, path) in [
         ("code.jsonl", shared.join("code.jsonl")),
         ("chat.jsonl", shared.join("chat.jsonl")),
-        ("edit.jsonl", Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/edit.jsonl")),
+        (
+            "edit.jsonl",
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/edit.jsonl"),
+        ),
     ] {
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         let head: Vec<&str> = text.lines().take(3).collect();
         std::fs::write(prompts_dir.join(name), head.join("\n") + "\n")?;
     }
 
-    std::fs::write(dir("bench_json")?.join("tiny-ngram.json"), tiny_bench_json(&tmp)?)?;
+    std::fs::write(
+        dir("bench_json")?.join("tiny-ngram.json"),
+        tiny_bench_json(&tmp)?,
+    )?;
     println!("seeds written under {}", root.display());
     Ok(())
 }
@@ -164,7 +184,10 @@ fn shrunk_header(real: &GgufFile) -> Vec<u8> {
         })
         .collect();
     metadata.sort_by(|a, b| a.0.cmp(&b.0));
-    let md: Vec<(&str, Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let md: Vec<(&str, Value)> = metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
     header_bytes(&md, &real.tensors)
 }
 

@@ -198,9 +198,7 @@ mod tests {
         let err = endless.render(&[], true, "", "").unwrap_err().to_string();
         assert!(err.contains("fuel"), "{err}");
         assert!(start.elapsed().as_secs() < 30);
-        let huge = ChatTemplate::new(
-            "{% for a in range(100) %}{{ 'x' * 10000000 }}{% endfor %}",
-        );
+        let huge = ChatTemplate::new("{% for a in range(100) %}{{ 'x' * 10000000 }}{% endfor %}");
         let err = huge.render(&[], true, "", "").unwrap_err().to_string();
         assert!(err.contains("more than"), "{err}");
     }

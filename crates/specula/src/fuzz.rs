@@ -170,7 +170,11 @@ fn fixed_tokenizer() -> crate::Result<Tokenizer> {
 }
 
 fn use_tokenizer(tokenizer: &Tokenizer) {
-    for text in ["Hello, world! 123 <|im_start|>user\n\u{e9}\u{1f375}", "", "  \t\n"] {
+    for text in [
+        "Hello, world! 123 <|im_start|>user\n\u{e9}\u{1f375}",
+        "",
+        "  \t\n",
+    ] {
         if let Ok(ids) = tokenizer.encode(text) {
             let _ = tokenizer.decode(&ids);
         }
@@ -190,10 +194,7 @@ fn use_tokenizer(tokenizer: &Tokenizer) {
 }
 
 fn render(template: &ChatTemplate, tokenizer: &Tokenizer) {
-    let text = |id: Option<u32>| {
-        id.and_then(|i| tokenizer.token_text(i))
-            .unwrap_or_default()
-    };
+    let text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
     let _ = template.render(
         &[ChatMessage::user("hi")],
         true,

@@ -155,7 +155,9 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(format!("not valid JSON: {e}")))?;
         let inner = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(tokenizer_json))
             .map_err(|_| {
-                Error::Tokenizer("the tokenizers library failed on this tokenizer.json (it panicked)".into())
+                Error::Tokenizer(
+                    "the tokenizers library failed on this tokenizer.json (it panicked)".into(),
+                )
             })?
             .map_err(tok_err)?;
         if inner.get_vocab_size(true) == 0 {

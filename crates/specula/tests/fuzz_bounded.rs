@@ -216,9 +216,16 @@ enum Layout {
 }
 
 fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds").join(target);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/seeds")
+        .join(target);
     let mut out: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e} (seeds: cargo run --example fuzz_seeds)", dir.display()))
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (seeds: cargo run --example fuzz_seeds)",
+                dir.display()
+            )
+        })
         .map(|e| {
             let p = e.unwrap().path();
             (
@@ -316,7 +323,11 @@ fn campaign(target: &'static str, layout: Layout, entry: fn(&[u8]) -> specula::f
     for (name, bytes) in &seeds {
         let r = run_one(name, bytes);
         let header_only = name.ends_with("-header.gguf");
-        let expected = if header_only { Reached::Built } else { Reached::Ran };
+        let expected = if header_only {
+            Reached::Built
+        } else {
+            Reached::Ran
+        };
         assert_eq!(r, expected, "{target} seed {name}");
     }
     let n = cases();
@@ -386,22 +397,38 @@ fn gguf_reader_and_model_loader() {
 
 #[test]
 fn safetensors_and_config_json_loader() {
-    campaign("hf_checkpoint", Layout::FramedJson, specula::fuzz::hf_checkpoint);
+    campaign(
+        "hf_checkpoint",
+        Layout::FramedJson,
+        specula::fuzz::hf_checkpoint,
+    );
 }
 
 #[test]
 fn tokenizer_json_builder() {
-    campaign("tokenizer_json", Layout::Json, specula::fuzz::tokenizer_json);
+    campaign(
+        "tokenizer_json",
+        Layout::Json,
+        specula::fuzz::tokenizer_json,
+    );
 }
 
 #[test]
 fn chat_template_rendering() {
-    campaign("chat_template", Layout::Binary, specula::fuzz::chat_template);
+    campaign(
+        "chat_template",
+        Layout::Binary,
+        specula::fuzz::chat_template,
+    );
 }
 
 #[test]
 fn prompts_jsonl_reader() {
-    campaign("prompts_jsonl", Layout::Binary, specula::fuzz::prompts_jsonl);
+    campaign(
+        "prompts_jsonl",
+        Layout::Binary,
+        specula::fuzz::prompts_jsonl,
+    );
 }
 
 #[test]

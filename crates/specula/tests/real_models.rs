@@ -230,54 +230,160 @@ fn margin_at(
     }
 }
 
-/// The CPU draft/target pair: greedy speculation with the 0.5B drafting for the 1.5B is token-for-token plain
-/// decoding (batch-invariant verify makes this exact, not just likely).
-#[test]
-fn qwen_pair_greedy_speculation_equals_plain() {
-    use specula::decode::Speculation;
-    use specula::draft::model::{check_compatible, ModelDrafter};
-    let target = load("qwen2.5-coder-1.5b");
-    let draft = load("qwen2.5-coder-0.5b");
-    check_compatible(&target, &draft).unwrap();
-    let prompt = target
-        .format_prompt("Write a C function that computes the greatest common divisor of two unsigned integers.", false, None)
-        .unwrap();
-    let req = GenerateRequest {
-        prompt_tokens: target.tokenizer.encode(&prompt).unwrap(),
-        max_new_tokens: 40,
-        sampling: SamplingParams::default(),
-        stop_at_eos: true,
-    };
-    let plain = generate(
+fn generate_with(
+    target: &LoadedModel,
+    req: &GenerateRequest,
+    drafter: Option<&mut dyn specula::draft::Drafter>,
+    k: usize,
+) -> specula::decode::GenerateOutput {
+    let spec = drafter.map(|d| specula::decode::Speculation {
+        drafter: d,
+        draft_tokens: k,
+    });
+    generate(
         &target.model,
         &target.tokenizer,
-        &req,
-        None,
+        req,
+        spec,
         &Profiler::disabled(),
         &mut |_| {},
     )
-    .unwrap();
-    for k in [2, 5] {
-        let mut drafter = ModelDrafter::new(&draft.model, 0);
-        let spec = Some(Speculation {
-            drafter: &mut drafter,
-            draft_tokens: k,
-        });
-        let out = generate(
-            &target.model,
-            &target.tokenizer,
-            &req,
-            spec,
-            &Profiler::disabled(),
-            &mut |_| {},
-        )
-        .unwrap();
-        assert_eq!(out.tokens, plain.tokens, "k={k}");
-        let st = out.speculation.unwrap();
-        assert!(
-            st.acceptance_rate() > 0.3,
-            "0.5B should agree with 1.5B often: {:.2}",
-            st.acceptance_rate()
-        );
+    .unwrap()
+}
+
+/// Greedy speculation is token-for-token plain decoding on a real target, for every drafter configuration in
+/// `configs` and every prompt: batch-invariant verify makes this exact, not just likely. Returns, per config, the
+/// (drafted, partially accepted) totals so callers can require that rollback really happened.
+/// A drafter configuration: its label, the draft length, and how to make a fresh drafter.
+type DrafterConfig<'a> = (
+    &'a str,
+    usize,
+    &'a mut dyn FnMut() -> Box<dyn specula::draft::Drafter + 'a>,
+);
+
+fn assert_speculation_equals_plain(
+    target: &LoadedModel,
+    prompts: &[&str],
+    max_new_tokens: usize,
+    configs: &mut [DrafterConfig<'_>],
+) -> Vec<(u64, u64)> {
+    let mut totals = vec![(0u64, 0u64); configs.len()];
+    for prompt in prompts {
+        let text = target.format_prompt(prompt, false, None).unwrap();
+        let req = GenerateRequest {
+            prompt_tokens: target.tokenizer.encode(&text).unwrap(),
+            max_new_tokens,
+            sampling: SamplingParams::default(),
+            stop_at_eos: true,
+        };
+        let plain = generate_with(target, &req, None, 0);
+        for (i, (label, k, make)) in configs.iter_mut().enumerate() {
+            let mut drafter = make();
+            let out = generate_with(target, &req, Some(drafter.as_mut()), *k);
+            assert_eq!(
+                out.tokens, plain.tokens,
+                "{} {label} on {prompt:?}",
+                target.spec
+            );
+            let st = out.speculation.unwrap();
+            totals[i].0 += st.drafted;
+            totals[i].1 += st.partially_accepted;
+        }
+    }
+    totals
+}
+
+/// The CPU draft/target pair and prompt lookup on the Qwen 1.5B (Q4_K/Q6_K): draft lengths up to 8 (verify
+/// passes of 9 rows, more than one kernel tile of 8), `--draft-confidence` and `--draft-vocab` as the CLI
+/// defaults and bench use them, and prompt lookup at its default k = 8. Every configuration must draft, and
+/// across them drafts must be cut short (the rollback path).
+#[test]
+fn qwen_greedy_speculation_equals_plain() {
+    use specula::draft::model::{check_compatible, ModelDrafter, DEFAULT_MIN_CONFIDENCE};
+    use specula::draft::ngram::NgramDrafter;
+    let target = load("qwen2.5-coder-1.5b");
+    let draft = load("qwen2.5-coder-0.5b");
+    check_compatible(&target, &draft).unwrap();
+    let model = || ModelDrafter::new(&draft.model, 0);
+    let mut k2 = || Box::new(model()) as Box<dyn specula::draft::Drafter + '_>;
+    let mut k5 = || Box::new(model()) as Box<dyn specula::draft::Drafter + '_>;
+    let mut k8 = || Box::new(model()) as Box<dyn specula::draft::Drafter + '_>;
+    let mut confident = || {
+        Box::new(model().with_min_confidence(DEFAULT_MIN_CONFIDENCE).unwrap())
+            as Box<dyn specula::draft::Drafter + '_>
+    };
+    let mut vocab = || {
+        Box::new(model().with_vocab_limit(Some(65536)).unwrap())
+            as Box<dyn specula::draft::Drafter + '_>
+    };
+    let mut lookup = || {
+        Box::new(
+            NgramDrafter::with_stopping(1, 4, Some(specula::draft::ngram::DEFAULT_MIN_CONFIDENCE))
+                .unwrap(),
+        ) as Box<dyn specula::draft::Drafter + '_>
+    };
+    let mut configs: Vec<DrafterConfig<'_>> = vec![
+        ("draft model k=2", 2, &mut k2),
+        ("draft model k=5", 5, &mut k5),
+        ("draft model k=8", 8, &mut k8),
+        ("draft model k=4 --draft-confidence 0.6", 4, &mut confident),
+        ("draft model k=3 --draft-vocab 65536", 3, &mut vocab),
+        ("prompt lookup k=8", 8, &mut lookup),
+    ];
+    let totals = assert_speculation_equals_plain(
+        &target,
+        &[
+            "Write a C function that computes the greatest common divisor of two unsigned integers.",
+            "Rename the variable `count` to `total` in this code:\n```python\ncount = 0\nfor x in items:\n    \
+             count += x\nprint(count)\n```",
+        ],
+        64,
+        &mut configs,
+    );
+    for ((label, _, _), (drafted, _)) in configs.iter().zip(&totals) {
+        assert!(*drafted > 0, "{label} drafted nothing");
+    }
+    let partial: u64 = totals.iter().map(|t| t.1).sum();
+    assert!(
+        partial > 0,
+        "no draft was cut short: rollback untested {totals:?}"
+    );
+}
+
+/// A Q4_1 target (smollm2, the Q4_1 kernel in every verify pass): prompt lookup at k = 8 drafting at every match,
+/// and smollm2 drafting for itself from only its first 1000 token ids, so that drafts needing a later id are
+/// necessarily rejected part way.
+#[test]
+fn smollm2_greedy_speculation_equals_plain() {
+    use specula::draft::model::ModelDrafter;
+    use specula::draft::ngram::NgramDrafter;
+    let target = load("smollm2-135m");
+    let mut lookup = || {
+        Box::new(NgramDrafter::with_stopping(1, 4, Some(0.0)).unwrap())
+            as Box<dyn specula::draft::Drafter + '_>
+    };
+    let mut self_draft = || {
+        Box::new(
+            ModelDrafter::new(&target.model, 0)
+                .with_vocab_limit(Some(1000))
+                .unwrap(),
+        ) as Box<dyn specula::draft::Drafter + '_>
+    };
+    let mut configs: Vec<DrafterConfig<'_>> = vec![
+        ("prompt lookup k=8 confidence 0", 8, &mut lookup),
+        ("self-draft k=4 --draft-vocab 1000", 4, &mut self_draft),
+    ];
+    let totals = assert_speculation_equals_plain(
+        &target,
+        &[
+            "Write a Python function that reverses a string, then use it on three examples.",
+            "List the planets of the solar system in order, one per line.",
+        ],
+        64,
+        &mut configs,
+    );
+    for ((label, _, _), (drafted, partial)) in configs.iter().zip(&totals) {
+        assert!(*drafted > 0, "{label} drafted nothing");
+        assert!(*partial > 0, "{label}: no draft was cut short");
     }
 }

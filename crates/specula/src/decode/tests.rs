@@ -326,7 +326,9 @@ fn chi2_critical(df: usize, z: f64) -> f64 {
 
 #[test]
 fn sampled_speculation_has_the_targets_distribution() {
-    check_sampled_distribution(SampledCase::top_k3(SampledDrafter::FixedQ { stop_after: None }));
+    check_sampled_distribution(SampledCase::top_k3(SampledDrafter::FixedQ {
+        stop_after: None,
+    }));
 }
 
 /// The same when the draft length depends on the tokens drafted so far (as with `--draft-confidence`): the
@@ -375,8 +377,12 @@ fn sampled_prompt_lookup_has_the_targets_distribution() {
 
 enum SampledDrafter {
     /// Draws from a fixed uniform q over the target's likeliest first tokens and two tokens outside them.
-    FixedQ { stop_after: Option<u32> },
-    Model { min_confidence: f64 },
+    FixedQ {
+        stop_after: Option<u32>,
+    },
+    Model {
+        min_confidence: f64,
+    },
     /// The n-gram drafter (deterministic: q is a point mass).
     PromptLookup,
 }
@@ -508,7 +514,12 @@ fn check_sampled_distribution(case: SampledCase) {
     // q for the fixed-q drafter: uniform over the target's four likeliest first tokens and two it never
     // proposes first, so drafts are often rejected and the residual distribution is exercised.
     let d1 = dist_after(&prompt);
-    let mut by_prob: Vec<(u32, f32)> = d1.ids.iter().copied().zip(d1.probs.iter().copied()).collect();
+    let mut by_prob: Vec<(u32, f32)> = d1
+        .ids
+        .iter()
+        .copied()
+        .zip(d1.probs.iter().copied())
+        .collect();
     by_prob.sort_by(|a, b| b.1.total_cmp(&a.1));
     let mut q_support: Vec<u32> = by_prob.iter().take(4).map(|&(t, _)| t).collect();
     let vocab = target.model.config.vocab_size as u32;

@@ -444,7 +444,10 @@ mod tests {
             (63, 3.068_925_988_914_511e-7),
         ] {
             let got = scaled[i] as f64;
-            assert!((got - expected).abs() <= 1e-5 * expected, "i={i}: {got} vs {expected}");
+            assert!(
+                (got - expected).abs() <= 1e-5 * expected,
+                "i={i}: {got} vs {expected}"
+            );
         }
         // rope_freqs factors (GGUF) divide each frequency.
         let factors: Vec<f32> = (0..64).map(|i| 1.0 + i as f32).collect();

@@ -1595,7 +1595,11 @@ mod tests {
     /// "Building for other CPUs"). Then the kernel tests say loudly that they did not run.
     fn fast_kernels_expected() -> bool {
         let allowed_without = std::env::var_os("SPECULA_ALLOW_NO_AVX2").is_some();
-        if !cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")) {
+        if !cfg!(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        )) {
             eprintln!(
                 "WARNING: this build has no AVX2/FMA kernels; the multi-row kernel tests did not run{}",
                 if allowed_without { " (SPECULA_ALLOW_NO_AVX2 is set)" } else { "" }
@@ -1692,7 +1696,10 @@ mod tests {
         fn check_pair<T: FastRowsDot + Clone>(k: usize, seed: u64) {
             let name = std::any::type_name::<T>();
             let Some(kernel) = T::fast_kernel() else {
-                assert!(!fast_kernels_expected(), "{name}: no multi-row kernel in an x86-64 build");
+                assert!(
+                    !fast_kernels_expected(),
+                    "{name}: no multi-row kernel in an x86-64 build"
+                );
                 return;
             };
             let pair_dot = kernel

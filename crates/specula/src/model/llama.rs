@@ -512,7 +512,8 @@ impl LlamaModel {
                     "token id {t} is outside the vocabulary"
                 )));
             }
-            self.embed.row_to_f32(t as usize, &mut embedded[i * h..(i + 1) * h]);
+            self.embed
+                .row_to_f32(t as usize, &mut embedded[i * h..(i + 1) * h]);
         }
         let mut matrices: Vec<(String, &Weight)> = Vec::new();
         for (li, l) in self.layers.iter().enumerate() {
@@ -533,7 +534,10 @@ impl LlamaModel {
                 }
             }
         }
-        matrices.push(("lm_head".into(), self.lm_head.as_ref().unwrap_or(&self.embed)));
+        matrices.push((
+            "lm_head".into(),
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+        ));
         let mut checks = Vec::new();
         for (name, w) in matrices {
             let x: Vec<f32> = if w.cols == h {
@@ -550,7 +554,10 @@ impl LlamaModel {
             let (mut fast, mut reference) = (vec![0f32; m * w.rows], vec![0f32; m * w.rows]);
             w.matmul_with(MatmulKernel::Fast, &x, m, &mut fast);
             w.matmul_with(MatmulKernel::Reference, &x, m, &mut reference);
-            let scale = reference.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-30) as f64;
+            let scale = reference
+                .iter()
+                .fold(0f32, |a, v| a.max(v.abs()))
+                .max(1e-30) as f64;
             let worst = fast
                 .iter()
                 .zip(&reference)

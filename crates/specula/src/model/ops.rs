@@ -274,7 +274,11 @@ mod tests {
                 rope(&mut got, pos, &inv, halves);
                 let mut expected = vec![0f64; d];
                 for i in 0..d / 2 {
-                    let (a, b) = if halves { (i, i + d / 2) } else { (2 * i, 2 * i + 1) };
+                    let (a, b) = if halves {
+                        (i, i + d / 2)
+                    } else {
+                        (2 * i, 2 * i + 1)
+                    };
                     let angle = pos as f64 * inv[i] as f64;
                     let (x0, x1) = (x[a] as f64, x[b] as f64);
                     expected[a] = x0 * angle.cos() - x1 * angle.sin();
