@@ -482,6 +482,7 @@ impl SpeculationStats {
             .collect();
         format!(
             "speculation ({}, k={}): {} cycles, drafted {}, accepted {} ({:.1}%), mean accepted length {:.2}\n  \
+             drafts cut short: {} partly accepted, {} rejected at once; {} cycles without a draft\n  \
              per position: {}\n  accepted-length histogram (0..={}): {:?}\n",
             self.method,
             self.draft_tokens,
@@ -490,6 +491,9 @@ impl SpeculationStats {
             self.accepted,
             self.acceptance_rate() * 100.0,
             self.mean_accept_len(),
+            self.partially_accepted,
+            self.fully_rejected,
+            self.empty_drafts,
             per_pos.join(" "),
             self.draft_tokens,
             self.accept_len_histogram

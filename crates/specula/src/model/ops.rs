@@ -273,13 +273,13 @@ mod tests {
                 let mut got = x.clone();
                 rope(&mut got, pos, &inv, halves);
                 let mut expected = vec![0f64; d];
-                for i in 0..d / 2 {
+                for (i, &freq) in inv.iter().enumerate() {
                     let (a, b) = if halves {
                         (i, i + d / 2)
                     } else {
                         (2 * i, 2 * i + 1)
                     };
-                    let angle = pos as f64 * inv[i] as f64;
+                    let angle = pos as f64 * freq as f64;
                     let (x0, x1) = (x[a] as f64, x[b] as f64);
                     expected[a] = x0 * angle.cos() - x1 * angle.sin();
                     expected[b] = x0 * angle.sin() + x1 * angle.cos();
