@@ -6,7 +6,8 @@
 //!
 //! - gguf: the real headers of the registry models (metadata, chat template, tokenizer and the whole tensor
 //!   directory, without tensor data), with the vocabulary cut to its first tokens and the merges among them so a
-//!   seed parses in milliseconds; and tiny complete models in several storage types and both tokenizer kinds.
+//!   seed parses in milliseconds; and tiny complete models in several storage types and both tokenizer kinds
+//!   (byte-level BPE and SentencePiece).
 //! - tokenizer_json: those vocabularies as tokenizer.json, and the tiny one.
 //! - chat_template: the registry models' templates and ChatML.
 //! - hf_checkpoint: a tiny config.json + safetensors shard.
@@ -90,6 +91,54 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         write_tiny_gguf(&p, &spec)?;
         std::fs::copy(&p, gguf_dir.join(format!("{name}.gguf")))?;
     }
+    // The SentencePiece tokenizer path (GGUF `llama` tokenizers): the tiny llama model with its vocabulary
+    // replaced by a SentencePiece one of the same size.
+    let spm = tmp.path().join("spm.gguf");
+    let spec = TinySpec {
+        architecture: "llama",
+        hidden: 32,
+        intermediate: 32,
+        layers: 1,
+        heads: 2,
+        kv_heads: 1,
+        context: 64,
+        weight_type: GgmlType::Q8_0,
+        ..Default::default()
+    };
+    write_tiny_gguf(&spm, &spec)?;
+    let mut parts = specula::testing::read_gguf_parts(&spm)?;
+    let vocab_len = specula::testing::tiny_vocab().0.len();
+    let mut pieces: Vec<(String, f32, i32)> = vec![
+        ("<unk>".into(), 0.0, 2),
+        ("<s>".into(), 0.0, 3),
+        ("</s>".into(), 0.0, 3),
+    ];
+    for (i, piece) in [
+        "\u{2581}", "t", "h", "e", "a", "c", "s", "o", "w", "th", "he", "\u{2581}the", "\u{2581}th", "the",
+        "\u{2581}c", "at", "\u{2581}cat", "ca", "cat", "\u{2581}a",
+    ]
+    .iter()
+    .enumerate()
+    {
+        pieces.push((piece.to_string(), -(i as f32), 1));
+    }
+    let mut byte = 0u32;
+    while pieces.len() < vocab_len {
+        pieces.push((format!("<0x{byte:02X}>"), 0.0, 6));
+        byte += 1;
+    }
+    use specula::testing::set_metadata;
+    let array = |f: &dyn Fn(&(String, f32, i32)) -> Value| Value::Array(pieces.iter().map(f).collect());
+    set_metadata(&mut parts, "tokenizer.ggml.model", Value::String("llama".into()));
+    set_metadata(&mut parts, "tokenizer.ggml.tokens", array(&|p| Value::String(p.0.clone())));
+    set_metadata(&mut parts, "tokenizer.ggml.scores", array(&|p| Value::F32(p.1)));
+    set_metadata(&mut parts, "tokenizer.ggml.token_type", array(&|p| Value::I32(p.2)));
+    set_metadata(&mut parts, "tokenizer.ggml.bos_token_id", Value::U32(1));
+    set_metadata(&mut parts, "tokenizer.ggml.eos_token_id", Value::U32(2));
+    set_metadata(&mut parts, "tokenizer.ggml.add_bos_token", Value::Bool(true));
+    parts.0.retain(|(k, _)| k != "tokenizer.ggml.merges" && k != "tokenizer.ggml.pre");
+    specula::testing::write_gguf_parts(&gguf_dir.join("tiny-llama-spm.gguf"), &parts)?;
+
     let null = serde_json::Value::Null;
     let tiny_json = specula::testing::tiny_tokenizer_json().to_string();
     specula::tokenizer::Tokenizer::from_hf_json(tiny_json.as_bytes(), &null, &null)?;
