@@ -158,8 +158,10 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         .any(|m| matches!(m, DraftMethod::Model { .. }));
     let draft = match (uses_model, &args.drafter.draft_model) {
         (true, Some(spec)) => {
-            let d = specula::load_model(spec, true, &mut |line| eprintln!("{line}"))
-                .with_context(|| format!("loading draft model {spec}"))?;
+            let d = specula::load_model_on(spec, args.model.device()?, true, &mut |line| {
+                eprintln!("{line}")
+            })
+            .with_context(|| format!("loading draft model {spec}"))?;
             specula::draft::model::check_compatible(&target, &d)?;
             Some(d)
         }
@@ -172,12 +174,12 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         with_ids.push((p, ids));
     }
     if let Some(longest) = with_ids.iter().map(|(_, ids)| ids.len()).max() {
-        crate::generate::note_context_cap(&target.model, longest, args.max_tokens);
+        crate::generate::note_context_cap(target.model.as_ref(), longest, args.max_tokens);
     }
     let spec = BenchSpec {
-        target: &target.model,
+        target: target.model.as_ref(),
         tokenizer: &target.tokenizer,
-        draft: draft.as_ref().map(|d| &d.model),
+        draft: draft.as_ref().map(|d| d.model.as_ref()),
         draft_tokens: if methods.is_empty() { Vec::new() } else { ks },
         methods,
         prompts: with_ids,

@@ -43,6 +43,16 @@ pub struct ModelArgs {
     /// Compute threads (default: the physical cores).
     #[arg(long, short = 't', allow_negative_numbers = true)]
     pub threads: Option<usize>,
+    /// Where the model runs: cpu, cuda (the first GPU) or cuda:N. A draft model runs on the same device.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+impl ModelArgs {
+    /// `--device`, parsed (checked before any model loads).
+    pub fn device(&self) -> anyhow::Result<specula::backend::Device> {
+        Ok(self.device.parse()?)
+    }
 }
 
 #[derive(clap::Args, Clone)]
@@ -345,8 +355,9 @@ pub fn load(args: &ModelArgs) -> anyhow::Result<(specula::model::LoadedModel, us
         specula::parallel::set_threads(t).map_err(|e| anyhow::anyhow!(e))?;
     }
     let threads = specula::parallel::threads();
+    let device = args.device()?;
     let t0 = Instant::now();
-    let loaded = specula::load_model(&args.model, true, &mut |line| eprintln!("{line}"))
+    let loaded = specula::load_model_on(&args.model, device, true, &mut |line| eprintln!("{line}"))
         .with_context(|| format!("loading model {}", args.model))?;
     Ok((loaded, threads, t0.elapsed().as_secs_f64()))
 }
@@ -362,6 +373,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         anyhow::bail!("--trace needs profiling on (--profile phases or fine)");
     }
     // Every flag is checked before a model is loaded (loading takes seconds).
+    args.model.device()?;
     let choice = args.draft.drafter.single_choice()?;
     let draft_vocab = single(&args.draft.drafter.draft_vocabs()?, "--draft-vocab")?;
     let draft_confidence = single(
@@ -381,7 +393,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let (loaded, threads, load_s) = load(&args.model)?;
     let text = loaded.format_prompt(&prompt, args.raw, args.system.as_deref())?;
     let prompt_tokens = loaded.tokenizer.encode(&text)?;
-    note_context_cap(&loaded.model, prompt_tokens.len(), args.max_tokens);
+    note_context_cap(loaded.model.as_ref(), prompt_tokens.len(), args.max_tokens);
     let req = GenerateRequest {
         prompt_tokens,
         max_new_tokens: args.max_tokens,
@@ -391,8 +403,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let prof = Profiler::new(args.profile.detail());
     let draft_loaded = match &choice {
         DraftChoice::Model(spec) => {
-            let d = specula::load_model(spec, true, &mut |line| eprintln!("{line}"))
-                .with_context(|| format!("loading draft model {spec}"))?;
+            let d = specula::load_model_on(spec, args.model.device()?, true, &mut |line| {
+                eprintln!("{line}")
+            })
+            .with_context(|| format!("loading draft model {spec}"))?;
             specula::draft::model::check_compatible(&loaded, &d)?;
             Some(d)
         }
@@ -402,7 +416,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         DraftChoice::None => None,
         DraftChoice::Model(_) => match draft_loaded.as_ref() {
             Some(d) => Some(Box::new(
-                specula::draft::model::ModelDrafter::new(&d.model, sampling.seed)
+                specula::draft::model::ModelDrafter::new(d.model.as_ref(), sampling.seed)?
                     .with_vocab_limit(draft_vocab)?
                     .with_min_confidence(draft_confidence)?,
             ) as Box<dyn specula::draft::Drafter>),
@@ -424,7 +438,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut out = stdout.lock();
     let quiet = args.quiet;
     let output = decode::generate(
-        &loaded.model,
+        loaded.model.as_ref(),
         &loaded.tokenizer,
         &req,
         speculation,
@@ -443,7 +457,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let summary = prof.summary();
     let wall_s = wall.elapsed().as_secs_f64();
 
-    let c = &loaded.model.config;
+    let c = loaded.model.config();
     eprintln!();
     eprintln!(
         "model {} ({}, {} layers, {}; {:.0} MB of weights per step), {} threads",
@@ -531,7 +545,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
 /// is full (stop reason `context_full`), as llama.cpp's `-n` does, and the prompt's length (which decides the
 /// room) is known only after the model's tokenizer has run. The note says so before any time is spent.
 pub fn note_context_cap(
-    model: &specula::model::LlamaModel,
+    model: &dyn specula::model::Model,
     prompt_tokens: usize,
     max_tokens: usize,
 ) {
@@ -540,7 +554,7 @@ pub fn note_context_cap(
         eprintln!(
             "note: --max-tokens {max_tokens} is more than the context leaves ({} tokens of context, {prompt_tokens} \
              in the prompt): at most {room} tokens will be generated",
-            model.config.context_length
+            model.config().context_length
         );
     }
 }

@@ -36,7 +36,7 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
     let (loaded, threads, _) = crate::generate::load(&args.model)?;
     let text = loaded.format_prompt(&args.prompt, false, None)?;
     let prompt_tokens = loaded.tokenizer.encode(&text)?;
-    crate::generate::note_context_cap(&loaded.model, prompt_tokens.len(), args.max_tokens);
+    crate::generate::note_context_cap(loaded.model.as_ref(), prompt_tokens.len(), args.max_tokens);
     let req = GenerateRequest {
         prompt_tokens,
         max_new_tokens: args.max_tokens,
@@ -52,7 +52,7 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
     let mut outputs: Vec<Option<Vec<u32>>> = vec![None; modes.len()];
     // Warm-up run so page faults and allocator growth are not charged to the first mode.
     decode::generate(
-        &loaded.model,
+        loaded.model.as_ref(),
         &loaded.tokenizer,
         &req,
         None,
@@ -64,7 +64,7 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
             let m = (round + k) % modes.len();
             let prof = Profiler::new(modes[m].1);
             let out = decode::generate(
-                &loaded.model,
+                loaded.model.as_ref(),
                 &loaded.tokenizer,
                 &req,
                 None,
@@ -124,7 +124,7 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
             ..req.clone()
         };
         decode::generate(
-            &loaded.model,
+            loaded.model.as_ref(),
             &loaded.tokenizer,
             &short,
             None,

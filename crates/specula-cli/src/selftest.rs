@@ -35,28 +35,29 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     if tokens.is_empty() {
         anyhow::bail!("the prompt is empty (0 tokens)");
     }
-    let model = &loaded.model;
-    let mut cache = model.new_cache();
-    let opts = ForwardOptions {
-        logits: LogitsFor::All,
-        capture_layers: &[],
-        vocab_limit: None,
-    };
-    let out = model.forward(&tokens, &mut cache, &opts, &Profiler::disabled())?;
+    let model = loaded.model.as_ref();
+    let mut cache = model.new_cache(tokens.len())?;
+    let out = model.forward_one(
+        &tokens,
+        cache.as_mut(),
+        &ForwardOptions::default(),
+        LogitsFor::All,
+        &Profiler::disabled(),
+    )?;
+    let logits = out.logits.to_host()?;
     let mut hasher = Sha256::new();
-    for v in &out.logits {
+    for v in logits.iter() {
         hasher.update(v.to_le_bytes());
     }
     let digest = format!("{:x}", hasher.finalize());
-    let greedy: Vec<u32> = (0..out.rows)
-        .map(|r| specula::sampling::argmax(out.row(r)))
-        .collect();
-    let checks = model.check_kernels_against_reference(&tokens)?;
-    let paths = specula::model::kernels::active_kernel_paths();
+    let greedy = out.logits.argmax_rows()?;
+    let checks = model.check_kernels(&tokens)?;
+    let paths = specula::backend::cpu::kernels::active_kernel_paths();
     println!(
-        "model {} ({}), {threads} threads, kernel paths {}",
+        "model {} ({}) on {}, {threads} threads, kernel paths {}",
         loaded.spec,
         model.weight_types(),
+        model.device(),
         paths.join("+")
     );
     println!(
@@ -84,6 +85,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         let v = serde_json::json!({
             "model": loaded.spec,
+            "device": model.device(),
             "threads": threads,
             "kernel_paths": paths,
             "prompt_tokens": tokens,

@@ -84,7 +84,7 @@ fn record(
             stop_at_eos: false,
         };
         let o = generate(
-            &loaded.model,
+            loaded.model.as_ref(),
             &loaded.tokenizer,
             &req,
             None,
@@ -226,18 +226,14 @@ fn record_confidence(
     }
     let loaded = specula::load_model(model, false, &mut |l| eprintln!("{l}"))?;
     let (prompts, _) = read_prompts(std::path::Path::new(prompts), BadLines::Stop)?;
-    let opts = specula::model::ForwardOptions {
-        logits: specula::model::LogitsFor::Last,
-        capture_layers: &[],
-        vocab_limit: None,
-    };
-    let quiet = Profiler::disabled();
+    let last = specula::model::LogitsFor::Last;
     let mut out = Vec::new();
     for p in prompts {
         let text = loaded.format_prompt(&p.prompt, false, None)?;
         let prompt = loaded.tokenizer.encode(&text)?;
-        let mut cache = loaded.model.new_cache();
-        let mut logits = loaded.model.forward(&prompt, &mut cache, &opts, &quiet)?;
+        let model = loaded.model.as_ref();
+        let mut cache = specula::testing::full_cache(model);
+        let mut logits = specula::testing::forward_host(model, &prompt, cache.as_mut(), last);
         let (mut output, mut probs) = (Vec::new(), Vec::new());
         while output.len() < max_tokens {
             let mut row = logits.last().to_vec();
@@ -248,12 +244,10 @@ fn record_confidence(
                     (0, f32::NEG_INFINITY),
                     |a, (i, &v)| if v > a.1 { (i, v) } else { a },
                 );
-            specula::model::ops::softmax(&mut row);
+            specula::backend::cpu::ops::softmax(&mut row);
             output.push(best as u32);
             probs.push(row[best]);
-            logits = loaded
-                .model
-                .forward(&[best as u32], &mut cache, &opts, &quiet)?;
+            logits = specula::testing::forward_host(model, &[best as u32], cache.as_mut(), last);
         }
         eprintln!("{}: {} tokens", p.id, output.len());
         out.push((prompt, output, probs));

@@ -15,28 +15,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let threads: usize = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(2);
     specula::parallel::set_threads(threads)?;
     let loaded = specula::load_model(spec, false, &mut |l| eprintln!("{l}"))?;
-    let model = &loaded.model;
+    let model = loaded.model.as_ref();
     let context = loaded
         .tokenizer
         .encode("def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n")?;
     let prof = Profiler::disabled();
-    let mut cache = model.new_cache();
-    let prefill = ForwardOptions {
-        logits: LogitsFor::None,
-        capture_layers: &[],
-        vocab_limit: None,
-    };
-    model.forward(&context, &mut cache, &prefill, &prof)?;
+    let mut cache = model.new_cache(context.len() + n)?;
+    let opts = ForwardOptions::default();
+    model.forward_one(&context, cache.as_mut(), &opts, LogitsFor::None, &prof)?;
     let base = cache.len();
-    let verify = ForwardOptions {
-        logits: LogitsFor::All,
-        capture_layers: &[],
-        vocab_limit: None,
-    };
     let tokens: Vec<u32> = context.iter().copied().cycle().take(n).collect();
     let start = std::time::Instant::now();
     for _ in 0..iters {
-        model.forward(&tokens, &mut cache, &verify, &prof)?;
+        model.forward_one(&tokens, cache.as_mut(), &opts, LogitsFor::All, &prof)?;
         cache.truncate(base);
     }
     println!(

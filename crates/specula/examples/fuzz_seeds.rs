@@ -16,8 +16,8 @@
 
 use std::path::{Path, PathBuf};
 
+use specula::model::dtype::GgmlType;
 use specula::model::gguf::{header_bytes, GgufFile, Value};
-use specula::model::weights::GgmlType;
 use specula::testing::{write_tiny_gguf, write_tiny_hf_dir, TinySpec};
 
 /// Tokens kept of a real vocabulary (ids beyond it lose their entries, as a small model's vocabulary would).
@@ -114,8 +114,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("</s>".into(), 0.0, 3),
     ];
     for (i, piece) in [
-        "\u{2581}", "t", "h", "e", "a", "c", "s", "o", "w", "th", "he", "\u{2581}the", "\u{2581}th", "the",
-        "\u{2581}c", "at", "\u{2581}cat", "ca", "cat", "\u{2581}a",
+        "\u{2581}",
+        "t",
+        "h",
+        "e",
+        "a",
+        "c",
+        "s",
+        "o",
+        "w",
+        "th",
+        "he",
+        "\u{2581}the",
+        "\u{2581}th",
+        "the",
+        "\u{2581}c",
+        "at",
+        "\u{2581}cat",
+        "ca",
+        "cat",
+        "\u{2581}a",
     ]
     .iter()
     .enumerate()
@@ -128,15 +146,38 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         byte += 1;
     }
     use specula::testing::set_metadata;
-    let array = |f: &dyn Fn(&(String, f32, i32)) -> Value| Value::Array(pieces.iter().map(f).collect());
-    set_metadata(&mut parts, "tokenizer.ggml.model", Value::String("llama".into()));
-    set_metadata(&mut parts, "tokenizer.ggml.tokens", array(&|p| Value::String(p.0.clone())));
-    set_metadata(&mut parts, "tokenizer.ggml.scores", array(&|p| Value::F32(p.1)));
-    set_metadata(&mut parts, "tokenizer.ggml.token_type", array(&|p| Value::I32(p.2)));
+    let array =
+        |f: &dyn Fn(&(String, f32, i32)) -> Value| Value::Array(pieces.iter().map(f).collect());
+    set_metadata(
+        &mut parts,
+        "tokenizer.ggml.model",
+        Value::String("llama".into()),
+    );
+    set_metadata(
+        &mut parts,
+        "tokenizer.ggml.tokens",
+        array(&|p| Value::String(p.0.clone())),
+    );
+    set_metadata(
+        &mut parts,
+        "tokenizer.ggml.scores",
+        array(&|p| Value::F32(p.1)),
+    );
+    set_metadata(
+        &mut parts,
+        "tokenizer.ggml.token_type",
+        array(&|p| Value::I32(p.2)),
+    );
     set_metadata(&mut parts, "tokenizer.ggml.bos_token_id", Value::U32(1));
     set_metadata(&mut parts, "tokenizer.ggml.eos_token_id", Value::U32(2));
-    set_metadata(&mut parts, "tokenizer.ggml.add_bos_token", Value::Bool(true));
-    parts.0.retain(|(k, _)| k != "tokenizer.ggml.merges" && k != "tokenizer.ggml.pre");
+    set_metadata(
+        &mut parts,
+        "tokenizer.ggml.add_bos_token",
+        Value::Bool(true),
+    );
+    parts
+        .0
+        .retain(|(k, _)| k != "tokenizer.ggml.merges" && k != "tokenizer.ggml.pre");
     specula::testing::write_gguf_parts(&gguf_dir.join("tiny-llama-spm.gguf"), &parts)?;
 
     let null = serde_json::Value::Null;
@@ -251,7 +292,7 @@ fn tiny_bench_json(tmp: &tempfile::TempDir) -> Result<String, Box<dyn std::error
     };
     let ids = m.tokenizer.encode(&prompt.prompt)?;
     let spec = specula::bench::BenchSpec {
-        target: &m.model,
+        target: m.model.as_ref(),
         tokenizer: &m.tokenizer,
         draft: None,
         methods: vec![specula::bench::DraftMethod::Ngram {

@@ -1,7 +1,7 @@
 //! Largest logit difference between the fast and the reference matmul kernels over a prompt's positions.
 //! `cargo run --release --example kernel_logit_diff -- MODEL PROMPT`
 
-use specula::model::weights::{set_matmul_kernel, MatmulKernel};
+use specula::backend::cpu::weights::{set_matmul_kernel, MatmulKernel};
 use specula::model::{ForwardOptions, LogitsFor};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -14,20 +14,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let loaded = specula::load_model(spec, false, &mut |l| eprintln!("{l}"))?;
     let ids = loaded.tokenizer.encode(prompt)?;
     let prof = specula::profile::Profiler::disabled();
-    let layers: Vec<usize> = (0..loaded.model.config.num_layers).collect();
-    let run = |kernel| -> Result<specula::model::ForwardOutput, specula::Error> {
+    let layers: Vec<usize> = (0..loaded.model.config().num_layers).collect();
+    let run = |kernel| -> Result<specula::model::forward::HostOutput, specula::Error> {
         set_matmul_kernel(kernel);
-        let mut cache = loaded.model.new_cache();
+        let model = loaded.model.as_ref();
+        let mut cache = specula::testing::full_cache(model);
         let opts = ForwardOptions {
-            logits: LogitsFor::All,
             capture_layers: &layers,
             vocab_limit: None,
         };
-        loaded.model.forward(&ids, &mut cache, &opts, &prof)
+        model
+            .forward_one(&ids, cache.as_mut(), &opts, LogitsFor::All, &prof)?
+            .to_host()
     };
     let fast_out = run(MatmulKernel::Fast)?;
     let reference_out = run(MatmulKernel::Reference)?;
     for ((l, a), (_, b)) in fast_out.hidden.iter().zip(&reference_out.hidden) {
+        let (a, b) = (&a.data, &b.data);
         let d = a
             .iter()
             .zip(b)
@@ -36,7 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mx = b.iter().map(|v| v.abs()).fold(0f32, f32::max);
         println!("layer {l}: max |diff| {d:.6} of max |h| {mx:.2}");
     }
-    let (fast, reference) = (fast_out.logits, reference_out.logits);
+    let (fast, reference) = (fast_out.logits.data, reference_out.logits.data);
     let max_diff = fast
         .iter()
         .zip(&reference)

@@ -4,8 +4,10 @@
 //! (`SPECULA_PREFETCH` / `SPECULA_K_PREFETCH` set the small-block / K-quant prefetch distances).
 use candle_core::quantized::k_quants::BlockQ8_0;
 use candle_core::quantized::k_quants::GgmlType;
-use specula::model::kernels::FastRowsDot;
-use specula::model::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved};
+use specula::backend::cpu::kernels::FastRowsDot;
+use specula::backend::cpu::repack::{
+    BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
+};
 use specula::testing::pseudo_random as pseudo;
 use std::time::Instant;
 
@@ -138,13 +140,14 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
     {
-        specula::model::kernels::PREFETCH_DISTANCE.store(d, std::sync::atomic::Ordering::Relaxed);
+        specula::backend::cpu::kernels::PREFETCH_DISTANCE
+            .store(d, std::sync::atomic::Ordering::Relaxed);
     }
     if let Some(d) = std::env::var("SPECULA_K_PREFETCH")
         .ok()
         .and_then(|v| v.parse().ok())
     {
-        specula::model::kernels::K_QUANT_PREFETCH_DISTANCE
+        specula::backend::cpu::kernels::K_QUANT_PREFETCH_DISTANCE
             .store(d, std::sync::atomic::Ordering::Relaxed);
     }
     if std::env::var_os("STREAM").is_some() {

@@ -3,7 +3,7 @@
 //! that shows the kernels' compute cost without the memory stream.
 //! `cargo run --release --example matmul_rows -- [THREADS] [cached] [fast]`
 
-use specula::model::weights::{GgmlType, MatmulKernel, Weight};
+use specula::backend::cpu::weights::{GgmlType, MatmulKernel, Weight};
 use std::time::Instant;
 
 fn main() {

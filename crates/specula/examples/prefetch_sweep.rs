@@ -4,7 +4,9 @@
 //! kernels prefetch D bytes ahead into L2, the others 1536 into L1: the default with D = 6144).
 use std::sync::atomic::Ordering;
 
-use specula::model::kernels::{K_QUANT_PREFETCH_DISTANCE, K_QUANT_PREFETCH_L1, PREFETCH_DISTANCE};
+use specula::backend::cpu::kernels::{
+    K_QUANT_PREFETCH_DISTANCE, K_QUANT_PREFETCH_L1, PREFETCH_DISTANCE,
+};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -36,7 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 PREFETCH_DISTANCE.store(1536, Ordering::Relaxed);
                 K_QUANT_PREFETCH_DISTANCE.store(d, Ordering::Relaxed);
             }
-            let cost = specula::bench::measure_verify_cost(&loaded.model, &context, 5, 3)?;
+            let cost = specula::bench::measure_verify_cost(loaded.model.as_ref(), &context, 5, 3)?;
             for (s, ms) in sum.iter_mut().zip(&cost.ms) {
                 *s += ms;
             }

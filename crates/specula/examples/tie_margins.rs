@@ -9,7 +9,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .nth(1)
         .ok_or("usage: tie_margins FIXTURE.json")?;
     let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
-    let prof = specula::profile::Profiler::disabled();
     let mut loaded: Option<specula::model::LoadedModel> = None;
     for case in fixture["cases"].as_array().ok_or("no cases")? {
         let name = case["model"].as_str().unwrap_or_default();
@@ -27,10 +26,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             continue;
         }
-        let mut cache = m.model.new_cache();
-        let out = m
-            .model
-            .forward(&all_ids, &mut cache, &Default::default(), &prof)?;
+        let model = m.model.as_ref();
+        let mut cache = specula::testing::full_cache(model);
+        let out = specula::testing::forward_host(
+            model,
+            &all_ids,
+            cache.as_mut(),
+            specula::model::LogitsFor::All,
+        );
         let mut verdict = "reference path is specula's greedy path".to_string();
         for (pos, &theirs) in all_ids.iter().enumerate().skip(prompt_ids.len()) {
             let row = out.row(pos - 1);

@@ -3,7 +3,7 @@
 //! its times are an upper bound on candle's kernels, not a measurement of them.)
 //! `cargo run --release --example verify_cost -- MODEL [THREADS] [REPEATS]`
 
-use specula::model::weights::{set_matmul_kernel, MatmulKernel};
+use specula::backend::cpu::weights::{set_matmul_kernel, MatmulKernel};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -24,7 +24,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         MatmulKernel::Fast,
     ] {
         set_matmul_kernel(kernel);
-        let cost = specula::bench::measure_verify_cost(&loaded.model, &context, 9, repeats)?;
+        let cost =
+            specula::bench::measure_verify_cost(loaded.model.as_ref(), &context, 9, repeats)?;
         let row: Vec<String> = (1..=9)
             .map(|n| format!("{:.1}ms({:.2}x)", cost.verify_ms(n), cost.ratio(n)))
             .collect();

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use crate::draft::{Draft, Drafter};
 use crate::error::{Error, Result};
-use crate::model::{ForwardOptions, LlamaModel, LogitsFor};
+use crate::model::{ForwardOptions, LogitsFor, Model};
 use crate::profile::{Phase, Profiler, StepKind};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -70,8 +70,8 @@ pub struct GenerateOutput {
 /// The most new tokens a prompt of `prompt_tokens` leaves room for: every position up to the context length,
 /// plus the last token, which is generated from the last position but never needs a cache slot itself.
 /// Generation stops there with [`StopReason::ContextFull`], whatever `max_new_tokens` asks.
-pub fn context_room(model: &LlamaModel, prompt_tokens: usize) -> usize {
-    let ctx = model.config.context_length;
+pub fn context_room(model: &dyn Model, prompt_tokens: usize) -> usize {
+    let ctx = model.config().context_length;
     if prompt_tokens < ctx {
         ctx - prompt_tokens + 1
     } else {
@@ -80,7 +80,7 @@ pub fn context_room(model: &LlamaModel, prompt_tokens: usize) -> usize {
 }
 
 /// Checks a request against the model before any work is done.
-pub fn validate_request(model: &LlamaModel, req: &GenerateRequest) -> Result<()> {
+pub fn validate_request(model: &dyn Model, req: &GenerateRequest) -> Result<()> {
     req.sampling.validate()?;
     if req.max_new_tokens == 0 {
         return Err(Error::InvalidArgument(
@@ -92,7 +92,7 @@ pub fn validate_request(model: &LlamaModel, req: &GenerateRequest) -> Result<()>
             "the prompt is empty (0 tokens)".into(),
         ));
     }
-    let ctx = model.config.context_length;
+    let ctx = model.config().context_length;
     if req.prompt_tokens.len() >= ctx {
         return Err(Error::ContextOverflow {
             prompt_tokens: req.prompt_tokens.len(),
@@ -112,7 +112,7 @@ pub struct Speculation<'d> {
 /// Generates up to `max_new_tokens` tokens, streaming text to `on_text` as it is produced. With a drafter, each
 /// decode step is one speculative cycle; without, it is a plain decoding step. Both run the same loop.
 pub fn generate(
-    model: &LlamaModel,
+    model: &dyn Model,
     tokenizer: &Tokenizer,
     req: &GenerateRequest,
     mut speculation: Option<Speculation<'_>>,
@@ -124,7 +124,8 @@ pub fn generate(
         check_draft_tokens(s.draft_tokens)?;
     }
     let mut sampler = Sampler::new(req.sampling)?;
-    let mut cache = model.new_cache();
+    let draft_room = speculation.as_ref().map_or(0, |s| s.draft_tokens);
+    let mut cache = model.new_cache_for(req.prompt_tokens.len(), req.max_new_tokens, draft_room)?;
     let mut stream = StreamDecoder::new();
     // Never sized by max_new_tokens alone (a caller may ask for more than the context can hold).
     let room = context_room(model, req.prompt_tokens.len());
@@ -135,23 +136,25 @@ pub fn generate(
     let mut stats = speculation
         .as_ref()
         .map(|s| SpeculationStats::new(s.drafter.method(), s.draft_tokens));
-    let ctx = model.config.context_length;
+    // Generation stops where the cache is full: the model's context, or less if the cache was sized smaller.
+    let ctx = cache.capacity();
 
     // Prefill step: the prompt in one forward pass, then the first token.
     let prefill_start = Instant::now();
     prof.begin_step(StepKind::Prefill);
     let logits = {
         let _s = prof.span(Phase::Prefill);
-        let opts = ForwardOptions {
-            logits: LogitsFor::Last,
-            capture_layers: &[],
-            vocab_limit: None,
-        };
-        model.forward(&req.prompt_tokens, &mut cache, &opts, prof)?
+        model.forward_one(
+            &req.prompt_tokens,
+            cache.as_mut(),
+            &ForwardOptions::default(),
+            LogitsFor::Last,
+            prof,
+        )?
     };
     let first = {
         let _s = prof.span(Phase::Sample);
-        sampler.sample(logits.last())
+        sampler.sample_row(logits.logits.as_ref(), 0)?
     };
     let (mut committed, mut stop) = commit_tokens(
         tokenizer,
@@ -209,14 +212,11 @@ pub fn generate(
             } else {
                 LogitsFor::All
             };
-            model.forward(
+            model.forward_one(
                 &input,
-                &mut cache,
-                &ForwardOptions {
-                    logits: which,
-                    capture_layers: &[],
-                    vocab_limit: None,
-                },
+                cache.as_mut(),
+                &ForwardOptions::default(),
+                which,
                 prof,
             )?
         };
@@ -226,12 +226,12 @@ pub fn generate(
         }
         let acceptance = if speculation.is_some() {
             let _s = prof.span(Phase::Accept);
-            verify::accept(&draft, &logits, &mut sampler)
+            verify::accept(&draft, logits.logits.as_ref(), &mut sampler)?
         } else {
             let _s = prof.span(Phase::Sample);
             Acceptance {
                 accepted: 0,
-                next: sampler.sample(logits.last()),
+                next: sampler.sample_row(logits.logits.as_ref(), 0)?,
             }
         };
         if let Some(st) = stats.as_mut() {

@@ -31,6 +31,13 @@ pub enum Error {
     #[error("model is missing tensor {name}{hint}")]
     MissingTensor { name: String, hint: String },
 
+    #[error("{path}: tensor {tensor}: {reason}")]
+    BadTensor {
+        path: PathBuf,
+        tensor: String,
+        reason: String,
+    },
+
     #[error("tensor {name} has shape {actual:?}, expected {expected:?}")]
     ShapeMismatch {
         name: String,

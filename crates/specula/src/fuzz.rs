@@ -9,7 +9,7 @@ use crate::chat::{ChatMessage, ChatTemplate};
 use crate::decode::{generate, GenerateRequest, Speculation};
 use crate::draft::ngram::NgramDrafter;
 use crate::model::gguf::GgufFile;
-use crate::model::{Config, ForwardOptions, LlamaModel, LogitsFor};
+use crate::model::{Config, ForwardOptions, LogitsFor, Model};
 use crate::profile::Profiler;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -48,9 +48,9 @@ pub fn gguf(bytes: &[u8]) -> Reached {
     if file.check_tensor_extents().is_err() {
         return reached;
     }
-    match crate::model::load_gguf_file(file, "fuzz") {
+    match crate::model::load_gguf_file(file, "fuzz", crate::backend::Device::Cpu) {
         Ok(loaded) => {
-            run_model(&loaded.model, &loaded.tokenizer);
+            run_model(loaded.model.as_ref(), &loaded.tokenizer);
             Reached::Ran
         }
         Err(_) => reached,
@@ -76,7 +76,9 @@ pub fn hf_checkpoint(bytes: &[u8]) -> Reached {
     )]) else {
         return Reached::Parsed;
     };
-    let Ok(model) = LlamaModel::load(config, &files, &crate::model::llama::HF_NAMES) else {
+    let Ok(model) =
+        crate::backend::cpu::CpuModel::load(config, &files, &crate::model::tensors::HF_NAMES)
+    else {
         return Reached::Built;
     };
     match fixed_tokenizer() {
@@ -205,20 +207,26 @@ fn render(template: &ChatTemplate, tokenizer: &Tokenizer) {
 
 /// A forward pass with hidden-state capture, then a short greedy generation with prompt lookup (a verify pass
 /// over several rows, a rollback), on whatever model parsed.
-fn run_model(model: &LlamaModel, tokenizer: &Tokenizer) {
-    let c = &model.config;
+fn run_model(model: &dyn Model, tokenizer: &Tokenizer) {
+    let c = model.config();
     let vocab = c.vocab_size.min(u32::MAX as usize) as u32;
     let prompt: Vec<u32> = [1u32, 2, 1, 2, 1]
         .iter()
         .map(|&t| t % vocab.max(1))
         .collect();
-    let mut cache = model.new_cache();
-    let opts = ForwardOptions {
-        logits: LogitsFor::All,
-        capture_layers: &[0, c.num_layers - 1],
-        vocab_limit: None,
-    };
-    let _ = model.forward(&prompt, &mut cache, &opts, &Profiler::disabled());
+    if let Ok(mut cache) = model.new_cache(64) {
+        let opts = ForwardOptions {
+            capture_layers: &[0, c.num_layers - 1],
+            vocab_limit: None,
+        };
+        let _ = model.forward_one(
+            &prompt,
+            cache.as_mut(),
+            &opts,
+            LogitsFor::All,
+            &Profiler::disabled(),
+        );
+    }
     let req = GenerateRequest {
         prompt_tokens: prompt,
         max_new_tokens: 4,

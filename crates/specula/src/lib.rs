@@ -3,6 +3,7 @@
 //! Data flows one way: front ends (CLI, server) -> [`decode`] -> model / drafters -> kernels. The
 //! [`profile::Profiler`] is passed down explicitly and times every phase of every step.
 
+pub mod backend;
 pub mod bench;
 pub mod chat;
 pub mod decode;
@@ -55,14 +56,24 @@ pub fn resolve_model(
     }
 }
 
-/// Resolves and loads a model (see [`resolve_model`]).
+/// Resolves and loads a model onto the CPU (see [`resolve_model`]).
 pub fn load_model(
     spec: &str,
     fetch: bool,
     log: &mut dyn FnMut(&str),
 ) -> Result<model::LoadedModel> {
+    load_model_on(spec, backend::Device::Cpu, fetch, log)
+}
+
+/// Resolves and loads a model onto `device`.
+pub fn load_model_on(
+    spec: &str,
+    device: backend::Device,
+    fetch: bool,
+    log: &mut dyn FnMut(&str),
+) -> Result<model::LoadedModel> {
     let (path, sha) = resolve_model(spec, fetch, log)?;
-    let mut loaded = model::load_path(&path, spec)?;
+    let mut loaded = model::load_path_on(&path, spec, device)?;
     loaded.known_sha256 = sha;
     Ok(loaded)
 }

@@ -74,7 +74,7 @@ pub fn top_probability(logits: &[f32], scratch: &mut Vec<f32>) -> (u32, f32) {
     };
     scratch.clear();
     scratch.extend(logits.iter().map(|&l| l - max));
-    crate::model::ops::exp_in_place(scratch);
+    crate::backend::cpu::ops::exp_in_place(scratch);
     let sum: f32 = scratch.iter().sum();
     (best, 1.0 / sum)
 }
@@ -121,6 +121,19 @@ impl Sampler {
         }
         let dist = self.distribution(logits);
         self.draw(&dist)
+    }
+
+    /// One token from row `row` of a logits matrix: greedy reads only the argmax, computed where the logits
+    /// live; sampling reads the row.
+    pub fn sample_row(&mut self, logits: &dyn crate::model::RowMatrix, row: usize) -> Result<u32> {
+        if self.params.is_greedy() {
+            let best = logits.argmax_rows()?;
+            return best.get(row).copied().ok_or_else(|| {
+                Error::InvalidArgument(format!("row {row} of {} logits rows", best.len()))
+            });
+        }
+        let values = logits.row(row)?;
+        Ok(self.sample(&values))
     }
 
     /// The distribution the sampler draws from (after temperature, top-k, top-p).
@@ -188,7 +201,7 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Distribution {
     let t = params.temperature.max(1e-6);
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut probs: Vec<f32> = logits.iter().map(|&l| (l - max) / t).collect();
-    crate::model::ops::exp_in_place(&mut probs);
+    crate::backend::cpu::ops::exp_in_place(&mut probs);
     let sum: f32 = probs.iter().sum();
     for p in &mut probs {
         *p /= sum;
@@ -283,7 +296,7 @@ mod tests {
             // The same exp as `distribution`: this test is about the candidate search.
             let e: Vec<f32> = logits
                 .iter()
-                .map(|&l| crate::model::ops::exp((l - max) / t))
+                .map(|&l| crate::backend::cpu::ops::exp((l - max) / t))
                 .collect();
             let sum: f32 = e.iter().sum();
             let probs: Vec<f32> = e.iter().map(|v| v / sum).collect();

@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
+use crate::backend::cpu::weights::{GgmlType, Weight};
 use crate::model::gguf::{write_gguf, Value};
-use crate::model::weights::{GgmlType, Weight};
 
 /// Shape of a tiny model.
 #[derive(Debug, Clone)]
@@ -439,4 +439,30 @@ pub fn set_metadata(parts: &mut GgufParts, key: &str, value: Value) {
         Some(entry) => entry.1 = value,
         None => parts.0.push((key.to_string(), value)),
     }
+}
+
+/// A cache for the whole context (tests).
+pub fn full_cache(model: &dyn crate::model::Model) -> Box<dyn crate::model::SequenceCache> {
+    model
+        .new_cache(model.config().context_length)
+        .expect("a cache")
+}
+
+/// One forward pass of `tokens` with default options, copied to host memory (tests and tools; panics on error).
+pub fn forward_host(
+    model: &dyn crate::model::Model,
+    tokens: &[u32],
+    cache: &mut dyn crate::model::SequenceCache,
+    logits: crate::model::LogitsFor,
+) -> crate::model::forward::HostOutput {
+    model
+        .forward_one(
+            tokens,
+            cache,
+            &crate::model::ForwardOptions::default(),
+            logits,
+            &crate::profile::Profiler::disabled(),
+        )
+        .and_then(|o| o.to_host())
+        .expect("a forward pass")
 }

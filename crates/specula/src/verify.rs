@@ -3,7 +3,8 @@
 //! the output has exactly the distribution plain decoding would have.
 
 use crate::draft::Draft;
-use crate::model::ForwardOutput;
+use crate::error::Result;
+use crate::model::RowMatrix;
 use crate::sampling::{self, Sampler};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,21 +16,26 @@ pub struct Acceptance {
 }
 
 /// `logits` has one row per verified position: row 0 follows the pending token, row i follows draft token i-1.
-pub fn accept(draft: &Draft, logits: &ForwardOutput, sampler: &mut Sampler) -> Acceptance {
+/// Greedy verification reads only each row's argmax (computed where the logits live); sampling reads the rows
+/// it reaches.
+pub fn accept(draft: &Draft, logits: &dyn RowMatrix, sampler: &mut Sampler) -> Result<Acceptance> {
     let params = *sampler.params();
+    if params.is_greedy() {
+        let best = logits.argmax_rows()?;
+        let accepted = draft
+            .tokens
+            .iter()
+            .zip(&best)
+            .take_while(|(drafted, best)| drafted == best)
+            .count();
+        return Ok(Acceptance {
+            accepted,
+            next: best[accepted],
+        });
+    }
     for (i, &token) in draft.tokens.iter().enumerate() {
-        let row = logits.row(i);
-        if params.is_greedy() {
-            let best = sampling::argmax(row);
-            if best != token {
-                return Acceptance {
-                    accepted: i,
-                    next: best,
-                };
-            }
-            continue;
-        }
-        let p = sampling::distribution(row, &params);
+        let row = logits.row(i)?;
+        let p = sampling::distribution(&row, &params);
         let (p_x, q_x) = (p.prob_of(token), draft.q(i));
         let u = sampler.uniform();
         // u < p/q  <=>  u * q < p, without dividing by a tiny q.
@@ -37,11 +43,11 @@ pub fn accept(draft: &Draft, logits: &ForwardOutput, sampler: &mut Sampler) -> A
             continue;
         }
         let next = sampler.draw(&sampling::residual(&p, &draft.distribution(i)));
-        return Acceptance { accepted: i, next };
+        return Ok(Acceptance { accepted: i, next });
     }
-    let last = logits.row(draft.tokens.len());
-    Acceptance {
+    let last = logits.row(draft.tokens.len())?;
+    Ok(Acceptance {
         accepted: draft.tokens.len(),
-        next: sampler.sample(last),
-    }
+        next: sampler.sample(&last),
+    })
 }

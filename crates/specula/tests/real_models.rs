@@ -19,7 +19,7 @@ fn greedy(m: &LoadedModel, prompt: &str, max_new_tokens: usize) -> specula::deco
         stop_at_eos: true,
     };
     generate(
-        &m.model,
+        m.model.as_ref(),
         &m.tokenizer,
         &req,
         None,
@@ -196,16 +196,14 @@ fn margin_at(
     let rest = reference.get(shared.len()..).unwrap_or("");
     let mut context = m.tokenizer.encode(prompt).unwrap();
     context.extend_from_slice(prefix);
-    let mut cache = m.model.new_cache();
-    let opts = specula::model::ForwardOptions {
-        logits: specula::model::LogitsFor::Last,
-        capture_layers: &[],
-        vocab_limit: None,
-    };
-    let out = m
-        .model
-        .forward(&context, &mut cache, &opts, &Profiler::disabled())
-        .unwrap();
+    let model = m.model.as_ref();
+    let mut cache = specula::testing::full_cache(model);
+    let out = specula::testing::forward_host(
+        model,
+        &context,
+        cache.as_mut(),
+        specula::model::LogitsFor::Last,
+    );
     let logits = out.last();
     let chosen = specula::sampling::argmax(logits);
     if let Some(&t) = tokens.get(position) {
@@ -241,7 +239,7 @@ fn generate_with(
         draft_tokens: k,
     });
     generate(
-        &target.model,
+        target.model.as_ref(),
         &target.tokenizer,
         req,
         spec,
@@ -304,7 +302,7 @@ fn qwen_greedy_speculation_equals_plain() {
     let target = load("qwen2.5-coder-1.5b");
     let draft = load("qwen2.5-coder-0.5b");
     check_compatible(&target, &draft).unwrap();
-    let model = || ModelDrafter::new(&draft.model, 0);
+    let model = || ModelDrafter::new(draft.model.as_ref(), 0).unwrap();
     let mut k2 = || Box::new(model()) as Box<dyn specula::draft::Drafter + '_>;
     let mut k5 = || Box::new(model()) as Box<dyn specula::draft::Drafter + '_>;
     let mut k8 = || Box::new(model()) as Box<dyn specula::draft::Drafter + '_>;
@@ -366,7 +364,8 @@ fn smollm2_greedy_speculation_equals_plain() {
     };
     let mut self_draft = || {
         Box::new(
-            ModelDrafter::new(&target.model, 0)
+            ModelDrafter::new(target.model.as_ref(), 0)
+                .unwrap()
                 .with_vocab_limit(Some(1000))
                 .unwrap(),
         ) as Box<dyn specula::draft::Drafter + '_>

@@ -11,7 +11,7 @@ use crate::draft::model::ModelDrafter;
 use crate::draft::ngram::NgramDrafter;
 use crate::draft::Drafter;
 use crate::error::{Error, Result};
-use crate::model::LlamaModel;
+use crate::model::Model;
 use crate::profile::{Detail, Profiler};
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
@@ -109,10 +109,10 @@ pub struct BenchConfig {
 }
 
 pub struct BenchSpec<'a> {
-    pub target: &'a LlamaModel,
+    pub target: &'a dyn Model,
     pub tokenizer: &'a Tokenizer,
     /// The draft model, for `DraftMethod::Model`.
-    pub draft: Option<&'a LlamaModel>,
+    pub draft: Option<&'a dyn Model>,
     /// Drafter variants to compare (each at every draft length); empty runs plain decoding only.
     pub methods: Vec<DraftMethod>,
     /// Draft lengths to run; plain decoding always runs too.
@@ -475,7 +475,7 @@ pub fn run_bench(
                             min_confidence,
                         }),
                     ) => Some(Box::new(
-                        ModelDrafter::new(spec.draft.expect("validated"), spec.sampling.seed)
+                        ModelDrafter::new(spec.draft.expect("validated"), spec.sampling.seed)?
                             .with_vocab_limit(vocab_limit)?
                             .with_min_confidence(min_confidence)?,
                     )),

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use crate::error::Result;
-use crate::model::{ForwardOptions, KvCache, LlamaModel, LogitsFor};
+use crate::model::{ForwardOptions, LogitsFor, Model};
 use crate::profile::Profiler;
 
 /// Forward-pass time over n tokens with logits for all of them (a verify pass), n = 1..=max_rows.
@@ -34,25 +34,22 @@ impl VerifyCost {
 /// Measures verify(n) after prefilling `context_tokens`. Sizes are interleaved within each repetition so that
 /// machine drift affects all of them alike; the cache is truncated back after every pass.
 pub fn measure_verify_cost(
-    model: &LlamaModel,
+    model: &dyn Model,
     context_tokens: &[u32],
     max_rows: usize,
     repeats: usize,
 ) -> Result<VerifyCost> {
     let prof = Profiler::disabled();
-    let mut cache: KvCache = model.new_cache();
-    let prefill = ForwardOptions {
-        logits: LogitsFor::None,
-        capture_layers: &[],
-        vocab_limit: None,
-    };
-    model.forward(context_tokens, &mut cache, &prefill, &prof)?;
+    let mut cache = model.new_cache_for(context_tokens.len(), max_rows, 0)?;
+    let opts = ForwardOptions::default();
+    model.forward_one(
+        context_tokens,
+        cache.as_mut(),
+        &opts,
+        LogitsFor::None,
+        &prof,
+    )?;
     let base = cache.len();
-    let verify = ForwardOptions {
-        logits: LogitsFor::All,
-        capture_layers: &[],
-        vocab_limit: None,
-    };
     // Arbitrary but valid token ids: the cost does not depend on them.
     let tokens: Vec<u32> = context_tokens
         .iter()
@@ -60,10 +57,17 @@ pub fn measure_verify_cost(
         .cycle()
         .take(max_rows)
         .collect();
+    // A verify pass as the decode loop runs it: the forward, then the rows' argmax (which also waits for a
+    // device that computes asynchronously).
+    let verify = |n: usize, cache: &mut dyn crate::model::SequenceCache| -> Result<()> {
+        let out = model.forward_one(&tokens[..n], cache, &opts, LogitsFor::All, &prof)?;
+        out.logits.argmax_rows()?;
+        cache.truncate(base);
+        Ok(())
+    };
     // One untimed pass per size warms caches and the allocator.
     for n in 1..=max_rows {
-        model.forward(&tokens[..n], &mut cache, &verify, &prof)?;
-        cache.truncate(base);
+        verify(n, cache.as_mut())?;
     }
     let mut samples = vec![Vec::with_capacity(repeats); max_rows];
     for rep in 0..repeats {
@@ -71,9 +75,8 @@ pub fn measure_verify_cost(
             // Rotate the order each repetition so no size always runs first.
             let n = (i + rep) % max_rows + 1;
             let start = Instant::now();
-            model.forward(&tokens[..n], &mut cache, &verify, &prof)?;
+            verify(n, cache.as_mut())?;
             samples[n - 1].push(start.elapsed().as_secs_f64() * 1e3);
-            cache.truncate(base);
         }
     }
     let ms = samples.into_iter().map(median).collect();

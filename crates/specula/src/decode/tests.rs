@@ -4,7 +4,7 @@
 use super::*;
 use crate::draft::model::ModelDrafter;
 use crate::draft::ngram::NgramDrafter;
-use crate::model::weights::GgmlType;
+use crate::model::dtype::GgmlType;
 use crate::model::{load_gguf, LoadedModel};
 use crate::testing::{write_tiny_gguf, TinySpec};
 use rand::SeedableRng;
@@ -31,7 +31,7 @@ fn run(
     spec: Option<Speculation<'_>>,
 ) -> GenerateOutput {
     generate(
-        &target.model,
+        target.model.as_ref(),
         &target.tokenizer,
         req,
         spec,
@@ -78,7 +78,7 @@ fn greedy_speculation_equals_plain_decoding() {
     let mut saw_partial = false;
     for k in [1, 2, 3, 5, 8] {
         for draft in [&close, &far] {
-            let mut drafter = ModelDrafter::new(&draft.model, 0);
+            let mut drafter = ModelDrafter::new(draft.model.as_ref(), 0).unwrap();
             let out = run(
                 &target,
                 &req,
@@ -155,18 +155,13 @@ fn confidence_stopped_draft_model_is_lossless_and_drafts_where_confident() {
 
     // Reference: the draft's greedy chain of 5 after a context, with the running products of its top-token
     // probabilities.
-    let prof = Profiler::disabled();
-    let last = ForwardOptions {
-        logits: LogitsFor::Last,
-        capture_layers: &[],
-        vocab_limit: None,
-    };
+    let last = LogitsFor::Last;
     let mut scratch = Vec::new();
     let mut chain = |ctx: &[u32]| {
         let (mut seq, mut prod, mut out) = (ctx.to_vec(), 1.0f64, Vec::new());
         for _ in 0..5 {
-            let mut cache = close.model.new_cache();
-            let o = close.model.forward(&seq, &mut cache, &last, &prof).unwrap();
+            let mut cache = crate::testing::full_cache(close.model.as_ref());
+            let o = crate::testing::forward_host(close.model.as_ref(), &seq, cache.as_mut(), last);
             let (t, p) = crate::sampling::top_probability(o.last(), &mut scratch);
             prod *= p as f64;
             out.push((t, prod));
@@ -201,7 +196,8 @@ fn confidence_stopped_draft_model_is_lossless_and_drafts_where_confident() {
             .take_while(|&&(_, p)| p >= bar)
             .map(|&(t, _)| t)
             .collect();
-        let mut drafter = ModelDrafter::new(&close.model, 0)
+        let mut drafter = ModelDrafter::new(close.model.as_ref(), 0)
+            .unwrap()
             .with_min_confidence(bar)
             .unwrap();
         let draft = drafter.propose(ctx, 5, &SamplingParams::default()).unwrap();
@@ -212,7 +208,8 @@ fn confidence_stopped_draft_model_is_lossless_and_drafts_where_confident() {
 
     let mut drafted = Vec::new();
     for c in [0.0, bar, 1.0] {
-        let mut drafter = ModelDrafter::new(&close.model, 0)
+        let mut drafter = ModelDrafter::new(close.model.as_ref(), 0)
+            .unwrap()
             .with_min_confidence(c)
             .unwrap();
         let out = run(
@@ -233,7 +230,8 @@ fn confidence_stopped_draft_model_is_lossless_and_drafts_where_confident() {
         "drafted tokens by confidence: {drafted:?}"
     );
     for bad in [-0.1, 1.5, f64::NAN] {
-        let err = ModelDrafter::new(&close.model, 0)
+        let err = ModelDrafter::new(close.model.as_ref(), 0)
+            .unwrap()
             .with_min_confidence(bad)
             .err()
             .expect("out-of-range confidence accepted");
@@ -253,7 +251,8 @@ fn vocab_limited_draft_model_is_lossless() {
     let top = *plain.tokens.iter().max().unwrap() as usize;
     for (limit, all_reachable) in [(top + 1, true), (top, false)] {
         for k in [1, 3] {
-            let mut limited = ModelDrafter::new(&target.model, 0)
+            let mut limited = ModelDrafter::new(target.model.as_ref(), 0)
+                .unwrap()
                 .with_vocab_limit(Some(limit))
                 .unwrap();
             let out = run(
@@ -279,9 +278,10 @@ fn vocab_limited_draft_model_is_lossless() {
             }
         }
     }
-    let vocab = target.model.config.vocab_size;
+    let vocab = target.model.config().vocab_size;
     for bad in [0, vocab + 1] {
-        let err = ModelDrafter::new(&target.model, 0)
+        let err = ModelDrafter::new(target.model.as_ref(), 0)
+            .unwrap()
             .with_vocab_limit(Some(bad))
             .err()
             .expect("refused");
@@ -293,27 +293,20 @@ fn vocab_limited_draft_model_is_lossless() {
 fn rollback_after_partial_acceptance_leaves_the_cache_where_plain_decoding_is() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny(dir.path(), "t.gguf", TinySpec::default());
-    let prof = Profiler::disabled();
-    let all = ForwardOptions {
-        logits: LogitsFor::All,
-        capture_layers: &[],
-        vocab_limit: None,
-    };
+    let all = LogitsFor::All;
     // Plain: prompt, then tokens a, b one at a time, then the logits after c.
-    let mut plain = m.model.new_cache();
-    m.model.forward(&PROMPT, &mut plain, &all, &prof).unwrap();
-    m.model.forward(&[5], &mut plain, &all, &prof).unwrap();
-    m.model.forward(&[6], &mut plain, &all, &prof).unwrap();
-    let expected = m.model.forward(&[7], &mut plain, &all, &prof).unwrap();
+    let mut plain = crate::testing::full_cache(m.model.as_ref());
+    crate::testing::forward_host(m.model.as_ref(), &PROMPT, plain.as_mut(), all);
+    crate::testing::forward_host(m.model.as_ref(), &[5], plain.as_mut(), all);
+    crate::testing::forward_host(m.model.as_ref(), &[6], plain.as_mut(), all);
+    let expected = crate::testing::forward_host(m.model.as_ref(), &[7], plain.as_mut(), all);
     // Speculative: pending 5 with drafts [6, 99, 98]; only 6 accepted -> keep prompt + 5 + 6.
-    let mut spec = m.model.new_cache();
-    m.model.forward(&PROMPT, &mut spec, &all, &prof).unwrap();
+    let mut spec = crate::testing::full_cache(m.model.as_ref());
+    crate::testing::forward_host(m.model.as_ref(), &PROMPT, spec.as_mut(), all);
     let base = spec.len();
-    m.model
-        .forward(&[5, 6, 99, 98], &mut spec, &all, &prof)
-        .unwrap();
+    crate::testing::forward_host(m.model.as_ref(), &[5, 6, 99, 98], spec.as_mut(), all);
     spec.truncate(base + 2);
-    let got = m.model.forward(&[7], &mut spec, &all, &prof).unwrap();
+    let got = crate::testing::forward_host(m.model.as_ref(), &[7], spec.as_mut(), all);
     assert_eq!(got.logits, expected.logits);
 }
 
@@ -473,15 +466,10 @@ fn check_sampled_distribution(case: SampledCase) {
         },
     );
     let params = case.params;
-    let prof = Profiler::disabled();
-    let last = ForwardOptions {
-        logits: LogitsFor::Last,
-        capture_layers: &[],
-        vocab_limit: None,
-    };
+    let last = LogitsFor::Last;
     let mut dist_after = |ctx: &[u32]| {
-        let mut cache = target.model.new_cache();
-        let out = target.model.forward(ctx, &mut cache, &last, &prof).unwrap();
+        let mut cache = crate::testing::full_cache(target.model.as_ref());
+        let out = crate::testing::forward_host(target.model.as_ref(), ctx, cache.as_mut(), last);
         crate::sampling::distribution(out.last(), &params)
     };
     let base = &PROMPT[..6];
@@ -522,7 +510,7 @@ fn check_sampled_distribution(case: SampledCase) {
         .collect();
     by_prob.sort_by(|a, b| b.1.total_cmp(&a.1));
     let mut q_support: Vec<u32> = by_prob.iter().take(4).map(|&(t, _)| t).collect();
-    let vocab = target.model.config.vocab_size as u32;
+    let vocab = target.model.config().vocab_size as u32;
     let outside: Vec<u32> = (0..vocab)
         .rev()
         .filter(|t| !q_support.contains(t) && d1.prob_of(*t) < 1e-4)
@@ -545,7 +533,8 @@ fn check_sampled_distribution(case: SampledCase) {
                 stop_after,
             }),
             SampledDrafter::Model { min_confidence } => Box::new(
-                ModelDrafter::new(&draft.model, seed)
+                ModelDrafter::new(draft.model.as_ref(), seed)
+                    .unwrap()
                     .with_min_confidence(min_confidence)
                     .unwrap(),
             ),
@@ -663,7 +652,7 @@ fn bad_draft_lengths_are_refused() {
     for k in [0, MAX_DRAFT_TOKENS + 1] {
         let mut ngram = NgramDrafter::new(1, 3).unwrap();
         let err = generate(
-            &target.model,
+            target.model.as_ref(),
             &target.tokenizer,
             &req,
             Some(Speculation {

@@ -5,13 +5,13 @@ use rand_chacha::ChaCha20Rng;
 
 use crate::draft::{Draft, Drafter};
 use crate::error::{Error, Result};
-use crate::model::{ForwardOptions, KvCache, LlamaModel, LoadedModel, LogitsFor};
+use crate::model::{ForwardOptions, LoadedModel, LogitsFor, Model, SequenceCache};
 use crate::profile::Profiler;
 use crate::sampling::{self, SamplingParams};
 
 pub struct ModelDrafter<'a> {
-    model: &'a LlamaModel,
-    cache: KvCache,
+    model: &'a dyn Model,
+    cache: Box<dyn SequenceCache>,
     /// The tokens whose keys/values are in `cache`, in order.
     cached: Vec<u32>,
     rng: ChaCha20Rng,
@@ -26,9 +26,9 @@ pub struct ModelDrafter<'a> {
 
 impl<'a> ModelDrafter<'a> {
     /// `seed` drives the draft's own sampling (independent of the target's RNG).
-    pub fn new(model: &'a LlamaModel, seed: u64) -> Self {
-        ModelDrafter {
-            cache: model.new_cache(),
+    pub fn new(model: &'a dyn Model, seed: u64) -> Result<Self> {
+        Ok(ModelDrafter {
+            cache: model.new_cache(model.config().context_length)?,
             model,
             cached: Vec::new(),
             rng: ChaCha20Rng::seed_from_u64(seed ^ 0x5eed_d4af),
@@ -36,7 +36,7 @@ impl<'a> ModelDrafter<'a> {
             vocab_limit: None,
             min_confidence: 0.0,
             scratch: Vec::new(),
-        }
+        })
     }
 
     /// Drafts while the product of the draft's top-token probabilities over the drafted positions (greedy: the
@@ -66,15 +66,18 @@ impl<'a> ModelDrafter<'a> {
     /// Feeds `tokens` after the cached prefix and returns the logits of the last one.
     fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         let opts = ForwardOptions {
-            logits: LogitsFor::Last,
             capture_layers: &[],
             vocab_limit: self.vocab_limit,
         };
-        let out = self
-            .model
-            .forward(tokens, &mut self.cache, &opts, &self.quiet)?;
+        let out = self.model.forward_one(
+            tokens,
+            self.cache.as_mut(),
+            &opts,
+            LogitsFor::Last,
+            &self.quiet,
+        )?;
         self.cached.extend_from_slice(tokens);
-        Ok(out.logits)
+        Ok(out.last()?.into_owned())
     }
 }
 
@@ -100,7 +103,7 @@ impl Drafter for ModelDrafter<'_> {
         self.cached.truncate(common);
         let room = self
             .model
-            .config
+            .config()
             .context_length
             .saturating_sub(context.len());
         let k = k.min(room);
@@ -150,9 +153,9 @@ impl Drafter for ModelDrafter<'_> {
 /// A draft model must speak the target's vocabulary. Embedding tables may differ only in padding rows past the
 /// tokenizer's last token (as llama.cpp allows).
 /// Checks a `--draft-vocab` value against the draft model.
-pub fn check_vocab_limit(draft: &LlamaModel, limit: Option<usize>) -> Result<()> {
+pub fn check_vocab_limit(draft: &dyn Model, limit: Option<usize>) -> Result<()> {
     if let Some(n) = limit {
-        let vocab = draft.config.vocab_size;
+        let vocab = draft.config().vocab_size;
         if n == 0 || n > vocab {
             return Err(Error::InvalidArgument(format!(
                 "--draft-vocab must be between 1 and the draft model's vocabulary size {vocab}, got {n}"
@@ -207,8 +210,8 @@ pub fn check_compatible(target: &LoadedModel, draft: &LoadedModel) -> Result<()>
         }
     }
     let (te, de) = (
-        target.model.config.vocab_size,
-        draft.model.config.vocab_size,
+        target.model.config().vocab_size,
+        draft.model.config().vocab_size,
     );
     if te.min(de) < tv {
         return mismatch(format!(

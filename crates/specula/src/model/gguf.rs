@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::model::dtype::GgmlType;
 use crate::model::file_bytes::FileBytes;
-use crate::model::weights::{GgmlType, Weight};
+use crate::model::tensors::{RawTensor, WeightSource};
 
 const GGUF_MAGIC: u32 = 0x4655_4747; // "GGUF" little-endian
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -359,8 +360,8 @@ impl GgufFile {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
 
-    /// Loads a tensor as a weight matrix of `rows x cols` (GGUF dims `[cols, rows]`), or a vector when `rows == 1`.
-    pub fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+    /// A tensor as a `rows x cols` matrix (GGUF dims `[cols, rows]`), or a vector when `rows == 1`, checked.
+    pub fn tensor(&self, name: &str, rows: usize, cols: usize) -> Result<RawTensor<'_>> {
         let info = self.tensor_info(name).ok_or_else(|| Error::MissingTensor {
             name: name.to_string(),
             hint: format!(" in {}", self.path.display()),
@@ -390,12 +391,6 @@ impl GgufFile {
             dtype: ggml_type_name(info.type_id),
             supported: GgmlType::SUPPORTED,
         })?;
-        let bytes = ty.bytes_for(expected_elems).ok_or_else(|| {
-            self.bad(format!(
-                "tensor {name} row length {cols} is not a multiple of {}'s block size",
-                ty.name()
-            ))
-        })?;
         if !cols.is_multiple_of(ty.block_size()) {
             return Err(self.bad(format!(
                 "tensor {name} row length {cols} is not a multiple of {}'s block size {}",
@@ -403,9 +398,19 @@ impl GgufFile {
                 ty.block_size()
             )));
         }
-        let data = self.data_of(info, bytes)?;
-        Weight::from_raw(ty, data, rows, cols)
-            .map_err(|reason| self.bad(format!("tensor {name}: {reason}")))
+        let bytes = ty.bytes_for(expected_elems).ok_or_else(|| {
+            self.bad(format!(
+                "tensor {name}: {expected_elems} elements of {} overflow",
+                ty.name()
+            ))
+        })?;
+        Ok(RawTensor {
+            dtype: ty,
+            rows,
+            cols,
+            bytes: self.data_of(info, bytes)?,
+            file: &self.path,
+        })
     }
 }
 
@@ -440,6 +445,15 @@ impl GgufFile {
                 ))
             })?;
         self.data_of(info, len)
+    }
+}
+
+impl WeightSource for GgufFile {
+    fn tensor(&self, name: &str, rows: usize, cols: usize) -> Result<RawTensor<'_>> {
+        GgufFile::tensor(self, name, rows, cols)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.tensor_info(name).is_some()
     }
 }
 

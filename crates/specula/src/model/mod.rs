@@ -1,16 +1,14 @@
-//! Models: configuration, weights, the Llama-family forward pass, and loading a model with its tokenizer and chat
-//! template from a GGUF file, a Hugging Face directory, `hf:ORG/NAME`, or a registry short name.
+//! What a model is, independent of where it runs: its configuration, checkpoint formats and tensor names, the
+//! forward-pass interface backends implement, and loading a model with its tokenizer and chat template from a
+//! GGUF file, a Hugging Face directory, `hf:ORG/NAME`, or a registry short name onto a device.
 
 pub mod config;
+pub mod dtype;
 pub mod file_bytes;
+pub mod forward;
 pub mod gguf;
-pub mod kernels;
-pub mod kv_cache;
-pub mod llama;
-pub mod ops;
-pub mod repack;
 pub mod safetensors;
-pub mod weights;
+pub mod tensors;
 
 use std::path::{Path, PathBuf};
 
@@ -19,18 +17,12 @@ use crate::error::{Error, Result};
 use crate::registry;
 use crate::tokenizer::Tokenizer;
 
+pub use crate::backend::Device;
 pub use config::Config;
-pub use kv_cache::KvCache;
-pub use llama::{ForwardOptions, ForwardOutput, LlamaModel, LogitsFor};
-
-impl llama::WeightSource for gguf::GgufFile {
-    fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<weights::Weight> {
-        gguf::GgufFile::weight(self, name, rows, cols)
-    }
-    fn has(&self, name: &str) -> bool {
-        self.tensor_info(name).is_some()
-    }
-}
+pub use forward::{
+    ForwardOptions, ForwardOutput, LogitsFor, Model, RowMatrix, SequenceCache, SequenceInput,
+    TreeMask,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -39,9 +31,9 @@ pub enum Format {
     Safetensors,
 }
 
-/// A model ready to run: weights, tokenizer, chat template and where it came from.
+/// A model ready to run: weights on a device, tokenizer, chat template and where it came from.
 pub struct LoadedModel {
-    pub model: LlamaModel,
+    pub model: Box<dyn Model>,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     /// The GGUF file or the HF directory.
@@ -95,11 +87,16 @@ pub fn locate(spec: &str) -> Result<ModelLocation> {
     })
 }
 
-/// Loads a model from a resolved local path (GGUF file, or HF directory with config.json).
+/// Loads a model from a resolved local path (GGUF file, or HF directory with config.json) onto the CPU.
 pub fn load_path(path: &Path, spec: &str) -> Result<LoadedModel> {
+    load_path_on(path, spec, Device::Cpu)
+}
+
+/// Loads a model from a resolved local path onto `device`.
+pub fn load_path_on(path: &Path, spec: &str, device: Device) -> Result<LoadedModel> {
     if path.is_dir() {
         if path.join("config.json").exists() {
-            return load_hf_dir(path, spec);
+            return load_hf_dir_on(path, spec, device);
         }
         let ggufs: Vec<PathBuf> = std::fs::read_dir(path)
             .map_err(|e| Error::io(path, e))?
@@ -107,7 +104,7 @@ pub fn load_path(path: &Path, spec: &str) -> Result<LoadedModel> {
             .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
             .collect();
         return match ggufs.as_slice() {
-            [one] => load_gguf(one, spec),
+            [one] => load_gguf_file(gguf::GgufFile::open(one)?, spec, device),
             [] => Err(Error::Config(format!(
                 "{} has neither config.json (a Hugging Face model) nor a .gguf file",
                 path.display()
@@ -118,15 +115,16 @@ pub fn load_path(path: &Path, spec: &str) -> Result<LoadedModel> {
             ))),
         };
     }
-    load_gguf(path, spec)
+    load_gguf_file(gguf::GgufFile::open(path)?, spec, device)
 }
 
+/// A GGUF file's model on the CPU.
 pub fn load_gguf(path: &Path, spec: &str) -> Result<LoadedModel> {
-    load_gguf_file(gguf::GgufFile::open(path)?, spec)
+    load_gguf_file(gguf::GgufFile::open(path)?, spec, Device::Cpu)
 }
 
-/// A model from an opened GGUF file (from disk or from memory).
-pub fn load_gguf_file(file: gguf::GgufFile, spec: &str) -> Result<LoadedModel> {
+/// A model from an opened GGUF file (from disk or from memory), on `device`.
+pub fn load_gguf_file(file: gguf::GgufFile, spec: &str, device: Device) -> Result<LoadedModel> {
     let path = file.path.clone();
     let config = Config::from_gguf(&file)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
@@ -135,7 +133,7 @@ pub fn load_gguf_file(file: gguf::GgufFile, spec: &str) -> Result<LoadedModel> {
         .get_str("tokenizer.chat_template")
         .map(ChatTemplate::new)
         .or_else(|| default_template(&tokenizer));
-    let model = LlamaModel::load(config, &file, &llama::GGUF_NAMES)?;
+    let model = crate::backend::load(device, config, &file, &tensors::GGUF_NAMES)?;
     Ok(LoadedModel {
         model,
         tokenizer,
@@ -147,7 +145,12 @@ pub fn load_gguf_file(file: gguf::GgufFile, spec: &str) -> Result<LoadedModel> {
     })
 }
 
+/// A Hugging Face directory's model on the CPU.
 pub fn load_hf_dir(dir: &Path, spec: &str) -> Result<LoadedModel> {
+    load_hf_dir_on(dir, spec, Device::Cpu)
+}
+
+pub fn load_hf_dir_on(dir: &Path, spec: &str, device: Device) -> Result<LoadedModel> {
     let config_path = dir.join("config.json");
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
     let config = Config::from_hf_json(&text)?;
@@ -155,7 +158,7 @@ pub fn load_hf_dir(dir: &Path, spec: &str) -> Result<LoadedModel> {
     check_vocab(&config, &tokenizer)?;
     let chat_template = hf_chat_template(dir)?.or_else(|| default_template(&tokenizer));
     let files = safetensors::SafetensorsFiles::open_dir(dir)?;
-    let model = LlamaModel::load(config, &files, &llama::HF_NAMES)?;
+    let model = crate::backend::load(device, config, &files, &tensors::HF_NAMES)?;
     Ok(LoadedModel {
         model,
         tokenizer,
@@ -252,6 +255,3 @@ impl LoadedModel {
         Ok(String::new())
     }
 }
-
-#[cfg(test)]
-mod tests;

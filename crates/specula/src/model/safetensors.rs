@@ -7,9 +7,9 @@ use safetensors::tensor::{Dtype, Metadata};
 use safetensors::SafeTensors;
 
 use crate::error::{Error, Result};
+use crate::model::dtype::GgmlType;
 use crate::model::file_bytes::FileBytes;
-use crate::model::llama::WeightSource;
-use crate::model::weights::{GgmlType, Weight};
+use crate::model::tensors::{RawTensor, WeightSource};
 
 struct Shard {
     path: PathBuf,
@@ -94,7 +94,7 @@ impl WeightSource for SafetensorsFiles {
         self.index.contains_key(name)
     }
 
-    fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+    fn tensor(&self, name: &str, rows: usize, cols: usize) -> Result<RawTensor<'_>> {
         let shard = self
             .index
             .get(name)
@@ -149,9 +149,28 @@ impl WeightSource for SafetensorsFiles {
                 path: shard.path.clone(),
                 reason: format!("tensor {name}'s data offsets {begin}..{end} lie outside the file"),
             })?;
-        Weight::from_raw(ty, data, rows, cols).map_err(|reason| Error::BadSafetensors {
-            path: shard.path.clone(),
-            reason: format!("tensor {name}: {reason}"),
+        let expected = rows
+            .checked_mul(cols)
+            .and_then(|n| ty.bytes_for(n))
+            .ok_or_else(|| Error::BadSafetensors {
+                path: shard.path.clone(),
+                reason: format!("tensor {name}: {rows} x {cols} elements overflow"),
+            })?;
+        if data.len() != expected {
+            return Err(Error::BadSafetensors {
+                path: shard.path.clone(),
+                reason: format!(
+                    "tensor {name} has {} bytes, expected {expected}",
+                    data.len()
+                ),
+            });
+        }
+        Ok(RawTensor {
+            dtype: ty,
+            rows,
+            cols,
+            bytes: data,
+            file: &shard.path,
         })
     }
 }

@@ -349,7 +349,9 @@ mod layout {
     use candle_core::quantized::k_quants as k;
     const _: () = assert!(same_layout::<k::BlockQ4K, Q4K>());
     const _: () = assert!(same_layout::<k::BlockQ6K, Q6K>());
-    use crate::model::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved};
+    use crate::backend::cpu::repack::{
+        BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
+    };
     const _: () = assert!(same_layout::<BlockQ5_0Interleaved, Q5_0>());
     const _: () = assert!(same_layout::<BlockQ4KInterleaved, Q4K>());
     const _: () = assert!(same_layout::<BlockQ6KInterleaved, Q6K>());
@@ -397,7 +399,7 @@ pub fn active_kernel_paths() -> Vec<&'static str> {
 ))]
 mod avx2 {
     use super::layout::{cast, Q4K, Q4_1, Q5_0, Q6K, Q8K, Q8_0, Q8_1};
-    use crate::model::repack::{
+    use crate::backend::cpu::repack::{
         interleave_activations, interleave_q8_0_row, q8k_scale_and_sums, BlockQ4KInterleaved,
         BlockQ5_0Interleaved, BlockQ6KInterleaved,
     };

@@ -1,0 +1,83 @@
+//! Where a model runs: one folder per device behind the forward-pass interface of [`crate::model::forward`].
+
+pub mod cpu;
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+use crate::model::config::Config;
+use crate::model::forward::Model;
+use crate::model::tensors::{TensorNames, WeightSource};
+
+/// Loads a model's weights from `src` onto `device`.
+pub fn load(
+    device: Device,
+    config: Config,
+    src: &dyn WeightSource,
+    names: &TensorNames,
+) -> Result<Box<dyn Model>> {
+    match device {
+        Device::Cpu => Ok(Box::new(cpu::CpuModel::load(config, src, names)?)),
+        Device::Cuda(_) => Err(Error::InvalidArgument(format!(
+            "--device {device}: this specula was built without CUDA support; rebuild with `--features cuda` \
+             (docs/gpu.md)"
+        ))),
+    }
+}
+
+/// A device to run on, as `--device` names it: `cpu`, `cuda` (the first GPU) or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim();
+        match s {
+            "cpu" => return Ok(Device::Cpu),
+            "cuda" | "gpu" => return Ok(Device::Cuda(0)),
+            _ => {}
+        }
+        if let Some(index) = s.strip_prefix("cuda:") {
+            return index.parse().map(Device::Cuda).map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "--device {s:?}: the GPU index must be a number, as in cuda:0"
+                ))
+            });
+        }
+        Err(Error::InvalidArgument(format!(
+            "--device {s:?} is not a device; use cpu, cuda or cuda:N"
+        )))
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse_and_print() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+        assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+        for bad in ["tpu", "cuda:x", "cuda:-1", ""] {
+            let err = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(err.contains("--device"), "{err}");
+        }
+    }
+}

@@ -1,0 +1,348 @@
+//! The forward-pass interface every backend implements (docs/architecture.md, "Backends"): a forward over a
+//! batch of sequences, each with its own new tokens, KV cache, logits choice and optional tree mask; logits and
+//! hidden states that stay where they were computed until read.
+
+use std::borrow::Cow;
+
+use crate::error::{Error, Result};
+use crate::model::config::Config;
+use crate::profile::Profiler;
+
+/// A model loaded on a device.
+pub trait Model: Send + Sync {
+    fn config(&self) -> &Config;
+
+    /// Where it runs, e.g. "cpu" or "cuda:0 (NVIDIA H200)".
+    fn device(&self) -> String;
+
+    /// An empty KV cache for one sequence of up to `capacity` positions (at most the context length). A
+    /// backend that preallocates (CUDA) reserves all of it now; the CPU grows on demand.
+    fn new_cache(&self, capacity: usize) -> Result<Box<dyn SequenceCache>>;
+
+    /// Runs every sequence's new tokens (at positions `cache.len()..`, or as a tree) and appends them to its
+    /// cache. One output per sequence, in order.
+    fn forward(
+        &self,
+        batch: &mut [SequenceInput<'_>],
+        opts: &ForwardOptions<'_>,
+        prof: &Profiler,
+    ) -> Result<Vec<ForwardOutput>>;
+
+    /// Bytes of weights one decode step reads (what bounds decode speed when memory-bound).
+    fn weight_bytes(&self) -> usize;
+
+    /// The storage types of the weights, e.g. "Q4_K x 169, Q6_K x 29".
+    fn weight_types(&self) -> String;
+
+    /// Runs the model's weight matrices through its fast kernels and a reference on the same inputs (the
+    /// backend's self-test; see `specula selftest`).
+    fn check_kernels(&self, tokens: &[u32]) -> Result<Vec<KernelCheck>>;
+}
+
+impl dyn Model + '_ {
+    /// A cache for a generation of `max_new_tokens` after a prompt of `prompt_tokens`, with room for a verify
+    /// pass of `draft_tokens` past the last token, capped at the context length.
+    pub fn new_cache_for(
+        &self,
+        prompt_tokens: usize,
+        max_new_tokens: usize,
+        draft_tokens: usize,
+    ) -> Result<Box<dyn SequenceCache>> {
+        let wanted = prompt_tokens
+            .saturating_add(max_new_tokens)
+            .saturating_add(draft_tokens)
+            .saturating_add(1);
+        self.new_cache(wanted.min(self.config().context_length))
+    }
+
+    /// One sequence: `tokens` at positions `cache.len()..` as a chain.
+    pub fn forward_one(
+        &self,
+        tokens: &[u32],
+        cache: &mut dyn SequenceCache,
+        opts: &ForwardOptions<'_>,
+        logits: LogitsFor,
+        prof: &Profiler,
+    ) -> Result<ForwardOutput> {
+        let mut batch = [SequenceInput {
+            tokens,
+            cache,
+            logits,
+            tree: None,
+        }];
+        let mut out = self.forward(&mut batch, opts, prof)?;
+        out.pop()
+            .ok_or_else(|| Error::InvalidArgument("the backend returned no output".into()))
+    }
+}
+
+/// One sequence's part of a batched forward pass.
+pub struct SequenceInput<'a> {
+    /// The new tokens (at least one).
+    pub tokens: &'a [u32],
+    pub cache: &'a mut dyn SequenceCache,
+    /// Which of the new rows need logits.
+    pub logits: LogitsFor,
+    /// How the new rows attend to each other; None is a chain (row i sees rows 0..=i).
+    pub tree: Option<&'a TreeMask>,
+}
+
+/// Which rows of a sequence's forward pass need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Every new row (verification of drafts).
+    All,
+    /// Only the last new row (prefill, plain decoding).
+    Last,
+    /// None (warming a cache).
+    None,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ForwardOptions<'a> {
+    /// Layers whose output hidden states (the residual stream after the block) to return, 0-based.
+    pub capture_layers: &'a [usize],
+    /// Compute logits only for token ids `0..limit` (the first rows of the LM head), e.g. a draft model's reduced
+    /// vocabulary; the logits then have `limit` columns. None: the whole vocabulary.
+    pub vocab_limit: Option<usize>,
+}
+
+/// The new rows of one sequence as a tree (EAGLE-3 tree verify): row i's parent is an earlier new row, or None
+/// for a row that follows the cached context directly. A row attends to the whole cache, its ancestors among
+/// the new rows and itself; its position is the cache length plus its depth. A chain (`parents[i] = i - 1`) is
+/// exactly the default causal forward.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeMask {
+    parents: Vec<Option<usize>>,
+    depths: Vec<usize>,
+}
+
+impl TreeMask {
+    pub fn new(parents: Vec<Option<usize>>) -> Result<Self> {
+        let mut depths = Vec::with_capacity(parents.len());
+        for (i, parent) in parents.iter().enumerate() {
+            let depth = match *parent {
+                None => 0,
+                Some(p) if p < i => depths[p] + 1,
+                Some(p) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "tree mask: row {i}'s parent {p} is not an earlier row"
+                    )))
+                }
+            };
+            depths.push(depth);
+        }
+        Ok(TreeMask { parents, depths })
+    }
+
+    /// A chain of `n` rows (each row's parent is the row before).
+    pub fn chain(n: usize) -> Self {
+        TreeMask {
+            parents: (0..n).map(|i| i.checked_sub(1)).collect(),
+            depths: (0..n).collect(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.parents.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parents.is_empty()
+    }
+
+    pub fn parent(&self, row: usize) -> Option<usize> {
+        self.parents[row]
+    }
+
+    /// Row `row`'s distance from the cached context (its position is `cache.len() + depth`).
+    pub fn depth(&self, row: usize) -> usize {
+        self.depths[row]
+    }
+
+    /// Whether new row `row` attends to new row `other` (an ancestor, or itself).
+    pub fn sees(&self, row: usize, other: usize) -> bool {
+        let mut at = Some(row);
+        while let Some(r) = at {
+            if r == other {
+                return true;
+            }
+            if r < other {
+                return false;
+            }
+            at = self.parents[r];
+        }
+        false
+    }
+}
+
+/// One sequence's key/value cache on some backend. Truncation is O(1): later rows are overwritten.
+pub trait SequenceCache: Send {
+    /// Positions held.
+    fn len(&self) -> usize;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The most positions it can hold.
+    fn capacity(&self) -> usize;
+
+    /// Forgets every position at or after `len`.
+    fn truncate(&mut self, len: usize);
+
+    /// After a tree forward from cache length `base`: keeps the new rows `rows` (in order, e.g. the accepted
+    /// path) at `base..base + rows.len()` and forgets the rest.
+    fn keep_new_rows(&mut self, base: usize, rows: &[usize]) -> Result<()>;
+
+    fn as_any(&self) -> &dyn std::any::Any;
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
+/// A `rows x cols` matrix of f32 that lives where it was computed (host memory, or a device's).
+pub trait RowMatrix: Send {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// Each row's largest element's column (the first on ties), computed where the matrix lives.
+    fn argmax_rows(&self) -> Result<Vec<u32>>;
+    /// Row `i` in host memory (borrowed when it already is).
+    fn row(&self, i: usize) -> Result<Cow<'_, [f32]>>;
+    /// The whole matrix in host memory, row-major.
+    fn to_host(&self) -> Result<Cow<'_, [f32]>>;
+}
+
+/// A matrix in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostRows {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl HostRows {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.cols..(i + 1) * self.cols]
+    }
+}
+
+impl RowMatrix for HostRows {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn argmax_rows(&self) -> Result<Vec<u32>> {
+        Ok((0..self.rows)
+            .map(|i| crate::sampling::argmax(HostRows::row(self, i)))
+            .collect())
+    }
+    fn row(&self, i: usize) -> Result<Cow<'_, [f32]>> {
+        if i >= self.rows {
+            return Err(Error::InvalidArgument(format!(
+                "row {i} of a {}-row matrix",
+                self.rows
+            )));
+        }
+        Ok(Cow::Borrowed(HostRows::row(self, i)))
+    }
+    fn to_host(&self) -> Result<Cow<'_, [f32]>> {
+        Ok(Cow::Borrowed(&self.data))
+    }
+}
+
+/// One sequence's results.
+pub struct ForwardOutput {
+    /// One row per new row that `LogitsFor` asked for.
+    pub logits: Box<dyn RowMatrix>,
+    /// `(layer, new rows x hidden)` for each requested layer, in request order.
+    pub hidden: Vec<(usize, Box<dyn RowMatrix>)>,
+}
+
+impl ForwardOutput {
+    pub fn rows(&self) -> usize {
+        self.logits.rows()
+    }
+
+    /// Logits of row `i`, in host memory.
+    pub fn row(&self, i: usize) -> Result<Cow<'_, [f32]>> {
+        self.logits.row(i)
+    }
+
+    /// Logits of the last row, in host memory.
+    pub fn last(&self) -> Result<Cow<'_, [f32]>> {
+        match self.logits.rows() {
+            0 => Err(Error::InvalidArgument("no logits were computed".into())),
+            n => self.logits.row(n - 1),
+        }
+    }
+}
+
+impl ForwardOutput {
+    /// Logits and hidden states copied to host memory (tests and tools).
+    pub fn to_host(&self) -> Result<HostOutput> {
+        let host = |m: &dyn RowMatrix| -> Result<HostRows> {
+            Ok(HostRows {
+                rows: m.rows(),
+                cols: m.cols(),
+                data: m.to_host()?.into_owned(),
+            })
+        };
+        Ok(HostOutput {
+            logits: host(self.logits.as_ref())?,
+            hidden: self
+                .hidden
+                .iter()
+                .map(|(layer, m)| Ok((*layer, host(m.as_ref())?)))
+                .collect::<Result<_>>()?,
+        })
+    }
+}
+
+/// A [`ForwardOutput`] in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostOutput {
+    pub logits: HostRows,
+    pub hidden: Vec<(usize, HostRows)>,
+}
+
+impl HostOutput {
+    pub fn row(&self, i: usize) -> &[f32] {
+        self.logits.row(i)
+    }
+
+    pub fn last(&self) -> &[f32] {
+        self.logits.row(self.logits.rows - 1)
+    }
+}
+
+/// One weight matrix's fast kernel against the reference kernel ([`Model::check_kernels`]).
+#[derive(Debug, Clone)]
+pub struct KernelCheck {
+    pub name: String,
+    pub dtype: &'static str,
+    /// max |fast - reference| / max |reference| over the outputs.
+    pub max_relative_error: f64,
+    pub tolerance: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tree_masks_know_ancestors_and_depths() {
+        // 0 -> 1 -> 3, 0 -> 2, 4 alone.
+        let t = TreeMask::new(vec![None, Some(0), Some(0), Some(1), None]).unwrap();
+        assert_eq!(
+            (0..5).map(|i| t.depth(i)).collect::<Vec<_>>(),
+            [0, 1, 1, 2, 0]
+        );
+        assert!(t.sees(3, 1) && t.sees(3, 0) && t.sees(3, 3));
+        assert!(!t.sees(3, 2) && !t.sees(2, 1) && !t.sees(4, 0) && !t.sees(0, 1));
+        let chain = TreeMask::chain(4);
+        assert!((0..4).all(|i| (0..4).all(|j| chain.sees(i, j) == (j <= i))));
+        assert!(TreeMask::new(vec![Some(0)]).is_err());
+        assert!(TreeMask::new(vec![None, Some(5)]).is_err());
+    }
+}
