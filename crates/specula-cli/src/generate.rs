@@ -46,6 +46,10 @@ pub struct ModelArgs {
     /// Where the model runs: cpu, cuda (the first GPU) or cuda:N. A draft model runs on the same device.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Instead of --model: seeded random bf16 weights of a real model's shape, made on the GPU (llama-3.1-8b,
+    /// qwen2.5-1.5b, qwen2.5-0.5b, tiny), with a byte-level tokenizer. For speed work.
+    #[arg(long, value_name = "SHAPE")]
+    pub random_weights: Option<String>,
 }
 
 impl ModelArgs {
@@ -357,8 +361,12 @@ pub fn load(args: &ModelArgs) -> anyhow::Result<(specula::model::LoadedModel, us
     let threads = specula::parallel::threads();
     let device = args.device()?;
     let t0 = Instant::now();
-    let loaded = specula::load_model_on(&args.model, device, true, &mut |line| eprintln!("{line}"))
-        .with_context(|| format!("loading model {}", args.model))?;
+    let loaded = match &args.random_weights {
+        Some(shape) => specula::model::load_random(shape, device, 0)
+            .with_context(|| format!("making random weights of shape {shape}"))?,
+        None => specula::load_model_on(&args.model, device, true, &mut |line| eprintln!("{line}"))
+            .with_context(|| format!("loading model {}", args.model))?,
+    };
     Ok((loaded, threads, t0.elapsed().as_secs_f64()))
 }
 

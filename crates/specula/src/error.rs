@@ -73,6 +73,9 @@ pub enum Error {
     #[error("hugging face hub: {0}")]
     Hub(String),
 
+    #[error("CUDA: {0}")]
+    Cuda(String),
+
     #[error("tensor backend: {0}")]
     Candle(#[from] candle_core::Error),
 }

@@ -1,6 +1,8 @@
 //! Where a model runs: one folder per device behind the forward-pass interface of [`crate::model::forward`].
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use std::fmt;
 
@@ -18,6 +20,12 @@ pub fn load(
 ) -> Result<Box<dyn Model>> {
     match device {
         Device::Cpu => Ok(Box::new(cpu::CpuModel::load(config, src, names)?)),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(index) => {
+            let gpu = std::sync::Arc::new(cuda::Gpu::open(index)?);
+            Ok(Box::new(cuda::CudaModel::load(gpu, config, src, names)?))
+        }
+        #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(Error::InvalidArgument(format!(
             "--device {device}: this specula was built without CUDA support; rebuild with `--features cuda` \
              (docs/gpu.md)"
@@ -31,6 +39,28 @@ pub enum Device {
     #[default]
     Cpu,
     Cuda(usize),
+}
+
+/// A model of `config`'s shape with seeded random weights, made on `device` (GPU only: a real shape's weights
+/// are gigabytes, made in a moment by the GPU).
+pub fn load_random(device: Device, config: Config, seed: u64) -> Result<Box<dyn Model>> {
+    #[cfg(not(feature = "cuda"))]
+    let _ = (&config, seed);
+    match device {
+        Device::Cpu => Err(Error::InvalidArgument(
+            "--random-weights makes the weights on the GPU: add --device cuda".into(),
+        )),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(index) => {
+            let gpu = std::sync::Arc::new(cuda::Gpu::open(index)?);
+            Ok(Box::new(cuda::CudaModel::random(gpu, config, seed)?))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(Error::InvalidArgument(format!(
+            "--device {device}: this specula was built without CUDA support; rebuild with `--features cuda` \
+             (docs/gpu.md)"
+        ))),
+    }
 }
 
 impl std::str::FromStr for Device {

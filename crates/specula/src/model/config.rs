@@ -335,6 +335,84 @@ impl Config {
         Ok(config)
     }
 
+    /// The shapes `--random-weights` offers (real models' configs, for speed work without their weights).
+    pub const RANDOM_SHAPES: &'static [&'static str] =
+        &["llama-3.1-8b", "qwen2.5-1.5b", "qwen2.5-0.5b", "tiny"];
+
+    /// The configuration of a known model shape (see [`Config::RANDOM_SHAPES`]).
+    pub fn shape(name: &str) -> Result<Self> {
+        let base = Config {
+            architecture: "qwen2".into(),
+            vocab_size: 151_936,
+            hidden_size: 1536,
+            intermediate_size: 8960,
+            num_layers: 28,
+            num_heads: 12,
+            num_kv_heads: 2,
+            head_dim: 128,
+            context_length: 32_768,
+            rope_theta: 1_000_000.0,
+            rms_norm_eps: 1e-6,
+            rope_style: RopeStyle::Halves,
+            rope_scaling: None,
+            attention_bias: true,
+            tie_word_embeddings: true,
+        };
+        let config = match name {
+            "qwen2.5-1.5b" => base,
+            "qwen2.5-0.5b" => Config {
+                hidden_size: 896,
+                intermediate_size: 4864,
+                num_layers: 24,
+                num_heads: 14,
+                num_kv_heads: 2,
+                head_dim: 64,
+                ..base
+            },
+            "llama-3.1-8b" => Config {
+                architecture: "llama".into(),
+                vocab_size: 128_256,
+                hidden_size: 4096,
+                intermediate_size: 14_336,
+                num_layers: 32,
+                num_heads: 32,
+                num_kv_heads: 8,
+                head_dim: 128,
+                context_length: 131_072,
+                rope_theta: 500_000.0,
+                rms_norm_eps: 1e-5,
+                rope_scaling: Some(Llama3RopeScaling {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192,
+                }),
+                attention_bias: false,
+                tie_word_embeddings: false,
+                ..base
+            },
+            "tiny" => Config {
+                vocab_size: 260,
+                hidden_size: 64,
+                intermediate_size: 128,
+                num_layers: 2,
+                num_heads: 4,
+                num_kv_heads: 2,
+                head_dim: 16,
+                context_length: 256,
+                ..base
+            },
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "--random-weights {other:?} is not a known shape; use one of {}",
+                    Self::RANDOM_SHAPES.join(", ")
+                )))
+            }
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
     /// Inverse frequencies of the rotary embedding, one per dimension pair, with Llama 3 scaling applied.
     pub fn rope_inv_freqs(&self, freq_factors: Option<&[f32]>) -> Vec<f32> {
         let half = self.head_dim / 2;
@@ -422,6 +500,26 @@ mod tests {
     /// original_max / low_freq_factor) by the factor, keeps the high ones, and blends in between. Values for
     /// Llama 3.1's settings from Hugging Face's `_compute_llama3_parameters`, evaluated in Python at
     /// i = 0, 20 (kept), 31 (blended), 40, 63 (divided).
+    #[test]
+    fn random_weight_shapes_are_valid_configs() {
+        for name in Config::RANDOM_SHAPES {
+            let c = Config::shape(name).unwrap();
+            assert!(c.validate().is_ok(), "{name}");
+        }
+        let c = Config::shape("llama-3.1-8b").unwrap();
+        // 8.03B parameters: the published size.
+        let params = c.vocab_size * c.hidden_size * 2
+            + c.num_layers
+                * (c.hidden_size * (c.q_dim() + 2 * c.kv_dim())
+                    + c.q_dim() * c.hidden_size
+                    + 3 * c.hidden_size * c.intermediate_size);
+        assert!((params as f64 / 1e9 - 8.03).abs() < 0.01, "{params}");
+        assert!(Config::shape("gpt-5")
+            .unwrap_err()
+            .to_string()
+            .contains("llama-3.1-8b"));
+    }
+
     #[test]
     fn rope_inverse_frequencies_match_the_published_formulas() {
         let plain = llama(None).rope_inv_freqs(None);

@@ -76,6 +76,72 @@ impl dyn Model + '_ {
     }
 }
 
+/// The checks every backend makes before a forward pass: options within the model, every sequence with new
+/// tokens inside the vocabulary, a tree mask of the right size, and room in the model's context.
+pub fn check_batch(
+    config: &Config,
+    batch: &[SequenceInput<'_>],
+    opts: &ForwardOptions<'_>,
+) -> Result<()> {
+    if batch.is_empty() {
+        return Err(Error::InvalidArgument(
+            "forward pass over no sequences".into(),
+        ));
+    }
+    if let Some(limit) = opts.vocab_limit {
+        if limit == 0 || limit > config.vocab_size {
+            return Err(Error::InvalidArgument(format!(
+                "vocabulary limit {limit} is outside 1..={} (the model's vocabulary)",
+                config.vocab_size
+            )));
+        }
+    }
+    for &layer in opts.capture_layers {
+        if layer >= config.num_layers {
+            return Err(Error::InvalidArgument(format!(
+                "cannot capture hidden states of layer {layer}: the model has {} layers (0..{})",
+                config.num_layers,
+                config.num_layers - 1
+            )));
+        }
+    }
+    for (s, seq) in batch.iter().enumerate() {
+        let n = seq.tokens.len();
+        if n == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {s} of the batch has no new tokens"
+            )));
+        }
+        if let Some(tree) = seq.tree {
+            if tree.len() != n {
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {s}: a tree mask of {} rows for {n} new tokens",
+                    tree.len()
+                )));
+            }
+        }
+        if let Some(&t) = seq
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= config.vocab_size)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "token id {t} is outside the vocabulary (size {})",
+                config.vocab_size
+            )));
+        }
+        let end = seq.cache.len() + n;
+        if end > config.context_length {
+            return Err(Error::ContextOverflow {
+                prompt_tokens: end,
+                max_new_tokens: 0,
+                context_length: config.context_length,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// One sequence's part of a batched forward pass.
 pub struct SequenceInput<'a> {
     /// The new tokens (at least one).

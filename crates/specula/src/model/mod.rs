@@ -29,6 +29,8 @@ pub use forward::{
 pub enum Format {
     Gguf,
     Safetensors,
+    /// Random weights of a known shape (`--random-weights`).
+    Random,
 }
 
 /// A model ready to run: weights on a device, tokenizer, chat template and where it came from.
@@ -84,6 +86,25 @@ pub fn locate(spec: &str) -> Result<ModelLocation> {
     Err(Error::UnknownModel {
         name: spec.to_string(),
         known: registry::known_names(),
+    })
+}
+
+/// A model of a known shape (`Config::shape`) with seeded random weights on `device`, for speed work; its
+/// tokenizer is a 260-token byte-level one (prompts become byte tokens, all inside the shape's vocabulary).
+pub fn load_random(shape: &str, device: Device, seed: u64) -> Result<LoadedModel> {
+    let config = Config::shape(shape)?;
+    let model = crate::backend::load_random(device, config, seed)?;
+    let json = crate::testing::tiny_tokenizer_json().to_string();
+    let null = serde_json::Value::Null;
+    let tokenizer = Tokenizer::from_hf_json(json.as_bytes(), &null, &null)?;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template: None,
+        path: PathBuf::from(format!("random:{shape}")),
+        spec: format!("random:{shape}"),
+        format: Format::Random,
+        known_sha256: None,
     })
 }
 

@@ -81,7 +81,8 @@ impl KvCache {
             .max(self.allocated * 2)
             .max(64)
             .min(self.max_len.max(needed));
-        let (heads, hd, old_cap, len) = (self.num_kv_heads, self.head_dim, self.allocated, self.len);
+        let (heads, hd, old_cap, len) =
+            (self.num_kv_heads, self.head_dim, self.allocated, self.len);
         for layer in &mut self.layers {
             for buf in [&mut layer.keys, &mut layer.values] {
                 let mut grown = vec![0f32; heads * new_cap * hd];

@@ -12,7 +12,7 @@ use crate::backend::cpu::weights::{MatmulKernel, Weight};
 use crate::error::{Error, Result};
 use crate::model::config::{Config, RopeStyle};
 use crate::model::forward::{
-    ForwardOptions, ForwardOutput, HostRows, KernelCheck, LogitsFor, Model, RowMatrix,
+    check_batch, ForwardOptions, ForwardOutput, HostRows, KernelCheck, LogitsFor, Model, RowMatrix,
     SequenceCache, SequenceInput, TreeMask,
 };
 use crate::model::tensors::{LayerTensor, TensorNames, WeightSource};
@@ -177,52 +177,10 @@ impl CpuModel {
         opts: &ForwardOptions<'_>,
     ) -> Result<Vec<&'b mut KvCache>> {
         let c = &self.config;
-        if batch.is_empty() {
-            return Err(Error::InvalidArgument(
-                "forward pass over no sequences".into(),
-            ));
-        }
-        if let Some(limit) = opts.vocab_limit {
-            if limit == 0 || limit > c.vocab_size {
-                return Err(Error::InvalidArgument(format!(
-                    "vocabulary limit {limit} is outside 1..={} (the model's vocabulary)",
-                    c.vocab_size
-                )));
-            }
-        }
-        for &layer in opts.capture_layers {
-            if layer >= c.num_layers {
-                return Err(Error::InvalidArgument(format!(
-                    "cannot capture hidden states of layer {layer}: the model has {} layers (0..{})",
-                    c.num_layers,
-                    c.num_layers - 1
-                )));
-            }
-        }
+        check_batch(c, batch, opts)?;
         let mut caches = Vec::with_capacity(batch.len());
         for (s, seq) in batch.iter_mut().enumerate() {
             let n = seq.tokens.len();
-            if n == 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "sequence {s} of the batch has no new tokens"
-                )));
-            }
-            if let Some(tree) = seq.tree {
-                if tree.len() != n {
-                    return Err(Error::InvalidArgument(format!(
-                        "sequence {s}: a tree mask of {} rows for {n} new tokens",
-                        tree.len()
-                    )));
-                }
-            }
-            for &t in seq.tokens {
-                if t as usize >= c.vocab_size {
-                    return Err(Error::InvalidArgument(format!(
-                        "token id {t} is outside the vocabulary (size {})",
-                        c.vocab_size
-                    )));
-                }
-            }
             let cache = seq
                 .cache
                 .as_any_mut()
@@ -238,13 +196,6 @@ impl CpuModel {
                 )));
             }
             let start = cache.len();
-            if start + n > c.context_length {
-                return Err(Error::ContextOverflow {
-                    prompt_tokens: start + n,
-                    max_new_tokens: 0,
-                    context_length: c.context_length,
-                });
-            }
             if start + n > cache.capacity() {
                 return Err(Error::InvalidArgument(format!(
                     "sequence {s}: {} positions do not fit its KV cache of {}",

@@ -1,0 +1,127 @@
+//! One sequence's KV cache in device memory, allocated once for its whole capacity (so CUDA graphs can capture
+//! fixed pointers). Layout: `[layer][keys | values][kv_head][slot][head_dim]`, f32.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::{cuda_err, Gpu};
+use crate::error::{Error, Result};
+use crate::model::config::Config;
+use crate::model::forward::SequenceCache;
+
+pub struct CudaKvCache {
+    pub(crate) gpu: Arc<Gpu>,
+    pub(crate) data: CudaSlice<f32>,
+    pub(crate) capacity: usize,
+    pub(crate) len: usize,
+    pub(crate) num_layers: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+}
+
+impl CudaKvCache {
+    pub fn new(gpu: Arc<Gpu>, config: &Config, capacity: usize) -> Result<Self> {
+        let elements = config
+            .num_layers
+            .checked_mul(2 * config.kv_dim())
+            .and_then(|n| n.checked_mul(capacity))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("a KV cache of {capacity} positions overflows"))
+            })?;
+        let (free, _) = gpu.memory()?;
+        if elements * 4 > free {
+            return Err(Error::Cuda(format!(
+                "a KV cache of {capacity} positions needs {:.2} GB but the GPU has {:.2} GB free",
+                elements as f64 * 4e-9,
+                free as f64 * 1e-9
+            )));
+        }
+        let data = gpu
+            .stream
+            .alloc_zeros::<f32>(elements.max(1))
+            .map_err(|e| cuda_err("allocating a KV cache", e))?;
+        Ok(CudaKvCache {
+            gpu,
+            data,
+            capacity,
+            len: 0,
+            num_layers: config.num_layers,
+            kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+        })
+    }
+
+    /// The device address of the cache (for the kernels' per-sequence table).
+    pub(crate) fn device_ptr(&self) -> u64 {
+        let (ptr, _sync) = self.data.device_ptr(&self.gpu.stream);
+        ptr
+    }
+}
+
+impl SequenceCache for CudaKvCache {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    fn keep_new_rows(&mut self, base: usize, rows: &[usize]) -> Result<()> {
+        let new = self.len.saturating_sub(base);
+        if base > self.len
+            || rows.iter().any(|&r| r >= new)
+            || rows.windows(2).any(|w| w[0] >= w[1])
+        {
+            return Err(Error::InvalidArgument(format!(
+                "keep_new_rows: rows {rows:?} are not increasing new rows of the {new} after position {base}"
+            )));
+        }
+        if !rows.is_empty() {
+            let src: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            let stream = &self.gpu.stream;
+            let src = stream
+                .clone_htod(&src)
+                .map_err(|e| cuda_err("uploading kept rows", e))?;
+            let blocks = (self.num_layers * 2 * self.kv_heads) as u32;
+            let (capacity, count, base32, hd) = (
+                self.capacity as u32,
+                rows.len() as i32,
+                base as u32,
+                self.head_dim as i32,
+            );
+            let mut launch = stream.launch_builder(&self.gpu.kernels.kv_keep_rows);
+            launch
+                .arg(&mut self.data)
+                .arg(&capacity)
+                .arg(&src)
+                .arg(&count)
+                .arg(&base32)
+                .arg(&hd);
+            // SAFETY: the arguments match kv_keep_rows's signature; the grid covers the cache's heads.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(|e| cuda_err("kv_keep_rows", e))?;
+        }
+        self.len = base + rows.len();
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}

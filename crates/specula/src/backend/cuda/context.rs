@@ -1,0 +1,156 @@
+//! One GPU: its context, the stream every step runs on, and the compiled kernels.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+use super::{cuda_err, KERNELS_SOURCE};
+use crate::error::{Error, Result};
+
+/// The kernels of kernels.cu, loaded.
+pub struct Kernels {
+    _module: Arc<CudaModule>,
+    pub embed_rows: CudaFunction,
+    pub rms_norm: CudaFunction,
+    pub gemv_bf16: CudaFunction,
+    pub add_bias: CudaFunction,
+    pub rope_angles: CudaFunction,
+    pub rope_apply: CudaFunction,
+    pub kv_write: CudaFunction,
+    pub attention: CudaFunction,
+    pub silu_mul: CudaFunction,
+    pub add_in_place: CudaFunction,
+    pub gather_rows: CudaFunction,
+    pub argmax_rows: CudaFunction,
+    pub fill_random_bf16: CudaFunction,
+    pub kv_keep_rows: CudaFunction,
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub kernels: Kernels,
+    /// "cuda:0 (NVIDIA H200)".
+    pub name: String,
+}
+
+/// NVRTC's name for an architecture, e.g. "sm_90" (NVRTC wants a static string).
+fn arch_name(major: i32, minor: i32) -> Result<&'static str> {
+    Ok(match (major, minor) {
+        (7, 0) => "sm_70",
+        (7, 5) => "sm_75",
+        (8, 0) => "sm_80",
+        (8, 6) => "sm_86",
+        (8, 7) => "sm_87",
+        (8, 9) => "sm_89",
+        (9, 0) => "sm_90",
+        (10, 0) => "sm_100",
+        (12, 0) => "sm_120",
+        _ => {
+            return Err(Error::Cuda(format!(
+                "compute capability {major}.{minor} is not one specula compiles for (7.0-12.0)"
+            )))
+        }
+    })
+}
+
+/// Compiles kernels.cu to PTX for `arch` (e.g. "sm_90"). Needs only NVRTC, no GPU: the test suite runs it where
+/// NVRTC is installed, so a kernel that does not compile fails a test.
+pub fn compile_kernels(arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
+    check_library_present("NVRTC (libnvrtc.so)", || unsafe {
+        cudarc::nvrtc::sys::is_culib_present()
+    })?;
+    compile_ptx_with_opts(
+        KERNELS_SOURCE,
+        CompileOptions {
+            arch: Some(arch),
+            options: vec!["--std=c++17".into()],
+            ..Default::default()
+        },
+    )
+    .map_err(|e| Error::Cuda(format!("compiling kernels.cu for {arch} with NVRTC: {e}")))
+}
+
+/// Whether NVRTC can be loaded here (the test suite compiles the kernels when it can).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to open the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+fn check_library_present(what: &str, present: impl FnOnce() -> bool) -> Result<()> {
+    if present() {
+        Ok(())
+    } else {
+        Err(Error::Cuda(format!(
+            "{what} could not be loaded: this machine has no NVIDIA driver or CUDA runtime library where the \
+             loader looks (set LD_LIBRARY_PATH, e.g. to /usr/local/cuda/lib64); --device cpu runs without one"
+        )))
+    }
+}
+
+impl Gpu {
+    /// Opens GPU `index` and compiles the kernels for it.
+    pub fn open(index: usize) -> Result<Self> {
+        check_library_present("The CUDA driver (libcuda.so.1)", || unsafe {
+            cudarc::driver::sys::is_culib_present()
+        })?;
+        let count = CudaContext::device_count().map_err(|e| cuda_err("counting GPUs", e))?;
+        if index >= count.max(0) as usize {
+            return Err(Error::InvalidArgument(format!(
+                "--device cuda:{index}: this machine has {count} GPU{}",
+                if count == 1 { "" } else { "s" }
+            )));
+        }
+        let ctx = CudaContext::new(index).map_err(|e| cuda_err("opening the GPU", e))?;
+        // Every buffer is used on one stream; cudarc's per-allocation events would also break graph capture.
+        // SAFETY: no buffer exists yet, and all work goes to the one stream below.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err("creating a stream", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| cuda_err("reading the compute capability", e))?;
+        let ptx = compile_kernels(arch_name(major, minor)?)?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| cuda_err("loading the compiled kernels", e))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| cuda_err(&format!("finding kernel {name}"), e))
+        };
+        let kernels = Kernels {
+            embed_rows: f("embed_rows")?,
+            rms_norm: f("rms_norm")?,
+            gemv_bf16: f("gemv_bf16")?,
+            add_bias: f("add_bias")?,
+            rope_angles: f("rope_angles")?,
+            rope_apply: f("rope_apply")?,
+            kv_write: f("kv_write")?,
+            attention: f("attention")?,
+            silu_mul: f("silu_mul")?,
+            add_in_place: f("add_in_place")?,
+            gather_rows: f("gather_rows")?,
+            argmax_rows: f("argmax_rows")?,
+            fill_random_bf16: f("fill_random_bf16")?,
+            kv_keep_rows: f("kv_keep_rows")?,
+            _module: module,
+        };
+        let card = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        Ok(Gpu {
+            name: format!("cuda:{index} ({card})"),
+            ctx,
+            stream,
+            kernels,
+        })
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(|e| cuda_err("reading free memory", e))
+    }
+}
