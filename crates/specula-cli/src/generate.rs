@@ -121,6 +121,10 @@ pub struct GenerateArgs {
     /// Profiling detail: off, phases (default), or fine (adds per-layer attention/MLP spans).
     #[arg(long, value_enum, default_value_t = ProfileLevel::Phases)]
     pub profile: ProfileLevel,
+    /// Time phases by synchronizing the device at every phase edge (a cross-check of the default device clock,
+    /// and a measure of what naive timing costs; no effect on the CPU).
+    #[arg(long)]
+    pub exact_timing: bool,
     /// Write the JSON report here.
     #[arg(long)]
     pub report_json: Option<PathBuf>,
@@ -408,7 +412,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         sampling,
         stop_at_eos: !args.ignore_eos,
     };
-    let prof = Profiler::new(args.profile.detail());
+    let prof = Profiler::with_clock(args.profile.detail(), loaded.model.clock(args.exact_timing));
     let draft_loaded = match &choice {
         DraftChoice::Model(spec) => {
             let d = specula::load_model_on(spec, args.model.device()?, true, &mut |line| {

@@ -220,10 +220,8 @@ pub fn generate(
                 prof,
             )?
         };
-        if let Some(s) = speculation.as_mut() {
-            s.drafter
-                .observe_verify(1 + draft.tokens.len(), verify_start.elapsed().as_secs_f64());
-        }
+        // Host time of the verify call: right on the CPU, only the launches on a GPU (see below).
+        let verify_host_s = verify_start.elapsed().as_secs_f64();
         let acceptance = if speculation.is_some() {
             let _s = prof.span(Phase::Accept);
             verify::accept(&draft, logits.logits.as_ref(), &mut sampler)?
@@ -236,6 +234,14 @@ pub fn generate(
         };
         if let Some(st) = stats.as_mut() {
             st.record(draft.tokens.len(), acceptance.accepted);
+        }
+        if let Some(s) = speculation.as_mut() {
+            // The verify pass's time by the profiler's clock (device time on a GPU, where a host timer would
+            // see only the launches); read after acceptance, which waited for the pass.
+            let seconds = prof
+                .last_span_seconds(Phase::Verify)
+                .unwrap_or(verify_host_s);
+            s.drafter.observe_verify(1 + draft.tokens.len(), seconds);
         }
         let mut new_tokens = draft.tokens[..acceptance.accepted].to_vec();
         new_tokens.push(acceptance.next);

@@ -465,7 +465,7 @@ pub fn run_bench(
                     config: &config.label,
                     prompt_id: &prompt.id,
                 });
-                let prof = Profiler::new(Detail::Phases);
+                let prof = Profiler::with_clock(Detail::Phases, spec.target.clock(false));
                 let mut drafter: Option<Box<dyn Drafter + '_>> = match (config.k, config.drafter) {
                     (0, _) | (_, None) => None,
                     (

@@ -37,6 +37,14 @@ pub trait Model: Send + Sync {
     /// Runs the model's weight matrices through its fast kernels and a reference on the same inputs (the
     /// backend's self-test; see `specula selftest`).
     fn check_kernels(&self, tokens: &[u32]) -> Result<Vec<KernelCheck>>;
+
+    /// The clock the profiler should time this model's steps with: on an asynchronous device, one that reads
+    /// the device's own time; `exact` synchronizes at every phase edge instead (to cross-check). The host's
+    /// monotonic clock by default.
+    fn clock(&self, exact: bool) -> Box<dyn crate::profile::Clock> {
+        let _ = exact;
+        Box::new(crate::profile::MonotonicClock::new())
+    }
 }
 
 impl dyn Model + '_ {

@@ -13,6 +13,12 @@ pub trait Clock {
     fn resolve(&self, marks: &[u64]) -> Vec<u64>;
     /// Shown in reports so readers know what the numbers measure.
     fn name(&self) -> &'static str;
+    /// The host's time of the same marks, for a clock whose marks are device times (None: they are the same).
+    /// Beside device time it shows what the host spent (launching work, waiting), so a launch-bound step shows
+    /// as one.
+    fn resolve_host(&self, _marks: &[u64]) -> Option<Vec<u64>> {
+        None
+    }
 }
 
 /// Monotonic wall time (`std::time::Instant`); a mark costs about 20 ns.

@@ -256,6 +256,14 @@ impl Profiler {
 
     /// Resolves all marks into nanoseconds and returns the records (steps, spans) for reporting.
     pub(crate) fn resolved(&self) -> (Vec<StepRecord>, Vec<SpanRecord>) {
+        self.resolved_by(|marks| self.clock.resolve(marks))
+    }
+
+    /// The records with their marks turned into nanoseconds by `resolve`.
+    fn resolved_by(
+        &self,
+        resolve: impl FnOnce(&[u64]) -> Vec<u64>,
+    ) -> (Vec<StepRecord>, Vec<SpanRecord>) {
         let st = self.state.borrow();
         let mut marks = Vec::with_capacity(2 * (st.steps.len() + st.spans.len()));
         for s in &st.steps {
@@ -266,7 +274,7 @@ impl Profiler {
             marks.push(s.start);
             marks.push(s.end);
         }
-        let ns = self.clock.resolve(&marks);
+        let ns = resolve(&marks);
         let mut it = ns.into_iter();
         let mut next = || it.next().unwrap_or(0);
         let steps = st
@@ -291,10 +299,35 @@ impl Profiler {
         (steps, spans)
     }
 
-    /// Aggregates the recorded steps into per-phase totals.
+    /// Aggregates the recorded steps into per-phase totals (with the host's view beside a device clock's).
     pub fn summary(&self) -> report::ProfileSummary {
         let (steps, spans) = self.resolved();
-        report::ProfileSummary::from_records(&steps, &spans)
+        let mut summary = report::ProfileSummary::from_records(&steps, &spans);
+        if self.clock.resolve_host(&[]).is_some() {
+            let (steps, spans) =
+                self.resolved_by(|marks| self.clock.resolve_host(marks).unwrap_or_default());
+            summary.host = Some(Box::new(report::ProfileSummary::from_records(
+                &steps, &spans,
+            )));
+        }
+        summary
+    }
+
+    /// Seconds the last recorded span of `phase` took by this profiler's clock (None when profiling is off or it
+    /// has not run). The decode loop tells drafters the verify time this way: on a GPU a host timer would
+    /// measure only the launches.
+    pub fn last_span_seconds(&self, phase: Phase) -> Option<f64> {
+        let (start, end) = {
+            let st = self.state.borrow();
+            let span = st
+                .spans
+                .iter()
+                .rev()
+                .find(|s| matches!(s.kind, SpanKind::Phase(p) if p == phase))?;
+            (span.start, span.end)
+        };
+        let ns = self.clock.resolve(&[start, end]);
+        Some(ns.get(1)?.saturating_sub(*ns.first()?) as f64 * 1e-9)
     }
 
     /// Chrome trace-event JSON of everything recorded.
@@ -350,6 +383,65 @@ mod tests {
         assert!((summary.other_s - 3.0 * 3000e-9).abs() < 1e-15);
         assert_eq!(summary.fine.len(), 1);
         assert_eq!(summary.fine[0].count, 3);
+    }
+
+    /// A device-style clock: marks resolve to "device" times (each mark 1000 ns after the last), and the host
+    /// times differ (the host saw a long wait at the third mark, the way reading a result waits for a GPU).
+    struct FakeDeviceClock(Cell<u64>);
+    impl Clock for FakeDeviceClock {
+        fn mark(&self) -> u64 {
+            let v = self.0.get();
+            self.0.set(v + 1);
+            v
+        }
+        fn resolve(&self, marks: &[u64]) -> Vec<u64> {
+            marks.iter().map(|m| m * 1000).collect()
+        }
+        fn name(&self) -> &'static str {
+            "fake-device"
+        }
+        fn resolve_host(&self, marks: &[u64]) -> Option<Vec<u64>> {
+            Some(
+                marks
+                    .iter()
+                    .map(|&m| if m >= 3 { m * 10 + 5000 } else { m * 10 })
+                    .collect(),
+            )
+        }
+    }
+
+    #[test]
+    fn device_clock_times_phases_and_keeps_the_hosts_view_beside() {
+        let prof = Profiler::with_clock(Detail::Phases, Box::new(FakeDeviceClock(Cell::new(0))));
+        prof.begin_step(StepKind::Decode); // mark 0
+        {
+            let _v = prof.span(Phase::Verify); // marks 1, 2
+        }
+        {
+            let _s = prof.span(Phase::Sample); // marks 3, 4
+        }
+        prof.end_step(); // mark 5
+                         // The decode loop reads the last verify span's time (by the device clock) for the drafter.
+        let verify_s = prof.last_span_seconds(Phase::Verify).unwrap();
+        assert!((verify_s - 1000e-9).abs() < 1e-15, "{verify_s}");
+        assert_eq!(prof.last_span_seconds(Phase::Draft), None);
+        let summary = prof.summary();
+        let verify = summary.phase("verify").unwrap();
+        assert!((verify.total_s - 1000e-9).abs() < 1e-15);
+        let host = summary
+            .host
+            .as_ref()
+            .expect("a device clock reports the host's view");
+        // Host: verify marks 1 -> 2 = 10 ns; sample marks 3 -> 4 = 10 ns; step marks 0 -> 5 = 5050 ns.
+        assert!((host.phase("verify").unwrap().total_s - 10e-9).abs() < 1e-15);
+        assert!((host.decode_s - 5050e-9).abs() < 1e-15);
+        let table = summary.table();
+        assert!(table.contains("host ms/step"), "{table}");
+        // The monotonic clock has no separate host view.
+        let plain = Profiler::new(Detail::Phases);
+        plain.begin_step(StepKind::Decode);
+        plain.end_step();
+        assert!(plain.summary().host.is_none());
     }
 
     #[test]

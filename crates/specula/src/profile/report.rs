@@ -36,6 +36,9 @@ pub struct ProfileSummary {
     pub prefill_s: f64,
     /// Per-layer spans summed over layers, decode steps only (fine mode).
     pub fine: Vec<FineSummary>,
+    /// With a device clock: the same records timed by the host (what launching and waiting cost there).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<Box<ProfileSummary>>,
 }
 
 impl ProfileSummary {
@@ -127,6 +130,7 @@ impl ProfileSummary {
             decode_steps,
             prefill_s,
             fine,
+            host: None,
         }
     }
 
@@ -159,15 +163,45 @@ impl ProfileSummary {
     }
 
     /// The end-of-run table: one row per phase (total ms, ms per step, share of decode), `other`, then fine spans.
+    /// With a device clock, a last column gives the host's ms per step of the same phase.
     pub fn table(&self) -> String {
         let mut out = String::new();
         let steps = self.decode_steps.max(1) as f64;
+        let host_steps = self
+            .host
+            .as_ref()
+            .map(|h| h.decode_steps.max(1) as f64)
+            .unwrap_or(1.0);
+        let host_col = |name: &str| -> String {
+            let Some(h) = &self.host else {
+                return String::new();
+            };
+            let total = match name {
+                "other" => h.other_s,
+                "decode" => h.decode_s,
+                _ => h.phase(name).map_or(0.0, |p| p.total_s),
+            };
+            format!(" {:>12.3}", total * 1e3 / host_steps)
+        };
         let _ = writeln!(
             out,
-            "{:<10} {:>11} {:>8} {:>11} {:>9}",
-            "phase", "total ms", "count", "ms/step", "share"
+            "{:<10} {:>11} {:>8} {:>11} {:>9}{}",
+            "phase",
+            "total ms",
+            "count",
+            "ms/step",
+            "share",
+            if self.host.is_some() {
+                "  host ms/step"
+            } else {
+                ""
+            }
         );
-        let _ = writeln!(out, "{}", "-".repeat(53));
+        let _ = writeln!(
+            out,
+            "{}",
+            "-".repeat(if self.host.is_some() { 67 } else { 53 })
+        );
         for p in self.phases.iter().filter(|p| p.count > 0) {
             if p.name == "prefill" {
                 let _ = writeln!(
@@ -183,12 +217,13 @@ impl ProfileSummary {
             }
             let _ = writeln!(
                 out,
-                "{:<10} {:>11.2} {:>8} {:>11.3} {:>8.1}%",
+                "{:<10} {:>11.2} {:>8} {:>11.3} {:>8.1}%{}",
                 p.name,
                 p.total_s * 1e3,
                 p.count,
                 p.total_s * 1e3 / steps,
-                p.share_of_decode * 100.0
+                p.share_of_decode * 100.0,
+                host_col(p.name)
             );
         }
         let other_share = if self.decode_s > 0.0 {
@@ -198,21 +233,23 @@ impl ProfileSummary {
         };
         let _ = writeln!(
             out,
-            "{:<10} {:>11.2} {:>8} {:>11.3} {:>8.1}%",
+            "{:<10} {:>11.2} {:>8} {:>11.3} {:>8.1}%{}",
             "other",
             self.other_s * 1e3,
             self.decode_steps,
             self.other_s * 1e3 / steps,
-            other_share * 100.0
+            other_share * 100.0,
+            host_col("other")
         );
         let _ = writeln!(
             out,
-            "{:<10} {:>11.2} {:>8} {:>11.3} {:>8.1}%",
+            "{:<10} {:>11.2} {:>8} {:>11.3} {:>8.1}%{}",
             "decode",
             self.decode_s * 1e3,
             self.decode_steps,
             self.decode_s * 1e3 / steps,
-            100.0
+            100.0,
+            host_col("decode")
         );
         if !self.fine.is_empty() {
             let _ = writeln!(out, "per-layer spans (all layers, decode steps):");

@@ -56,49 +56,67 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 }
 
 // y[r][c] = dot(x[r], W[c]) (+ y[r][c] when accumulate) for a bf16 W of n rows x k columns (k % 8 == 0).
-// grid (ceil(n / 4), ceil(m / 8)), block 128: each warp owns one output column and up to 8 activation rows;
-// lane l reads W[c] in 16-byte pieces l, l + 32, ... (coalesced, 512 bytes a warp a step) and keeps one partial
-// sum per row; a butterfly reduces each. A row's sum therefore depends only on k, never on m.
+// grid (ceil(n / 16), ceil(m / 8)), block 128: each warp owns 4 output columns and up to 8 activation rows. Lane l
+// reads the 4 weight rows in 16-byte pieces l, l + 32, ... (coalesced: a warp reads 512 contiguous bytes of each
+// row per step, four independent loads in flight per lane) and each activation piece once for all 4 columns,
+// keeping one partial sum per (row, column); a butterfly reduces each. A column's sum for a row depends only on
+// k and that row, never on m or on the other rows.
 #define GEMV_ROWS 8
+#define GEMV_COLS 4
 extern "C" __global__ void __launch_bounds__(128) gemv_bf16(const bf16_t* __restrict__ w, const float* __restrict__ x,
                                                            float* __restrict__ y, int n, int k, int m,
                                                            int accumulate) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int c = blockIdx.x * 4 + warp;
+    const int c0 = (blockIdx.x * 4 + warp) * GEMV_COLS;
     const int r0 = blockIdx.y * GEMV_ROWS;
-    if (c >= n) return;
+    if (c0 >= n) return;
     const int rows = min(GEMV_ROWS, m - r0);
-    float acc[GEMV_ROWS];
+    const int cols = min(GEMV_COLS, n - c0);
+    float acc[GEMV_ROWS][GEMV_COLS];
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = 0.f;
-    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)c * k);
+    for (int r = 0; r < GEMV_ROWS; r++)
+#pragma unroll
+        for (int j = 0; j < GEMV_COLS; j++) acc[r][j] = 0.f;
     const int pieces = k >> 3;
+    const uint4* wrows[GEMV_COLS];
+#pragma unroll
+    for (int j = 0; j < GEMV_COLS; j++) wrows[j] = reinterpret_cast<const uint4*>(w + (size_t)(c0 + min(j, cols - 1)) * k);
     for (int p = lane; p < pieces; p += 32) {
-        const uint4 packed = __ldg(wrow + p);
-        float wf[8];
-        wf[0] = __uint_as_float(packed.x << 16); wf[1] = __uint_as_float(packed.x & 0xffff0000u);
-        wf[2] = __uint_as_float(packed.y << 16); wf[3] = __uint_as_float(packed.y & 0xffff0000u);
-        wf[4] = __uint_as_float(packed.z << 16); wf[5] = __uint_as_float(packed.z & 0xffff0000u);
-        wf[6] = __uint_as_float(packed.w << 16); wf[7] = __uint_as_float(packed.w & 0xffff0000u);
+        float wf[GEMV_COLS][8];
+#pragma unroll
+        for (int j = 0; j < GEMV_COLS; j++) {
+            const uint4 packed = __ldg(wrows[j] + p);
+            wf[j][0] = __uint_as_float(packed.x << 16); wf[j][1] = __uint_as_float(packed.x & 0xffff0000u);
+            wf[j][2] = __uint_as_float(packed.y << 16); wf[j][3] = __uint_as_float(packed.y & 0xffff0000u);
+            wf[j][4] = __uint_as_float(packed.z << 16); wf[j][5] = __uint_as_float(packed.z & 0xffff0000u);
+            wf[j][6] = __uint_as_float(packed.w << 16); wf[j][7] = __uint_as_float(packed.w & 0xffff0000u);
+        }
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; r++) {
             if (r < rows) {
                 const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(r0 + r) * k) + 2 * p;
                 const float4 a = xr[0], b = xr[1];
-                float s = acc[r];
-                s = fmaf(wf[0], a.x, s); s = fmaf(wf[1], a.y, s); s = fmaf(wf[2], a.z, s); s = fmaf(wf[3], a.w, s);
-                s = fmaf(wf[4], b.x, s); s = fmaf(wf[5], b.y, s); s = fmaf(wf[6], b.z, s); s = fmaf(wf[7], b.w, s);
-                acc[r] = s;
+                const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int j = 0; j < GEMV_COLS; j++) {
+                    float s = acc[r][j];
+#pragma unroll
+                    for (int e = 0; e < 8; e++) s = fmaf(wf[j][e], xv[e], s);
+                    acc[r][j] = s;
+                }
             }
         }
     }
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
         if (r < rows) {
-            const float s = warp_sum(acc[r]);
-            if (lane == 0) {
-                float* dst = y + (size_t)(r0 + r) * n + c;
-                *dst = accumulate ? *dst + s : s;
+#pragma unroll
+            for (int j = 0; j < GEMV_COLS; j++) {
+                const float s = warp_sum(acc[r][j]);
+                if (lane == 0 && j < cols) {
+                    float* dst = y + (size_t)(r0 + r) * n + c0 + j;
+                    *dst = accumulate ? *dst + s : s;
+                }
             }
         }
     }

@@ -10,6 +10,7 @@
 //! masks of up to 64 new rows.
 
 mod cache;
+pub mod clock;
 pub mod context;
 mod model;
 

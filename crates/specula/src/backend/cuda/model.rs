@@ -50,6 +50,7 @@ pub struct CudaModel {
     rope_inv_freqs: CudaSlice<f32>,
     /// The checkpoint's storage types, e.g. "Q4_K x 169 (as bf16)".
     source_types: String,
+    workspace: std::sync::Mutex<Workspace>,
 }
 
 /// The device address of a buffer (event tracking is off: nothing to synchronize).
@@ -261,6 +262,7 @@ impl CudaModel {
             lm_head,
             rope_inv_freqs,
             source_types: format!("{source_types}, as bf16"),
+            workspace: Default::default(),
         })
     }
 
@@ -348,6 +350,7 @@ impl CudaModel {
             lm_head,
             rope_inv_freqs,
             source_types: format!("random bf16 (seed {seed})"),
+            workspace: Default::default(),
         })
     }
 
@@ -357,7 +360,7 @@ impl CudaModel {
 
     /// `y[m x w.rows] (+)= x[m x w.cols] . w^T` for the first `n` rows of `w`.
     fn gemv(&self, w: &Matrix, n: usize, x: u64, y: u64, m: usize, accumulate: bool) -> Result<()> {
-        let grid = (n.div_ceil(4) as u32, m.div_ceil(8) as u32, 1);
+        let grid = (n.div_ceil(16) as u32, m.div_ceil(8) as u32, 1);
         launch!(
             self.gpu,
             gemv_bf16,
@@ -388,20 +391,96 @@ impl CudaModel {
         check_batch(&self.config, batch, opts)?;
         let c = &self.config;
         let gpu = &self.gpu;
-        let (h, q_dim, kv_dim, hd, ff) = (
-            c.hidden_size,
-            c.q_dim(),
-            c.kv_dim(),
-            c.head_dim,
-            c.intermediate_size,
-        );
-        let (heads, kv_heads) = (c.num_heads, c.num_kv_heads);
+        let tables = self.step_tables(batch)?;
+        let vocab = opts.vocab_limit.unwrap_or(c.vocab_size);
+        let shape = Shape {
+            seqs: batch
+                .iter()
+                .map(|s| (s.tokens.len(), s.logits as u8))
+                .collect(),
+            vocab,
+            capture: opts.capture_layers.to_vec(),
+        };
+        let mut ws = self
+            .workspace
+            .lock()
+            .map_err(|_| Error::Cuda("the GPU workspace lock is poisoned".into()))?;
+        ws.fit(self, &tables, &shape)?;
+        // The step's tables go to fixed device buffers, so a captured graph replays with this step's values.
+        let upload = |host: &[u32], dev: &mut CudaSlice<u32>, what: &str| -> Result<()> {
+            if host.is_empty() {
+                return Ok(());
+            }
+            let mut view = dev.slice_mut(0..host.len());
+            gpu.stream
+                .memcpy_htod(host, &mut view)
+                .map_err(|e| cuda_err(&format!("uploading {what}"), e))
+        };
+        upload(&tables.tokens, &mut ws.tokens, "tokens")?;
+        upload(&tables.positions, &mut ws.positions, "positions")?;
+        upload(&tables.rows, &mut ws.row_table, "row table")?;
+        upload(&tables.seqs, &mut ws.seq_table, "cache table")?;
+        upload(&tables.wanted, &mut ws.wanted, "wanted rows")?;
+        if graphs_enabled() {
+            if !ws.graphs.contains_key(&shape) {
+                gpu.stream
+                    .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(|e| cuda_err("starting a CUDA graph capture", e))?;
+                let recorded = self.record_step(&ws, &tables, &shape);
+                let captured = gpu
+                    .stream
+                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+                recorded?;
+                let graph = captured
+                    .map_err(|e| cuda_err("capturing a CUDA graph", e))?
+                    .ok_or_else(|| {
+                        Error::Cuda("capturing a CUDA graph: nothing was captured".into())
+                    })?;
+                ws.graphs.insert(shape.clone(), StepGraph(graph));
+            }
+            ws.graphs[&shape]
+                .0
+                .launch()
+                .map_err(|e| cuda_err("launching a step's CUDA graph", e))?;
+        } else {
+            self.record_step(&ws, &tables, &shape)?;
+        }
+        for (seq, len) in batch.iter_mut().zip(&tables.lens) {
+            if let Some(cache) = seq.cache.as_any_mut().downcast_mut::<CudaKvCache>() {
+                cache.len = *len;
+            }
+        }
+        // Each sequence's rows, copied out of the workspace (the next step overwrites it).
+        let h = c.hidden_size;
+        let mut outputs = Vec::with_capacity(batch.len());
+        let mut row0 = 0usize;
+        for (s, seq) in batch.iter().enumerate() {
+            let n = seq.tokens.len();
+            let rows_wanted = match seq.logits {
+                LogitsFor::All => n,
+                LogitsFor::Last => 1,
+                LogitsFor::None => 0,
+            };
+            let logits = self.slice_rows(&ws.logits, tables.first_wanted[s], rows_wanted, vocab)?;
+            let mut hidden = Vec::new();
+            for (i, &layer) in shape.capture.iter().enumerate() {
+                let rows = self.slice_rows(&ws.captured[i], row0, n, h)?;
+                hidden.push((layer, Box::new(rows) as Box<dyn RowMatrix>));
+            }
+            outputs.push(ForwardOutput {
+                logits: Box::new(logits),
+                hidden,
+            });
+            row0 += n;
+        }
+        Ok(outputs)
+    }
 
-        // The step's tables: tokens, positions and row infos (kernels.cu RowInfo: 6 u32 words), and one
-        // SeqCache per sequence (4 words).
-        let (mut tokens, mut positions, mut row_words, mut seq_words) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut lens = Vec::with_capacity(batch.len());
+    /// The host-side tables of a step (kernels.cu's RowInfo and SeqCache layouts as u32 words).
+    fn step_tables(&self, batch: &mut [SequenceInput<'_>]) -> Result<StepTables> {
+        let c = &self.config;
+        let mut t = StepTables::default();
+        let mut row0 = 0usize;
         for (s, seq) in batch.iter_mut().enumerate() {
             let n = seq.tokens.len();
             let cache = seq
@@ -413,9 +492,9 @@ impl CudaModel {
                         "sequence {s}'s KV cache does not belong to the GPU"
                     ))
                 })?;
-            if !Arc::ptr_eq(&cache.gpu, gpu)
+            if !Arc::ptr_eq(&cache.gpu, &self.gpu)
                 || cache.num_layers != c.num_layers
-                || cache.kv_heads != kv_heads
+                || cache.kv_heads != c.num_kv_heads
             {
                 return Err(Error::InvalidArgument(format!(
                     "sequence {s}'s KV cache was made for another model or GPU"
@@ -434,8 +513,8 @@ impl CudaModel {
                     "sequence {s}: a tree of {n} rows; the GPU attention takes trees of up to 64"
                 )));
             }
-            for (i, &t) in seq.tokens.iter().enumerate() {
-                tokens.push(t);
+            for (i, &token) in seq.tokens.iter().enumerate() {
+                t.tokens.push(token);
                 let (position, mask) = match seq.tree {
                     Some(tree) => {
                         let mask = (0..n)
@@ -445,8 +524,8 @@ impl CudaModel {
                     }
                     None => (start + i, u64::MAX),
                 };
-                positions.push(position as u32);
-                row_words.extend_from_slice(&[
+                t.positions.push(position as u32);
+                t.rows.extend_from_slice(&[
                     s as u32,
                     (start + i) as u32,
                     start as u32,
@@ -456,58 +535,60 @@ impl CudaModel {
                 ]);
             }
             let base = cache.device_ptr();
-            seq_words.extend_from_slice(&[
+            t.seqs.extend_from_slice(&[
                 base as u32,
                 (base >> 32) as u32,
                 cache.capacity() as u32,
                 0,
             ]);
-            lens.push(start + n);
+            t.lens.push(start + n);
+            t.first_wanted.push(t.wanted.len());
+            match seq.logits {
+                LogitsFor::All => t.wanted.extend((row0..row0 + n).map(|r| r as u32)),
+                LogitsFor::Last => t.wanted.push((row0 + n - 1) as u32),
+                LogitsFor::None => {}
+            }
+            row0 += n;
         }
-        let rows = tokens.len();
-        let up = |v: &[u32], what: &str| {
-            gpu.stream
-                .clone_htod(v)
-                .map_err(|e| cuda_err(&format!("uploading {what}"), e))
-        };
-        let (d_tokens, d_positions, d_rows, d_seqs) = (
-            up(&tokens, "tokens")?,
-            up(&positions, "positions")?,
-            up(&row_words, "row table")?,
-            up(&seq_words, "cache table")?,
+        Ok(t)
+    }
+
+    /// Queues a whole step on the stream, reading its inputs from the workspace's tables: the same launches run
+    /// directly or are captured into a CUDA graph and replayed.
+    fn record_step(&self, ws: &Workspace, tables: &StepTables, shape: &Shape) -> Result<()> {
+        let c = &self.config;
+        let gpu = &self.gpu;
+        let (h, q_dim, kv_dim, hd, ff) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.head_dim,
+            c.intermediate_size,
         );
-        let x = self.alloc(rows * h, "activations")?;
-        let normed = self.alloc(rows * h, "activations")?;
-        let q = self.alloc(rows * q_dim, "queries")?;
-        let k = self.alloc(rows * kv_dim, "keys")?;
-        let v = self.alloc(rows * kv_dim, "values")?;
-        let attn = self.alloc(rows * q_dim, "attention output")?;
-        let gate = self.alloc(rows * ff, "MLP activations")?;
-        let upb = self.alloc(rows * ff, "MLP activations")?;
+        let (heads, kv_heads) = (c.num_heads, c.num_kv_heads);
+        let rows = tables.tokens.len();
         let half = hd / 2;
-        let angles = self.alloc(rows * half * 2, "rotary angles")?;
         let p = |s: &CudaSlice<f32>| ptr(s, gpu);
         let (px, pn, pq, pk, pv, pa, pg, pu) = (
-            p(&x),
-            p(&normed),
-            p(&q),
-            p(&k),
-            p(&v),
-            p(&attn),
-            p(&gate),
-            p(&upb),
+            p(&ws.x),
+            p(&ws.normed),
+            p(&ws.q),
+            p(&ws.k),
+            p(&ws.v),
+            p(&ws.attn),
+            p(&ws.gate),
+            p(&ws.up),
         );
-        let (p_rows, p_seqs) = (ptr(&d_rows, gpu), ptr(&d_seqs, gpu));
+        let (p_rows, p_seqs) = (ptr(&ws.row_table, gpu), ptr(&ws.seq_table, gpu));
         let eps = c.rms_norm_eps as f32;
         let r32 = rows as u32;
-
         launch!(
             gpu,
             embed_rows,
             (r32, 1, 1),
             256,
             ptr(&self.embed.data, gpu),
-            ptr(&d_tokens, gpu),
+            ptr(&ws.tokens, gpu),
             px,
             h as i32
         );
@@ -516,14 +597,13 @@ impl CudaModel {
             rope_angles,
             (r32, 1, 1),
             64,
-            ptr(&d_positions, gpu),
+            ptr(&ws.positions, gpu),
             ptr(&self.rope_inv_freqs, gpu),
-            p(&angles),
+            p(&ws.angles),
             half as i32
         );
         let halves = (c.rope_style == RopeStyle::Halves) as i32;
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut captured: Vec<(usize, CudaSlice<f32>)> = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             launch!(
                 gpu,
@@ -554,7 +634,7 @@ impl CudaModel {
                 (r32, heads as u32, 1),
                 64,
                 pq,
-                p(&angles),
+                p(&ws.angles),
                 heads as i32,
                 hd as i32,
                 halves
@@ -565,7 +645,7 @@ impl CudaModel {
                 (r32, kv_heads as u32, 1),
                 64,
                 pk,
-                p(&angles),
+                p(&ws.angles),
                 kv_heads as i32,
                 hd as i32,
                 halves
@@ -617,52 +697,30 @@ impl CudaModel {
             let blocks = total.div_ceil(256).min(65535) as u32;
             launch!(gpu, silu_mul, (blocks, 1, 1), 256, pg, pu, total);
             self.gemv(&layer.w_down, h, pg, px, rows, true)?;
-            if opts.capture_layers.contains(&li) {
-                let copy = gpu
-                    .stream
-                    .clone_dtod(&x)
-                    .map_err(|e| cuda_err("capturing hidden states", e))?;
-                captured.push((li, copy));
+            if let Some(i) = shape.capture.iter().position(|&l| l == li) {
+                // SAFETY: both buffers hold at least rows * h floats (Workspace::fit), on this stream.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        p(&ws.captured[i]),
+                        px,
+                        rows * h * 4,
+                        gpu.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| cuda_err("capturing hidden states", e))?;
             }
         }
-        captured.sort_by_key(|(l, _)| opts.capture_layers.iter().position(|c| c == l));
-        for (seq, len) in batch.iter_mut().zip(&lens) {
-            if let Some(cache) = seq.cache.as_any_mut().downcast_mut::<CudaKvCache>() {
-                cache.len = *len;
-            }
-        }
-
-        // The LM head over every wanted row of every sequence at once.
-        let mut wanted: Vec<u32> = Vec::new();
-        let mut first_row = Vec::with_capacity(batch.len());
-        let mut row0 = 0usize;
-        for seq in batch.iter() {
-            let n = seq.tokens.len();
-            first_row.push(wanted.len());
-            match seq.logits {
-                LogitsFor::All => wanted.extend((row0..row0 + n).map(|r| r as u32)),
-                LogitsFor::Last => wanted.push((row0 + n - 1) as u32),
-                LogitsFor::None => {}
-            }
-            row0 += n;
-        }
-        let vocab = opts.vocab_limit.unwrap_or(c.vocab_size);
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let logits = if wanted.is_empty() {
-            None
-        } else {
-            let nw = wanted.len();
-            let d_wanted = up(&wanted, "wanted rows")?;
-            let picked = self.alloc(nw * h, "final rows")?;
-            let picked_normed = self.alloc(nw * h, "final rows")?;
+        let nw = tables.wanted.len();
+        if nw > 0 {
+            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
             launch!(
                 gpu,
                 gather_rows,
                 (nw as u32, 1, 1),
                 256,
                 px,
-                ptr(&d_wanted, gpu),
-                p(&picked),
+                ptr(&ws.wanted, gpu),
+                p(&ws.picked),
                 h as i32
             );
             launch!(
@@ -670,57 +728,39 @@ impl CudaModel {
                 rms_norm,
                 (nw as u32, 1, 1),
                 256,
-                p(&picked),
+                p(&ws.picked),
                 p(&self.final_norm),
-                p(&picked_normed),
+                p(&ws.picked_normed),
                 h as i32,
                 eps
             );
-            let out = self.alloc(nw * vocab, "logits")?;
-            self.gemv(head, vocab, p(&picked_normed), p(&out), nw, false)?;
-            Some(out)
-        };
-
-        let mut outputs = Vec::with_capacity(batch.len());
-        let mut row0 = 0usize;
-        for (s, seq) in batch.iter().enumerate() {
-            let n = seq.tokens.len();
-            let rows_wanted = match seq.logits {
-                LogitsFor::All => n,
-                LogitsFor::Last => 1,
-                LogitsFor::None => 0,
-            };
-            let logits_rows = self.slice_rows(logits.as_ref(), first_row[s], rows_wanted, vocab)?;
-            let mut hidden = Vec::new();
-            for (layer, all) in &captured {
-                hidden.push((
-                    *layer,
-                    Box::new(self.slice_rows(Some(all), row0, n, h)?) as Box<dyn RowMatrix>,
-                ));
-            }
-            outputs.push(ForwardOutput {
-                logits: Box::new(logits_rows),
-                hidden,
-            });
-            row0 += n;
+            self.gemv(
+                head,
+                shape.vocab,
+                p(&ws.picked_normed),
+                p(&ws.logits),
+                nw,
+                false,
+            )?;
         }
-        Ok(outputs)
+        Ok(())
     }
 
     /// Rows `from..from + rows` of a `? x cols` device matrix, as its own matrix.
     fn slice_rows(
         &self,
-        all: Option<&CudaSlice<f32>>,
+        all: &CudaSlice<f32>,
         from: usize,
         rows: usize,
         cols: usize,
     ) -> Result<DeviceRows> {
         let mut data = self.alloc(rows * cols, "output rows")?;
-        if let (Some(all), true) = (all, rows > 0) {
+        if rows > 0 {
             let src = all.slice(from * cols..(from + rows) * cols);
+            let mut dst = data.slice_mut(0..rows * cols);
             self.gpu
                 .stream
-                .memcpy_dtod(&src, &mut data)
+                .memcpy_dtod(&src, &mut dst)
                 .map_err(|e| cuda_err("copying output rows", e))?;
         }
         Ok(DeviceRows {
@@ -729,6 +769,150 @@ impl CudaModel {
             rows,
             cols,
         })
+    }
+}
+
+/// Whether steps run as CUDA graphs (default; `SPECULA_CUDA_GRAPHS=0` launches each kernel directly, to compare).
+fn graphs_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GRAPHS").map_or(true, |v| v != "0"))
+}
+
+/// What a captured step depends on besides the tables' values: the sequences' row counts and logits choices,
+/// the logits width, the captured layers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Shape {
+    seqs: Vec<(usize, u8)>,
+    vocab: usize,
+    capture: Vec<usize>,
+}
+
+#[derive(Default)]
+struct StepTables {
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    /// kernels.cu RowInfo, 6 words a row.
+    rows: Vec<u32>,
+    /// kernels.cu SeqCache, 4 words a sequence.
+    seqs: Vec<u32>,
+    /// Rows that need logits, in output order.
+    wanted: Vec<u32>,
+    /// Each sequence's first row in `wanted`.
+    first_wanted: Vec<usize>,
+    /// Each sequence's cache length after the step.
+    lens: Vec<usize>,
+}
+
+/// A captured step. CUDA graphs are not thread-safe; the workspace mutex serializes every use.
+struct StepGraph(cudarc::driver::CudaGraph);
+// SAFETY: only used under the workspace lock.
+unsafe impl Send for StepGraph {}
+
+/// Device buffers every step reuses (fixed addresses, so captured graphs stay valid), sized for the largest
+/// step so far; growing them drops the captured graphs.
+#[derive(Default)]
+struct Workspace {
+    rows: usize,
+    wanted_rows: usize,
+    vocab: usize,
+    seqs: usize,
+    captures: usize,
+    buffers: Option<Buffers>,
+    graphs: std::collections::HashMap<Shape, StepGraph>,
+}
+
+struct Buffers {
+    x: CudaSlice<f32>,
+    normed: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    gate: CudaSlice<f32>,
+    up: CudaSlice<f32>,
+    angles: CudaSlice<f32>,
+    picked: CudaSlice<f32>,
+    picked_normed: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    captured: Vec<CudaSlice<f32>>,
+    tokens: CudaSlice<u32>,
+    positions: CudaSlice<u32>,
+    row_table: CudaSlice<u32>,
+    seq_table: CudaSlice<u32>,
+    wanted: CudaSlice<u32>,
+}
+
+impl std::ops::Deref for Workspace {
+    type Target = Buffers;
+    fn deref(&self) -> &Buffers {
+        self.buffers
+            .as_ref()
+            .expect("fit() allocates the buffers first")
+    }
+}
+
+impl std::ops::DerefMut for Workspace {
+    fn deref_mut(&mut self) -> &mut Buffers {
+        self.buffers
+            .as_mut()
+            .expect("fit() allocates the buffers first")
+    }
+}
+
+impl Workspace {
+    /// Makes room for this step (at least 16 rows, growing by doubling).
+    fn fit(&mut self, model: &CudaModel, t: &StepTables, shape: &Shape) -> Result<()> {
+        let rows = t.tokens.len();
+        let fits = self.buffers.is_some()
+            && rows <= self.rows
+            && t.wanted.len() <= self.wanted_rows
+            && shape.vocab <= self.vocab
+            && t.lens.len() <= self.seqs
+            && shape.capture.len() <= self.captures;
+        if fits {
+            return Ok(());
+        }
+        self.graphs.clear();
+        self.buffers = None;
+        let grow = |want: usize, have: usize| want.max(have).max(16).next_power_of_two();
+        self.rows = grow(rows, self.rows);
+        self.wanted_rows = grow(t.wanted.len(), self.wanted_rows);
+        self.vocab = self.vocab.max(shape.vocab);
+        self.seqs = grow(t.lens.len(), self.seqs);
+        self.captures = self.captures.max(shape.capture.len());
+        let c = &model.config;
+        let (r, w) = (self.rows, self.wanted_rows);
+        let f = |n: usize, what: &str| model.alloc(n, what);
+        let u = |n: usize, what: &str| {
+            model
+                .gpu
+                .stream
+                .alloc_zeros::<u32>(n.max(1))
+                .map_err(|e| cuda_err(&format!("allocating {what}"), e))
+        };
+        self.buffers = Some(Buffers {
+            x: f(r * c.hidden_size, "activations")?,
+            normed: f(r * c.hidden_size, "activations")?,
+            q: f(r * c.q_dim(), "queries")?,
+            k: f(r * c.kv_dim(), "keys")?,
+            v: f(r * c.kv_dim(), "values")?,
+            attn: f(r * c.q_dim(), "attention output")?,
+            gate: f(r * c.intermediate_size, "MLP activations")?,
+            up: f(r * c.intermediate_size, "MLP activations")?,
+            angles: f(r * c.head_dim, "rotary angles")?,
+            picked: f(w * c.hidden_size, "final rows")?,
+            picked_normed: f(w * c.hidden_size, "final rows")?,
+            logits: f(w * self.vocab, "logits")?,
+            captured: (0..self.captures)
+                .map(|_| f(r * c.hidden_size, "captured hidden states"))
+                .collect::<Result<_>>()?,
+            tokens: u(r, "tokens")?,
+            positions: u(r, "positions")?,
+            row_table: u(r * 6, "row table")?,
+            seq_table: u(self.seqs * 4, "cache table")?,
+            wanted: u(w, "wanted rows")?,
+        });
+        Ok(())
     }
 }
 
@@ -836,6 +1020,10 @@ impl Model for CudaModel {
 
     fn weight_types(&self) -> String {
         self.source_types.clone()
+    }
+
+    fn clock(&self, exact: bool) -> Box<dyn crate::profile::Clock> {
+        Box::new(super::clock::EventClock::new(self.gpu.clone(), exact))
     }
 
     fn check_kernels(&self, _tokens: &[u32]) -> Result<Vec<KernelCheck>> {
