@@ -13,14 +13,12 @@ pub struct Kernels {
     _module: Arc<CudaModule>,
     pub embed_rows: CudaFunction,
     pub rms_norm: CudaFunction,
-    pub gemv_bf16: CudaFunction,
-    pub add_bias: CudaFunction,
+    /// The GEMV for tiles of 1, 2, 4 and 8 activation rows.
+    pub gemv_bf16: [CudaFunction; 4],
+    pub splitk_reduce: CudaFunction,
+    pub qkv_post: CudaFunction,
     pub rope_angles: CudaFunction,
-    pub rope_apply: CudaFunction,
-    pub kv_write: CudaFunction,
     pub attention: CudaFunction,
-    pub silu_mul: CudaFunction,
-    pub add_in_place: CudaFunction,
     pub gather_rows: CudaFunction,
     pub argmax_rows: CudaFunction,
     pub fill_random_bf16: CudaFunction,
@@ -33,6 +31,8 @@ pub struct Gpu {
     pub kernels: Kernels,
     /// "cuda:0 (NVIDIA H200)".
     pub name: String,
+    /// Multiprocessors: how many blocks a launch needs to fill the GPU.
+    pub sm_count: usize,
 }
 
 /// NVRTC's name for an architecture, e.g. "sm_90" (NVRTC wants a static string).
@@ -124,14 +124,16 @@ impl Gpu {
         let kernels = Kernels {
             embed_rows: f("embed_rows")?,
             rms_norm: f("rms_norm")?,
-            gemv_bf16: f("gemv_bf16")?,
-            add_bias: f("add_bias")?,
+            gemv_bf16: [
+                f("gemv_bf16_1")?,
+                f("gemv_bf16_2")?,
+                f("gemv_bf16_4")?,
+                f("gemv_bf16_8")?,
+            ],
+            splitk_reduce: f("splitk_reduce")?,
+            qkv_post: f("qkv_post")?,
             rope_angles: f("rope_angles")?,
-            rope_apply: f("rope_apply")?,
-            kv_write: f("kv_write")?,
             attention: f("attention")?,
-            silu_mul: f("silu_mul")?,
-            add_in_place: f("add_in_place")?,
             gather_rows: f("gather_rows")?,
             argmax_rows: f("argmax_rows")?,
             fill_random_bf16: f("fill_random_bf16")?,
@@ -139,8 +141,15 @@ impl Gpu {
             _module: module,
         };
         let card = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| cuda_err("reading the multiprocessor count", e))?
+            .max(1) as usize;
         Ok(Gpu {
             name: format!("cuda:{index} ({card})"),
+            sm_count,
             ctx,
             stream,
             kernels,

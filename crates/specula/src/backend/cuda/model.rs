@@ -24,20 +24,30 @@ struct Matrix {
     cols: usize,
 }
 
+/// One layer, with its matrices fused so that a step launches few, large kernels: Q, K and V stacked into one
+/// matrix (and their biases into one vector), gate and up interleaved row by row (gate 0, up 0, gate 1, ...) so
+/// one GEMV ends with SiLU(gate) * up.
 struct Layer {
     attn_norm: CudaSlice<f32>,
-    wq: Matrix,
-    wk: Matrix,
-    wv: Matrix,
-    bq: Option<CudaSlice<f32>>,
-    bk: Option<CudaSlice<f32>>,
-    bv: Option<CudaSlice<f32>>,
+    wqkv: Matrix,
+    bqkv: Option<CudaSlice<f32>>,
     wo: Matrix,
     ffn_norm: CudaSlice<f32>,
-    w_gate: Matrix,
-    w_up: Matrix,
+    w_gate_up: Matrix,
     w_down: Matrix,
 }
+
+/// Splits of the reduction (split-K) for a GEMV of `n` outputs over `k` inputs: enough blocks to fill the GPU
+/// (about 8 per multiprocessor), at most 8, at least 32 16-byte pieces a split. A function of the matrix's shape
+/// only, never of the number of rows, so results stay batch invariant.
+fn splits_for(n: usize, k: usize, sm_count: usize) -> usize {
+    let blocks = n.div_ceil(16).max(1);
+    let by_blocks = (8 * sm_count / blocks).clamp(1, 8);
+    by_blocks.min((k / 8 / 32).max(1))
+}
+
+/// The most splits any GEMV uses (sizes the split-K scratch).
+const MAX_SPLITS: usize = 8;
 
 pub struct CudaModel {
     pub config: Config,
@@ -133,9 +143,15 @@ fn to_f32(t: &RawTensor<'_>) -> Result<Vec<f32>> {
 /// What the kernels assume of a shape: head dimension up to 256 (attention keeps 8 values a lane), and rows of a
 /// multiple of 8 values (16-byte weight loads).
 fn check_shape(c: &Config) -> Result<()> {
-    if c.head_dim > 256 {
+    if c.hidden_size > 16384 {
         return Err(Error::Cuda(format!(
-            "head dimension {} is above the 256 the GPU attention kernel supports",
+            "hidden size {} is above the 16384 the GPU RMSNorm kernel holds in registers",
+            c.hidden_size
+        )));
+    }
+    if c.head_dim > 256 || !c.head_dim.is_multiple_of(4) {
+        return Err(Error::Cuda(format!(
+            "head dimension {} is not a multiple of 4 up to 256, which the GPU attention kernel needs",
             c.head_dim
         )));
     }
@@ -178,32 +194,42 @@ impl CudaModel {
             )));
         }
         let mut types: Vec<(GgmlType, usize)> = Vec::new();
-        let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
+        // A tensor as bf16 values on the host (counted by storage type for the report).
+        let mut host = |name: &str, rows: usize, cols: usize| -> Result<Vec<u16>> {
             let t = src.tensor(name, rows, cols)?;
             match types.iter_mut().find(|(ty, _)| *ty == t.dtype) {
                 Some(e) => e.1 += 1,
                 None => types.push((t.dtype, 1)),
             }
-            if !cols.is_multiple_of(8) {
-                return Err(Error::Cuda(format!(
-                    "tensor {name}: rows of {cols} values; the GPU kernels need a multiple of 8"
-                )));
-            }
+            to_bf16(&t)
+        };
+        let upload = |data: &[u16], rows: usize, cols: usize, what: &str| -> Result<Matrix> {
             let data = gpu
                 .stream
-                .clone_htod(&to_bf16(&t)?)
-                .map_err(|e| cuda_err(&format!("uploading {name}"), e))?;
+                .clone_htod(data)
+                .map_err(|e| cuda_err(&format!("uploading {what}"), e))?;
             Ok(Matrix { data, rows, cols })
         };
+        let vector_host =
+            |name: &str, len: usize| -> Result<Vec<f32>> { to_f32(&src.tensor(name, 1, len)?) };
         let vector = |name: &str, len: usize| -> Result<CudaSlice<f32>> {
-            let t = src.tensor(name, 1, len)?;
             gpu.stream
-                .clone_htod(&to_f32(&t)?)
+                .clone_htod(&vector_host(name, len)?)
                 .map_err(|e| cuda_err(&format!("uploading {name}"), e))
         };
-        let embed = matrix(names.embed, c.vocab_size, h)?;
+        let embed = upload(
+            &host(names.embed, c.vocab_size, h)?,
+            c.vocab_size,
+            h,
+            names.embed,
+        )?;
         let lm_head = if src.has(names.lm_head) {
-            Some(matrix(names.lm_head, c.vocab_size, h)?)
+            Some(upload(
+                &host(names.lm_head, c.vocab_size, h)?,
+                c.vocab_size,
+                h,
+                names.lm_head,
+            )?)
         } else if c.tie_word_embeddings {
             None
         } else {
@@ -215,27 +241,52 @@ impl CudaModel {
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let n = |t| (names.layer)(i, t);
-            let bias = |t, len| -> Result<Option<CudaSlice<f32>>> {
-                let name = n(t);
-                if src.has(&name) {
-                    Ok(Some(vector(&name, len)?))
-                } else {
-                    Ok(None)
+            let mut qkv = host(&n(LayerTensor::Q), q_dim, h)?;
+            qkv.extend(host(&n(LayerTensor::K), kv_dim, h)?);
+            qkv.extend(host(&n(LayerTensor::V), kv_dim, h)?);
+            let biases = [
+                (LayerTensor::QBias, q_dim),
+                (LayerTensor::KBias, kv_dim),
+                (LayerTensor::VBias, kv_dim),
+            ];
+            let bqkv = if biases.iter().any(|&(t, _)| src.has(&n(t))) {
+                let mut b = Vec::with_capacity(q_dim + 2 * kv_dim);
+                for (t, len) in biases {
+                    let name = n(t);
+                    if src.has(&name) {
+                        b.extend(vector_host(&name, len)?);
+                    } else {
+                        b.extend(std::iter::repeat_n(0f32, len));
+                    }
                 }
+                Some(
+                    gpu.stream
+                        .clone_htod(&b)
+                        .map_err(|e| cuda_err("uploading QKV biases", e))?,
+                )
+            } else {
+                None
             };
+            let gate = host(&n(LayerTensor::Gate), ff, h)?;
+            let up = host(&n(LayerTensor::Up), ff, h)?;
+            let mut gate_up = Vec::with_capacity(2 * ff * h);
+            for (g, u) in gate.chunks_exact(h).zip(up.chunks_exact(h)) {
+                gate_up.extend_from_slice(g);
+                gate_up.extend_from_slice(u);
+            }
             layers.push(Layer {
                 attn_norm: vector(&n(LayerTensor::AttnNorm), h)?,
-                wq: matrix(&n(LayerTensor::Q), q_dim, h)?,
-                wk: matrix(&n(LayerTensor::K), kv_dim, h)?,
-                wv: matrix(&n(LayerTensor::V), kv_dim, h)?,
-                bq: bias(LayerTensor::QBias, q_dim)?,
-                bk: bias(LayerTensor::KBias, kv_dim)?,
-                bv: bias(LayerTensor::VBias, kv_dim)?,
-                wo: matrix(&n(LayerTensor::O), h, q_dim)?,
+                wqkv: upload(&qkv, q_dim + 2 * kv_dim, h, "QKV")?,
+                bqkv,
+                wo: upload(
+                    &host(&n(LayerTensor::O), h, q_dim)?,
+                    h,
+                    q_dim,
+                    "attention output",
+                )?,
                 ffn_norm: vector(&n(LayerTensor::FfnNorm), h)?,
-                w_gate: matrix(&n(LayerTensor::Gate), ff, h)?,
-                w_up: matrix(&n(LayerTensor::Up), ff, h)?,
-                w_down: matrix(&n(LayerTensor::Down), h, ff)?,
+                w_gate_up: upload(&gate_up, 2 * ff, h, "gate/up")?,
+                w_down: upload(&host(&n(LayerTensor::Down), h, ff)?, h, ff, "down")?,
             });
         }
         let freq_factors = match names.rope_freqs {
@@ -320,16 +371,11 @@ impl CudaModel {
         for _ in 0..c.num_layers {
             layers.push(Layer {
                 attn_norm: ones(h)?,
-                wq: matrix(q_dim, h)?,
-                wk: matrix(kv_dim, h)?,
-                wv: matrix(kv_dim, h)?,
-                bq: None,
-                bk: None,
-                bv: None,
+                wqkv: matrix(q_dim + 2 * kv_dim, h)?,
+                bqkv: None,
                 wo: matrix(h, q_dim)?,
                 ffn_norm: ones(h)?,
-                w_gate: matrix(ff, h)?,
-                w_up: matrix(ff, h)?,
+                w_gate_up: matrix(2 * ff, h)?,
                 w_down: matrix(h, ff)?,
             });
         }
@@ -358,22 +404,87 @@ impl CudaModel {
         &self.gpu
     }
 
-    /// `y[m x w.rows] (+)= x[m x w.cols] . w^T` for the first `n` rows of `w`.
-    fn gemv(&self, w: &Matrix, n: usize, x: u64, y: u64, m: usize, accumulate: bool) -> Result<()> {
-        let grid = (n.div_ceil(16) as u32, m.div_ceil(8) as u32, 1);
-        launch!(
-            self.gpu,
-            gemv_bf16,
-            grid,
-            128,
-            ptr(&w.data, &self.gpu),
+    /// `y[m x n] (+)= x[m x w.cols] . w^T` for the first `n` rows of `w` (split-K through `scratch` when the
+    /// shape asks for it); with `silu_pairs`, `y[m x n/2]` = SiLU(gate) * up of the interleaved rows.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
+        &self,
+        w: &Matrix,
+        n: usize,
+        x: u64,
+        y: u64,
+        m: usize,
+        accumulate: bool,
+        silu_pairs: bool,
+        scratch: u64,
+    ) -> Result<()> {
+        let splits = if silu_pairs {
+            1
+        } else {
+            splits_for(n, w.cols, self.gpu.sm_count)
+        };
+        // The smallest tile that holds every row (several tiles of 8 past 8 rows).
+        let (variant, tile) = match m {
+            1 => (0, 1),
+            2 => (1, 2),
+            3 | 4 => (2, 4),
+            _ => (3, 8),
+        };
+        let grid = (
+            n.div_ceil(16) as u32,
+            m.div_ceil(tile) as u32,
+            splits as u32,
+        );
+        let gpu = &*self.gpu;
+        let mut builder = gpu.stream.launch_builder(&gpu.kernels.gemv_bf16[variant]);
+        let args = (
+            ptr(&w.data, gpu),
             x,
             y,
             n as i32,
             w.cols as i32,
             m as i32,
-            accumulate as i32
+            accumulate as i32,
+            splits as i32,
+            scratch,
+            silu_pairs as i32,
         );
+        builder
+            .arg(&args.0)
+            .arg(&args.1)
+            .arg(&args.2)
+            .arg(&args.3)
+            .arg(&args.4)
+            .arg(&args.5)
+            .arg(&args.6)
+            .arg(&args.7)
+            .arg(&args.8)
+            .arg(&args.9);
+        // SAFETY: the arguments match gemv_tile's kernels in kernels.cu; the grid covers n outputs and m rows.
+        unsafe {
+            builder.launch(LaunchConfig {
+                grid_dim: grid,
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(|e| cuda_err("gemv_bf16", e))?;
+        if splits > 1 {
+            let total = m * n;
+            let blocks = total.div_ceil(256).min(65_535) as u32;
+            launch!(
+                self.gpu,
+                splitk_reduce,
+                (blocks, 1, 1),
+                256,
+                scratch,
+                y,
+                n as i32,
+                m as i32,
+                splits as i32,
+                accumulate as i32
+            );
+        }
         Ok(())
     }
 
@@ -569,15 +680,14 @@ impl CudaModel {
         let rows = tables.tokens.len();
         let half = hd / 2;
         let p = |s: &CudaSlice<f32>| ptr(s, gpu);
-        let (px, pn, pq, pk, pv, pa, pg, pu) = (
+        let (px, pn, pqkv, pq, pa, pact, pscratch) = (
             p(&ws.x),
             p(&ws.normed),
+            p(&ws.qkv),
             p(&ws.q),
-            p(&ws.k),
-            p(&ws.v),
             p(&ws.attn),
-            p(&ws.gate),
-            p(&ws.up),
+            p(&ws.act),
+            p(&ws.scratch),
         );
         let (p_rows, p_seqs) = (ptr(&ws.row_table, gpu), ptr(&ws.seq_table, gpu));
         let eps = c.rms_norm_eps as f32;
@@ -604,64 +714,49 @@ impl CudaModel {
         );
         let halves = (c.rope_style == RopeStyle::Halves) as i32;
         let scale = 1.0 / (hd as f32).sqrt();
+        let segments = (heads + 2 * kv_heads) as u32;
         for (li, layer) in self.layers.iter().enumerate() {
+            // Attention: norm, one QKV GEMV, biases + RoPE + cache write in one kernel, attention, and the output
+            // projection added to the residual stream.
             launch!(
                 gpu,
                 rms_norm,
                 (r32, 1, 1),
-                256,
+                1024,
                 px,
                 p(&layer.attn_norm),
                 pn,
                 h as i32,
                 eps
             );
-            self.gemv(&layer.wq, q_dim, pn, pq, rows, false)?;
-            self.gemv(&layer.wk, kv_dim, pn, pk, rows, false)?;
-            self.gemv(&layer.wv, kv_dim, pn, pv, rows, false)?;
-            for (buf, bias, dim) in [
-                (pq, &layer.bq, q_dim),
-                (pk, &layer.bk, kv_dim),
-                (pv, &layer.bv, kv_dim),
-            ] {
-                if let Some(b) = bias {
-                    launch!(gpu, add_bias, (r32, 1, 1), 256, buf, p(b), dim as i32);
-                }
-            }
+            self.gemv(
+                &layer.wqkv,
+                q_dim + 2 * kv_dim,
+                pn,
+                pqkv,
+                rows,
+                false,
+                false,
+                pscratch,
+            )?;
+            let (bias, has_bias) = layer.bqkv.as_ref().map_or((0u64, 0i32), |b| (p(b), 1));
             launch!(
                 gpu,
-                rope_apply,
-                (r32, heads as u32, 1),
+                qkv_post,
+                (r32, segments, 1),
                 64,
-                pq,
+                pqkv,
+                bias,
+                has_bias,
                 p(&ws.angles),
-                heads as i32,
-                hd as i32,
-                halves
-            );
-            launch!(
-                gpu,
-                rope_apply,
-                (r32, kv_heads as u32, 1),
-                64,
-                pk,
-                p(&ws.angles),
-                kv_heads as i32,
-                hd as i32,
-                halves
-            );
-            launch!(
-                gpu,
-                kv_write,
-                (r32, 1, 1),
-                128,
-                pk,
-                pv,
                 p_rows,
                 p_seqs,
                 li as i32,
+                heads as i32,
                 kv_heads as i32,
-                hd as i32
+                hd as i32,
+                halves,
+                pq
             );
             launch!(
                 gpu,
@@ -678,25 +773,30 @@ impl CudaModel {
                 hd as i32,
                 scale
             );
-            // x += attn . wo^T, accumulated in place.
-            self.gemv(&layer.wo, h, pa, px, rows, true)?;
+            self.gemv(&layer.wo, h, pa, px, rows, true, false, pscratch)?;
+            // MLP: norm, one gate/up GEMV ending in SiLU(gate) * up, and the down projection added in.
             launch!(
                 gpu,
                 rms_norm,
                 (r32, 1, 1),
-                256,
+                1024,
                 px,
                 p(&layer.ffn_norm),
                 pn,
                 h as i32,
                 eps
             );
-            self.gemv(&layer.w_gate, ff, pn, pg, rows, false)?;
-            self.gemv(&layer.w_up, ff, pn, pu, rows, false)?;
-            let total = rows * ff;
-            let blocks = total.div_ceil(256).min(65535) as u32;
-            launch!(gpu, silu_mul, (blocks, 1, 1), 256, pg, pu, total);
-            self.gemv(&layer.w_down, h, pg, px, rows, true)?;
+            self.gemv(
+                &layer.w_gate_up,
+                2 * ff,
+                pn,
+                pact,
+                rows,
+                false,
+                true,
+                pscratch,
+            )?;
+            self.gemv(&layer.w_down, h, pact, px, rows, true, false, pscratch)?;
             if let Some(i) = shape.capture.iter().position(|&l| l == li) {
                 // SAFETY: both buffers hold at least rows * h floats (Workspace::fit), on this stream.
                 unsafe {
@@ -727,7 +827,7 @@ impl CudaModel {
                 gpu,
                 rms_norm,
                 (nw as u32, 1, 1),
-                256,
+                1024,
                 p(&ws.picked),
                 p(&self.final_norm),
                 p(&ws.picked_normed),
@@ -741,6 +841,8 @@ impl CudaModel {
                 p(&ws.logits),
                 nw,
                 false,
+                false,
+                pscratch,
             )?;
         }
         Ok(())
@@ -824,12 +926,12 @@ struct Workspace {
 struct Buffers {
     x: CudaSlice<f32>,
     normed: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
     q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
     attn: CudaSlice<f32>,
-    gate: CudaSlice<f32>,
-    up: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    /// Split-K partial sums: MAX_SPLITS x rows x the widest split output.
+    scratch: CudaSlice<f32>,
     angles: CudaSlice<f32>,
     picked: CudaSlice<f32>,
     picked_normed: CudaSlice<f32>,
@@ -893,12 +995,18 @@ impl Workspace {
         self.buffers = Some(Buffers {
             x: f(r * c.hidden_size, "activations")?,
             normed: f(r * c.hidden_size, "activations")?,
+            qkv: f(r * (c.q_dim() + 2 * c.kv_dim()), "QKV")?,
             q: f(r * c.q_dim(), "queries")?,
-            k: f(r * c.kv_dim(), "keys")?,
-            v: f(r * c.kv_dim(), "values")?,
             attn: f(r * c.q_dim(), "attention output")?,
-            gate: f(r * c.intermediate_size, "MLP activations")?,
-            up: f(r * c.intermediate_size, "MLP activations")?,
+            act: f(r * c.intermediate_size, "MLP activations")?,
+            scratch: f(
+                MAX_SPLITS
+                    * r.max(w)
+                    * (c.q_dim() + 2 * c.kv_dim())
+                        .max(c.hidden_size)
+                        .max(self.vocab),
+                "split-K scratch",
+            )?,
             angles: f(r * c.head_dim, "rotary angles")?,
             picked: f(w * c.hidden_size, "final rows")?,
             picked_normed: f(w * c.hidden_size, "final rows")?,
@@ -1011,9 +1119,7 @@ impl Model for CudaModel {
         let m = |w: &Matrix| w.rows * w.cols * 2;
         self.layers
             .iter()
-            .map(|l| {
-                m(&l.wq) + m(&l.wk) + m(&l.wv) + m(&l.wo) + m(&l.w_gate) + m(&l.w_up) + m(&l.w_down)
-            })
+            .map(|l| m(&l.wqkv) + m(&l.wo) + m(&l.w_gate_up) + m(&l.w_down))
             .sum::<usize>()
             + m(self.lm_head.as_ref().unwrap_or(&self.embed))
     }
