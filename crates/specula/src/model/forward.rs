@@ -250,6 +250,18 @@ impl TreeMask {
     }
 }
 
+/// Checks a `keep_new_rows` request against a cache of `len` positions: `rows` increasing, each one of the
+/// new rows after `base`.
+pub fn check_keep_rows(len: usize, base: usize, rows: &[usize]) -> Result<()> {
+    let new = len.saturating_sub(base);
+    if base > len || rows.iter().any(|&r| r >= new) || rows.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(Error::InvalidArgument(format!(
+            "keep_new_rows: rows {rows:?} are not increasing new rows of the {new} after position {base}"
+        )));
+    }
+    Ok(())
+}
+
 /// One sequence's key/value cache on some backend. Truncation is O(1): later rows are overwritten.
 pub trait SequenceCache: Send {
     /// Positions held.

@@ -2,7 +2,7 @@
 //! are simply overwritten by the next forward pass, which is how rejected draft tokens are rolled back without
 //! recomputation.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::config::Config;
 use crate::model::forward::SequenceCache;
 
@@ -143,15 +143,7 @@ impl SequenceCache for KvCache {
     }
 
     fn keep_new_rows(&mut self, base: usize, rows: &[usize]) -> Result<()> {
-        let new = self.len.saturating_sub(base);
-        if base > self.len
-            || rows.iter().any(|&r| r >= new)
-            || rows.windows(2).any(|w| w[0] >= w[1])
-        {
-            return Err(Error::InvalidArgument(format!(
-                "keep_new_rows: rows {rows:?} are not increasing new rows of the {new} after position {base}"
-            )));
-        }
+        crate::model::forward::check_keep_rows(self.len, base, rows)?;
         let (hd, cap) = (self.head_dim, self.allocated);
         for layer in &mut self.layers {
             for buf in [&mut layer.keys, &mut layer.values] {

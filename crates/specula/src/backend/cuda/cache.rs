@@ -73,15 +73,7 @@ impl SequenceCache for CudaKvCache {
     }
 
     fn keep_new_rows(&mut self, base: usize, rows: &[usize]) -> Result<()> {
-        let new = self.len.saturating_sub(base);
-        if base > self.len
-            || rows.iter().any(|&r| r >= new)
-            || rows.windows(2).any(|w| w[0] >= w[1])
-        {
-            return Err(Error::InvalidArgument(format!(
-                "keep_new_rows: rows {rows:?} are not increasing new rows of the {new} after position {base}"
-            )));
-        }
+        crate::model::forward::check_keep_rows(self.len, base, rows)?;
         if !rows.is_empty() {
             let src: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
             let stream = &self.gpu.stream;

@@ -169,6 +169,23 @@ fn check_shape(c: &Config) -> Result<()> {
     Ok(())
 }
 
+/// Refuses, naming the sizes, a model whose bf16 weights do not fit in the GPU's free memory.
+fn check_weights_fit(gpu: &Gpu, c: &Config, what: &str) -> Result<()> {
+    let (h, q_dim, kv_dim, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+    let elements = c.vocab_size * h * if c.tie_word_embeddings { 1 } else { 2 }
+        + c.num_layers * (q_dim * h * 2 + kv_dim * h * 2 + ff * h * 3);
+    let (free, _) = gpu.memory()?;
+    if elements * 2 > free {
+        return Err(Error::Cuda(format!(
+            "{what} need {:.2} GB of GPU memory, but {} has {:.2} GB free",
+            elements as f64 * 2e-9,
+            gpu.name,
+            free as f64 * 1e-9
+        )));
+    }
+    Ok(())
+}
+
 impl CudaModel {
     /// Loads the weights named by `names` from `src` onto the GPU.
     pub fn load(
@@ -182,17 +199,7 @@ impl CudaModel {
         let c = config.clone();
         let (h, q_dim, kv_dim, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         // Weights become bf16 here: check they fit before uploading anything.
-        let matrix_elems = c.vocab_size * h * if c.tie_word_embeddings { 1 } else { 2 }
-            + c.num_layers * (q_dim * h * 2 + kv_dim * h * 2 + ff * h * 3);
-        let (free, _) = gpu.memory()?;
-        if matrix_elems * 2 > free {
-            return Err(Error::Cuda(format!(
-                "the model needs {:.2} GB of GPU memory for its weights as bf16, but {} has {:.2} GB free",
-                matrix_elems as f64 * 2e-9,
-                gpu.name,
-                free as f64 * 1e-9
-            )));
-        }
+        check_weights_fit(&gpu, &c, "the model's weights as bf16")?;
         let mut types: Vec<(GgmlType, usize)> = Vec::new();
         // A tensor as bf16 values on the host (counted by storage type for the report).
         let mut host = |name: &str, rows: usize, cols: usize| -> Result<Vec<u16>> {
@@ -324,17 +331,7 @@ impl CudaModel {
         check_shape(&config)?;
         let c = config.clone();
         let (h, q_dim, kv_dim, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let matrix_elems = c.vocab_size * h * if c.tie_word_embeddings { 1 } else { 2 }
-            + c.num_layers * (q_dim * h * 2 + kv_dim * h * 2 + ff * h * 3);
-        let (free, _) = gpu.memory()?;
-        if matrix_elems * 2 > free {
-            return Err(Error::Cuda(format!(
-                "random weights of this shape need {:.2} GB of GPU memory, but {} has {:.2} GB free",
-                matrix_elems as f64 * 2e-9,
-                gpu.name,
-                free as f64 * 1e-9
-            )));
-        }
+        check_weights_fit(&gpu, &c, "random weights of this shape")?;
         let mut next_seed = seed;
         let mut matrix = |rows: usize, cols: usize| -> Result<Matrix> {
             let n = rows * cols;
