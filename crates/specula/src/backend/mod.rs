@@ -1,7 +1,7 @@
 //! Where a model runs: one folder per device behind the forward-pass interface of [`crate::model::forward`].
 
 pub mod cpu;
-#[cfg(feature = "cuda")]
+/// The CUDA backend; without the `cuda` feature only its layout logic (tested on the CPU) is compiled.
 pub mod cuda;
 
 use std::fmt;

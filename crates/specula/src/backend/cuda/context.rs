@@ -8,19 +8,39 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use super::{cuda_err, KERNELS_SOURCE};
 use crate::error::{Error, Result};
 
+/// Every kernel `Gpu::new` loads (the NVRTC test checks each is in the compiled PTX).
+pub const KERNEL_NAMES: &[&str] = &[
+    "embed_rows",
+    "rms_norm",
+    "gemv_mma_8",
+    "gemv_mma_32",
+    "splitk_reduce",
+    "qkv_post",
+    "rope_angles",
+    "attention_128",
+    "attention_256",
+    "gather_rows",
+    "argmax_partial",
+    "argmax_final",
+    "fill_random_bf16",
+    "kv_keep_rows",
+];
+
 /// The kernels of kernels.cu, loaded.
 pub struct Kernels {
     _module: Arc<CudaModule>,
     pub embed_rows: CudaFunction,
     pub rms_norm: CudaFunction,
-    /// The GEMV for tiles of 1, 2, 4 and 8 activation rows.
-    pub gemv_bf16: [CudaFunction; 4],
+    /// The tensor-core GEMV taking 8 and 32 tokens a warp.
+    pub gemv_mma: [CudaFunction; 2],
     pub splitk_reduce: CudaFunction,
     pub qkv_post: CudaFunction,
     pub rope_angles: CudaFunction,
-    pub attention: CudaFunction,
+    /// Attention for head dimensions up to 128 and up to 256.
+    pub attention: [CudaFunction; 2],
     pub gather_rows: CudaFunction,
-    pub argmax_rows: CudaFunction,
+    pub argmax_partial: CudaFunction,
+    pub argmax_final: CudaFunction,
     pub fill_random_bf16: CudaFunction,
     pub kv_keep_rows: CudaFunction,
 }
@@ -38,8 +58,6 @@ pub struct Gpu {
 /// NVRTC's name for an architecture, e.g. "sm_90" (NVRTC wants a static string).
 fn arch_name(major: i32, minor: i32) -> Result<&'static str> {
     Ok(match (major, minor) {
-        (7, 0) => "sm_70",
-        (7, 5) => "sm_75",
         (8, 0) => "sm_80",
         (8, 6) => "sm_86",
         (8, 7) => "sm_87",
@@ -47,9 +65,15 @@ fn arch_name(major: i32, minor: i32) -> Result<&'static str> {
         (9, 0) => "sm_90",
         (10, 0) => "sm_100",
         (12, 0) => "sm_120",
+        _ if major < 8 => {
+            return Err(Error::Cuda(format!(
+                "compute capability {major}.{minor}: specula's GPU kernels need 8.0 (Ampere) or newer \
+                 (bf16 tensor-core instructions)"
+            )))
+        }
         _ => {
             return Err(Error::Cuda(format!(
-                "compute capability {major}.{minor} is not one specula compiles for (7.0-12.0)"
+                "compute capability {major}.{minor} is not one specula compiles for (8.0-12.0)"
             )))
         }
     })
@@ -124,18 +148,14 @@ impl Gpu {
         let kernels = Kernels {
             embed_rows: f("embed_rows")?,
             rms_norm: f("rms_norm")?,
-            gemv_bf16: [
-                f("gemv_bf16_1")?,
-                f("gemv_bf16_2")?,
-                f("gemv_bf16_4")?,
-                f("gemv_bf16_8")?,
-            ],
+            gemv_mma: [f("gemv_mma_8")?, f("gemv_mma_32")?],
             splitk_reduce: f("splitk_reduce")?,
             qkv_post: f("qkv_post")?,
             rope_angles: f("rope_angles")?,
-            attention: f("attention")?,
+            attention: [f("attention_128")?, f("attention_256")?],
             gather_rows: f("gather_rows")?,
-            argmax_rows: f("argmax_rows")?,
+            argmax_partial: f("argmax_partial")?,
+            argmax_final: f("argmax_final")?,
             fill_random_bf16: f("fill_random_bf16")?,
             kv_keep_rows: f("kv_keep_rows")?,
             _module: module,

@@ -42,20 +42,37 @@ struct SeqCache {
     u32 pad;
 };
 
-// out[r][i] = table[tokens[r]][i], bf16 -> f32. grid (rows), block 256.
+// Where element (row, col) of a tiled matrix with `chunks` chunks per row block lives (backend/cuda/layout.rs
+// tiled_index).
+__device__ __forceinline__ size_t tiled_index(u32 row, u32 col, u32 chunks) {
+    const u32 block = row >> 4, i = row & 15, chunk = col >> 5, c = col & 31;
+    const u32 step = c >> 4, kk = c & 15;
+    const u32 reg = (i >> 3) + 2 * (kk >> 3);
+    const u32 lane = (i & 7) * 4 + ((kk & 7) >> 1);
+    return ((size_t)block * chunks + chunk) * 512 + step * 256 + lane * 8 + reg * 2 + (kk & 1);
+}
+
+// out[r][i] = table[tokens[r]][i], bf16 -> f32, from the tiled embedding (which the tied LM head's GEMV reads).
+// grid (rows), block 256.
 extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u32* __restrict__ tokens,
-                                      float* __restrict__ out, int h) {
+                                      float* __restrict__ out, int h, int chunks) {
     const int r = blockIdx.x;
-    const bf16_t* src = table + (size_t)tokens[r] * h;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) out[(size_t)r * h + i] = bf16_to_f32(src[i]);
+    const u32 token = tokens[r];
+    for (int i = threadIdx.x; i < h; i += blockDim.x)
+        out[(size_t)r * h + i] = bf16_to_f32(table[tiled_index(token, i, chunks)]);
 }
 
 // out[r] = x[r] * w / sqrt(mean(x[r]^2) + eps) for h % 4 == 0, h <= 16384; grid (rows), block 1024. Each thread
 // loads its (up to 4) 16-byte pieces of the row at once and keeps them in registers; threads sum their pieces in
 // order, warps reduce by butterfly, warp 0 sums the 32 warp totals in order: a fixed order for a given h.
 #define NORM_PIECES 4
-extern "C" __global__ void __launch_bounds__(1024) rms_norm(const float* __restrict__ x, const float* __restrict__ w,
-                                                            float* __restrict__ out, int h, float eps) {
+// With splits > 0 it first adds a deferred split-K residual update (the output or down projection's partial sums,
+// partials[z][r] for z < splits, summed in split order as splitk_reduce would) into x and writes x back: one
+// launch instead of a reduction kernel and a norm.
+extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ x, const float* __restrict__ w,
+                                                            float* __restrict__ out, int h, float eps,
+                                                            const float* __restrict__ partials, int splits,
+                                                            u64 split_stride) {
     __shared__ float partial[32];
     const int r = blockIdx.x;
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * h);
@@ -66,6 +83,22 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(const float* __restr
     for (int j = 0; j < NORM_PIECES; j++) {
         const int i = threadIdx.x + j * blockDim.x;
         v[j] = i < pieces ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (splits > 0) {
+        float4* xw = reinterpret_cast<float4*>(x + (size_t)r * h);
+#pragma unroll
+        for (int j = 0; j < NORM_PIECES; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < pieces) {
+                float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+                for (int z = 0; z < splits; z++) {
+                    const float4 pz = reinterpret_cast<const float4*>(partials + z * split_stride + (size_t)r * h)[i];
+                    t.x += pz.x; t.y += pz.y; t.z += pz.z; t.w += pz.w;
+                }
+                v[j] = make_float4(v[j].x + t.x, v[j].y + t.y, v[j].z + t.z, v[j].w + t.w);
+                xw[i] = v[j];
+            }
+        }
     }
 #pragma unroll
     for (int j = 0; j < NORM_PIECES; j++) s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
@@ -92,105 +125,122 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(const float* __restr
     }
 }
 
-// y[r][c] = dot(x[r], W[c]) for a bf16 W of n rows x k columns (k % 8 == 0), m activation rows.
-// grid (ceil(n / 16), ceil(m / ROWS), splits), block 128: each warp owns 4 output columns and up to ROWS activation
-// rows. Lane l reads the 4 weight rows in 16-byte pieces l, l + 32, ... of its split's range (coalesced: a warp
-// reads 512 contiguous bytes of each row per step, four independent loads in flight per lane) and each activation
-// piece once for all 4 columns, keeping one partial sum per (row, column); a butterfly reduces each.
+// y[r][c] = dot(x[r], W[c]) for a bf16 W of n rows x k columns in the tiled layout of backend/cuda/layout.rs
+// (tiles of 16 rows x 32 columns, 1 KiB each in the order lanes read them), m activation rows of k f32 values.
+// grid (ceil(row_blocks / MMA_WARPS), ceil(m / (8 * NT)), splits), block MMA_WARPS * 32: each warp owns one row block
+// (16 outputs) and 8 * NT activation rows ("tokens") and walks its split's chunks of 32 inputs in order on the tensor
+// cores (mma.m16n8k16, bf16 x bf16 -> f32). An activation is split into bf16 hi + lo (hi = round(x),
+// lo = round(x - hi)), multiplied by both, so inputs keep ~16 bits of mantissa instead of bf16's 8.
+// Each output is one mma accumulator element; element (row, token) depends only on that row's weights and that
+// token's inputs, in a fixed chunk order, whatever m is or where the token sits in the tile (batch invariance).
 // Output, by mode:
-//   splits > 1: the split's partial sums go to scratch[split][r][c]; splitk_reduce adds them up in split order.
-//   silu_pairs: W's rows are (gate, up) pairs; y[r][c / 2] = silu(gate) * up (n even; pairs never straddle warps).
+//   splits > 1: the split's partial sums go to scratch[split][r][c]; the next kernel (or splitk_reduce) adds them
+//               up in split order.
+//   silu_pairs: row block b holds gate rows 8b..8b+8 then up rows 8b..8b+8; y[r][8b + g] = silu(gate) * up.
 //   otherwise:  y[r][c] = sum, or y[r][c] += sum when accumulate (a residual add).
-// The number of splits depends only on the matrix's shape, so a row's result never depends on m or on the other
-// rows (batch invariance).
-// ROWS (1, 2, 4 or 8) is how many activation rows one launch tile holds: the fewer, the fewer registers, the more
-// warps in flight (a one-row decode step is the bandwidth-critical case). Every instantiation does the same
-// arithmetic per row, so the choice never changes a result.
-#define GEMV_COLS 4
-template <int GEMV_ROWS>
-__device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ w, const float* __restrict__ x,
-                                          float* __restrict__ y, int n, int k, int m, int accumulate, int splits,
-                                          float* __restrict__ scratch, int silu_pairs) {
+#define MMA_WARPS 4
+
+// Two floats as a bf16 pair, round to nearest even (first in the low half, the lower k index).
+__device__ __forceinline__ u32 pack_bf16x2(float first, float second) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(second), "f"(first));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], const uint4& a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
+// The hi and lo bf16 pairs of two consecutive inputs.
+__device__ __forceinline__ void split_pair(float2 v, u32& hi, u32& lo) {
+    hi = pack_bf16x2(v.x, v.y);
+    const float hx = __uint_as_float(hi << 16), hy = __uint_as_float(hi & 0xffff0000u);
+    lo = pack_bf16x2(v.x - hx, v.y - hy);
+}
+
+// NT is the number of 8-token tiles a warp takes (1 for decode and verify, 4 for longer batches: the weights are
+// read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT.
+template <int NT>
+__device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const float* __restrict__ x,
+                                              float* __restrict__ y, int n, int k, int chunks, int m, int accumulate,
+                                              int splits, float* __restrict__ scratch, int silu_pairs) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int c0 = (blockIdx.x * 4 + warp) * GEMV_COLS;
-    const int r0 = blockIdx.y * GEMV_ROWS;
-    if (c0 >= n) return;
-    const int rows = min(GEMV_ROWS, m - r0);
-    const int cols = min(GEMV_COLS, n - c0);
-    const int pieces = k >> 3;
-    const int per_split = (pieces + splits - 1) / splits;
-    const int p_begin = blockIdx.z * per_split, p_end = min(pieces, p_begin + per_split);
-    float acc[GEMV_ROWS][GEMV_COLS];
+    const int block = blockIdx.x * MMA_WARPS + warp;
+    if (block * 16 >= n) return;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.y * 8 * NT;
+    bool has_token[NT];
+    const float* xr[NT];
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++)
+    for (int u = 0; u < NT; u++) {
+        has_token[u] = r0 + 8 * u + g < m;
+        xr[u] = x + (size_t)(has_token[u] ? r0 + 8 * u + g : 0) * k;
+    }
+    const int per_split = (chunks + splits - 1) / splits;
+    const int c_begin = blockIdx.z * per_split, c_end = min(chunks, c_begin + per_split);
+    const uint4* tiles = w + (size_t)block * chunks * 64;
+    const bool whole = (k & 31) == 0;
+    float d[NT][4];
 #pragma unroll
-        for (int j = 0; j < GEMV_COLS; j++) acc[r][j] = 0.f;
-    const uint4* wrows[GEMV_COLS];
+    for (int u = 0; u < NT; u++) d[u][0] = d[u][1] = d[u][2] = d[u][3] = 0.f;
+#pragma unroll 4
+    for (int c = c_begin; c < c_end; c++) {
+        const uint4 a0 = __ldg(tiles + (size_t)c * 64 + lane);
+        const uint4 a1 = __ldg(tiles + (size_t)c * 64 + 32 + lane);
 #pragma unroll
-    for (int j = 0; j < GEMV_COLS; j++) wrows[j] = reinterpret_cast<const uint4*>(w + (size_t)(c0 + min(j, cols - 1)) * k);
-#pragma unroll 2
-    for (int p = p_begin + lane; p < p_end; p += 32) {
-        float wf[GEMV_COLS][8];
+        for (int u = 0; u < NT; u++) {
+            float2 v[4];
 #pragma unroll
-        for (int j = 0; j < GEMV_COLS; j++) {
-            const uint4 packed = __ldg(wrows[j] + p);
-            wf[j][0] = __uint_as_float(packed.x << 16); wf[j][1] = __uint_as_float(packed.x & 0xffff0000u);
-            wf[j][2] = __uint_as_float(packed.y << 16); wf[j][3] = __uint_as_float(packed.y & 0xffff0000u);
-            wf[j][4] = __uint_as_float(packed.z << 16); wf[j][5] = __uint_as_float(packed.z & 0xffff0000u);
-            wf[j][6] = __uint_as_float(packed.w << 16); wf[j][7] = __uint_as_float(packed.w & 0xffff0000u);
-        }
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            if (r < rows) {
-                const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(r0 + r) * k) + 2 * p;
-                const float4 a = xr[0], b = xr[1];
-                const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-                for (int j = 0; j < GEMV_COLS; j++) {
-                    float s = acc[r][j];
-#pragma unroll
-                    for (int e = 0; e < 8; e++) s = fmaf(wf[j][e], xv[e], s);
-                    acc[r][j] = s;
-                }
+            for (int q = 0; q < 4; q++) {
+                const int col = c * 32 + 2 * t + 8 * q;
+                v[q] = has_token[u] && (whole || col < k) ? *reinterpret_cast<const float2*>(xr[u] + col)
+                                                          : make_float2(0.f, 0.f);
             }
+            u32 hi[4], lo[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) split_pair(v[q], hi[q], lo[q]);
+            mma_bf16_16x8x16(d[u], a0, hi[0], hi[1]);
+            mma_bf16_16x8x16(d[u], a0, lo[0], lo[1]);
+            mma_bf16_16x8x16(d[u], a1, hi[2], hi[3]);
+            mma_bf16_16x8x16(d[u], a1, lo[2], lo[3]);
         }
     }
+    const int row_a = block * 16 + g, row_b = row_a + 8;
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
-        if (r < rows) {
-            float sums[GEMV_COLS];
+    for (int u = 0; u < NT; u++) {
 #pragma unroll
-            for (int j = 0; j < GEMV_COLS; j++) sums[j] = warp_sum(acc[r][j]);
-            if (lane == 0) {
-                const size_t row = (size_t)(r0 + r);
-                if (splits > 1) {
-                    for (int j = 0; j < cols; j++) scratch[((size_t)blockIdx.z * m + row) * n + c0 + j] = sums[j];
-                } else if (silu_pairs) {
-                    for (int j = 0; j + 1 < cols; j += 2) {
-                        const float g = sums[j];
-                        y[row * (n / 2) + (c0 + j) / 2] = g / (1.f + expf(-g)) * sums[j + 1];
-                    }
-                } else {
-                    for (int j = 0; j < cols; j++) {
-                        float* dst = y + row * n + c0 + j;
-                        *dst = accumulate ? *dst + sums[j] : sums[j];
-                    }
-                }
+        for (int e = 0; e < 2; e++) {
+            const int token = r0 + 8 * u + 2 * t + e;
+            if (token >= m) continue;
+            const float va = d[u][e], vb = d[u][2 + e];
+            if (splits > 1) {
+                float* dst = scratch + ((size_t)blockIdx.z * m + token) * n;
+                if (row_a < n) dst[row_a] = va;
+                if (row_b < n) dst[row_b] = vb;
+            } else if (silu_pairs) {
+                const int feature = block * 8 + g;
+                if (feature < n / 2) y[(size_t)token * (n / 2) + feature] = va / (1.f + expf(-va)) * vb;
+            } else {
+                float* dst = y + (size_t)token * n;
+                if (row_a < n) dst[row_a] = accumulate ? dst[row_a] + va : va;
+                if (row_b < n) dst[row_b] = accumulate ? dst[row_b] + vb : vb;
             }
         }
     }
 }
 
-#define GEMV_KERNEL(name, ROWS)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(128)                                                            \
-        name(const bf16_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n, int k, int m, \
-             int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {                          \
-        gemv_tile<ROWS>(w, x, y, n, k, m, accumulate, splits, scratch, silu_pairs);                              \
+#define GEMV_MMA_KERNEL(name, NT)                                                                               \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                                 \
+        name(const uint4* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n, int k,        \
+             int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {       \
+        gemv_mma_tile<NT>(w, x, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);                   \
     }
-GEMV_KERNEL(gemv_bf16_1, 1)
-GEMV_KERNEL(gemv_bf16_2, 2)
-GEMV_KERNEL(gemv_bf16_4, 4)
-GEMV_KERNEL(gemv_bf16_8, 8)
+GEMV_MMA_KERNEL(gemv_mma_8, 1)
+GEMV_MMA_KERNEL(gemv_mma_32, 4)
 
 // y[r][c] (+)= sum over splits, in split order, of scratch[split][r][c]; grid-stride over m * n.
 extern "C" __global__ void splitk_reduce(const float* __restrict__ scratch, float* __restrict__ y, int n, int m,
@@ -203,16 +253,26 @@ extern "C" __global__ void splitk_reduce(const float* __restrict__ scratch, floa
     }
 }
 
+// The sum of a GEMV output's split-K partial sums in split order (splitk_reduce's order), or the output itself.
+__device__ __forceinline__ float split_sum(const float* __restrict__ p, int splits, u64 stride, size_t i) {
+    if (splits <= 1) return p[i];
+    float s = 0.f;
+    for (int z = 0; z < splits; z++) s += p[z * stride + i];
+    return s;
+}
+
 // After the fused QKV GEMV: adds the biases, rotates queries and keys, writes the queries to q and the keys and
-// values to the row's sequence cache. qkv[r] holds q (heads * hd), then k and v (kv_heads * hd each).
+// values to the row's sequence cache. qkv[r] holds q (heads * hd), then k and v (kv_heads * hd each); with
+// splits > 1 qkv holds the GEMV's split-K partial sums (split_stride apart), added up here in split order.
 // grid (rows, heads + 2 * kv_heads), block 64.
-extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* __restrict__ bias, int has_bias,
+extern "C" __global__ void qkv_post(const float* __restrict__ qkv, int splits, u64 split_stride,
+                                    const float* __restrict__ bias, int has_bias,
                                     const float2* __restrict__ angles, const RowInfo* __restrict__ rows,
                                     const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd,
                                     int halves, float* __restrict__ q) {
     const int r = blockIdx.x, seg = blockIdx.y, half = hd / 2;
     const int width = (heads + 2 * kv_heads) * hd;
-    const float* src = qkv + (size_t)r * width + (size_t)seg * hd;
+    const size_t src = (size_t)r * width + (size_t)seg * hd;
     const float* b = has_bias ? bias + (size_t)seg * hd : nullptr;
     const RowInfo ri = rows[r];
     const SeqCache sc = caches[ri.seq];
@@ -228,14 +288,15 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, const float* 
         for (int i = threadIdx.x; i < half; i += blockDim.x) {
             const float2 a = angles[(size_t)r * half + i];
             const int ia = halves ? i : 2 * i, ib = halves ? i + half : 2 * i + 1;
-            const float x0 = src[ia] + (b ? b[ia] : 0.f), x1 = src[ib] + (b ? b[ib] : 0.f);
+            const float x0 = split_sum(qkv, splits, split_stride, src + ia) + (b ? b[ia] : 0.f);
+            const float x1 = split_sum(qkv, splits, split_stride, src + ib) + (b ? b[ib] : 0.f);
             dst[ia] = x0 * a.y - x1 * a.x;
             dst[ib] = x0 * a.x + x1 * a.y;
         }
     } else {
         const int h = seg - heads - kv_heads;
         float* dst = sc.base + ((((size_t)layer * 2 + 1) * kv_heads + h) * sc.capacity + ri.slot) * hd;
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) dst[d] = src[d] + (b ? b[d] : 0.f);
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) dst[d] = split_sum(qkv, splits, split_stride, src + d) + (b ? b[d] : 0.f);
     }
 }
 
@@ -252,13 +313,16 @@ extern "C" __global__ void rope_angles(const u32* __restrict__ positions, const 
 }
 
 // Attention of row r, head h over its sequence's cache: slots 0..=slot, skipping new rows its tree mask hides.
-// grid (rows, heads), block 128 (4 warps). Warp w takes the chunks of 32 slots w, w + 4, ... in order. In a
-// chunk, lane j scores slot j (a dot product over the head dimension, every lane's key load in flight at once),
-// the warp updates an online softmax with the chunk's max and sum, and then adds the chunk's values slot by slot
-// (lanes split the head dimension, hd <= 256). Warp 0 merges the four warps in order. The order is fixed by slot
-// numbers, so a row's result does not depend on the other rows of the launch.
-#define ATT_WARPS 4
-#define ATT_MAX_DIMS 8
+// grid (rows, heads), block ATT_WARPS * 32. Keys are taken in "visible order" (the cached context, then the row's
+// ancestors among the new rows and itself; for a chain that is slot order) in chunks of ATT_CHUNK; warp w takes
+// chunks w, w + ATT_WARPS, ... in order. For a chunk a warp issues every key and value load at once (lanes split
+// the head dimension in 16-byte pieces, so each key is one coalesced read), reduces the scores by butterfly,
+// updates an online softmax and adds the chunk's values in slot order; then the warps are merged in warp order.
+// The order is fixed by visible positions alone, so a row's result does not depend on the other rows of the
+// launch, and a tree row's visible keys land in the same chunks as the same keys of its branch run as a chain
+// (bitwise the same result). P is the number of 16-byte pieces a lane holds (head dimension <= 128 * P).
+#define ATT_WARPS 8
+#define ATT_CHUNK 8
 
 // The position of the n-th (0-based) set bit of m.
 __device__ __forceinline__ int nth_set_bit(u64 m, int n) {
@@ -270,70 +334,87 @@ __device__ __forceinline__ int nth_set_bit(u64 m, int n) {
     }
     return 63;
 }
-extern "C" __global__ void __launch_bounds__(128) attention(const float* __restrict__ q, float* __restrict__ out,
-                                                            const RowInfo* __restrict__ rows,
-                                                            const SeqCache* __restrict__ caches, int layer,
-                                                            int heads, int kv_heads, int hd, float scale) {
+
+template <int P>
+__device__ __forceinline__ void attention_rows(const float* __restrict__ q, float* __restrict__ out,
+                                               const RowInfo* __restrict__ rows, const SeqCache* __restrict__ caches,
+                                               int layer, int heads, int kv_heads, int hd, float scale) {
     __shared__ float s_max[ATT_WARPS], s_sum[ATT_WARPS];
-    __shared__ float s_acc[ATT_WARPS][32 * ATT_MAX_DIMS];
-    __shared__ float s_q[32 * ATT_MAX_DIMS];
+    __shared__ float4 s_acc[ATT_WARPS][32 * P];
     const int r = blockIdx.x, head = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int pieces = hd >> 2;
     const RowInfo ri = rows[r];
     const SeqCache sc = caches[ri.seq];
     const int kvh = head / (heads / kv_heads);
-    const float* keys = sc.base + (((size_t)layer * 2 + 0) * kv_heads + kvh) * sc.capacity * hd;
-    const float* values = sc.base + (((size_t)layer * 2 + 1) * kv_heads + kvh) * sc.capacity * hd;
-    const float* qh = q + ((size_t)r * heads + head) * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) s_q[d] = qh[d];
-    __syncthreads();
-    float acc[ATT_MAX_DIMS];
+    const float4* keys =
+        reinterpret_cast<const float4*>(sc.base + (((size_t)layer * 2 + 0) * kv_heads + kvh) * sc.capacity * hd);
+    const float4* values =
+        reinterpret_cast<const float4*>(sc.base + (((size_t)layer * 2 + 1) * kv_heads + kvh) * sc.capacity * hd);
+    const float4* qh = reinterpret_cast<const float4*>(q + ((size_t)r * heads + head) * hd);
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 qv[P], acc[P];
 #pragma unroll
-    for (int j = 0; j < ATT_MAX_DIMS; j++) acc[j] = 0.f;
+    for (int j = 0; j < P; j++) {
+        const int i = lane + 32 * j;
+        qv[j] = i < pieces ? qh[i] : zero;
+        acc[j] = zero;
+    }
     float m = NEG_INF, l = 0.f;
-    // Keys are taken in "visible order": the cached context, then the row's ancestors among the new rows and
-    // itself. For a chain that is slot order; a tree row skips the slots its mask hides, so its visible keys get
-    // the same lanes and chunks as the same keys of its branch run as a chain (bitwise the same result).
     const int visible_count = ri.is_tree ? (int)ri.base + __popcll(ri.tree_mask) : (int)ri.slot + 1;
-    for (int chunk = warp; chunk * 32 < visible_count; chunk += ATT_WARPS) {
-        const int li = chunk * 32 + lane;
-        const bool visible = li < visible_count;
-        const int s = (!ri.is_tree || li < (int)ri.base) ? li : (int)ri.base + nth_set_bit(ri.tree_mask, li - (int)ri.base);
-        float score = NEG_INF;
-        if (visible) {
-            const float4* k4 = reinterpret_cast<const float4*>(keys + (size_t)s * hd);
-            float dot = 0.f;
-            for (int d4 = 0; d4 < (hd >> 2); d4++) {
-                const float4 kv = k4[d4];
-                dot = fmaf(s_q[4 * d4], kv.x, dot);
-                dot = fmaf(s_q[4 * d4 + 1], kv.y, dot);
-                dot = fmaf(s_q[4 * d4 + 2], kv.z, dot);
-                dot = fmaf(s_q[4 * d4 + 3], kv.w, dot);
+    const int chunks = (visible_count + ATT_CHUNK - 1) / ATT_CHUNK;
+    for (int chunk = warp; chunk < chunks; chunk += ATT_WARPS) {
+        const int first = chunk * ATT_CHUNK;
+        float4 kv[ATT_CHUNK][P], vv[ATT_CHUNK][P];
+#pragma unroll
+        for (int t = 0; t < ATT_CHUNK; t++) {
+            const int li = first + t;
+            const bool visible = li < visible_count;
+            const int s = (!ri.is_tree || li < (int)ri.base) ? li : (int)ri.base + nth_set_bit(ri.tree_mask, li - (int)ri.base);
+#pragma unroll
+            for (int j = 0; j < P; j++) {
+                const int i = lane + 32 * j;
+                const bool load = visible && i < pieces;
+                kv[t][j] = load ? keys[(size_t)s * pieces + i] : zero;
+                vv[t][j] = load ? values[(size_t)s * pieces + i] : zero;
             }
-            score = dot * scale;
         }
-        const float chunk_max = warp_max(score);
-        if (chunk_max == NEG_INF) continue;
+        float score[ATT_CHUNK];
+        float chunk_max = NEG_INF;
+#pragma unroll
+        for (int t = 0; t < ATT_CHUNK; t++) {
+            float d = 0.f;
+#pragma unroll
+            for (int j = 0; j < P; j++) {
+                d = fmaf(qv[j].x, kv[t][j].x, d);
+                d = fmaf(qv[j].y, kv[t][j].y, d);
+                d = fmaf(qv[j].z, kv[t][j].z, d);
+                d = fmaf(qv[j].w, kv[t][j].w, d);
+            }
+            score[t] = first + t < visible_count ? warp_sum(d) * scale : NEG_INF;
+            chunk_max = fmaxf(chunk_max, score[t]);
+        }
+        // Every chunk holds at least one visible key, so chunk_max is finite.
         const float m_new = fmaxf(m, chunk_max);
         const float correction = expf(m - m_new);
-        const float p = visible ? expf(score - m_new) : 0.f;
-        l = l * correction + warp_sum(p);
+        float psum = 0.f;
 #pragma unroll
-        for (int j = 0; j < ATT_MAX_DIMS; j++) acc[j] *= correction;
-        const int count = min(32, visible_count - chunk * 32);
-        // Unrolled without data-dependent branches, so the value loads of several slots are in flight at once
-        // (one slot at a time left each iteration waiting on memory); the adds still happen in slot order.
-#pragma unroll 8
-        for (int t = 0; t < count; t++) {
-            const float pt = __shfl_sync(0xffffffffu, p, t);
-            const int st = __shfl_sync(0xffffffffu, s, t);
-            const float* vs = values + (size_t)st * hd;
+        for (int j = 0; j < P; j++) {
+            acc[j].x *= correction; acc[j].y *= correction; acc[j].z *= correction; acc[j].w *= correction;
+        }
 #pragma unroll
-            for (int j = 0; j < ATT_MAX_DIMS; j++) {
-                const int d = lane + 32 * j;
-                if (d < hd) acc[j] = fmaf(pt, vs[d], acc[j]);
+        for (int t = 0; t < ATT_CHUNK; t++) {
+            const float pt = first + t < visible_count ? expf(score[t] - m_new) : 0.f;
+            psum += pt;
+#pragma unroll
+            for (int j = 0; j < P; j++) {
+                acc[j].x = fmaf(pt, vv[t][j].x, acc[j].x);
+                acc[j].y = fmaf(pt, vv[t][j].y, acc[j].y);
+                acc[j].z = fmaf(pt, vv[t][j].z, acc[j].z);
+                acc[j].w = fmaf(pt, vv[t][j].w, acc[j].w);
             }
         }
+        l = l * correction + psum;
         m = m_new;
     }
     if (lane == 0) {
@@ -341,29 +422,42 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* __restr
         s_sum[warp] = l;
     }
 #pragma unroll
-    for (int j = 0; j < ATT_MAX_DIMS; j++) s_acc[warp][lane + 32 * j] = acc[j];
+    for (int j = 0; j < P; j++) s_acc[warp][lane + 32 * j] = acc[j];
     __syncthreads();
     if (warp == 0) {
         float gm = NEG_INF;
         for (int w = 0; w < ATT_WARPS; w++) gm = fmaxf(gm, s_max[w]);
-        float gl = 0.f, total[ATT_MAX_DIMS];
+        float gl = 0.f;
+        float4 total[P];
 #pragma unroll
-        for (int j = 0; j < ATT_MAX_DIMS; j++) total[j] = 0.f;
+        for (int j = 0; j < P; j++) total[j] = zero;
         for (int w = 0; w < ATT_WARPS; w++) {
             if (s_max[w] == NEG_INF) continue;
             const float f = expf(s_max[w] - gm);
             gl += s_sum[w] * f;
 #pragma unroll
-            for (int j = 0; j < ATT_MAX_DIMS; j++) total[j] += s_acc[w][lane + 32 * j] * f;
+            for (int j = 0; j < P; j++) {
+                const float4 a = s_acc[w][lane + 32 * j];
+                total[j].x += a.x * f; total[j].y += a.y * f; total[j].z += a.z * f; total[j].w += a.w * f;
+            }
         }
-        float* oh = out + ((size_t)r * heads + head) * hd;
+        float4* oh = reinterpret_cast<float4*>(out + ((size_t)r * heads + head) * hd);
 #pragma unroll
-        for (int j = 0; j < ATT_MAX_DIMS; j++) {
-            const int d = lane + 32 * j;
-            if (d < hd) oh[d] = total[j] / gl;
+        for (int j = 0; j < P; j++) {
+            const int i = lane + 32 * j;
+            if (i < pieces) oh[i] = make_float4(total[j].x / gl, total[j].y / gl, total[j].z / gl, total[j].w / gl);
         }
     }
 }
+
+#define ATTENTION_KERNEL(name, P)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                                  \
+        name(const float* __restrict__ q, float* __restrict__ out, const RowInfo* __restrict__ rows,              \
+             const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd, float scale) {       \
+        attention_rows<P>(q, out, rows, caches, layer, heads, kv_heads, hd, scale);                               \
+    }
+ATTENTION_KERNEL(attention_128, 1)
+ATTENTION_KERNEL(attention_256, 2)
 
 // out[j] = x[src[j]] for the rows that need logits; grid (rows), block 256.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ src,
@@ -373,19 +467,19 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* _
     for (int i = threadIdx.x; i < h; i += blockDim.x) out[(size_t)j * h + i] = from[i];
 }
 
-// best[r] = the column of row r's largest value, the first one on ties (as the CPU's argmax). grid (rows),
-// block 256.
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, u32* __restrict__ best, int n) {
-    __shared__ float s_val[256];
-    __shared__ u32 s_idx[256];
-    const int r = blockIdx.x;
-    const float* row = x + (size_t)r * n;
-    float v = NEG_INF;
-    u32 idx = 0xffffffffu;
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        const float e = row[c];
-        if (e > v || idx == 0xffffffffu) { v = e; idx = c; }
-    }
+// Row argmax in two launches, so a 152k-column row is read by many blocks at once (one block a row took 0.13 ms):
+// argmax_partial: grid (rows, ARGMAX_PARTS), block 256; part b of row r takes columns [b * span, (b + 1) * span)
+// and writes its largest value and that value's first column to part_val/part_idx[r * ARGMAX_PARTS + b];
+// argmax_final: grid (rows), block ARGMAX_PARTS, picks the largest of the parts, the first column on ties (as the
+// CPU's argmax). The largest value with the smallest column does not depend on the order of comparisons.
+#define ARGMAX_PARTS 64
+
+// Whether (v, i) beats (best_v, best_i): larger, or equal at an earlier column; an empty slot (index ~0) loses.
+__device__ __forceinline__ bool argmax_beats(float v, u32 i, float best_v, u32 best_i) {
+    return best_i == 0xffffffffu || (i != 0xffffffffu && (v > best_v || (v == best_v && i < best_i)));
+}
+
+__device__ __forceinline__ void argmax_block(float& v, u32& idx, float* s_val, u32* s_idx) {
     s_val[threadIdx.x] = v;
     s_idx[threadIdx.x] = idx;
     __syncthreads();
@@ -393,14 +487,47 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, u32* __restr
         if (threadIdx.x < stride) {
             const float ov = s_val[threadIdx.x + stride];
             const u32 oi = s_idx[threadIdx.x + stride];
-            if (ov > s_val[threadIdx.x] || (ov == s_val[threadIdx.x] && oi < s_idx[threadIdx.x])) {
+            if (argmax_beats(ov, oi, s_val[threadIdx.x], s_idx[threadIdx.x])) {
                 s_val[threadIdx.x] = ov;
                 s_idx[threadIdx.x] = oi;
             }
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) best[r] = s_idx[0];
+    v = s_val[0];
+    idx = s_idx[0];
+}
+
+extern "C" __global__ void argmax_partial(const float* __restrict__ x, float* __restrict__ part_val,
+                                          u32* __restrict__ part_idx, int n) {
+    __shared__ float s_val[256];
+    __shared__ u32 s_idx[256];
+    const int r = blockIdx.x, b = blockIdx.y;
+    const int span = (n + ARGMAX_PARTS - 1) / ARGMAX_PARTS;
+    const int end = min(n, (b + 1) * span);
+    const float* row = x + (size_t)r * n;
+    float v = NEG_INF;
+    u32 idx = 0xffffffffu;
+    for (int c = b * span + threadIdx.x; c < end; c += blockDim.x) {
+        const float e = row[c];
+        if (idx == 0xffffffffu || e > v) { v = e; idx = c; }
+    }
+    argmax_block(v, idx, s_val, s_idx);
+    if (threadIdx.x == 0) {
+        part_val[r * ARGMAX_PARTS + b] = v;
+        part_idx[r * ARGMAX_PARTS + b] = idx;
+    }
+}
+
+extern "C" __global__ void argmax_final(const float* __restrict__ part_val, const u32* __restrict__ part_idx,
+                                        u32* __restrict__ best) {
+    __shared__ float s_val[ARGMAX_PARTS];
+    __shared__ u32 s_idx[ARGMAX_PARTS];
+    const int r = blockIdx.x;
+    float v = part_val[r * ARGMAX_PARTS + threadIdx.x];
+    u32 idx = part_idx[r * ARGMAX_PARTS + threadIdx.x];
+    argmax_block(v, idx, s_val, s_idx);
+    if (threadIdx.x == 0) best[r] = idx;
 }
 
 // Fills a bf16 buffer with seeded uniform values in [-scale, scale) (random weights of real shapes for speed

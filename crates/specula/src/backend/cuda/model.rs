@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
+use super::layout::{self, MAX_SPLITS};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::error::{Error, Result};
 use crate::model::config::{Config, RopeStyle};
@@ -17,16 +18,18 @@ use crate::model::forward::{
 use crate::model::tensors::{LayerTensor, RawTensor, TensorNames, WeightSource};
 use crate::profile::Profiler;
 
-/// A bf16 matrix on the device: `rows` outputs of `cols` inputs.
+/// A bf16 matrix on the device, `rows` outputs of `cols` inputs, in the tensor-core GEMV's tiled layout
+/// (layout.rs; `chunks` 32-input chunks per 16-row block).
 struct Matrix {
     data: CudaSlice<u16>,
     rows: usize,
     cols: usize,
+    chunks: usize,
 }
 
 /// One layer, with its matrices fused so that a step launches few, large kernels: Q, K and V stacked into one
-/// matrix (and their biases into one vector), gate and up interleaved row by row (gate 0, up 0, gate 1, ...) so
-/// one GEMV ends with SiLU(gate) * up.
+/// matrix (and their biases into one vector), gate and up stacked 8 rows of each per 16-row block
+/// (layout::stack_gate_up) so one GEMV ends with SiLU(gate) * up.
 struct Layer {
     attn_norm: CudaSlice<f32>,
     wqkv: Matrix,
@@ -37,17 +40,8 @@ struct Layer {
     w_down: Matrix,
 }
 
-/// Splits of the reduction (split-K) for a GEMV of `n` outputs over `k` inputs: enough blocks to fill the GPU
-/// (about 8 per multiprocessor), at most 8, at least 32 16-byte pieces a split. A function of the matrix's shape
-/// only, never of the number of rows, so results stay batch invariant.
-fn splits_for(n: usize, k: usize, sm_count: usize) -> usize {
-    let blocks = n.div_ceil(16).max(1);
-    let by_blocks = (8 * sm_count / blocks).clamp(1, 8);
-    by_blocks.min((k / 8 / 32).max(1))
-}
-
-/// The most splits any GEMV uses (sizes the split-K scratch).
-const MAX_SPLITS: usize = 8;
+/// Blocks per row of the argmax's first pass (kernels.cu ARGMAX_PARTS).
+const ARGMAX_PARTS: usize = 64;
 
 pub struct CudaModel {
     pub config: Config,
@@ -211,11 +205,17 @@ impl CudaModel {
             to_bf16(&t)
         };
         let upload = |data: &[u16], rows: usize, cols: usize, what: &str| -> Result<Matrix> {
+            let tiled = layout::tile_matrix(data, rows, cols);
             let data = gpu
                 .stream
-                .clone_htod(data)
+                .clone_htod(&tiled)
                 .map_err(|e| cuda_err(&format!("uploading {what}"), e))?;
-            Ok(Matrix { data, rows, cols })
+            Ok(Matrix {
+                data,
+                rows,
+                cols,
+                chunks: layout::tiles(rows, cols).1,
+            })
         };
         let vector_host =
             |name: &str, len: usize| -> Result<Vec<f32>> { to_f32(&src.tensor(name, 1, len)?) };
@@ -276,11 +276,7 @@ impl CudaModel {
             };
             let gate = host(&n(LayerTensor::Gate), ff, h)?;
             let up = host(&n(LayerTensor::Up), ff, h)?;
-            let mut gate_up = Vec::with_capacity(2 * ff * h);
-            for (g, u) in gate.chunks_exact(h).zip(up.chunks_exact(h)) {
-                gate_up.extend_from_slice(g);
-                gate_up.extend_from_slice(u);
-            }
+            let gate_up = layout::stack_gate_up(&gate, &up, ff, h);
             layers.push(Layer {
                 attn_norm: vector(&n(LayerTensor::AttnNorm), h)?,
                 wqkv: upload(&qkv, q_dim + 2 * kv_dim, h, "QKV")?,
@@ -334,7 +330,10 @@ impl CudaModel {
         check_weights_fit(&gpu, &c, "random weights of this shape")?;
         let mut next_seed = seed;
         let mut matrix = |rows: usize, cols: usize| -> Result<Matrix> {
-            let n = rows * cols;
+            // Random values fill the padding too: padded inputs meet zero activations, padded outputs are not
+            // written.
+            let (blocks, chunks) = layout::tiles(rows, cols);
+            let n = blocks * chunks * layout::TILE;
             // SAFETY: filled by the kernel below before any read.
             let data = unsafe { gpu.stream.alloc::<u16>(n) }
                 .map_err(|e| cuda_err("allocating weights", e))?;
@@ -351,7 +350,12 @@ impl CudaModel {
                 next_seed,
                 scale
             );
-            Ok(Matrix { data, rows, cols })
+            Ok(Matrix {
+                data,
+                rows,
+                cols,
+                chunks,
+            })
         };
         let ones = |n: usize| -> Result<CudaSlice<f32>> {
             gpu.stream
@@ -403,6 +407,8 @@ impl CudaModel {
 
     /// `y[m x n] (+)= x[m x w.cols] . w^T` for the first `n` rows of `w` (split-K through `scratch` when the
     /// shape asks for it); with `silu_pairs`, `y[m x n/2]` = SiLU(gate) * up of the interleaved rows.
+    /// With `defer`, split-K partial sums are left in `scratch` for the next kernel to add up (qkv_post, rms_norm)
+    /// and their count is returned (0 when `y` already holds the result): that saves a reduction launch.
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
@@ -414,32 +420,29 @@ impl CudaModel {
         accumulate: bool,
         silu_pairs: bool,
         scratch: u64,
-    ) -> Result<()> {
+        defer: bool,
+    ) -> Result<usize> {
         let splits = if silu_pairs {
             1
         } else {
-            splits_for(n, w.cols, self.gpu.sm_count)
+            layout::splits_for(n, w.cols, self.gpu.sm_count)
         };
-        // The smallest tile that holds every row (several tiles of 8 past 8 rows).
-        let (variant, tile) = match m {
-            1 => (0, 1),
-            2 => (1, 2),
-            3 | 4 => (2, 4),
-            _ => (3, 8),
+        let blocks = n.div_ceil(layout::ROW_BLOCK);
+        // 8 tokens a warp for decode and verify, 32 past 8 (prefill): the same arithmetic per output either way.
+        let (variant, tokens) = if m <= layout::TOKENS {
+            (0, layout::TOKENS)
+        } else {
+            (1, 4 * layout::TOKENS)
         };
-        let grid = (
-            n.div_ceil(16) as u32,
-            m.div_ceil(tile) as u32,
-            splits as u32,
-        );
         let gpu = &*self.gpu;
-        let mut builder = gpu.stream.launch_builder(&gpu.kernels.gemv_bf16[variant]);
+        let mut builder = gpu.stream.launch_builder(&gpu.kernels.gemv_mma[variant]);
         let args = (
             ptr(&w.data, gpu),
             x,
             y,
             n as i32,
             w.cols as i32,
+            w.chunks as i32,
             m as i32,
             accumulate as i32,
             splits as i32,
@@ -456,16 +459,25 @@ impl CudaModel {
             .arg(&args.6)
             .arg(&args.7)
             .arg(&args.8)
-            .arg(&args.9);
-        // SAFETY: the arguments match gemv_tile's kernels in kernels.cu; the grid covers n outputs and m rows.
+            .arg(&args.9)
+            .arg(&args.10);
+        // SAFETY: the arguments match gemv_mma_tile's kernels in kernels.cu; the grid covers every row block, token
+        // and split, and w holds whole tiles for n x w.cols.
         unsafe {
             builder.launch(LaunchConfig {
-                grid_dim: grid,
-                block_dim: (128, 1, 1),
+                grid_dim: (
+                    blocks.div_ceil(layout::WARPS) as u32,
+                    m.div_ceil(tokens) as u32,
+                    splits as u32,
+                ),
+                block_dim: ((layout::WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             })
         }
-        .map_err(|e| cuda_err("gemv_bf16", e))?;
+        .map_err(|e| cuda_err("gemv_mma", e))?;
+        if splits > 1 && defer {
+            return Ok(splits);
+        }
         if splits > 1 {
             let total = m * n;
             let blocks = total.div_ceil(256).min(65_535) as u32;
@@ -482,7 +494,7 @@ impl CudaModel {
                 accumulate as i32
             );
         }
-        Ok(())
+        Ok(0)
     }
 
     fn alloc(&self, n: usize, what: &str) -> Result<CudaSlice<f32>> {
@@ -697,7 +709,8 @@ impl CudaModel {
             ptr(&self.embed.data, gpu),
             ptr(&ws.tokens, gpu),
             px,
-            h as i32
+            h as i32,
+            self.embed.chunks as i32
         );
         launch!(
             gpu,
@@ -712,9 +725,16 @@ impl CudaModel {
         let halves = (c.rope_style == RopeStyle::Halves) as i32;
         let scale = 1.0 / (hd as f32).sqrt();
         let segments = (heads + 2 * kv_heads) as u32;
+        let attention = &gpu.kernels.attention[usize::from(hd > 128)];
+        let att_block = 256u32; // kernels.cu ATT_WARPS * 32
+        // Split-K partial sums of the last residual update (down projection) not yet added into x: the next
+        // RMSNorm adds them (0: none pending).
+        let mut pending = 0usize;
+        let last = self.layers.len() - 1;
         for (li, layer) in self.layers.iter().enumerate() {
-            // Attention: norm, one QKV GEMV, biases + RoPE + cache write in one kernel, attention, and the output
-            // projection added to the residual stream.
+            // Attention: norm (adding the last layer's deferred down projection), one QKV GEMV, its partial sums +
+            // biases + RoPE + cache write in one kernel, attention, and the output projection, whose partial sums
+            // the MLP's norm adds into the residual stream.
             launch!(
                 gpu,
                 rms_norm,
@@ -724,17 +744,22 @@ impl CudaModel {
                 p(&layer.attn_norm),
                 pn,
                 h as i32,
-                eps
+                eps,
+                pscratch,
+                pending as i32,
+                (rows * h) as u64
             );
-            self.gemv(
+            let qkv_width = q_dim + 2 * kv_dim;
+            let qkv_splits = self.gemv(
                 &layer.wqkv,
-                q_dim + 2 * kv_dim,
+                qkv_width,
                 pn,
                 pqkv,
                 rows,
                 false,
                 false,
                 pscratch,
+                true,
             )?;
             let (bias, has_bias) = layer.bqkv.as_ref().map_or((0u64, 0i32), |b| (p(b), 1));
             launch!(
@@ -742,7 +767,9 @@ impl CudaModel {
                 qkv_post,
                 (r32, segments, 1),
                 64,
-                pqkv,
+                if qkv_splits > 0 { pscratch } else { pqkv },
+                qkv_splits as i32,
+                (rows * qkv_width) as u64,
                 bias,
                 has_bias,
                 p(&ws.angles),
@@ -755,23 +782,43 @@ impl CudaModel {
                 halves,
                 pq
             );
-            launch!(
-                gpu,
-                attention,
-                (r32, heads as u32, 1),
-                128,
-                pq,
-                pa,
-                p_rows,
-                p_seqs,
-                li as i32,
-                heads as i32,
-                kv_heads as i32,
-                hd as i32,
-                scale
-            );
-            self.gemv(&layer.wo, h, pa, px, rows, true, false, pscratch)?;
-            // MLP: norm, one gate/up GEMV ending in SiLU(gate) * up, and the down projection added in.
+            {
+                let mut builder = gpu.stream.launch_builder(attention);
+                let args = (
+                    pq,
+                    pa,
+                    p_rows,
+                    p_seqs,
+                    li as i32,
+                    heads as i32,
+                    kv_heads as i32,
+                    hd as i32,
+                    scale,
+                );
+                builder
+                    .arg(&args.0)
+                    .arg(&args.1)
+                    .arg(&args.2)
+                    .arg(&args.3)
+                    .arg(&args.4)
+                    .arg(&args.5)
+                    .arg(&args.6)
+                    .arg(&args.7)
+                    .arg(&args.8);
+                // SAFETY: the arguments match attention_rows's kernels in kernels.cu; the grid covers every row
+                // and head, and check_shape bounds the head dimension by what the chosen kernel holds.
+                unsafe {
+                    builder.launch(LaunchConfig {
+                        grid_dim: (r32, heads as u32, 1),
+                        block_dim: (att_block, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+                .map_err(|e| cuda_err("attention", e))?;
+            }
+            let o_splits = self.gemv(&layer.wo, h, pa, px, rows, true, false, pscratch, true)?;
+            // MLP: norm (adding the output projection), one gate/up GEMV ending in SiLU(gate) * up, and the down
+            // projection, added in by the next layer's norm (or here, when this layer's output is read next).
             launch!(
                 gpu,
                 rms_norm,
@@ -781,7 +828,10 @@ impl CudaModel {
                 p(&layer.ffn_norm),
                 pn,
                 h as i32,
-                eps
+                eps,
+                pscratch,
+                o_splits as i32,
+                (rows * h) as u64
             );
             self.gemv(
                 &layer.w_gate_up,
@@ -792,9 +842,12 @@ impl CudaModel {
                 false,
                 true,
                 pscratch,
+                false,
             )?;
-            self.gemv(&layer.w_down, h, pact, px, rows, true, false, pscratch)?;
-            if let Some(i) = shape.capture.iter().position(|&l| l == li) {
+            let captured = shape.capture.iter().position(|&l| l == li);
+            let defer_down = li != last && captured.is_none();
+            pending = self.gemv(&layer.w_down, h, pact, px, rows, true, false, pscratch, defer_down)?;
+            if let Some(i) = captured {
                 // SAFETY: both buffers hold at least rows * h floats (Workspace::fit), on this stream.
                 unsafe {
                     cudarc::driver::result::memcpy_dtod_async(
@@ -829,7 +882,10 @@ impl CudaModel {
                 p(&self.final_norm),
                 p(&ws.picked_normed),
                 h as i32,
-                eps
+                eps,
+                0u64,
+                0i32,
+                0u64
             );
             self.gemv(
                 head,
@@ -840,6 +896,7 @@ impl CudaModel {
                 false,
                 false,
                 pscratch,
+                false,
             )?;
         }
         Ok(())
@@ -1043,17 +1100,40 @@ impl RowMatrix for DeviceRows {
             return Ok(Vec::new());
         }
         let gpu = &self.gpu;
-        // SAFETY: written by the kernel below before it is read.
-        let best = unsafe { gpu.stream.alloc::<u32>(self.rows) }
-            .map_err(|e| cuda_err("allocating argmax", e))?;
+        let rows = self.rows;
+        let parts = ARGMAX_PARTS;
+        // SAFETY: written by the kernels below before they are read.
+        let (part_val, part_idx, best) = unsafe {
+            (
+                gpu.stream.alloc::<f32>(rows * parts),
+                gpu.stream.alloc::<u32>(rows * parts),
+                gpu.stream.alloc::<u32>(rows),
+            )
+        };
+        let map = |e| cuda_err("allocating argmax", e);
+        let (part_val, part_idx, best) = (
+            part_val.map_err(map)?,
+            part_idx.map_err(map)?,
+            best.map_err(map)?,
+        );
         launch!(
             gpu,
-            argmax_rows,
-            (self.rows as u32, 1, 1),
+            argmax_partial,
+            (rows as u32, parts as u32, 1),
             256,
             ptr(&self.data, gpu),
-            ptr(&best, gpu),
+            ptr(&part_val, gpu),
+            ptr(&part_idx, gpu),
             self.cols as i32
+        );
+        launch!(
+            gpu,
+            argmax_final,
+            (rows as u32, 1, 1),
+            parts as u32,
+            ptr(&part_val, gpu),
+            ptr(&part_idx, gpu),
+            ptr(&best, gpu)
         );
         gpu.stream
             .clone_dtoh(&best)

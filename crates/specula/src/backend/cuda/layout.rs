@@ -1,0 +1,204 @@
+//! How the GPU GEMV (kernels.cu `gemv_mma`) wants its weights laid out, and how it splits its work: plain Rust,
+//! compiled and tested without a GPU.
+//!
+//! The GEMV runs on the tensor cores (`mma.sync.m16n8k16`, bf16 in, f32 accumulate): a warp owns 16 output rows
+//! (a "row block") and up to 8 activation rows (tokens), and walks the inputs 32 at a time (a "chunk", two k16
+//! steps). Each lane needs, per chunk, the 8 bf16 weights of its A fragment for each of the two steps: 32 bytes.
+//! So the matrix is stored as tiles of 16 rows x 32 columns, each tile 1 KiB in the order lanes read it: step 0's
+//! fragments (lane 0's 16 bytes, lane 1's, ...), then step 1's. A warp reads a tile with two fully coalesced
+//! 512-byte loads, and a row block's tiles follow each other in memory (one sequential stream per warp).
+//!
+//! Fragment layout (PTX ISA, `mma.m16n8k16` with .bf16): lane = 4 g + t holds, for A (16 x 16, row-major),
+//! registers a0 = A[g][2t..2t+2], a1 = A[g+8][2t..2t+2], a2 = A[g][2t+8..2t+10], a3 = A[g+8][2t+8..2t+10] (lower
+//! column in the lower half); for B (16 x 8), b0 = B[2t..2t+2][g], b1 = B[2t+8..2t+10][g]; for the f32 result,
+//! d0 = D[g][2t], d1 = D[g][2t+1], d2 = D[g+8][2t], d3 = D[g+8][2t+1].
+
+/// Output rows a warp owns (the mma's M).
+pub const ROW_BLOCK: usize = 16;
+/// Inputs a warp takes per iteration (two mma k-steps).
+pub const CHUNK: usize = 32;
+/// bf16 values in one tile.
+pub const TILE: usize = ROW_BLOCK * CHUNK;
+/// Activation rows (tokens) a warp computes at once (the mma's N).
+pub const TOKENS: usize = 8;
+/// Warps per GEMV block (kernels.cu MMA_WARPS).
+pub const WARPS: usize = 4;
+/// The most split-K partitions a GEMV uses (sizes the partial-sum scratch).
+pub const MAX_SPLITS: usize = 8;
+
+/// Row blocks and chunks of an `n x k` matrix (padded up to whole tiles with zeros).
+pub fn tiles(n: usize, k: usize) -> (usize, usize) {
+    (n.div_ceil(ROW_BLOCK), k.div_ceil(CHUNK))
+}
+
+/// Where element (row, col) of a matrix with `chunks` chunks per row block lives in the tiled layout.
+pub fn tiled_index(row: usize, col: usize, chunks: usize) -> usize {
+    let (block, i) = (row / ROW_BLOCK, row % ROW_BLOCK);
+    let (chunk, c) = (col / CHUNK, col % CHUNK);
+    let (step, kk) = (c / 16, c % 16);
+    let register = i / 8 + 2 * (kk / 8);
+    let lane = (i % 8) * 4 + (kk % 8) / 2;
+    (block * chunks + chunk) * TILE + step * 256 + lane * 8 + register * 2 + kk % 2
+}
+
+/// A row-major `n x k` matrix in the tiled layout (zeros where the tiles overhang it).
+pub fn tile_matrix(row_major: &[u16], n: usize, k: usize) -> Vec<u16> {
+    assert_eq!(row_major.len(), n * k, "tile_matrix: {n} x {k} matrix");
+    let (blocks, chunks) = tiles(n, k);
+    let mut out = vec![0u16; blocks * chunks * TILE];
+    for (row, values) in row_major.chunks_exact(k.max(1)).enumerate() {
+        for (col, &v) in values.iter().enumerate() {
+            out[tiled_index(row, col, chunks)] = v;
+        }
+    }
+    out
+}
+
+/// Gate and up projections (`ff x k` each, row-major) stacked for the fused gate/up GEMV: row block b holds gate
+/// rows 8b..8b+8 then up rows 8b..8b+8, so the lane holding D[g] (gate of feature 8b + g) also holds D[g + 8]
+/// (its up) and ends with SiLU(gate) * up. `ff` must be a multiple of 8.
+pub fn stack_gate_up(gate: &[u16], up: &[u16], ff: usize, k: usize) -> Vec<u16> {
+    assert!(ff.is_multiple_of(8), "stack_gate_up: {ff} features");
+    let mut out = Vec::with_capacity(2 * ff * k);
+    for b in 0..ff / 8 {
+        out.extend_from_slice(&gate[b * 8 * k..(b + 1) * 8 * k]);
+        out.extend_from_slice(&up[b * 8 * k..(b + 1) * 8 * k]);
+    }
+    out
+}
+
+/// Split-K partitions for a GEMV of `n` outputs over `k` inputs on a GPU of `sm_count` multiprocessors: enough
+/// warps to keep about 16 a multiprocessor streaming weights, at most MAX_SPLITS, at least 4 chunks a split. A
+/// function of the matrix's shape only, never of the number of tokens, so a row's result never depends on what
+/// else is in the batch.
+pub fn splits_for(n: usize, k: usize, sm_count: usize) -> usize {
+    let (blocks, chunks) = tiles(n, k);
+    let want = (16 * sm_count).div_ceil(blocks.max(1));
+    want.clamp(1, MAX_SPLITS).min((chunks / 4).max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf16_to_f32(v: u16) -> f32 {
+        f32::from_bits(u32::from(v) << 16)
+    }
+
+    fn random_bf16(len: usize, seed: u64) -> Vec<u16> {
+        let mut s = seed;
+        (0..len)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let u = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+                (u.to_bits() >> 16) as u16
+            })
+            .collect()
+    }
+
+    #[test]
+    fn tiled_index_is_a_bijection_onto_each_tile() {
+        let chunks = 3;
+        let mut seen = vec![false; 2 * chunks * TILE];
+        for row in 0..2 * ROW_BLOCK {
+            for col in 0..chunks * CHUNK {
+                let i = tiled_index(row, col, chunks);
+                assert!(!seen[i], "({row}, {col}) lands on a used slot {i}");
+                seen[i] = true;
+                // Each tile holds exactly its own rows and columns.
+                assert_eq!(i / TILE, (row / ROW_BLOCK) * chunks + col / CHUNK);
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    /// What one warp of gemv_mma computes, lane by lane, read through the fragment layout of the module docs:
+    /// for each chunk the lane's two 16-byte loads are its A fragments, its B fragments are its token's inputs;
+    /// the per-element products are summed in f64 here (the order inside an mma is the hardware's). A wrong
+    /// tiled_index (a swapped register or lane) fails this against the plain product.
+    fn emulate_warp(tiled: &[u16], chunks: usize, block: usize, x: &[Vec<f32>], k: usize) -> [[f64; 8]; 16] {
+        let mut d = [[0f64; 8]; 16];
+        for chunk in 0..chunks {
+            let tile = &tiled[(block * chunks + chunk) * TILE..][..TILE];
+            for step in 0..2 {
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    let frag = &tile[step * 256 + lane * 8..][..8];
+                    // a_r holds (row, k-step column) pairs per the PTX layout.
+                    let a_at = |r: usize, e: usize| -> (usize, usize) {
+                        (g + 8 * (r % 2), 2 * t + e + 8 * (r / 2))
+                    };
+                    for r in 0..4 {
+                        for e in 0..2 {
+                            let (row, kk) = a_at(r, e);
+                            let col = chunk * CHUNK + step * 16 + kk;
+                            let w = f64::from(bf16_to_f32(frag[r * 2 + e]));
+                            for (tok, xr) in x.iter().enumerate() {
+                                let xv = if col < k { f64::from(xr[col]) } else { 0.0 };
+                                d[row][tok] += w * xv;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        d
+    }
+
+    #[test]
+    fn tiled_fragments_reproduce_the_matrix_product() {
+        // Overhanging shapes: 20 rows (two row blocks, the second partly padding), 40 inputs (two chunks).
+        let (n, k) = (20, 40);
+        let w = random_bf16(n * k, 7);
+        let tiled = tile_matrix(&w, n, k);
+        let (blocks, chunks) = tiles(n, k);
+        let x: Vec<Vec<f32>> = (0..3)
+            .map(|t| (0..k).map(|i| ((t * 31 + i * 7) % 13) as f32 * 0.25 - 1.5).collect())
+            .collect();
+        for block in 0..blocks {
+            let d = emulate_warp(&tiled, chunks, block, &x, k);
+            for i in 0..ROW_BLOCK {
+                let row = block * ROW_BLOCK + i;
+                for (tok, xr) in x.iter().enumerate() {
+                    let want: f64 = if row < n {
+                        (0..k).map(|c| f64::from(bf16_to_f32(w[row * k + c])) * f64::from(xr[c])).sum()
+                    } else {
+                        0.0
+                    };
+                    assert!((d[i][tok] - want).abs() < 1e-9, "row {row} token {tok}: {} vs {want}", d[i][tok]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gate_up_stacking_pairs_each_feature_in_one_lane() {
+        let (ff, k) = (16, 32);
+        let gate: Vec<u16> = (0..ff * k).map(|i| (i / k) as u16).collect();
+        let up: Vec<u16> = (0..ff * k).map(|i| 1000 + (i / k) as u16).collect();
+        let stacked = stack_gate_up(&gate, &up, ff, k);
+        for f in 0..ff {
+            let (block, g) = (f / 8, f % 8);
+            // The lane holding D[g] of row block `block` holds D[g + 8] too (d0/d2).
+            assert_eq!(stacked[(block * 16 + g) * k], f as u16, "gate of feature {f}");
+            assert_eq!(stacked[(block * 16 + g + 8) * k], 1000 + f as u16, "up of feature {f}");
+        }
+    }
+
+    #[test]
+    fn splits_depend_on_shape_only_and_stay_in_bounds() {
+        // llama-3.1-8b on 132 multiprocessors: the small matrices split, the large ones do not.
+        assert_eq!(splits_for(4096, 14336, 132), 8);
+        assert_eq!(splits_for(6144, 4096, 132), 6);
+        assert_eq!(splits_for(128_256, 4096, 132), 1);
+        // Tiny inputs never split below 4 chunks a split.
+        assert_eq!(splits_for(16, 64, 132), 1);
+        for n in [16, 100, 1536, 4096, 151_936] {
+            for k in [32, 96, 1536, 8960] {
+                let s = splits_for(n, k, 132);
+                assert!((1..=MAX_SPLITS).contains(&s));
+                assert!(s == 1 || k.div_ceil(CHUNK) / s >= 4);
+            }
+        }
+    }
+}
