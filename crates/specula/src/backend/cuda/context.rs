@@ -12,7 +12,8 @@ use crate::error::{Error, Result};
 pub const KERNEL_NAMES: &[&str] = &[
     "embed_rows",
     "rms_norm",
-    "gemv_mma_8",
+    "gemv_mma_8_d4",
+    "gemv_mma_8_d2",
     "gemv_mma_32",
     "splitk_reduce",
     "qkv_post",
@@ -31,8 +32,8 @@ pub struct Kernels {
     _module: Arc<CudaModule>,
     pub embed_rows: CudaFunction,
     pub rms_norm: CudaFunction,
-    /// The tensor-core GEMV taking 8 and 32 tokens a warp.
-    pub gemv_mma: [CudaFunction; 2],
+    /// The tensor-core GEMV: 8 tokens a block with 4 or 2 chunks in flight a warp, and 32 tokens a block.
+    pub gemv_mma: [CudaFunction; 3],
     pub splitk_reduce: CudaFunction,
     pub qkv_post: CudaFunction,
     pub rope_angles: CudaFunction,
@@ -148,7 +149,11 @@ impl Gpu {
         let kernels = Kernels {
             embed_rows: f("embed_rows")?,
             rms_norm: f("rms_norm")?,
-            gemv_mma: [f("gemv_mma_8")?, f("gemv_mma_32")?],
+            gemv_mma: [
+                f("gemv_mma_8_d4")?,
+                f("gemv_mma_8_d2")?,
+                f("gemv_mma_32")?,
+            ],
             splitk_reduce: f("splitk_reduce")?,
             qkv_post: f("qkv_post")?,
             rope_angles: f("rope_angles")?,

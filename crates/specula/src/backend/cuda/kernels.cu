@@ -127,12 +127,16 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ 
 
 // y[r][c] = dot(x[r], W[c]) for a bf16 W of n rows x k columns in the tiled layout of backend/cuda/layout.rs
 // (tiles of 16 rows x 32 columns, 1 KiB each in the order lanes read them), m activation rows of k f32 values.
-// grid (ceil(row_blocks / MMA_WARPS), ceil(m / (8 * NT)), splits), block MMA_WARPS * 32: each warp owns one row block
-// (16 outputs) and 8 * NT activation rows ("tokens") and walks its split's chunks of 32 inputs in order on the tensor
-// cores (mma.m16n8k16, bf16 x bf16 -> f32). An activation is split into bf16 hi + lo (hi = round(x),
-// lo = round(x - hi)), multiplied by both, so inputs keep ~16 bits of mantissa instead of bf16's 8.
-// Each output is one mma accumulator element; element (row, token) depends only on that row's weights and that
-// token's inputs, in a fixed chunk order, whatever m is or where the token sits in the tile (batch invariance).
+// grid (row_blocks, ceil(m / (8 * NT)), splits), block MMA_WARPS * 32: a block owns one row block (16 outputs)
+// and 8 * NT activation rows ("tokens"); its split's chunks of 32 inputs are dealt to the warps in turn (warp w
+// takes chunks w, w + MMA_WARPS, ... of the split, in order), each warp accumulates its chunks on the tensor cores
+// (mma.m16n8k16, bf16 x bf16 -> f32), and warp 0 adds the warps' sums in warp order. Four warps a row block
+// (rather than one) keep enough loads in flight when a matrix has few row blocks. An activation is split into
+// bf16 hi + lo (hi = round(x), lo = round(x - hi)), multiplied by both, so inputs keep ~16 bits of mantissa
+// instead of bf16's 8.
+// Each output is a fixed sum of mma accumulator elements; element (row, token) depends only on that row's weights
+// and that token's inputs, in an order fixed by the shape, whatever m is or where the token sits in the tile
+// (batch invariance).
 // Output, by mode:
 //   splits > 1: the split's partial sums go to scratch[split][r][c]; the next kernel (or splitk_reduce) adds them
 //               up in split order.
@@ -148,8 +152,8 @@ __device__ __forceinline__ u32 pack_bf16x2(float first, float second) {
 }
 
 __device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], const uint4& a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+    // Not volatile: the result depends only on the operands, so the compiler may schedule loads around it.
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
@@ -162,14 +166,15 @@ __device__ __forceinline__ void split_pair(float2 v, u32& hi, u32& lo) {
     lo = pack_bf16x2(v.x - hx, v.y - hy);
 }
 
-// NT is the number of 8-token tiles a warp takes (1 for decode and verify, 4 for longer batches: the weights are
+// NT is the number of 8-token tiles a block takes (1 for decode and verify, 4 for longer batches: the weights are
 // read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT.
-template <int NT>
+template <int NT, int DEPTH>
 __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const float* __restrict__ x,
                                               float* __restrict__ y, int n, int k, int chunks, int m, int accumulate,
                                               int splits, float* __restrict__ scratch, int silu_pairs) {
+    __shared__ float partial[MMA_WARPS - 1][NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int block = blockIdx.x * MMA_WARPS + warp;
+    const int block = blockIdx.x;
     if (block * 16 >= n) return;
     const int g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.y * 8 * NT;
@@ -187,28 +192,59 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
     float d[NT][4];
 #pragma unroll
     for (int u = 0; u < NT; u++) d[u][0] = d[u][1] = d[u][2] = d[u][3] = 0.f;
-#pragma unroll 4
-    for (int c = c_begin; c < c_end; c++) {
-        const uint4 a0 = __ldg(tiles + (size_t)c * 64 + lane);
-        const uint4 a1 = __ldg(tiles + (size_t)c * 64 + 32 + lane);
+    // DEPTH chunks at a time: every weight and activation load of the group is issued before the first mma, so
+    // DEPTH KiB of weights per warp are in flight (one chunk at a time waited on memory every iteration and
+    // streamed at ~30% of bandwidth; DEPTH 8 needed 153 registers a thread and was slower than 4). Chunks past the
+    // split's end are neither loaded nor multiplied (c is the same in every lane: the mma stays warp-uniform).
+    for (int base = c_begin + warp; base < c_end; base += DEPTH * MMA_WARPS) {
+        uint4 a[DEPTH][2];
+        float2 v[DEPTH][NT][4];
 #pragma unroll
-        for (int u = 0; u < NT; u++) {
-            float2 v[4];
+        for (int j = 0; j < DEPTH; j++) {
+            const int c = base + j * MMA_WARPS;
+            if (c < c_end) {
+                a[j][0] = __ldg(tiles + (size_t)c * 64 + lane);
+                a[j][1] = __ldg(tiles + (size_t)c * 64 + 32 + lane);
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int col = c * 32 + 2 * t + 8 * q;
-                v[q] = has_token[u] && (whole || col < k) ? *reinterpret_cast<const float2*>(xr[u] + col)
-                                                          : make_float2(0.f, 0.f);
+                for (int u = 0; u < NT; u++)
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const int col = c * 32 + 2 * t + 8 * q;
+                        v[j][u][q] = has_token[u] && (whole || col < k)
+                                         ? *reinterpret_cast<const float2*>(xr[u] + col)
+                                         : make_float2(0.f, 0.f);
+                    }
             }
-            u32 hi[4], lo[4];
+        }
 #pragma unroll
-            for (int q = 0; q < 4; q++) split_pair(v[q], hi[q], lo[q]);
-            mma_bf16_16x8x16(d[u], a0, hi[0], hi[1]);
-            mma_bf16_16x8x16(d[u], a0, lo[0], lo[1]);
-            mma_bf16_16x8x16(d[u], a1, hi[2], hi[3]);
-            mma_bf16_16x8x16(d[u], a1, lo[2], lo[3]);
+        for (int j = 0; j < DEPTH; j++) {
+            if (base + j * MMA_WARPS < c_end) {
+#pragma unroll
+                for (int u = 0; u < NT; u++) {
+                    u32 hi[4], lo[4];
+#pragma unroll
+                    for (int q = 0; q < 4; q++) split_pair(v[j][u][q], hi[q], lo[q]);
+                    mma_bf16_16x8x16(d[u], a[j][0], hi[0], hi[1]);
+                    mma_bf16_16x8x16(d[u], a[j][0], lo[0], lo[1]);
+                    mma_bf16_16x8x16(d[u], a[j][1], hi[2], hi[3]);
+                    mma_bf16_16x8x16(d[u], a[j][1], lo[2], lo[3]);
+                }
+            }
         }
     }
+    if (warp > 0) {
+#pragma unroll
+        for (int u = 0; u < NT; u++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) partial[warp - 1][u * 4 + e][lane] = d[u][e];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    for (int w = 0; w < MMA_WARPS - 1; w++)
+#pragma unroll
+        for (int u = 0; u < NT; u++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) d[u][e] += partial[w][u * 4 + e][lane];
     const int row_a = block * 16 + g, row_b = row_a + 8;
 #pragma unroll
     for (int u = 0; u < NT; u++) {
@@ -233,14 +269,19 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
     }
 }
 
-#define GEMV_MMA_KERNEL(name, NT)                                                                               \
+#define GEMV_MMA_KERNEL(name, NT, DEPTH)                                                                        \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                                 \
         name(const uint4* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n, int k,        \
              int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {       \
-        gemv_mma_tile<NT>(w, x, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);                   \
+        gemv_mma_tile<NT, DEPTH>(w, x, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);           \
     }
-GEMV_MMA_KERNEL(gemv_mma_8, 1)
-GEMV_MMA_KERNEL(gemv_mma_32, 4)
+// DEPTH only changes how many chunks' loads are in flight, never which warp sums which chunk, so every variant
+// gives the same bits. Measured on an H200 (docs/benchmarks.md): DEPTH 4 streams the large unsplit gate/up
+// matrices best (87.8% of DRAM bandwidth against 83.7% at DEPTH 2), DEPTH 2 the split-K ones (the 8b shape's down
+// projection 30.5 us against 36.1 us).
+GEMV_MMA_KERNEL(gemv_mma_8_d4, 1, 4)
+GEMV_MMA_KERNEL(gemv_mma_8_d2, 1, 2)
+GEMV_MMA_KERNEL(gemv_mma_32, 4, 2)
 
 // y[r][c] (+)= sum over splits, in split order, of scratch[split][r][c]; grid-stride over m * n.
 extern "C" __global__ void splitk_reduce(const float* __restrict__ scratch, float* __restrict__ y, int n, int m,

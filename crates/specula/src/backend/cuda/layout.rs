@@ -1,9 +1,9 @@
 //! How the GPU GEMV (kernels.cu `gemv_mma`) wants its weights laid out, and how it splits its work: plain Rust,
 //! compiled and tested without a GPU.
 //!
-//! The GEMV runs on the tensor cores (`mma.sync.m16n8k16`, bf16 in, f32 accumulate): a warp owns 16 output rows
-//! (a "row block") and up to 8 activation rows (tokens), and walks the inputs 32 at a time (a "chunk", two k16
-//! steps). Each lane needs, per chunk, the 8 bf16 weights of its A fragment for each of the two steps: 32 bytes.
+//! The GEMV runs on the tensor cores (`mma.sync.m16n8k16`, bf16 in, f32 accumulate): a block of WARPS warps owns
+//! 16 output rows (a "row block") and up to 8 activation rows (tokens); its warps take turns over the inputs 32 at
+//! a time (a "chunk", two k16 steps) and their sums are added in warp order. Each lane needs, per chunk, the 8 bf16 weights of its A fragment for each of the two steps: 32 bytes.
 //! So the matrix is stored as tiles of 16 rows x 32 columns, each tile 1 KiB in the order lanes read it: step 0's
 //! fragments (lane 0's 16 bytes, lane 1's, ...), then step 1's. A warp reads a tile with two fully coalesced
 //! 512-byte loads, and a row block's tiles follow each other in memory (one sequential stream per warp).
@@ -21,7 +21,7 @@ pub const CHUNK: usize = 32;
 pub const TILE: usize = ROW_BLOCK * CHUNK;
 /// Activation rows (tokens) a warp computes at once (the mma's N).
 pub const TOKENS: usize = 8;
-/// Warps per GEMV block (kernels.cu MMA_WARPS).
+/// Warps per GEMV block, all on one row block (kernels.cu MMA_WARPS).
 pub const WARPS: usize = 4;
 /// The most split-K partitions a GEMV uses (sizes the partial-sum scratch).
 pub const MAX_SPLITS: usize = 8;
@@ -68,13 +68,14 @@ pub fn stack_gate_up(gate: &[u16], up: &[u16], ff: usize, k: usize) -> Vec<u16> 
 }
 
 /// Split-K partitions for a GEMV of `n` outputs over `k` inputs on a GPU of `sm_count` multiprocessors: enough
-/// warps to keep about 16 a multiprocessor streaming weights, at most MAX_SPLITS, at least 4 chunks a split. A
-/// function of the matrix's shape only, never of the number of tokens, so a row's result never depends on what
-/// else is in the batch.
+/// warps (WARPS a row block) to keep about 16 a multiprocessor streaming weights, at most MAX_SPLITS, at least 4
+/// chunks per warp and split. A function of the matrix's shape only, never of the number of tokens, so a row's
+/// result never depends on what else is in the batch.
 pub fn splits_for(n: usize, k: usize, sm_count: usize) -> usize {
     let (blocks, chunks) = tiles(n, k);
-    let want = (16 * sm_count).div_ceil(blocks.max(1));
-    want.clamp(1, MAX_SPLITS).min((chunks / 4).max(1))
+    let want = (16 * sm_count).div_ceil(blocks.max(1) * WARPS);
+    want.clamp(1, MAX_SPLITS)
+        .min((chunks / (4 * WARPS)).max(1))
 }
 
 #[cfg(test)]
@@ -188,16 +189,19 @@ mod tests {
     #[test]
     fn splits_depend_on_shape_only_and_stay_in_bounds() {
         // llama-3.1-8b on 132 multiprocessors: the small matrices split, the large ones do not.
-        assert_eq!(splits_for(4096, 14336, 132), 8);
-        assert_eq!(splits_for(6144, 4096, 132), 6);
+        assert_eq!(splits_for(4096, 14336, 132), 3);
+        assert_eq!(splits_for(6144, 4096, 132), 2);
+        assert_eq!(splits_for(28672, 4096, 132), 1);
         assert_eq!(splits_for(128_256, 4096, 132), 1);
-        // Tiny inputs never split below 4 chunks a split.
+        // qwen2.5-1.5b: QKV and the output projection have few row blocks and 48 chunks.
+        assert_eq!(splits_for(2048, 1536, 132), 3);
+        // Tiny inputs never split below 4 chunks a warp.
         assert_eq!(splits_for(16, 64, 132), 1);
         for n in [16, 100, 1536, 4096, 151_936] {
             for k in [32, 96, 1536, 8960] {
                 let s = splits_for(n, k, 132);
                 assert!((1..=MAX_SPLITS).contains(&s));
-                assert!(s == 1 || k.div_ceil(CHUNK) / s >= 4);
+                assert!(s == 1 || k.div_ceil(CHUNK) / s >= 4 * WARPS);
             }
         }
     }

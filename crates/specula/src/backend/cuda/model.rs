@@ -428,11 +428,12 @@ impl CudaModel {
             layout::splits_for(n, w.cols, self.gpu.sm_count)
         };
         let blocks = n.div_ceil(layout::ROW_BLOCK);
-        // 8 tokens a warp for decode and verify, 32 past 8 (prefill): the same arithmetic per output either way.
-        let (variant, tokens) = if m <= layout::TOKENS {
-            (0, layout::TOKENS)
-        } else {
-            (1, 4 * layout::TOKENS)
+        // 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices, 2 for split
+        // ones: the faster of each on an H200), 32 past 8 (prefill). The same arithmetic per output either way.
+        let (variant, tokens) = match (m <= layout::TOKENS, splits > 1) {
+            (true, false) => (0, layout::TOKENS),
+            (true, true) => (1, layout::TOKENS),
+            (false, _) => (2, 4 * layout::TOKENS),
         };
         let gpu = &*self.gpu;
         let mut builder = gpu.stream.launch_builder(&gpu.kernels.gemv_mma[variant]);
@@ -466,7 +467,7 @@ impl CudaModel {
         unsafe {
             builder.launch(LaunchConfig {
                 grid_dim: (
-                    blocks.div_ceil(layout::WARPS) as u32,
+                    blocks as u32,
                     m.div_ceil(tokens) as u32,
                     splits as u32,
                 ),
