@@ -188,10 +188,12 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         sampling,
         stop_at_eos: !args.ignore_eos,
         verify_cost_repeats: args.verify_repeats,
+        simulate_acceptance: args.drafter.simulate_acceptance,
     };
     eprintln!(
-        "bench: target {}{}, {} prompts x {} rounds x {} configs, {} new tokens, {} threads",
+        "bench: target {} on {}{}, {} prompts x {} rounds x {} configs, {} new tokens, {} threads",
         target.spec,
+        target.model.device(),
         draft
             .as_ref()
             .map(|d| format!(", draft {}", d.spec))

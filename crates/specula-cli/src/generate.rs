@@ -141,7 +141,8 @@ pub struct GenerateArgs {
 /// Which drafter: shared by generate, bench and tune.
 #[derive(clap::Args, Clone)]
 pub struct DrafterArgs {
-    /// Speculative decoding with a separate draft model sharing the target's tokenizer (path, hf:ID or short name).
+    /// Speculative decoding with a separate draft model sharing the target's tokenizer (path, hf:ID, short name,
+    /// or random:SHAPE for random weights of a --random-weights shape on the GPU).
     #[arg(long)]
     pub draft_model: Option<String>,
     /// Drafting method: `model` (needs --draft-model) or `ngram` (prompt lookup, no model).
@@ -187,6 +188,12 @@ pub struct DrafterArgs {
         allow_negative_numbers = true
     )]
     pub draft_confidence: Vec<String>,
+    /// Speed work: accept each draft token with probability P instead of verifying it (the verify pass still
+    /// runs and is timed; the output is not the model's). Measures speedup against acceptance on random-weight
+    /// models, as SGLang's SGLANG_SIMULATE_ACC_LEN does. Pair it with --draft-confidence 0 so a draft model
+    /// always drafts --draft-tokens.
+    #[arg(long, value_name = "P", allow_negative_numbers = true)]
+    pub simulate_acceptance: Option<f64>,
 }
 
 /// Parses a comma-separated flag's values; no values means the single `default`.
@@ -274,6 +281,14 @@ impl DrafterArgs {
         }
         if !self.ngram_confidence.is_empty() && !matches!(choice, DraftChoice::Ngram { .. }) {
             anyhow::bail!("--ngram-confidence applies to prompt lookup; add --draft ngram");
+        }
+        if let Some(p) = self.simulate_acceptance {
+            specula::verify::check_simulated_acceptance(p)?;
+            if matches!(choice, DraftChoice::None) {
+                anyhow::bail!(
+                    "--simulate-acceptance needs a drafter: add --draft-model PATH|NAME|random:SHAPE or --draft ngram"
+                );
+            }
         }
         Ok(choice)
     }
@@ -442,9 +457,17 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             specula::draft::ngram::NgramDrafter::with_stopping(*min_n, *max_n, *min_confidence)?,
         )),
     };
+    let simulate_acceptance = args.draft.drafter.simulate_acceptance;
+    if let Some(p) = simulate_acceptance {
+        eprintln!(
+            "note: --simulate-acceptance {p}: each draft token is accepted with probability {p} instead of \
+             being verified; the speed is real, the text is not the model's"
+        );
+    }
     let speculation = drafter.as_mut().map(|d| decode::Speculation {
         drafter: d.as_mut(),
         draft_tokens,
+        simulate_acceptance,
     });
     let stdout = std::io::stdout();
     let mut out = stdout.lock();

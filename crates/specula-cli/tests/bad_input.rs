@@ -721,3 +721,33 @@ fn conflicting_or_bad_draft_flags() {
         );
     }
 }
+
+#[test]
+fn simulated_acceptance_is_checked_before_loading() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_gguf(dir.path());
+    let m = model.to_str().unwrap();
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--simulate-acceptance", "0.8"],
+        &["--simulate-acceptance needs a drafter"],
+    );
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "ngram",
+            "--simulate-acceptance",
+            "1.5",
+        ],
+        &["--simulate-acceptance must be a probability between 0 and 1, got 1.5"],
+    );
+    // A random-weights draft names the device it needs on a CPU run.
+    fails_with(
+        &["generate", "-m", m, "-p", "hi", "--draft-model", "random:llama-3.2-1b"],
+        &["--device cuda"],
+    );
+}

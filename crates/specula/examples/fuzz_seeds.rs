@@ -307,6 +307,7 @@ fn tiny_bench_json(tmp: &tempfile::TempDir) -> Result<String, Box<dyn std::error
         sampling: Default::default(),
         stop_at_eos: false,
         verify_cost_repeats: 1,
+        simulate_acceptance: None,
     };
     let report = specula::bench::run_bench(&spec, &mut |_| {})?;
     Ok(serde_json::to_string_pretty(&report.to_json())?)

@@ -107,6 +107,9 @@ pub fn validate_request(model: &dyn Model, req: &GenerateRequest) -> Result<()> 
 pub struct Speculation<'d> {
     pub drafter: &'d mut dyn Drafter,
     pub draft_tokens: usize,
+    /// Speed work only: accept each draft token with this probability instead of verifying it
+    /// ([`verify::SimulatedAcceptance`]); the output is then not the model's.
+    pub simulate_acceptance: Option<f64>,
 }
 
 /// Generates up to `max_new_tokens` tokens, streaming text to `on_text` as it is produced. With a drafter, each
@@ -123,6 +126,11 @@ pub fn generate(
     if let Some(s) = &speculation {
         check_draft_tokens(s.draft_tokens)?;
     }
+    let mut simulated = speculation
+        .as_ref()
+        .and_then(|s| s.simulate_acceptance)
+        .map(|p| verify::SimulatedAcceptance::new(p, req.sampling.seed))
+        .transpose()?;
     let mut sampler = Sampler::new(req.sampling)?;
     let draft_room = speculation.as_ref().map_or(0, |s| s.draft_tokens);
     let mut cache = model.new_cache_for(req.prompt_tokens.len(), req.max_new_tokens, draft_room)?;
@@ -222,7 +230,10 @@ pub fn generate(
         };
         // Host time of the verify call: right on the CPU, only the launches on a GPU (see below).
         let verify_host_s = verify_start.elapsed().as_secs_f64();
-        let acceptance = if speculation.is_some() {
+        let acceptance = if let Some(sim) = simulated.as_mut() {
+            let _s = prof.span(Phase::Accept);
+            sim.accept(&draft, logits.logits.as_ref())?
+        } else if speculation.is_some() {
             let _s = prof.span(Phase::Accept);
             verify::accept(&draft, logits.logits.as_ref(), &mut sampler)?
         } else {

@@ -237,6 +237,7 @@ fn run_model(model: &dyn Model, tokenizer: &Tokenizer) {
         let speculation = Speculation {
             drafter: &mut ngram,
             draft_tokens: 3,
+            simulate_acceptance: None,
         };
         let _ = generate(
             model,

@@ -72,6 +72,11 @@ pub fn load_model_on(
     fetch: bool,
     log: &mut dyn FnMut(&str),
 ) -> Result<model::LoadedModel> {
+    if let Some(shape) = spec.strip_prefix("random:") {
+        // Random weights of a real shape (speed work, e.g. a draft for a random-weights target); seed 1, so a
+        // draft of the target's own shape is not the target.
+        return model::load_random(shape, device, 1);
+    }
     let (path, sha) = resolve_model(spec, fetch, log)?;
     let mut loaded = model::load_path_on(&path, spec, device)?;
     loaded.known_sha256 = sha;

@@ -237,6 +237,7 @@ fn generate_with(
     let spec = drafter.map(|d| specula::decode::Speculation {
         drafter: d,
         draft_tokens: k,
+        simulate_acceptance: None,
     });
     generate(
         target.model.as_ref(),

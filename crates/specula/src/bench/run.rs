@@ -126,6 +126,9 @@ pub struct BenchSpec<'a> {
     pub stop_at_eos: bool,
     /// Repetitions per size of the verify-cost measurement (0 skips it).
     pub verify_cost_repeats: usize,
+    /// Speed work: accept each draft token with this probability instead of verifying it
+    /// ([`crate::verify::SimulatedAcceptance`]); the greedy-equality check is then skipped.
+    pub simulate_acceptance: Option<f64>,
 }
 
 /// Totals of one configuration over every run.
@@ -198,6 +201,10 @@ pub struct BenchReport {
     /// The draft model's vocabulary limit (`--draft-vocab`) when the bench ran one drafter variant (each
     /// config's `drafter` has its own settings).
     pub draft_vocab: Option<usize>,
+    /// `--simulate-acceptance`: acceptance was drawn, not verified (speed work; the outputs are synthetic).
+    pub simulated_acceptance: Option<f64>,
+    /// Where the target ran ("cpu", "cuda:0 (NVIDIA H200)").
+    pub device: String,
 }
 
 impl BenchReport {
@@ -256,6 +263,12 @@ impl BenchReport {
                 }
             );
         }
+        if let Some(p) = self.simulated_acceptance {
+            let _ = writeln!(
+                s,
+                "simulated acceptance: each draft token accepted with probability {p} (not verified; speed only)"
+            );
+        }
         if let Some(v) = &self.verify_cost {
             let cells: Vec<String> = (1..=v.ms.len())
                 .map(|n| format!("{n}:{:.1}ms({:.2}x)", v.verify_ms(n), v.ratio(n)))
@@ -304,6 +317,8 @@ impl BenchReport {
             "max_new_tokens": self.max_new_tokens,
             "greedy": self.greedy,
             "draft_vocab": self.draft_vocab,
+            "simulated_acceptance": self.simulated_acceptance,
+            "device": self.device,
             "configs": configs,
             "verify_cost": self.verify_cost,
         })
@@ -495,6 +510,7 @@ pub fn run_bench(
                 let speculation = drafter.as_mut().map(|d| Speculation {
                     drafter: d.as_mut(),
                     draft_tokens: config.k,
+                    simulate_acceptance: spec.simulate_acceptance,
                 });
                 let out = decode::generate(
                     spec.target,
@@ -526,8 +542,8 @@ pub fn run_bench(
                 outputs[ci] = Some(out.tokens);
                 done += 1;
             }
-            // Greedy speculation must reproduce plain decoding exactly.
-            if greedy {
+            // Greedy speculation must reproduce plain decoding exactly (simulated acceptance does not verify).
+            if greedy && spec.simulate_acceptance.is_none() {
                 if let Some(plain) = &plain_tokens {
                     for (ci, tokens) in outputs.iter().enumerate() {
                         if tokens.as_ref().is_some_and(|t| t != plain) {
@@ -566,5 +582,7 @@ pub fn run_bench(
             [DraftMethod::Model { vocab_limit, .. }] => vocab_limit,
             _ => None,
         },
+        simulated_acceptance: spec.simulate_acceptance,
+        device: spec.target.device(),
     })
 }

@@ -85,6 +85,7 @@ fn greedy_speculation_equals_plain_decoding() {
                 Some(Speculation {
                     drafter: &mut drafter,
                     draft_tokens: k,
+                    simulate_acceptance: None,
                 }),
             );
             assert_eq!(
@@ -110,6 +111,7 @@ fn greedy_speculation_equals_plain_decoding() {
                 Some(Speculation {
                     drafter: &mut ngram,
                     draft_tokens: k,
+                    simulate_acceptance: None,
                 }),
             );
             assert_eq!(out.tokens, plain.tokens, "ngram k={k}");
@@ -218,6 +220,7 @@ fn confidence_stopped_draft_model_is_lossless_and_drafts_where_confident() {
             Some(Speculation {
                 drafter: &mut drafter,
                 draft_tokens: 5,
+                simulate_acceptance: None,
             }),
         );
         assert_eq!(out.tokens, plain.tokens, "confidence {c}");
@@ -261,6 +264,7 @@ fn vocab_limited_draft_model_is_lossless() {
                 Some(Speculation {
                     drafter: &mut limited,
                     draft_tokens: k,
+                    simulate_acceptance: None,
                 }),
             );
             assert_eq!(out.tokens, plain.tokens, "limit {limit} k={k}");
@@ -548,6 +552,7 @@ fn check_sampled_distribution(case: SampledCase) {
             Some(Speculation {
                 drafter: drafter.as_mut(),
                 draft_tokens: 2,
+                simulate_acceptance: None,
             }),
         );
         let st = out.speculation.unwrap();
@@ -658,11 +663,63 @@ fn bad_draft_lengths_are_refused() {
             Some(Speculation {
                 drafter: &mut ngram,
                 draft_tokens: k,
+                simulate_acceptance: None,
             }),
             &Profiler::disabled(),
             &mut |_| {},
         )
         .unwrap_err();
         assert!(err.to_string().contains("--draft-tokens"), "{err}");
+    }
+}
+
+/// `simulate_acceptance` replaces verification in the loop: with p = 1 every drafted token is kept (a far draft
+/// model's tokens included) and each cycle commits k + 1 tokens; with p = 0 none is, and the output is plain
+/// decoding's.
+#[test]
+fn simulated_acceptance_replaces_verification() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            seed: 3,
+            ..Default::default()
+        },
+    );
+    let far = tiny(
+        dir.path(),
+        "f.gguf",
+        TinySpec {
+            seed: 9,
+            ..Default::default()
+        },
+    );
+    let req = request(&PROMPT, 30, SamplingParams::default());
+    let plain = run(&target, &req, None);
+    for (p, k) in [(1.0, 4), (0.0, 4)] {
+        let mut drafter = ModelDrafter::new(far.model.as_ref(), 0)
+            .unwrap()
+            .with_min_confidence(0.0)
+            .unwrap();
+        let out = run(
+            &target,
+            &req,
+            Some(Speculation {
+                drafter: &mut drafter,
+                draft_tokens: k,
+                simulate_acceptance: Some(p),
+            }),
+        );
+        let st = out.speculation.unwrap();
+        assert!(st.drafted > 0);
+        if p == 1.0 {
+            assert_eq!(st.accepted, st.drafted, "p = 1 keeps every draft token");
+            // k + 1 tokens a cycle: 29 decode tokens in at most 6 cycles (plain decoding needs 29 steps).
+            assert!(st.cycles <= 6, "{} cycles", st.cycles);
+        } else {
+            assert_eq!(st.accepted, 0);
+            assert_eq!(out.tokens, plain.tokens, "p = 0 is plain decoding");
+        }
     }
 }

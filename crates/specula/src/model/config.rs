@@ -337,7 +337,7 @@ impl Config {
 
     /// The shapes `--random-weights` offers (real models' configs, for speed work without their weights).
     pub const RANDOM_SHAPES: &'static [&'static str] =
-        &["llama-3.1-8b", "qwen2.5-1.5b", "qwen2.5-0.5b", "tiny"];
+        &["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-1.5b", "qwen2.5-0.5b", "tiny"];
 
     /// The configuration of a known model shape (see [`Config::RANDOM_SHAPES`]).
     pub fn shape(name: &str) -> Result<Self> {
@@ -389,6 +389,29 @@ impl Config {
                 }),
                 attention_bias: false,
                 tie_word_embeddings: false,
+                ..base
+            },
+            // Llama 3.2 1B: the natural draft model for llama-3.1-8b (same vocabulary).
+            "llama-3.2-1b" => Config {
+                architecture: "llama".into(),
+                vocab_size: 128_256,
+                hidden_size: 2048,
+                intermediate_size: 8192,
+                num_layers: 16,
+                num_heads: 32,
+                num_kv_heads: 8,
+                head_dim: 64,
+                context_length: 131_072,
+                rope_theta: 500_000.0,
+                rms_norm_eps: 1e-5,
+                rope_scaling: Some(Llama3RopeScaling {
+                    factor: 32.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192,
+                }),
+                attention_bias: false,
+                tie_word_embeddings: true,
                 ..base
             },
             "tiny" => Config {
