@@ -728,7 +728,15 @@ fn simulated_acceptance_is_checked_before_loading() {
     let model = tiny_gguf(dir.path());
     let m = model.to_str().unwrap();
     fails_with(
-        &["generate", "-m", m, "-p", "hi", "--simulate-acceptance", "0.8"],
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--simulate-acceptance",
+            "0.8",
+        ],
         &["--simulate-acceptance needs a drafter"],
     );
     fails_with(
@@ -747,7 +755,15 @@ fn simulated_acceptance_is_checked_before_loading() {
     );
     // A random-weights draft names the device it needs on a CPU run.
     fails_with(
-        &["generate", "-m", m, "-p", "hi", "--draft-model", "random:llama-3.2-1b"],
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft-model",
+            "random:llama-3.2-1b",
+        ],
         &["--device cuda"],
     );
 }

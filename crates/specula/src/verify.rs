@@ -170,7 +170,10 @@ mod tests {
         for (i, &r) in reached.iter().enumerate() {
             let want = 0.6f64.powi(i as i32);
             let got = r as f64 / n as f64;
-            assert!((got - want).abs() < 0.015, "P(accepted >= {i}) = {got}, want {want}");
+            assert!(
+                (got - want).abs() < 0.015,
+                "P(accepted >= {i}) = {got}, want {want}"
+            );
         }
     }
 

@@ -336,8 +336,13 @@ impl Config {
     }
 
     /// The shapes `--random-weights` offers (real models' configs, for speed work without their weights).
-    pub const RANDOM_SHAPES: &'static [&'static str] =
-        &["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-1.5b", "qwen2.5-0.5b", "tiny"];
+    pub const RANDOM_SHAPES: &'static [&'static str] = &[
+        "llama-3.1-8b",
+        "llama-3.2-1b",
+        "qwen2.5-1.5b",
+        "qwen2.5-0.5b",
+        "tiny",
+    ];
 
     /// The configuration of a known model shape (see [`Config::RANDOM_SHAPES`]).
     pub fn shape(name: &str) -> Result<Self> {

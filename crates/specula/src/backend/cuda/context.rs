@@ -14,6 +14,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "rms_norm",
     "gemv_mma_8_d4",
     "gemv_mma_8_d2",
+    "gemv_mma_16",
     "gemv_mma_32",
     "splitk_reduce",
     "qkv_post",
@@ -32,8 +33,8 @@ pub struct Kernels {
     _module: Arc<CudaModule>,
     pub embed_rows: CudaFunction,
     pub rms_norm: CudaFunction,
-    /// The tensor-core GEMV: 8 tokens a block with 4 or 2 chunks in flight a warp, and 32 tokens a block.
-    pub gemv_mma: [CudaFunction; 3],
+    /// The tensor-core GEMV: 8 tokens a block with 4 or 2 chunks in flight a warp, 16 and 32 tokens a block.
+    pub gemv_mma: [CudaFunction; 4],
     pub splitk_reduce: CudaFunction,
     pub qkv_post: CudaFunction,
     pub rope_angles: CudaFunction,
@@ -47,6 +48,10 @@ pub struct Kernels {
 }
 
 pub struct Gpu {
+    /// Launch kernels with programmatic dependent launch (Hopper and newer; `SPECULA_PDL=0` turns it off): a
+    /// kernel's blocks start while the previous kernel drains, prefetch their weights, and wait
+    /// (griddepcontrol.wait) before touching anything the previous kernel wrote.
+    pub pdl: bool,
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub kernels: Kernels,
@@ -66,12 +71,10 @@ fn arch_name(major: i32, minor: i32) -> Result<&'static str> {
         (9, 0) => "sm_90",
         (10, 0) => "sm_100",
         (12, 0) => "sm_120",
-        _ if major < 8 => {
-            return Err(Error::Cuda(format!(
-                "compute capability {major}.{minor}: specula's GPU kernels need 8.0 (Ampere) or newer \
+        _ if major < 8 => return Err(Error::Cuda(format!(
+            "compute capability {major}.{minor}: specula's GPU kernels need 8.0 (Ampere) or newer \
                  (bf16 tensor-core instructions)"
-            )))
-        }
+        ))),
         _ => {
             return Err(Error::Cuda(format!(
                 "compute capability {major}.{minor} is not one specula compiles for (8.0-12.0)"
@@ -152,6 +155,7 @@ impl Gpu {
             gemv_mma: [
                 f("gemv_mma_8_d4")?,
                 f("gemv_mma_8_d2")?,
+                f("gemv_mma_16")?,
                 f("gemv_mma_32")?,
             ],
             splitk_reduce: f("splitk_reduce")?,
@@ -172,13 +176,63 @@ impl Gpu {
             )
             .map_err(|e| cuda_err("reading the multiprocessor count", e))?
             .max(1) as usize;
+        let pdl = major >= 9 && std::env::var("SPECULA_PDL").map_or(true, |v| v != "0");
         Ok(Gpu {
+            pdl,
             name: format!("cuda:{index} ({card})"),
             sm_count,
             ctx,
             stream,
             kernels,
         })
+    }
+
+    /// Launches `f` on the step stream with `params` (pointers to each argument's value, in order), with
+    /// programmatic dependent launch when `self.pdl`. Every kernel in kernels.cu calls pdl_wait() before it reads
+    /// or writes memory another kernel touches, so the attribute never changes a result.
+    ///
+    /// # Safety
+    /// `params` must match `f`'s parameters in number, order and type, and every pointer argument must be a live
+    /// device allocation of the size the kernel indexes.
+    pub unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the GPU context", e))?;
+        // SAFETY: an all-zero attribute value is valid; the field set below is the one the id names.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: the caller guarantees the parameters; the config and attribute outlive the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| cuda_err(name, e))
     }
 
     /// Free and total device memory in bytes.

@@ -24,6 +24,27 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Programmatic dependent launch (Hopper and newer; backend/cuda/context.rs Gpu::launch): a kernel may start while
+// the previous one drains. pdl_wait() blocks until every earlier kernel has finished and its writes are visible;
+// every kernel calls it before touching memory another kernel reads or writes (and before exiting, so that
+// waiting on a kernel means waiting on all before it). pdl_trigger() lets the next kernel start launching. Both
+// are no-ops when the launch did not ask for it, and compile to nothing before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+#define PDL_ENTER() \
+    pdl_wait();     \
+    pdl_trigger()
+
 // The step's view of each row: which sequence, which cache slot, which slot its new rows start at, and (trees)
 // which new rows it sees.
 struct RowInfo {
@@ -56,6 +77,7 @@ __device__ __forceinline__ size_t tiled_index(u32 row, u32 col, u32 chunks) {
 // grid (rows), block 256.
 extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u32* __restrict__ tokens,
                                       float* __restrict__ out, int h, int chunks) {
+    PDL_ENTER();
     const int r = blockIdx.x;
     const u32 token = tokens[r];
     for (int i = threadIdx.x; i < h; i += blockDim.x)
@@ -73,6 +95,7 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ 
                                                             float* __restrict__ out, int h, float eps,
                                                             const float* __restrict__ partials, int splits,
                                                             u64 split_stride) {
+    PDL_ENTER();
     __shared__ float partial[32];
     const int r = blockIdx.x;
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * h);
@@ -166,8 +189,8 @@ __device__ __forceinline__ void split_pair(float2 v, u32& hi, u32& lo) {
     lo = pack_bf16x2(v.x - hx, v.y - hy);
 }
 
-// NT is the number of 8-token tiles a block takes (1 for decode and verify, 4 for longer batches: the weights are
-// read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT.
+// NT is the number of 8-token tiles a block takes (1 for decode and verify up to 8 rows, 2 up to 16, 4 past that:
+// the weights are read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT.
 template <int NT, int DEPTH>
 __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const float* __restrict__ x,
                                               float* __restrict__ y, int n, int k, int chunks, int m, int accumulate,
@@ -175,6 +198,16 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
     __shared__ float partial[MMA_WARPS - 1][NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int block = blockIdx.x;
+    const int per_split = (chunks + splits - 1) / splits;
+    const int c_begin = blockIdx.z * per_split, c_end = min(chunks, c_begin + per_split);
+    const uint4* tiles = w + (size_t)block * chunks * 64;
+    if (block * 16 < n) {
+        // Weights never depend on an earlier kernel: start pulling the warp's first four chunks into L2 (lanes
+        // 8j..8j+7 take the eight 128-byte lines of chunk j) while the previous kernel finishes.
+        const int c = c_begin + warp + (lane >> 3) * MMA_WARPS;
+        if (c < c_end) asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(tiles + (size_t)c * 64) + (lane & 7) * 128));
+    }
+    PDL_ENTER();
     if (block * 16 >= n) return;
     const int g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.y * 8 * NT;
@@ -185,9 +218,6 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
         has_token[u] = r0 + 8 * u + g < m;
         xr[u] = x + (size_t)(has_token[u] ? r0 + 8 * u + g : 0) * k;
     }
-    const int per_split = (chunks + splits - 1) / splits;
-    const int c_begin = blockIdx.z * per_split, c_end = min(chunks, c_begin + per_split);
-    const uint4* tiles = w + (size_t)block * chunks * 64;
     const bool whole = (k & 31) == 0;
     float d[NT][4];
 #pragma unroll
@@ -281,11 +311,13 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
 // projection 30.5 us against 36.1 us).
 GEMV_MMA_KERNEL(gemv_mma_8_d4, 1, 4)
 GEMV_MMA_KERNEL(gemv_mma_8_d2, 1, 2)
+GEMV_MMA_KERNEL(gemv_mma_16, 2, 2)
 GEMV_MMA_KERNEL(gemv_mma_32, 4, 2)
 
 // y[r][c] (+)= sum over splits, in split order, of scratch[split][r][c]; grid-stride over m * n.
 extern "C" __global__ void splitk_reduce(const float* __restrict__ scratch, float* __restrict__ y, int n, int m,
                                          int splits, int accumulate) {
+    PDL_ENTER();
     const size_t total = (size_t)m * n;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         float s = 0.f;
@@ -311,6 +343,7 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, int splits, u
                                     const float2* __restrict__ angles, const RowInfo* __restrict__ rows,
                                     const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd,
                                     int halves, float* __restrict__ q) {
+    PDL_ENTER();
     const int r = blockIdx.x, seg = blockIdx.y, half = hd / 2;
     const int width = (heads + 2 * kv_heads) * hd;
     const size_t src = (size_t)r * width + (size_t)seg * hd;
@@ -345,6 +378,7 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, int splits, u
 // small frequencies lose precision in float). grid (rows), block 64.
 extern "C" __global__ void rope_angles(const u32* __restrict__ positions, const float* __restrict__ inv_freq,
                                        float2* __restrict__ angles, int half) {
+    PDL_ENTER();
     const int r = blockIdx.x;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         double s, c;
@@ -380,6 +414,7 @@ template <int P>
 __device__ __forceinline__ void attention_rows(const float* __restrict__ q, float* __restrict__ out,
                                                const RowInfo* __restrict__ rows, const SeqCache* __restrict__ caches,
                                                int layer, int heads, int kv_heads, int hd, float scale) {
+    PDL_ENTER();
     __shared__ float s_max[ATT_WARPS], s_sum[ATT_WARPS];
     __shared__ float4 s_acc[ATT_WARPS][32 * P];
     const int r = blockIdx.x, head = blockIdx.y;
@@ -503,6 +538,7 @@ ATTENTION_KERNEL(attention_256, 2)
 // out[j] = x[src[j]] for the rows that need logits; grid (rows), block 256.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ src,
                                        float* __restrict__ out, int h) {
+    PDL_ENTER();
     const int j = blockIdx.x;
     const float* from = x + (size_t)src[j] * h;
     for (int i = threadIdx.x; i < h; i += blockDim.x) out[(size_t)j * h + i] = from[i];
@@ -541,6 +577,7 @@ __device__ __forceinline__ void argmax_block(float& v, u32& idx, float* s_val, u
 
 extern "C" __global__ void argmax_partial(const float* __restrict__ x, float* __restrict__ part_val,
                                           u32* __restrict__ part_idx, int n) {
+    PDL_ENTER();
     __shared__ float s_val[256];
     __shared__ u32 s_idx[256];
     const int r = blockIdx.x, b = blockIdx.y;
@@ -562,6 +599,7 @@ extern "C" __global__ void argmax_partial(const float* __restrict__ x, float* __
 
 extern "C" __global__ void argmax_final(const float* __restrict__ part_val, const u32* __restrict__ part_idx,
                                         u32* __restrict__ best) {
+    PDL_ENTER();
     __shared__ float s_val[ARGMAX_PARTS];
     __shared__ u32 s_idx[ARGMAX_PARTS];
     const int r = blockIdx.x;
@@ -574,6 +612,7 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part_val, cons
 // Fills a bf16 buffer with seeded uniform values in [-scale, scale) (random weights of real shapes for speed
 // work, made on the device). A counter-based hash, so any element's value depends only on (seed, index).
 extern "C" __global__ void fill_random_bf16(bf16_t* __restrict__ out, size_t n, u64 seed, float scale) {
+    PDL_ENTER();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         u64 z = seed + 0x9E3779B97F4A7C15ull * (i + 1);
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -589,6 +628,7 @@ extern "C" __global__ void fill_random_bf16(bf16_t* __restrict__ out, size_t n, 
 // sources are never below their destinations, so copying in order reads each source before it is overwritten.
 extern "C" __global__ void kv_keep_rows(float* __restrict__ cache, u32 capacity, const u32* __restrict__ src,
                                         int count, u32 base, int hd) {
+    PDL_ENTER();
     float* head = cache + (size_t)blockIdx.x * capacity * hd;
     for (int j = 0; j < count; j++) {
         const float* from = head + (size_t)(base + src[j]) * hd;

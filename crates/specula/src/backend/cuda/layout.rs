@@ -74,8 +74,7 @@ pub fn stack_gate_up(gate: &[u16], up: &[u16], ff: usize, k: usize) -> Vec<u16> 
 pub fn splits_for(n: usize, k: usize, sm_count: usize) -> usize {
     let (blocks, chunks) = tiles(n, k);
     let want = (16 * sm_count).div_ceil(blocks.max(1) * WARPS);
-    want.clamp(1, MAX_SPLITS)
-        .min((chunks / (4 * WARPS)).max(1))
+    want.clamp(1, MAX_SPLITS).min((chunks / (4 * WARPS)).max(1))
 }
 
 #[cfg(test)]
@@ -90,7 +89,9 @@ mod tests {
         let mut s = seed;
         (0..len)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let u = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
                 (u.to_bits() >> 16) as u16
             })
@@ -117,7 +118,13 @@ mod tests {
     /// for each chunk the lane's two 16-byte loads are its A fragments, its B fragments are its token's inputs;
     /// the per-element products are summed in f64 here (the order inside an mma is the hardware's). A wrong
     /// tiled_index (a swapped register or lane) fails this against the plain product.
-    fn emulate_warp(tiled: &[u16], chunks: usize, block: usize, x: &[Vec<f32>], k: usize) -> [[f64; 8]; 16] {
+    fn emulate_warp(
+        tiled: &[u16],
+        chunks: usize,
+        block: usize,
+        x: &[Vec<f32>],
+        k: usize,
+    ) -> [[f64; 8]; 16] {
         let mut d = [[0f64; 8]; 16];
         for chunk in 0..chunks {
             let tile = &tiled[(block * chunks + chunk) * TILE..][..TILE];
@@ -154,19 +161,29 @@ mod tests {
         let tiled = tile_matrix(&w, n, k);
         let (blocks, chunks) = tiles(n, k);
         let x: Vec<Vec<f32>> = (0..3)
-            .map(|t| (0..k).map(|i| ((t * 31 + i * 7) % 13) as f32 * 0.25 - 1.5).collect())
+            .map(|t| {
+                (0..k)
+                    .map(|i| ((t * 31 + i * 7) % 13) as f32 * 0.25 - 1.5)
+                    .collect()
+            })
             .collect();
         for block in 0..blocks {
             let d = emulate_warp(&tiled, chunks, block, &x, k);
-            for i in 0..ROW_BLOCK {
+            for (i, got) in d.iter().enumerate() {
                 let row = block * ROW_BLOCK + i;
                 for (tok, xr) in x.iter().enumerate() {
                     let want: f64 = if row < n {
-                        (0..k).map(|c| f64::from(bf16_to_f32(w[row * k + c])) * f64::from(xr[c])).sum()
+                        (0..k)
+                            .map(|c| f64::from(bf16_to_f32(w[row * k + c])) * f64::from(xr[c]))
+                            .sum()
                     } else {
                         0.0
                     };
-                    assert!((d[i][tok] - want).abs() < 1e-9, "row {row} token {tok}: {} vs {want}", d[i][tok]);
+                    assert!(
+                        (got[tok] - want).abs() < 1e-9,
+                        "row {row} token {tok}: {} vs {want}",
+                        got[tok]
+                    );
                 }
             }
         }
@@ -181,8 +198,16 @@ mod tests {
         for f in 0..ff {
             let (block, g) = (f / 8, f % 8);
             // The lane holding D[g] of row block `block` holds D[g + 8] too (d0/d2).
-            assert_eq!(stacked[(block * 16 + g) * k], f as u16, "gate of feature {f}");
-            assert_eq!(stacked[(block * 16 + g + 8) * k], 1000 + f as u16, "up of feature {f}");
+            assert_eq!(
+                stacked[(block * 16 + g) * k],
+                f as u16,
+                "gate of feature {f}"
+            );
+            assert_eq!(
+                stacked[(block * 16 + g + 8) * k],
+                1000 + f as u16,
+                "up of feature {f}"
+            );
         }
     }
 

@@ -66,6 +66,12 @@ mod tests {
                     "{arch}: no {kernel} in the PTX"
                 );
             }
+            // Programmatic dependent launch exists from sm_90: compiled in there, compiled out before.
+            assert_eq!(
+                text.contains("griddepcontrol.wait"),
+                arch == "sm_90",
+                "{arch}: griddepcontrol guard"
+            );
         }
     }
 }

@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::layout::{self, MAX_SPLITS};
 use super::{cuda_err, CudaKvCache, Gpu};
@@ -68,19 +68,26 @@ fn ptr<T>(s: &CudaSlice<T>, gpu: &Gpu) -> u64 {
 macro_rules! launch {
     ($gpu:expr, $kernel:ident, $grid:expr, $block:expr, $($arg:expr),* $(,)?) => {{
         let gpu: &Gpu = &$gpu;
-        let mut builder = gpu.stream.launch_builder(&gpu.kernels.$kernel);
-        $( let value = $arg; builder.arg(&value); )*
+        launch_fn!(gpu, &gpu.kernels.$kernel, stringify!($kernel), $grid, $block, $($arg),*)
+    }};
+}
+
+/// Launches a kernel function with its arguments (each boxed, so the parameter pointers stay valid).
+macro_rules! launch_fn {
+    ($gpu:expr, $func:expr, $name:expr, $grid:expr, $block:expr, $($arg:expr),* $(,)?) => {{
+        let gpu: &Gpu = $gpu;
+        let mut keep: Vec<Box<dyn std::any::Any>> = Vec::new();
+        let mut params: Vec<*mut std::ffi::c_void> = Vec::new();
+        $(
+            let mut value = Box::new($arg);
+            params.push(&mut *value as *mut _ as *mut std::ffi::c_void);
+            keep.push(value);
+        )*
         let grid: (u32, u32, u32) = $grid;
         // SAFETY: the arguments match the kernel's signature in kernels.cu, and every pointer is a live
         // allocation of the size the kernel indexes (checked by the callers' shapes).
-        unsafe {
-            builder.launch(LaunchConfig {
-                grid_dim: grid,
-                block_dim: ($block, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .map_err(|e| cuda_err(stringify!($kernel), e))?;
+        unsafe { gpu.launch($func, $name, grid, $block, &mut params) }?;
+        drop(keep);
     }};
 }
 
@@ -429,15 +436,21 @@ impl CudaModel {
         };
         let blocks = n.div_ceil(layout::ROW_BLOCK);
         // 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices, 2 for split
-        // ones: the faster of each on an H200), 32 past 8 (prefill). The same arithmetic per output either way.
-        let (variant, tokens) = match (m <= layout::TOKENS, splits > 1) {
-            (true, false) => (0, layout::TOKENS),
-            (true, true) => (1, layout::TOKENS),
-            (false, _) => (2, 4 * layout::TOKENS),
+        // ones: the faster of each on an H200), 16 up to 16 rows (long verifies, trees), 32 past that (prefill).
+        // The same arithmetic per output whichever runs.
+        let (variant, tokens) = match (m.div_ceil(layout::TOKENS), splits > 1) {
+            (0 | 1, false) => (0, layout::TOKENS),
+            (0 | 1, true) => (1, layout::TOKENS),
+            (2, _) => (2, 2 * layout::TOKENS),
+            _ => (3, 4 * layout::TOKENS),
         };
         let gpu = &*self.gpu;
-        let mut builder = gpu.stream.launch_builder(&gpu.kernels.gemv_mma[variant]);
-        let args = (
+        launch_fn!(
+            gpu,
+            &gpu.kernels.gemv_mma[variant],
+            "gemv_mma",
+            (blocks as u32, m.div_ceil(tokens) as u32, splits as u32),
+            (layout::WARPS * 32) as u32,
             ptr(&w.data, gpu),
             x,
             y,
@@ -448,34 +461,8 @@ impl CudaModel {
             accumulate as i32,
             splits as i32,
             scratch,
-            silu_pairs as i32,
+            silu_pairs as i32
         );
-        builder
-            .arg(&args.0)
-            .arg(&args.1)
-            .arg(&args.2)
-            .arg(&args.3)
-            .arg(&args.4)
-            .arg(&args.5)
-            .arg(&args.6)
-            .arg(&args.7)
-            .arg(&args.8)
-            .arg(&args.9)
-            .arg(&args.10);
-        // SAFETY: the arguments match gemv_mma_tile's kernels in kernels.cu; the grid covers every row block, token
-        // and split, and w holds whole tiles for n x w.cols.
-        unsafe {
-            builder.launch(LaunchConfig {
-                grid_dim: (
-                    blocks as u32,
-                    m.div_ceil(tokens) as u32,
-                    splits as u32,
-                ),
-                block_dim: ((layout::WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .map_err(|e| cuda_err("gemv_mma", e))?;
         if splits > 1 && defer {
             return Ok(splits);
         }
@@ -728,8 +715,8 @@ impl CudaModel {
         let segments = (heads + 2 * kv_heads) as u32;
         let attention = &gpu.kernels.attention[usize::from(hd > 128)];
         let att_block = 256u32; // kernels.cu ATT_WARPS * 32
-        // Split-K partial sums of the last residual update (down projection) not yet added into x: the next
-        // RMSNorm adds them (0: none pending).
+                                // Split-K partial sums of the last residual update (down projection) not yet added into x: the next
+                                // RMSNorm adds them (0: none pending).
         let mut pending = 0usize;
         let last = self.layers.len() - 1;
         for (li, layer) in self.layers.iter().enumerate() {
@@ -783,40 +770,22 @@ impl CudaModel {
                 halves,
                 pq
             );
-            {
-                let mut builder = gpu.stream.launch_builder(attention);
-                let args = (
-                    pq,
-                    pa,
-                    p_rows,
-                    p_seqs,
-                    li as i32,
-                    heads as i32,
-                    kv_heads as i32,
-                    hd as i32,
-                    scale,
-                );
-                builder
-                    .arg(&args.0)
-                    .arg(&args.1)
-                    .arg(&args.2)
-                    .arg(&args.3)
-                    .arg(&args.4)
-                    .arg(&args.5)
-                    .arg(&args.6)
-                    .arg(&args.7)
-                    .arg(&args.8);
-                // SAFETY: the arguments match attention_rows's kernels in kernels.cu; the grid covers every row
-                // and head, and check_shape bounds the head dimension by what the chosen kernel holds.
-                unsafe {
-                    builder.launch(LaunchConfig {
-                        grid_dim: (r32, heads as u32, 1),
-                        block_dim: (att_block, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-                }
-                .map_err(|e| cuda_err("attention", e))?;
-            }
+            launch_fn!(
+                gpu,
+                attention,
+                "attention",
+                (r32, heads as u32, 1),
+                att_block,
+                pq,
+                pa,
+                p_rows,
+                p_seqs,
+                li as i32,
+                heads as i32,
+                kv_heads as i32,
+                hd as i32,
+                scale
+            );
             let o_splits = self.gemv(&layer.wo, h, pa, px, rows, true, false, pscratch, true)?;
             // MLP: norm (adding the output projection), one gate/up GEMV ending in SiLU(gate) * up, and the down
             // projection, added in by the next layer's norm (or here, when this layer's output is read next).
@@ -847,7 +816,17 @@ impl CudaModel {
             )?;
             let captured = shape.capture.iter().position(|&l| l == li);
             let defer_down = li != last && captured.is_none();
-            pending = self.gemv(&layer.w_down, h, pact, px, rows, true, false, pscratch, defer_down)?;
+            pending = self.gemv(
+                &layer.w_down,
+                h,
+                pact,
+                px,
+                rows,
+                true,
+                false,
+                pscratch,
+                defer_down,
+            )?;
             if let Some(i) = captured {
                 // SAFETY: both buffers hold at least rows * h floats (Workspace::fit), on this stream.
                 unsafe {
