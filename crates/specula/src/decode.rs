@@ -147,6 +147,16 @@ pub fn generate(
     // Generation stops where the cache is full: the model's context, or less if the cache was sized smaller.
     let ctx = cache.capacity();
 
+    // Target layers the drafter reads (EAGLE-3), captured in every target forward.
+    let capture: Vec<usize> = speculation
+        .as_ref()
+        .map(|s| s.drafter.target_layers().to_vec())
+        .unwrap_or_default();
+    let target_opts = ForwardOptions {
+        capture_layers: &capture,
+        vocab_limit: None,
+    };
+
     // Prefill step: the prompt in one forward pass, then the first token.
     let prefill_start = Instant::now();
     prof.begin_step(StepKind::Prefill);
@@ -155,11 +165,16 @@ pub fn generate(
         model.forward_one(
             &req.prompt_tokens,
             cache.as_mut(),
-            &ForwardOptions::default(),
+            &target_opts,
             LogitsFor::Last,
             prof,
         )?
     };
+    if let (Some(s), false) = (speculation.as_mut(), capture.is_empty()) {
+        let _s = prof.span(Phase::Draft);
+        s.drafter
+            .observe_target(0, &logits.hidden, req.prompt_tokens.len())?;
+    }
     let first = {
         let _s = prof.span(Phase::Sample);
         sampler.sample_row(logits.logits.as_ref(), 0)?
@@ -220,13 +235,7 @@ pub fn generate(
             } else {
                 LogitsFor::All
             };
-            model.forward_one(
-                &input,
-                cache.as_mut(),
-                &ForwardOptions::default(),
-                which,
-                prof,
-            )?
+            model.forward_one(&input, cache.as_mut(), &target_opts, which, prof)?
         };
         // Host time of the verify call: right on the CPU, only the launches on a GPU (see below).
         let verify_host_s = verify_start.elapsed().as_secs_f64();
@@ -253,6 +262,12 @@ pub fn generate(
                 .last_span_seconds(Phase::Verify)
                 .unwrap_or(verify_host_s);
             s.drafter.observe_verify(1 + draft.tokens.len(), seconds);
+        }
+        if let (Some(s), false) = (speculation.as_mut(), capture.is_empty()) {
+            // The pending token's and the accepted drafts' hidden states: the drafter's next input.
+            let _s = prof.span(Phase::Draft);
+            s.drafter
+                .observe_target(base, &logits.hidden, 1 + acceptance.accepted)?;
         }
         let mut new_tokens = draft.tokens[..acceptance.accepted].to_vec();
         new_tokens.push(acceptance.next);

@@ -466,3 +466,180 @@ pub fn forward_host(
         .and_then(|o| o.to_host())
         .expect("a forward pass")
 }
+
+/// A tiny EAGLE-3 head for tests, written in the published layout (SpecForge's export: config.json with
+/// `LlamaForCausalLMEagle3` and `eagle_config`, safetensors with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`).
+pub struct TinyHeadSpec {
+    pub seed: u64,
+    /// Draft vocabulary: every `stride`-th target token from `first` (d2t then holds non-trivial offsets).
+    pub draft_vocab: usize,
+    pub first: usize,
+    pub stride: usize,
+    /// `eagle_config.eagle_aux_hidden_state_layer_ids` (None: left out of config.json).
+    pub aux_layers: Option<Vec<usize>>,
+    /// Width of the target hidden states fc reads (None: the target's; Some(w) writes `target_hidden_size`).
+    pub target_hidden: Option<usize>,
+    /// Overrides of config.json fields (to write wrong heads).
+    pub config_overrides: serde_json::Value,
+}
+
+impl Default for TinyHeadSpec {
+    fn default() -> Self {
+        TinyHeadSpec {
+            seed: 7,
+            draft_vocab: 100,
+            first: 3,
+            stride: 2,
+            aux_layers: Some(vec![0, 1, 2]),
+            target_hidden: None,
+            config_overrides: serde_json::json!({}),
+        }
+    }
+}
+
+/// Writes a random EAGLE-3 head for `target` (its width, heads and vocabulary) into `dir`; returns the draft
+/// vocabulary's target ids.
+pub fn write_tiny_eagle3_head(
+    dir: &Path,
+    target: &crate::model::Config,
+    spec: &TinyHeadSpec,
+) -> crate::Result<Vec<u32>> {
+    use crate::model::safetensors::{write_safetensors, Dtype};
+    std::fs::create_dir_all(dir).map_err(|e| crate::Error::io(dir, e))?;
+    let (h, heads, kv_heads, hd) = (
+        target.hidden_size,
+        target.num_heads,
+        target.num_kv_heads,
+        target.head_dim,
+    );
+    let ff = 2 * h;
+    let mut config = serde_json::json!({
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": ff,
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hd,
+        "max_position_embeddings": target.context_length,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": target.vocab_size,
+        "draft_vocab_size": spec.draft_vocab,
+        "tie_word_embeddings": false,
+    });
+    let big_h = spec.target_hidden.unwrap_or(h);
+    if spec.target_hidden.is_some() {
+        config["target_hidden_size"] = big_h.into();
+    }
+    if let Some(ids) = &spec.aux_layers {
+        config["eagle_config"] = serde_json::json!({"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": true});
+    }
+    if let Some(o) = spec.config_overrides.as_object() {
+        for (k, v) in o {
+            config[k] = v.clone();
+        }
+    }
+    let p = dir.join("config.json");
+    std::fs::write(&p, config.to_string()).map_err(|e| crate::Error::io(&p, e))?;
+    let mut state = spec.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut random = |n: usize, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    };
+    let f32_tensor = |name: &str, shape: Vec<usize>, data: Vec<f32>| {
+        (
+            name.to_string(),
+            Dtype::F32,
+            shape,
+            data.iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        )
+    };
+    let (q_dim, kv_dim) = (heads * hd, kv_heads * hd);
+    let scaled = |cols: usize| 1.0 / (cols as f32).sqrt();
+    let norm = |random: &mut dyn FnMut(usize, f32) -> Vec<f32>| {
+        random(h, 0.2)
+            .into_iter()
+            .map(|v| 1.0 + v)
+            .collect::<Vec<f32>>()
+    };
+    let used: Vec<u32> = (0..spec.draft_vocab)
+        .map(|i| (spec.first + i * spec.stride) as u32)
+        .collect();
+    let d2t: Vec<u8> = used
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &t)| (i64::from(t) - i as i64).to_le_bytes())
+        .collect();
+    let tensors = vec![
+        f32_tensor(
+            "fc.weight",
+            vec![h, 3 * big_h],
+            random(3 * big_h * h, scaled(3 * big_h)),
+        ),
+        f32_tensor("midlayer.hidden_norm.weight", vec![h], norm(&mut random)),
+        f32_tensor(
+            "midlayer.input_layernorm.weight",
+            vec![h],
+            norm(&mut random),
+        ),
+        f32_tensor(
+            "midlayer.post_attention_layernorm.weight",
+            vec![h],
+            norm(&mut random),
+        ),
+        f32_tensor(
+            "midlayer.self_attn.q_proj.weight",
+            vec![q_dim, 2 * h],
+            random(q_dim * 2 * h, scaled(2 * h)),
+        ),
+        f32_tensor(
+            "midlayer.self_attn.k_proj.weight",
+            vec![kv_dim, 2 * h],
+            random(kv_dim * 2 * h, scaled(2 * h)),
+        ),
+        f32_tensor(
+            "midlayer.self_attn.v_proj.weight",
+            vec![kv_dim, 2 * h],
+            random(kv_dim * 2 * h, scaled(2 * h)),
+        ),
+        f32_tensor(
+            "midlayer.self_attn.o_proj.weight",
+            vec![h, q_dim],
+            random(h * q_dim, scaled(q_dim)),
+        ),
+        f32_tensor(
+            "midlayer.mlp.gate_proj.weight",
+            vec![ff, h],
+            random(ff * h, scaled(h)),
+        ),
+        f32_tensor(
+            "midlayer.mlp.up_proj.weight",
+            vec![ff, h],
+            random(ff * h, scaled(h)),
+        ),
+        f32_tensor(
+            "midlayer.mlp.down_proj.weight",
+            vec![h, ff],
+            random(h * ff, scaled(ff)),
+        ),
+        f32_tensor("norm.weight", vec![h], norm(&mut random)),
+        f32_tensor(
+            "lm_head.weight",
+            vec![spec.draft_vocab, h],
+            random(spec.draft_vocab * h, 3.0 * scaled(h)),
+        ),
+        ("d2t".to_string(), Dtype::I64, vec![spec.draft_vocab], d2t),
+    ];
+    write_safetensors(&dir.join("model.safetensors"), &tensors)?;
+    Ok(used)
+}

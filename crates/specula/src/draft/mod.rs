@@ -5,6 +5,7 @@
 //! draft model's KV cache, an n-gram index) and syncs it to the context itself, so rollback after a partial
 //! acceptance needs no special call.
 
+pub mod eagle3;
 pub mod model;
 pub mod ngram;
 
@@ -52,6 +53,19 @@ pub trait Drafter {
     /// Layers of the target whose hidden states this drafter needs (EAGLE-3); none by default.
     fn target_layers(&self) -> &[usize] {
         &[]
+    }
+
+    /// Told after each target forward (the prefill, every verify pass) that asked for [`Self::target_layers`]:
+    /// `hidden` holds those layers' outputs for the pass's rows, which were fed at positions `first_position..`;
+    /// the first `kept` rows stay in the context (the prompt, or the pending token and the accepted drafts), the
+    /// rest were rejected. Ignored by default.
+    fn observe_target(
+        &mut self,
+        _first_position: usize,
+        _hidden: &[(usize, Box<dyn crate::model::RowMatrix>)],
+        _kept: usize,
+    ) -> Result<()> {
+        Ok(())
     }
 
     /// Told after each verify pass how long the target took over `tokens` tokens (the pending token plus the

@@ -38,6 +38,15 @@ pub trait Model: Send + Sync {
     /// backend's self-test; see `specula selftest`).
     fn check_kernels(&self, tokens: &[u32]) -> Result<Vec<KernelCheck>>;
 
+    /// The embedding rows of `tokens` as f32 on the host (an EAGLE-3 head reads the target's embedding).
+    fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let _ = tokens;
+        Err(crate::error::Error::InvalidArgument(format!(
+            "reading token embeddings is not implemented on {} yet (EAGLE-3 heads run with a CPU target for now)",
+            self.device()
+        )))
+    }
+
     /// The clock the profiler should time this model's steps with: on an asynchronous device, one that reads
     /// the device's own time; `exact` synchronizes at every phase edge instead (to cross-check). The host's
     /// monotonic clock by default.

@@ -3,7 +3,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, Metadata};
+pub use safetensors::tensor::Dtype;
+use safetensors::tensor::Metadata;
 use safetensors::SafeTensors;
 
 use crate::error::{Error, Result};
@@ -175,25 +176,100 @@ impl WeightSource for SafetensorsFiles {
     }
 }
 
+impl SafetensorsFiles {
+    /// The shape of tensor `name`, if present.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let shard = &self.shards[*self.index.get(name)?];
+        shard.metadata.info(name).map(|i| i.shape.clone())
+    }
+
+    /// An integer vector of `len` values (I64 or I32), e.g. an EAGLE-3 head's d2t.
+    pub fn integers(&self, name: &str, len: usize) -> Result<Vec<i64>> {
+        let shard = self
+            .index
+            .get(name)
+            .map(|&i| &self.shards[i])
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+                hint: " in the safetensors files".into(),
+            })?;
+        let info = shard
+            .metadata
+            .info(name)
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+                hint: format!(" in {}", shard.path.display()),
+            })?;
+        if info.shape != [len] {
+            return Err(Error::ShapeMismatch {
+                name: name.to_string(),
+                actual: info.shape.clone(),
+                expected: vec![len],
+            });
+        }
+        let width = match info.dtype {
+            Dtype::I64 => 8,
+            Dtype::I32 => 4,
+            other => {
+                return Err(Error::UnsupportedTensorType {
+                    path: shard.path.clone(),
+                    tensor: name.to_string(),
+                    dtype: format!("{other:?}"),
+                    supported: "I64, I32",
+                })
+            }
+        };
+        let (begin, end) = info.data_offsets;
+        let base = 8 + shard.header_len;
+        let data = base
+            .checked_add(begin)
+            .zip(base.checked_add(end))
+            .and_then(|(b, e)| shard.bytes.get(b..e))
+            .filter(|d| d.len() == len * width)
+            .ok_or_else(|| Error::BadSafetensors {
+                path: shard.path.clone(),
+                reason: format!(
+                    "tensor {name}'s data offsets {begin}..{end} do not hold {len} integers"
+                ),
+            })?;
+        Ok(data
+            .chunks_exact(width)
+            .map(|b| match width {
+                8 => i64::from_le_bytes(b.try_into().expect("8 bytes")),
+                _ => i64::from(i32::from_le_bytes(b.try_into().expect("4 bytes"))),
+            })
+            .collect())
+    }
+}
+
 /// Writes f32 tensors as a safetensors file (tests build tiny HF checkpoints with it).
 pub fn write_f32_safetensors(
     path: &Path,
     tensors: &[(String, Vec<usize>, Vec<f32>)],
 ) -> Result<()> {
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+    let bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|(n, s, d)| {
             (
                 n.clone(),
+                Dtype::F32,
                 s.clone(),
                 d.iter().flat_map(|v| v.to_le_bytes()).collect(),
             )
         })
         .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+    write_safetensors(path, &bytes)
+}
+
+/// Writes tensors of any safetensors type, given as little-endian bytes.
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)],
+) -> Result<()> {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
-        .map(|(n, s, b)| {
-            safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)
+        .map(|(n, ty, s, b)| {
+            safetensors::tensor::TensorView::new(*ty, s.clone(), b)
                 .map(|v| (n.clone(), v))
                 .map_err(|e| Error::BadSafetensors {
                     path: path.to_path_buf(),

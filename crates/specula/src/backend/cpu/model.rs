@@ -540,6 +540,21 @@ impl CpuModel {
 }
 
 impl Model for CpuModel {
+    fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let h = self.config.hidden_size;
+        let mut out = vec![0f32; tokens.len() * h];
+        for (row, &t) in out.chunks_exact_mut(h).zip(tokens) {
+            if t as usize >= self.config.vocab_size {
+                return Err(Error::InvalidArgument(format!(
+                    "token {t} is outside the vocabulary of {}",
+                    self.config.vocab_size
+                )));
+            }
+            self.embed.row_to_f32(t as usize, row);
+        }
+        Ok(out)
+    }
+
     fn config(&self) -> &Config {
         &self.config
     }

@@ -71,10 +71,12 @@ fn arch_name(major: i32, minor: i32) -> Result<&'static str> {
         (9, 0) => "sm_90",
         (10, 0) => "sm_100",
         (12, 0) => "sm_120",
-        _ if major < 8 => return Err(Error::Cuda(format!(
+        _ if major < 8 => {
+            return Err(Error::Cuda(format!(
             "compute capability {major}.{minor}: specula's GPU kernels need 8.0 (Ampere) or newer \
                  (bf16 tensor-core instructions)"
-        ))),
+        )))
+        }
         _ => {
             return Err(Error::Cuda(format!(
                 "compute capability {major}.{minor} is not one specula compiles for (8.0-12.0)"

@@ -1,0 +1,460 @@
+//! EAGLE-3 on tiny random models: the head's layout and forward pass against a plain reference written from the
+//! published formula, greedy speculation equal to plain decoding, and bad heads refused with the problem named.
+
+use super::*;
+use crate::decode::{generate, GenerateRequest, Speculation};
+use crate::model::safetensors::SafetensorsFiles;
+use crate::model::tensors::WeightSource;
+use crate::model::{load_gguf, LoadedModel};
+use crate::profile::Profiler;
+use crate::testing::{write_tiny_eagle3_head, write_tiny_gguf, TinyHeadSpec, TinySpec};
+
+fn target(dir: &std::path::Path) -> LoadedModel {
+    let p = dir.join("t.gguf");
+    write_tiny_gguf(
+        &p,
+        &TinySpec {
+            layers: 3,
+            seed: 3,
+            logit_scale: 0.3,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    load_gguf(&p, "t").unwrap()
+}
+
+fn head(dir: &std::path::Path, t: &LoadedModel, spec: &TinyHeadSpec) -> (Eagle3Head, Vec<u32>) {
+    let hd = dir.join("head");
+    let used = write_tiny_eagle3_head(&hd, t.model.config(), spec).unwrap();
+    (Eagle3Head::load(&hd).unwrap(), used)
+}
+
+const PROMPT: [u32; 10] = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108];
+
+fn run(
+    t: &LoadedModel,
+    n: usize,
+    temperature: f32,
+    spec: Option<Speculation<'_>>,
+) -> crate::decode::GenerateOutput {
+    let req = GenerateRequest {
+        prompt_tokens: PROMPT.to_vec(),
+        max_new_tokens: n,
+        sampling: SamplingParams {
+            temperature,
+            seed: 5,
+            ..Default::default()
+        },
+        stop_at_eos: false,
+    };
+    generate(
+        t.model.as_ref(),
+        &t.tokenizer,
+        &req,
+        spec,
+        &Profiler::disabled(),
+        &mut |_| {},
+    )
+    .unwrap()
+}
+
+#[test]
+fn greedy_eagle3_speculation_equals_plain_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, used) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let plain = run(&t, 40, 0.0, None);
+    for k in [1, 2, 3, 5] {
+        let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+        assert_eq!(drafter.target_layers(), &[0, 1, 2]);
+        let out = run(
+            &t,
+            40,
+            0.0,
+            Some(Speculation {
+                drafter: &mut drafter,
+                draft_tokens: k,
+                simulate_acceptance: None,
+            }),
+        );
+        assert_eq!(out.tokens, plain.tokens, "k = {k}");
+        let st = out.speculation.unwrap();
+        // Every cycle drafts but the last (whose token budget leaves no room for a draft).
+        assert!(
+            st.drafted + 1 >= st.cycles,
+            "k = {k}: {} drafted in {} cycles",
+            st.drafted,
+            st.cycles
+        );
+    }
+    // Every drafted token is a target id from the draft vocabulary (d2t offsets applied).
+    let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+    let ctx: Vec<u32> = PROMPT.to_vec();
+    let hidden = capture(&t, &ctx[..ctx.len() - 1], drafter.target_layers());
+    drafter.observe_target(0, &hidden, ctx.len() - 1).unwrap();
+    let draft = drafter
+        .propose(&ctx, 6, &SamplingParams::default())
+        .unwrap();
+    assert_eq!(draft.tokens.len(), 6);
+    assert!(
+        draft.tokens.iter().all(|t| used.contains(t)),
+        "{:?}",
+        draft.tokens
+    );
+}
+
+#[test]
+fn sampled_eagle3_drafts_carry_distributions_over_target_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, used) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+    let out = run(
+        &t,
+        30,
+        0.8,
+        Some(Speculation {
+            drafter: &mut drafter,
+            draft_tokens: 3,
+            simulate_acceptance: None,
+        }),
+    );
+    assert_eq!(out.tokens.len(), 30);
+    let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 1).unwrap();
+    let hidden = capture(&t, &PROMPT[..9], drafter.target_layers());
+    drafter.observe_target(0, &hidden, 9).unwrap();
+    let params = SamplingParams {
+        temperature: 0.8,
+        ..Default::default()
+    };
+    let draft = drafter.propose(&PROMPT, 3, &params).unwrap();
+    let dists = draft.distributions.as_ref().unwrap();
+    assert_eq!(dists.len(), 3);
+    for (i, d) in dists.iter().enumerate() {
+        assert!(d.ids.iter().all(|id| used.contains(id)));
+        assert!((d.probs.iter().sum::<f32>() - 1.0).abs() < 1e-4);
+        assert!(draft.q(i) > 0.0, "the drawn token has probability under q");
+    }
+}
+
+/// The target's hidden states of `layers` over `tokens` (a fresh cache).
+fn capture(t: &LoadedModel, tokens: &[u32], layers: &[usize]) -> Vec<(usize, Box<dyn RowMatrix>)> {
+    let mut cache = t.model.new_cache(64).unwrap();
+    let out = t
+        .model
+        .forward_one(
+            tokens,
+            cache.as_mut(),
+            &crate::model::ForwardOptions {
+                capture_layers: layers,
+                vocab_limit: None,
+            },
+            crate::model::LogitsFor::Last,
+            &Profiler::disabled(),
+        )
+        .unwrap();
+    out.hidden
+}
+
+/// The head's forward written out with plain loops from the published formula (module docs of `head`), reading
+/// the checkpoint's tensors directly.
+fn reference_forward(
+    dir: &std::path::Path,
+    c: &crate::model::Config,
+    embeds: &[f32],
+    features: &[f32],
+    n: usize,
+    draft_vocab: usize,
+) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let src = SafetensorsFiles::open_dir(dir).unwrap();
+    let (h, heads, kv_heads, hd) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
+    let ff = 2 * h;
+    let t = |name: &str, r: usize, cols: usize| -> Vec<f32> {
+        src.tensor(name, r, cols)
+            .unwrap()
+            .bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let matvec = |w: &[f32], x: &[f32], rows: usize| -> Vec<f32> {
+        (0..rows)
+            .map(|i| {
+                let row = &w[i * x.len()..(i + 1) * x.len()];
+                row.iter()
+                    .zip(x)
+                    .map(|(a, b)| (*a as f64) * (*b as f64))
+                    .sum::<f64>() as f32
+            })
+            .collect()
+    };
+    let rms = |x: &[f32], w: &[f32]| -> Vec<f32> {
+        let ms = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+        let s = 1.0 / (ms + 1e-6).sqrt();
+        x.iter()
+            .zip(w)
+            .map(|(v, g)| (*v as f64 * s) as f32 * g)
+            .collect()
+    };
+    let rope = |v: &mut [f32], pos: usize| {
+        let half = hd / 2;
+        for i in 0..half {
+            let angle = pos as f64 * 10000f64.powf(-2.0 * i as f64 / hd as f64);
+            let (s, co) = angle.sin_cos();
+            let (x0, x1) = (v[i] as f64, v[i + half] as f64);
+            v[i] = (x0 * co - x1 * s) as f32;
+            v[i + half] = (x0 * s + x1 * co) as f32;
+        }
+    };
+    let fc = t("fc.weight", h, 3 * h);
+    let (wq, wk, wv, wo) = (
+        t("midlayer.self_attn.q_proj.weight", heads * hd, 2 * h),
+        t("midlayer.self_attn.k_proj.weight", kv_heads * hd, 2 * h),
+        t("midlayer.self_attn.v_proj.weight", kv_heads * hd, 2 * h),
+        t("midlayer.self_attn.o_proj.weight", h, heads * hd),
+    );
+    let (gate, up, down) = (
+        t("midlayer.mlp.gate_proj.weight", ff, h),
+        t("midlayer.mlp.up_proj.weight", ff, h),
+        t("midlayer.mlp.down_proj.weight", h, ff),
+    );
+    let (hn, inn, pan, fnorm) = (
+        t("midlayer.hidden_norm.weight", 1, h),
+        t("midlayer.input_layernorm.weight", 1, h),
+        t("midlayer.post_attention_layernorm.weight", 1, h),
+        t("norm.weight", 1, h),
+    );
+    let lm = t("lm_head.weight", draft_vocab, h);
+    let mut keys: Vec<Vec<f32>> = Vec::new();
+    let mut values: Vec<Vec<f32>> = Vec::new();
+    let mut outs = Vec::new();
+    for r in 0..n {
+        let x = matvec(&fc, &features[r * 3 * h..(r + 1) * 3 * h], h);
+        let mut a = rms(&embeds[r * h..(r + 1) * h], &inn);
+        a.extend(rms(&x, &hn));
+        let mut q = matvec(&wq, &a, heads * hd);
+        let mut k = matvec(&wk, &a, kv_heads * hd);
+        let v = matvec(&wv, &a, kv_heads * hd);
+        for head in q.chunks_exact_mut(hd) {
+            rope(head, r);
+        }
+        for head in k.chunks_exact_mut(hd) {
+            rope(head, r);
+        }
+        keys.push(k);
+        values.push(v);
+        let mut attn = vec![0f32; heads * hd];
+        for head in 0..heads {
+            let kvh = head / (heads / kv_heads);
+            let qh = &q[head * hd..(head + 1) * hd];
+            let scores: Vec<f64> = keys
+                .iter()
+                .map(|k| {
+                    qh.iter()
+                        .zip(&k[kvh * hd..(kvh + 1) * hd])
+                        .map(|(a, b)| (*a as f64) * (*b as f64))
+                        .sum::<f64>()
+                        / (hd as f64).sqrt()
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for (w, v) in e.iter().zip(&values) {
+                for d in 0..hd {
+                    attn[head * hd + d] += (w / sum * v[kvh * hd + d] as f64) as f32;
+                }
+            }
+        }
+        let o = matvec(&wo, &attn, h);
+        let r1: Vec<f32> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
+        let m = rms(&r1, &pan);
+        let g = matvec(&gate, &m, ff);
+        let u = matvec(&up, &m, ff);
+        let act: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        let dn = matvec(&down, &act, h);
+        outs.push(r1.iter().zip(&dn).map(|(a, b)| a + b).collect::<Vec<f32>>());
+    }
+    let last = rms(outs.last().unwrap(), &fnorm);
+    let logits = matvec(&lm, &last, draft_vocab);
+    (outs, logits)
+}
+
+#[test]
+fn head_forward_matches_the_published_formula() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let c = t.model.config().clone();
+    let n = 5;
+    let hidden = capture(&t, &PROMPT[..n], &[0, 1, 2]);
+    let mut features = Vec::new();
+    for r in 0..n {
+        for (_, m) in &hidden {
+            features.extend_from_slice(&m.row(r).unwrap());
+        }
+    }
+    let embeds = t.model.embed_tokens(&PROMPT[1..=n]).unwrap();
+    let (want_out, want_logits) =
+        reference_forward(&dir.path().join("head"), &c, &embeds, &features, n, 100);
+    // All rows in one pass.
+    let mut cache = h.new_cache(64);
+    let x = h.fc(&features, n);
+    let (out, logits) = h.forward(&embeds, &x, n, &mut cache).unwrap();
+    let close = |a: &[f32], b: &[f32], what: &str| {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                "{what}[{i}]: {x} vs {y}"
+            );
+        }
+    };
+    for r in 0..n {
+        close(
+            &out[r * c.hidden_size..(r + 1) * c.hidden_size],
+            &want_out[r],
+            "row output",
+        );
+    }
+    close(&logits, &want_logits, "logits");
+    // One row at a time through the cache: the same outputs.
+    let mut cache = h.new_cache(64);
+    for r in 0..n {
+        let hs = c.hidden_size;
+        let (o, l) = h
+            .forward(
+                &embeds[r * hs..(r + 1) * hs],
+                &x[r * hs..(r + 1) * hs],
+                1,
+                &mut cache,
+            )
+            .unwrap();
+        close(&o, &want_out[r], "incremental row output");
+        if r == n - 1 {
+            close(&l, &want_logits, "incremental logits");
+        }
+    }
+}
+
+fn load_error(t: &LoadedModel, spec: TinyHeadSpec) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let hd = dir.path().join("head");
+    write_tiny_eagle3_head(&hd, t.model.config(), &spec).unwrap();
+    match Eagle3Head::load(&hd) {
+        Err(e) => e.to_string(),
+        Ok(h) => match Eagle3Drafter::new(&h, t.model.as_ref(), 0) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("the head was accepted"),
+        },
+    }
+}
+
+#[test]
+fn heads_that_do_not_fit_the_target_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let e = load_error(
+        &t,
+        TinyHeadSpec {
+            aux_layers: Some(vec![0, 1, 7]),
+            ..Default::default()
+        },
+    );
+    assert!(
+        e.contains("target layer 7") && e.contains("3 layers"),
+        "{e}"
+    );
+    // No ids and a target too small for the default wiring.
+    let e = load_error(
+        &t,
+        TinyHeadSpec {
+            aux_layers: None,
+            ..Default::default()
+        },
+    );
+    assert!(e.contains("too few for the default"), "{e}");
+    let e = load_error(
+        &t,
+        TinyHeadSpec {
+            target_hidden: Some(128),
+            ..Default::default()
+        },
+    );
+    assert!(
+        e.contains("width 128") && e.contains("hidden size is 64"),
+        "{e}"
+    );
+    let e = load_error(
+        &t,
+        TinyHeadSpec {
+            config_overrides: serde_json::json!({"architectures": ["LlamaForCausalLM"]}),
+            ..Default::default()
+        },
+    );
+    assert!(e.contains("not an EAGLE-3 head"), "{e}");
+    let e = load_error(
+        &t,
+        TinyHeadSpec {
+            first: 250,
+            ..Default::default()
+        },
+    );
+    assert!(
+        e.contains("d2t[") && e.contains("outside the vocabulary"),
+        "{e}"
+    );
+    let e = load_error(
+        &t,
+        TinyHeadSpec {
+            aux_layers: Some(vec![0, 1]),
+            ..Default::default()
+        },
+    );
+    assert!(e.contains("has 2 ids"), "{e}");
+}
+
+#[test]
+fn a_head_for_another_vocabulary_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let hd = dir.path().join("head");
+    let mut other = t.model.config().clone();
+    other.vocab_size += 10;
+    write_tiny_eagle3_head(&hd, &other, &TinyHeadSpec::default()).unwrap();
+    let h = Eagle3Head::load(&hd).unwrap();
+    let e = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("vocabulary of") && e.contains("target has"),
+        "{e}"
+    );
+}
+
+#[test]
+fn default_wiring_is_the_engines_default() {
+    let c = HeadConfig::from_json(
+        r#"{"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "draft_vocab_size": 100}"#,
+        std::path::Path::new("config.json"),
+    )
+    .unwrap();
+    // Outputs of layers 1, 15, 28 = inputs of layers 2, 16, 29 (SGLang's and vLLM's [2, N/2, N-3]) at N = 32.
+    assert_eq!(c.target_layers(32).unwrap(), vec![1, 15, 28]);
+    assert_eq!(c.layer.rope_theta, 10_000.0);
+    assert_eq!(c.draft_vocab, 100);
+    let e = HeadConfig::from_json(
+        r#"{"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 4, "vocab_size": 300, "draft_vocab_size": 400}"#,
+        std::path::Path::new("config.json"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("draft_vocab_size 400"), "{e}");
+}
