@@ -458,3 +458,44 @@ fn default_wiring_is_the_engines_default() {
     .to_string();
     assert!(e.contains("draft_vocab_size 400"), "{e}");
 }
+
+/// The drafter's alignment, pinned (vLLM `v1/spec_decode/eagle.py`, SGLang's prefill): row p pairs the target's
+/// features at p with the embedding of token p + 1; the first draft token comes from the last row; each further
+/// one feeds the previous output back with the new token's embedding at the next position. Compared through the
+/// sampled drafts' distributions (continuous, so any misalignment shows).
+#[test]
+fn drafter_pairs_features_at_p_with_token_p_plus_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let base = PROMPT.len() - 1;
+    let hidden = capture(&t, &PROMPT[..base], &[0, 1, 2]);
+    let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+    drafter.observe_target(0, &hidden, base).unwrap();
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let draft = drafter.propose(&PROMPT, 2, &params).unwrap();
+    let dists = draft.distributions.as_ref().unwrap();
+
+    let mut features = Vec::new();
+    for r in 0..base {
+        for (_, m) in &hidden {
+            features.extend_from_slice(&m.row(r).unwrap());
+        }
+    }
+    let hs = t.model.config().hidden_size;
+    let mut cache = h.new_cache(64);
+    let embeds = t.model.embed_tokens(&PROMPT[1..=base]).unwrap();
+    let (out, logits) = h.forward(&embeds, &h.fc(&features, base), base, &mut cache).unwrap();
+    let e = t.model.embed_tokens(&draft.tokens[..1]).unwrap();
+    let (_, logits2) = h.forward(&e, &out[out.len() - hs..], 1, &mut cache).unwrap();
+    for (step, l) in [logits, logits2].iter().enumerate() {
+        let want = sampling::distribution(l, &params);
+        for (&id, &p) in want.ids.iter().zip(&want.probs) {
+            let got = dists[step].prob_of(h.target_id(id as usize));
+            assert!((got - p).abs() < 1e-6, "step {step}, draft id {id}: q {got} vs {p}");
+        }
+    }
+}
