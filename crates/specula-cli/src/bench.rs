@@ -98,6 +98,7 @@ fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
             }
             out
         }
+        DraftChoice::Eagle3(_) => vec![DraftMethod::Eagle3],
         DraftChoice::Ngram { min_n, max_n, .. } => d
             .ngram_confidences()?
             .into_iter()
@@ -167,6 +168,10 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         }
         _ => None,
     };
+    let eagle3 = match args.drafter.choice()? {
+        DraftChoice::Eagle3(dir) => Some(crate::generate::load_eagle3(&dir, &target)?),
+        _ => None,
+    };
     let mut with_ids = Vec::new();
     for p in prompts {
         let text = target.format_prompt(&p.prompt, args.raw, None)?;
@@ -180,6 +185,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         target: target.model.as_ref(),
         tokenizer: &target.tokenizer,
         draft: draft.as_ref().map(|d| d.model.as_ref()),
+        eagle3: eagle3.as_ref(),
         draft_tokens: if methods.is_empty() { Vec::new() } else { ks },
         methods,
         prompts: with_ids,

@@ -145,7 +145,8 @@ pub struct DrafterArgs {
     /// or random:SHAPE for random weights of a --random-weights shape on the GPU).
     #[arg(long)]
     pub draft_model: Option<String>,
-    /// Drafting method: `model` (needs --draft-model) or `ngram` (prompt lookup, no model).
+    /// Drafting method: `model` (needs --draft-model), `ngram` (prompt lookup, no model) or `eagle3` (an EAGLE-3
+    /// head given by --draft-model HEAD_DIR, fed by the target's hidden states).
     #[arg(long)]
     pub draft: Option<String>,
     /// Shortest n-gram prompt lookup matches (single-token matches are kept only while the lookup is
@@ -248,6 +249,8 @@ impl DraftArgs {
 pub enum DraftChoice {
     None,
     Model(String),
+    /// An EAGLE-3 head directory.
+    Eagle3(String),
     Ngram {
         min_n: usize,
         max_n: usize,
@@ -366,10 +369,37 @@ fn parse_draft_choice(
         }),
         (Some("model") | None, Some(m)) => Ok(DraftChoice::Model(m.clone())),
         (Some("model"), None) => anyhow::bail!("--draft model needs --draft-model PATH|NAME"),
+        (Some("eagle3"), Some(m)) => Ok(DraftChoice::Eagle3(m.clone())),
+        (Some("eagle3"), None) => anyhow::bail!(
+            "--draft eagle3 needs --draft-model HEAD_DIR (an EAGLE-3 head: config.json and *.safetensors)"
+        ),
         (Some(other), _) => {
-            anyhow::bail!("unknown --draft method {other:?} (use model or ngram)")
+            anyhow::bail!("unknown --draft method {other:?} (use model, ngram or eagle3)")
         }
     }
+}
+
+/// Loads an EAGLE-3 head directory and checks it against the target (widths, vocabulary, layer ids).
+pub fn load_eagle3(
+    dir: &str,
+    target: &specula::model::LoadedModel,
+) -> anyhow::Result<specula::draft::eagle3::Eagle3Head> {
+    let head = specula::draft::eagle3::Eagle3Head::load(std::path::Path::new(dir))
+        .with_context(|| format!("loading EAGLE-3 head {dir}"))?;
+    head.check_target(target.model.config())?;
+    let layers = head
+        .config
+        .target_layers(target.model.config().num_layers)?;
+    eprintln!(
+        "eagle3 head {dir}: draft vocabulary {}, reads target layers {layers:?} ({})",
+        head.draft_vocab(),
+        if head.config.aux_layers.is_some() {
+            "from its config"
+        } else {
+            "the default [1, n/2 - 1, n - 4]"
+        }
+    );
+    Ok(head)
 }
 
 /// Applies `--threads` and loads the model, reporting load time.
@@ -428,6 +458,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop_at_eos: !args.ignore_eos,
     };
     let prof = Profiler::with_clock(args.profile.detail(), loaded.model.clock(args.exact_timing));
+    let eagle3_head = match &choice {
+        DraftChoice::Eagle3(dir) => Some(load_eagle3(dir, &loaded)?),
+        _ => None,
+    };
     let draft_loaded = match &choice {
         DraftChoice::Model(spec) => {
             let d = specula::load_model_on(spec, args.model.device()?, true, &mut |line| {
@@ -456,6 +490,14 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         } => Some(Box::new(
             specula::draft::ngram::NgramDrafter::with_stopping(*min_n, *max_n, *min_confidence)?,
         )),
+        DraftChoice::Eagle3(_) => match eagle3_head.as_ref() {
+            Some(head) => Some(Box::new(specula::draft::eagle3::Eagle3Drafter::new(
+                head,
+                loaded.model.as_ref(),
+                sampling.seed,
+            )?) as Box<dyn specula::draft::Drafter>),
+            None => None,
+        },
     };
     let simulate_acceptance = args.draft.drafter.simulate_acceptance;
     if let Some(p) = simulate_acceptance {
@@ -561,6 +603,17 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     }
                     .settings_json();
                     d["draft_tokens"] = draft_tokens.into();
+                    d
+                }
+                DraftChoice::Eagle3(dir) => {
+                    let mut d = DraftMethod::Eagle3.settings_json();
+                    d["draft_model"] = dir.clone().into();
+                    d["draft_tokens"] = draft_tokens.into();
+                    if let Some(h) = eagle3_head.as_ref() {
+                        d["target_layers"] = serde_json::json!(h
+                            .config
+                            .target_layers(loaded.model.config().num_layers)?);
+                    }
                     d
                 }
             },

@@ -295,6 +295,7 @@ fn tiny_bench_json(tmp: &tempfile::TempDir) -> Result<String, Box<dyn std::error
         target: m.model.as_ref(),
         tokenizer: &m.tokenizer,
         draft: None,
+        eagle3: None,
         methods: vec![specula::bench::DraftMethod::Ngram {
             min_n: 1,
             max_n: 3,

@@ -33,6 +33,8 @@ pub enum DraftMethod {
         /// None: cost-aware stopping (see [`NgramDrafter::new`]).
         min_confidence: Option<f64>,
     },
+    /// An EAGLE-3 head ([`crate::draft::eagle3::Eagle3Drafter`]) fed by the target's hidden states.
+    Eagle3,
 }
 
 impl DraftMethod {
@@ -41,6 +43,7 @@ impl DraftMethod {
         match self {
             DraftMethod::Model { .. } => "model",
             DraftMethod::Ngram { .. } => "ngram",
+            DraftMethod::Eagle3 => "eagle3",
         }
     }
 
@@ -69,6 +72,7 @@ impl DraftMethod {
                 min_confidence: None,
                 ..
             } => "cost-aware".into(),
+            DraftMethod::Eagle3 => "chain".into(),
         }
     }
 
@@ -93,6 +97,7 @@ impl DraftMethod {
                 "ngram_max": max_n,
                 "ngram_confidence": min_confidence,
             }),
+            DraftMethod::Eagle3 => serde_json::json!({"method": "eagle3", "tree": "chain"}),
         }
     }
 }
@@ -113,6 +118,8 @@ pub struct BenchSpec<'a> {
     pub tokenizer: &'a Tokenizer,
     /// The draft model, for `DraftMethod::Model`.
     pub draft: Option<&'a dyn Model>,
+    /// The EAGLE-3 head, for `DraftMethod::Eagle3`.
+    pub eagle3: Option<&'a crate::draft::eagle3::Eagle3Head>,
     /// Drafter variants to compare (each at every draft length); empty runs plain decoding only.
     pub methods: Vec<DraftMethod>,
     /// Draft lengths to run; plain decoding always runs too.
@@ -406,6 +413,12 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             "the model drafting method needs a draft model".into(),
         ));
     }
+    if spec.methods.contains(&DraftMethod::Eagle3) {
+        let head = spec.eagle3.ok_or_else(|| {
+            Error::InvalidArgument("the eagle3 drafting method needs an EAGLE-3 head".into())
+        })?;
+        head.check_target(spec.target.config())?;
+    }
     for method in &spec.methods {
         match *method {
             DraftMethod::Ngram {
@@ -415,6 +428,7 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             } => {
                 NgramDrafter::with_stopping(min_n, max_n, min_confidence)?;
             }
+            DraftMethod::Eagle3 => {}
             DraftMethod::Model {
                 vocab_limit,
                 min_confidence,
@@ -506,6 +520,13 @@ pub fn run_bench(
                         max_n,
                         min_confidence,
                     )?)),
+                    (_, Some(DraftMethod::Eagle3)) => {
+                        Some(Box::new(crate::draft::eagle3::Eagle3Drafter::new(
+                            spec.eagle3.expect("validated"),
+                            spec.target,
+                            spec.sampling.seed,
+                        )?))
+                    }
                 };
                 let speculation = drafter.as_mut().map(|d| Speculation {
                     drafter: d.as_mut(),

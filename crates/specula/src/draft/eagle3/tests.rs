@@ -488,14 +488,21 @@ fn drafter_pairs_features_at_p_with_token_p_plus_1() {
     let hs = t.model.config().hidden_size;
     let mut cache = h.new_cache(64);
     let embeds = t.model.embed_tokens(&PROMPT[1..=base]).unwrap();
-    let (out, logits) = h.forward(&embeds, &h.fc(&features, base), base, &mut cache).unwrap();
+    let (out, logits) = h
+        .forward(&embeds, &h.fc(&features, base), base, &mut cache)
+        .unwrap();
     let e = t.model.embed_tokens(&draft.tokens[..1]).unwrap();
-    let (_, logits2) = h.forward(&e, &out[out.len() - hs..], 1, &mut cache).unwrap();
+    let (_, logits2) = h
+        .forward(&e, &out[out.len() - hs..], 1, &mut cache)
+        .unwrap();
     for (step, l) in [logits, logits2].iter().enumerate() {
         let want = sampling::distribution(l, &params);
         for (&id, &p) in want.ids.iter().zip(&want.probs) {
             let got = dists[step].prob_of(h.target_id(id as usize));
-            assert!((got - p).abs() < 1e-6, "step {step}, draft id {id}: q {got} vs {p}");
+            assert!(
+                (got - p).abs() < 1e-6,
+                "step {step}, draft id {id}: q {got} vs {p}"
+            );
         }
     }
 }

@@ -1,0 +1,186 @@
+//! `--draft eagle3` end to end on a tiny target and a tiny head the test writes in the published layout.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use specula::testing::{write_tiny_eagle3_head, write_tiny_gguf, TinyHeadSpec, TinySpec};
+
+fn specula(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_specula"))
+        .args(args)
+        .env(
+            "SPECULA_CACHE",
+            std::env::temp_dir().join("specula-eagle3-cli-cache"),
+        )
+        .output()
+        .expect("run specula")
+}
+
+fn ok(args: &[&str]) -> (String, String) {
+    let out = specula(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{args:?} failed: {stderr}");
+    (String::from_utf8_lossy(&out.stdout).to_string(), stderr)
+}
+
+fn setup(dir: &Path) -> (String, String) {
+    let model = dir.join("tiny.gguf");
+    write_tiny_gguf(
+        &model,
+        &TinySpec {
+            layers: 3,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let config = specula::model::load_gguf(&model, "t")
+        .unwrap()
+        .model
+        .config()
+        .clone();
+    let head = dir.join("head");
+    write_tiny_eagle3_head(&head, &config, &TinyHeadSpec::default()).unwrap();
+    (
+        model.to_str().unwrap().to_string(),
+        head.to_str().unwrap().to_string(),
+    )
+}
+
+#[test]
+fn eagle3_generate_and_bench_match_plain_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, head) = setup(dir.path());
+    let base = [
+        "generate",
+        "-m",
+        &model,
+        "-p",
+        "hello world",
+        "-n",
+        "24",
+        "--raw",
+        "--ignore-eos",
+    ];
+    let (plain, _) = ok(&base);
+    let report = dir.path().join("report.json");
+    let mut args = base.to_vec();
+    args.extend([
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        &head,
+        "--draft-tokens",
+        "3",
+        "--report-json",
+        report.to_str().unwrap(),
+    ]);
+    let (spec, stderr) = ok(&args);
+    assert_eq!(
+        spec, plain,
+        "greedy EAGLE-3 speculation writes plain decoding's text"
+    );
+    assert!(stderr.contains("reads target layers [0, 1, 2]"), "{stderr}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["config"]["draft"]["method"], "eagle3", "{r}");
+    assert_eq!(
+        r["config"]["draft"]["target_layers"],
+        serde_json::json!([0, 1, 2])
+    );
+
+    let prompts = dir.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"id\": \"a\", \"prompt\": \"the tea the tea\"}\n",
+    )
+    .unwrap();
+    let json = dir.path().join("bench.json");
+    ok(&[
+        "bench",
+        "-m",
+        &model,
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--raw",
+        "-n",
+        "16",
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        &head,
+        "--draft-tokens",
+        "1,3",
+        "--quiet",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let b: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let configs = b["configs"].as_array().unwrap();
+    assert_eq!(configs.len(), 3);
+    for c in configs {
+        assert_eq!(c["greedy_mismatches"], 0, "{c}");
+    }
+    assert_eq!(configs[1]["method"], "eagle3", "{}", b);
+}
+
+#[test]
+fn eagle3_bad_input_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = setup(dir.path());
+    let out = specula(&["generate", "-m", &model, "-p", "hi", "--draft", "eagle3"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("--draft eagle3 needs --draft-model HEAD_DIR"),
+        "{stderr}"
+    );
+    let out = specula(&[
+        "generate",
+        "-m",
+        &model,
+        "-p",
+        "hi",
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        "/nonexistent/head",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("/nonexistent/head"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // A head wired to a layer the target does not have.
+    let bad = dir.path().join("bad-head");
+    let config = specula::model::load_gguf(Path::new(&model), "t")
+        .unwrap()
+        .model
+        .config()
+        .clone();
+    write_tiny_eagle3_head(
+        &bad,
+        &config,
+        &TinyHeadSpec {
+            aux_layers: Some(vec![0, 1, 9]),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let out = specula(&[
+        "generate",
+        "-m",
+        &model,
+        "-p",
+        "hi",
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        bad.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("target layer 9"),
+        "{stderr}"
+    );
+}
