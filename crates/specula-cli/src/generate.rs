@@ -38,7 +38,12 @@ impl ProfileLevel {
 pub struct ModelArgs {
     /// GGUF file, Hugging Face model directory, hf:ORG/NAME, or a registry short name (see `specula models`;
     /// fetched on first use).
-    #[arg(long, short = 'm', default_value = "smollm2-135m")]
+    #[arg(
+        long,
+        short = 'm',
+        visible_alias = "target",
+        default_value = "smollm2-135m"
+    )]
     pub model: String,
     /// Compute threads (default: the physical cores).
     #[arg(long, short = 't', allow_negative_numbers = true)]

@@ -1,6 +1,7 @@
 //! The `specula` command line: a thin front end over the library.
 
 mod bench;
+mod eagle3;
 mod generate;
 mod overhead;
 mod selftest;
@@ -36,6 +37,9 @@ enum Command {
     /// Check this machine's kernels on a real model: every matrix type against the reference kernel, and a
     /// digest of the logits to compare runs bitwise (e.g. with SPECULA_NO_VNNI=1, or on another CPU).
     Selftest(selftest::SelftestArgs),
+    /// EAGLE-3 heads: `specula eagle3 check` measures which target layers a head drafts best from.
+    #[command(subcommand)]
+    Eagle3(eagle3::Eagle3Command),
 }
 
 #[derive(clap::Args)]
@@ -58,6 +62,7 @@ fn main() {
         Command::Bench(args) => bench::bench(args),
         Command::Tune(args) => bench::tune(args),
         Command::Selftest(args) => selftest::run(args),
+        Command::Eagle3(command) => eagle3::run(command),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -184,3 +184,44 @@ fn eagle3_bad_input_is_named() {
         "{stderr}"
     );
 }
+
+#[test]
+fn eagle3_check_prints_every_wiring_and_a_verdict() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, head) = setup(dir.path());
+    let prompts = dir.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"id\": \"a\", \"prompt\": \"the tea the tea\"}\n{\"id\": \"b\", \"prompt\": \"hello\"}\n",
+    )
+    .unwrap();
+    let json = dir.path().join("check.json");
+    let (stdout, _) = ok(&[
+        "eagle3",
+        "check",
+        "--target",
+        &model,
+        "--head",
+        &head,
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--raw",
+        "-n",
+        "12",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        stdout.contains("target layers") && stdout.contains("verdict:"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("[0, 1, 2]") && stdout.contains("configured"),
+        "{stdout}"
+    );
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let wirings = j["wirings"].as_array().unwrap();
+    assert!(wirings.len() >= 4, "{j}");
+    assert_eq!(wirings[0]["target_layers"], serde_json::json!([0, 1, 2]));
+}

@@ -10,6 +10,7 @@
 //! head's cache again afterwards: once the target has verified the tokens, their rows are recomputed from the
 //! target's real features (as SGLang does after verify).
 
+pub mod check;
 pub mod head;
 
 use rand::SeedableRng;
