@@ -136,8 +136,8 @@ pub fn report(results: &[WiringResult]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<16} {:>12} {:>10} {:>9}  {}",
-        "target layers", "first token", "accepted", "mean_len", "wiring"
+        "{:<16} {:>12} {:>10} {:>9}  wiring",
+        "target layers", "first token", "accepted", "mean_len"
     );
     let mut order: Vec<usize> = (0..results.len()).collect();
     order.sort_by(|&a, &b| {
