@@ -44,6 +44,7 @@ impl Drafter for LatestMatch {
                         return Ok(specula::draft::Draft {
                             tokens: context[follow..end].to_vec(),
                             distributions: None,
+                            parents: None,
                         });
                     }
                 }

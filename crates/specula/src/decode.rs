@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use crate::draft::{Draft, Drafter};
 use crate::error::{Error, Result};
-use crate::model::{ForwardOptions, LogitsFor, Model};
+use crate::model::{ForwardOptions, LogitsFor, Model, SequenceInput, TreeMask};
 use crate::profile::{Phase, Profiler, StepKind};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -173,7 +173,7 @@ pub fn generate(
     if let (Some(s), false) = (speculation.as_mut(), capture.is_empty()) {
         let _s = prof.span(Phase::Draft);
         s.drafter
-            .observe_target(0, &logits.hidden, req.prompt_tokens.len())?;
+            .observe_target(0, &logits.hidden, &(0..req.prompt_tokens.len()).collect::<Vec<_>>())?;
     }
     let first = {
         let _s = prof.span(Phase::Sample);
@@ -224,6 +224,22 @@ pub fn generate(
             }
             None => Draft::default(),
         };
+        // A tree draft is verified with a tree mask: row 0 is the pending token, row i + 1 draft token i, each
+        // attending to its ancestors.
+        let tree = match &draft.parents {
+            Some(parents) => {
+                if !sampler.params().is_greedy() || simulated.is_some() {
+                    return Err(crate::error::Error::InvalidArgument(
+                        "tree drafts are verified greedily only (sampling and simulated acceptance take chains)"
+                            .into(),
+                    ));
+                }
+                let mut rows = vec![None];
+                rows.extend(parents.iter().map(|p| Some(p.map_or(0, |p| p + 1))));
+                Some(TreeMask::new(rows)?)
+            }
+            None => None,
+        };
         let verify_start = Instant::now();
         let logits = {
             let _s = prof.span(Phase::Verify);
@@ -235,25 +251,51 @@ pub fn generate(
             } else {
                 LogitsFor::All
             };
-            model.forward_one(&input, cache.as_mut(), &target_opts, which, prof)?
+            let mut batch = [SequenceInput {
+                tokens: &input,
+                cache: cache.as_mut(),
+                logits: which,
+                tree: tree.as_ref(),
+            }];
+            model
+                .forward(&mut batch, &target_opts, prof)?
+                .pop()
+                .ok_or_else(|| {
+                    crate::error::Error::InvalidArgument("the backend returned no output".into())
+                })?
         };
         // Host time of the verify call: right on the CPU, only the launches on a GPU (see below).
         let verify_host_s = verify_start.elapsed().as_secs_f64();
-        let acceptance = if let Some(sim) = simulated.as_mut() {
+        // The draft tokens kept, in order (a prefix for a chain, the accepted path for a tree).
+        let (acceptance, path) = if let Some(parents) = &draft.parents {
             let _s = prof.span(Phase::Accept);
-            sim.accept(&draft, logits.logits.as_ref())?
-        } else if speculation.is_some() {
-            let _s = prof.span(Phase::Accept);
-            verify::accept(&draft, logits.logits.as_ref(), &mut sampler)?
+            verify::accept_tree(&draft.tokens, parents, logits.logits.as_ref())?
         } else {
-            let _s = prof.span(Phase::Sample);
-            Acceptance {
-                accepted: 0,
-                next: sampler.sample_row(logits.logits.as_ref(), 0)?,
-            }
+            let acceptance = if let Some(sim) = simulated.as_mut() {
+                let _s = prof.span(Phase::Accept);
+                sim.accept(&draft, logits.logits.as_ref())?
+            } else if speculation.is_some() {
+                let _s = prof.span(Phase::Accept);
+                verify::accept(&draft, logits.logits.as_ref(), &mut sampler)?
+            } else {
+                let _s = prof.span(Phase::Sample);
+                Acceptance {
+                    accepted: 0,
+                    next: sampler.sample_row(logits.logits.as_ref(), 0)?,
+                }
+            };
+            let path: Vec<usize> = (0..acceptance.accepted).collect();
+            (acceptance, path)
         };
         if let Some(st) = stats.as_mut() {
-            st.record(draft.tokens.len(), acceptance.accepted);
+            match &tree {
+                Some(t) => st.record_tree(
+                    draft.tokens.len(),
+                    (1..t.len()).map(|r| t.depth(r)).max().unwrap_or(0),
+                    acceptance.accepted,
+                ),
+                None => st.record(draft.tokens.len(), acceptance.accepted),
+            }
         }
         if let Some(s) = speculation.as_mut() {
             // The verify pass's time by the profiler's clock (device time on a GPU, where a host timer would
@@ -263,15 +305,19 @@ pub fn generate(
                 .unwrap_or(verify_host_s);
             s.drafter.observe_verify(1 + draft.tokens.len(), seconds);
         }
+        // Rows of the verify pass that stay: the pending token's and the accepted drafts'.
+        let kept_rows: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
         if let (Some(s), false) = (speculation.as_mut(), capture.is_empty()) {
-            // The pending token's and the accepted drafts' hidden states: the drafter's next input.
+            // Their hidden states are the drafter's next input.
             let _s = prof.span(Phase::Draft);
-            s.drafter
-                .observe_target(base, &logits.hidden, 1 + acceptance.accepted)?;
+            s.drafter.observe_target(base, &logits.hidden, &kept_rows)?;
         }
-        let mut new_tokens = draft.tokens[..acceptance.accepted].to_vec();
+        let mut new_tokens: Vec<u32> = path.iter().map(|&i| draft.tokens[i]).collect();
         new_tokens.push(acceptance.next);
-        // Keep the pending token and the accepted drafts; rejected drafts leave the cache.
+        if tree.is_some() {
+            // The accepted path's keys and values move next to the pending token's; the other branches go.
+            cache.keep_new_rows(base, &kept_rows)?;
+        }
         let kept = base + 1 + acceptance.accepted;
         (committed, stop) = {
             cache.truncate(kept);
@@ -409,6 +455,25 @@ impl SpeculationStats {
             accepted_per_position: vec![0; k],
             accept_len_histogram: vec![0; k + 1],
         }
+    }
+
+    /// A tree draft of `nodes` tokens, `depth` deep, of which a path of `accepted` was kept: positions are
+    /// depths (position i counts cycles whose tree reached depth i).
+    pub fn record_tree(&mut self, nodes: usize, depth: usize, accepted: usize) {
+        self.cycles += 1;
+        self.empty_drafts += u64::from(nodes == 0);
+        self.partially_accepted += u64::from(accepted > 0 && accepted < depth);
+        self.fully_rejected += u64::from(nodes > 0 && accepted == 0);
+        self.drafted += nodes as u64;
+        self.accepted += accepted as u64;
+        for i in 0..depth.min(self.drafted_per_position.len()) {
+            self.drafted_per_position[i] += 1;
+        }
+        for i in 0..accepted.min(self.accepted_per_position.len()) {
+            self.accepted_per_position[i] += 1;
+        }
+        let last = self.accept_len_histogram.len() - 1;
+        self.accept_len_histogram[accepted.min(last)] += 1;
     }
 
     pub fn record(&mut self, drafted: usize, accepted: usize) {

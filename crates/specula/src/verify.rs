@@ -52,6 +52,46 @@ pub fn accept(draft: &Draft, logits: &dyn RowMatrix, sampler: &mut Sampler) -> R
     })
 }
 
+/// Greedy acceptance of a tree draft: `logits` row 0 follows the pending token and row i + 1 follows draft token i,
+/// whose parent among the drafts is `parents[i]` (None: the pending token). From the root, each step keeps the child
+/// whose token is the target's argmax at its parent; the walk ends where no child matches. Returns the acceptance
+/// and the accepted path (draft indices, root to leaf). Only each row's argmax is read.
+pub fn accept_tree(
+    tokens: &[u32],
+    parents: &[Option<usize>],
+    logits: &dyn RowMatrix,
+) -> Result<(Acceptance, Vec<usize>)> {
+    if parents.len() != tokens.len() {
+        return Err(crate::error::Error::InvalidArgument(format!(
+            "tree draft: {} tokens but {} parents",
+            tokens.len(),
+            parents.len()
+        )));
+    }
+    let best = logits.argmax_rows()?;
+    let mut path = Vec::new();
+    // Row of the node the walk stands on (0: the pending token).
+    let mut row: usize = 0;
+    loop {
+        let parent = row.checked_sub(1);
+        let child = (0..tokens.len()).find(|&i| parents[i] == parent && tokens[i] == best[row]);
+        match child {
+            Some(i) => {
+                path.push(i);
+                row = i + 1;
+            }
+            None => break,
+        }
+    }
+    Ok((
+        Acceptance {
+            accepted: path.len(),
+            next: best[row],
+        },
+        path,
+    ))
+}
+
 /// Simulated acceptance for speed work (SGLang's SGLANG_SIMULATE_ACC_LEN): each draft token is accepted with
 /// probability `p`, independently, up to the first rejection, instead of being checked. The verify pass still
 /// runs on every drafted row and its argmax is still read (the same device work and copies as greedy
@@ -127,6 +167,7 @@ mod tests {
         Draft {
             tokens: vec![0, 0, 0, 0],
             distributions: None,
+            parents: None,
         }
     }
 

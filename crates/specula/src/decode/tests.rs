@@ -645,6 +645,7 @@ impl Drafter for FixedQDrafter {
         Ok(Draft {
             tokens,
             distributions: Some(vec![q; n]),
+            parents: None,
         })
     }
 }
@@ -722,4 +723,98 @@ fn simulated_acceptance_replaces_verification() {
             assert_eq!(out.tokens, plain.tokens, "p = 0 is plain decoding");
         }
     }
+}
+
+/// Knows plain decoding's continuation and drafts a tree in which it is never the first branch: a wrong token,
+/// then the right one with a wrong and a right child, and so on. The accepted path is never a prefix of the
+/// draft, so verification must walk the tree and the cache must keep the path's rows, moved into place.
+struct OracleTreeDrafter {
+    /// Prompt and plain decoding's tokens.
+    plain: Vec<u32>,
+    vocab: u32,
+}
+
+impl Drafter for OracleTreeDrafter {
+    fn method(&self) -> &'static str {
+        "oracle-tree"
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize, _: &SamplingParams) -> Result<Draft> {
+        let future = &self.plain[context.len().min(self.plain.len())..];
+        let depth = future.len().min(k / 2).min(3);
+        let mut tokens = Vec::new();
+        let mut parents = Vec::new();
+        let mut parent = None;
+        for &right in &future[..depth] {
+            tokens.push((right + 1) % self.vocab);
+            parents.push(parent);
+            tokens.push(right);
+            parents.push(parent);
+            parent = Some(tokens.len() - 1);
+        }
+        Ok(Draft {
+            tokens,
+            distributions: None,
+            parents: Some(parents),
+        })
+    }
+}
+
+#[test]
+fn tree_verification_keeps_a_path_that_is_not_a_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            seed: 3,
+            ..Default::default()
+        },
+    );
+    let req = request(&PROMPT, 30, SamplingParams::default());
+    let plain = run(&target, &req, None);
+    let mut seq = PROMPT.to_vec();
+    seq.extend(&plain.tokens);
+    let mut drafter = OracleTreeDrafter {
+        plain: seq,
+        vocab: target.model.config().vocab_size as u32,
+    };
+    let out = run(
+        &target,
+        &req,
+        Some(Speculation {
+            drafter: &mut drafter,
+            draft_tokens: 6,
+            simulate_acceptance: None,
+        }),
+    );
+    assert_eq!(out.tokens, plain.tokens);
+    let st = out.speculation.unwrap();
+    // Every right token is accepted and no wrong one: half of each tree, through its second branches.
+    assert_eq!(st.accepted * 2, st.drafted, "{st:?}");
+    assert!(st.accept_len_histogram[3] >= 6, "{st:?}");
+    assert!(st.cycles <= 9, "{} cycles for 29 tokens", st.cycles);
+}
+
+#[test]
+fn tree_acceptance_walks_the_argmax_path() {
+    use crate::model::forward::HostRows;
+    // Rows: 0 = pending, then drafts 0..4 with parents [None, None, Some(1), Some(1), Some(3)].
+    let argmax = [11u32, 5, 12, 7, 13, 9];
+    let mut data = vec![0f32; 6 * 16];
+    for (r, &a) in argmax.iter().enumerate() {
+        data[r * 16 + a as usize] = 1.0;
+    }
+    let logits = HostRows { rows: 6, cols: 16, data };
+    let tokens = [10, 11, 3, 12, 13];
+    let parents = [None, None, Some(1), Some(1), Some(3)];
+    let (a, path) = crate::verify::accept_tree(&tokens, &parents, &logits).unwrap();
+    // pending -> 11 (draft 1, row 2) -> 12 (draft 3, row 4) -> 13 (draft 4, row 5) -> next = argmax of row 5.
+    assert_eq!(path, vec![1, 3, 4]);
+    assert_eq!(a.accepted, 3);
+    assert_eq!(a.next, 9);
+    // A mismatch at the root accepts nothing and takes the target's token.
+    let (a, path) = crate::verify::accept_tree(&[1, 2], &[None, None], &logits).unwrap();
+    assert!(path.is_empty());
+    assert_eq!(a.next, 11);
 }

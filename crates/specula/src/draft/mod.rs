@@ -19,6 +19,9 @@ pub struct Draft {
     /// One per token when the drafter sampled; `None` means each token was proposed deterministically
     /// (q is a point mass on it).
     pub distributions: Option<Vec<Distribution>>,
+    /// A tree draft (greedy only): each token's parent among the draft tokens (None: it follows the pending
+    /// token). `None`: the tokens are a chain.
+    pub parents: Option<Vec<Option<usize>>>,
 }
 
 impl Draft {
@@ -56,14 +59,14 @@ pub trait Drafter {
     }
 
     /// Told after each target forward (the prefill, every verify pass) that asked for [`Self::target_layers`]:
-    /// `hidden` holds those layers' outputs for the pass's rows, which were fed at positions `first_position..`;
-    /// the first `kept` rows stay in the context (the prompt, or the pending token and the accepted drafts), the
-    /// rest were rejected. Ignored by default.
+    /// `hidden` holds those layers' outputs for the pass's rows; the rows `kept` (in order) stay in the context at
+    /// positions `first_position..` (the prompt, or the pending token and the accepted drafts: a prefix for a
+    /// chain, the accepted path for a tree), the rest were rejected. Ignored by default.
     fn observe_target(
         &mut self,
         _first_position: usize,
         _hidden: &[(usize, Box<dyn crate::model::RowMatrix>)],
-        _kept: usize,
+        _kept: &[usize],
     ) -> Result<()> {
         Ok(())
     }

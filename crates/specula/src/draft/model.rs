@@ -146,6 +146,7 @@ impl Drafter for ModelDrafter<'_> {
         Ok(Draft {
             tokens,
             distributions: (!sampling.is_greedy()).then_some(distributions),
+            parents: None,
         })
     }
 }

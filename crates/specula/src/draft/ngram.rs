@@ -295,6 +295,7 @@ impl Drafter for NgramDrafter {
         Ok(Draft {
             tokens,
             distributions: None,
+            parents: None,
         })
     }
 

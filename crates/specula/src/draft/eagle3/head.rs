@@ -162,6 +162,16 @@ impl HeadConfig {
     }
 }
 
+/// A tree row of [`Eagle3Head::forward_tree`].
+#[derive(Debug, Clone)]
+pub struct TreeRow {
+    pub position: usize,
+    /// It sees cache slots `0..prefix` (the rows computed from the target's features).
+    pub prefix: usize,
+    /// And these slots (its ancestors among earlier tree rows), increasing.
+    pub ancestors: Vec<usize>,
+}
+
 /// An EAGLE-3 head's weights on the CPU.
 pub struct Eagle3Head {
     pub config: HeadConfig,
@@ -352,6 +362,45 @@ impl Eagle3Head {
         x
     }
 
+    /// Tree rows: row i is written at cache slot `cache.len() + i`, rotated at `rows[i].position`, and attends to
+    /// the slots `0..rows[i].prefix`, the slots `rows[i].ancestors` and itself. Returns each row's output (the
+    /// next step's x) and each row's draft-vocabulary logits.
+    pub fn forward_tree(
+        &self,
+        embeds: &[f32],
+        x: &[f32],
+        rows: &[TreeRow],
+        cache: &mut KvCache,
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+        let n = rows.len();
+        let start = cache.len();
+        let visible: Vec<Vec<usize>> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let mut v: Vec<usize> = (0..r.prefix).collect();
+                v.extend(&r.ancestors);
+                v.push(start + i);
+                v
+            })
+            .collect();
+        let positions: Vec<usize> = rows.iter().map(|r| r.position).collect();
+        let out = self.layer(embeds, x, n, cache, &positions, Some(&visible))?;
+        let h = self.config.layer.hidden_size;
+        let logits = out.chunks_exact(h).map(|row| self.logits(row)).collect();
+        Ok((out, logits))
+    }
+
+    /// Draft-vocabulary logits of one output row.
+    fn logits(&self, out_row: &[f32]) -> Vec<f32> {
+        let h = self.config.layer.hidden_size;
+        let mut normed = vec![0f32; h];
+        ops::rms_norm(out_row, &self.final_norm, self.config.layer.rms_norm_eps as f32, &mut normed);
+        let mut logits = vec![0f32; self.config.draft_vocab];
+        self.lm_head.matmul(&normed, 1, &mut logits);
+        logits
+    }
+
     /// Runs `n` rows through the decoder layer at positions `cache.len()..` (a chain), appending their keys and
     /// values to `cache`: `embeds` are the next tokens' embeddings, `x` the hidden inputs (fc output or the
     /// previous step's output), both `n x h`. Returns each row's output (before the final norm: the next step's
@@ -363,6 +412,25 @@ impl Eagle3Head {
         n: usize,
         cache: &mut KvCache,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let start = cache.len();
+        let positions: Vec<usize> = (start..start + n).collect();
+        let out = self.layer(embeds, x, n, cache, &positions, None)?;
+        let h = self.config.layer.hidden_size;
+        let logits = self.logits(&out[(n - 1) * h..n * h]);
+        Ok((out, logits))
+    }
+
+    /// The decoder layer over `n` new rows written at slots `cache.len()..`, rotated at `positions`; a row
+    /// attends to every slot up to its own (`visible` None) or to the slots `visible[i]` (in increasing order).
+    fn layer(
+        &self,
+        embeds: &[f32],
+        x: &[f32],
+        n: usize,
+        cache: &mut KvCache,
+        positions: &[usize],
+        visible: Option<&[Vec<usize>]>,
+    ) -> Result<Vec<f32>> {
         let c = &self.config.layer;
         let (h, q_dim, kv_dim, hd, ff) = (
             c.hidden_size,
@@ -406,7 +474,7 @@ impl Eagle3Head {
         let mut angles = Vec::with_capacity(half);
         for r in 0..n {
             angles.clear();
-            ops::rope_angles(start + r, &self.rope_inv_freqs[..half], &mut angles);
+            ops::rope_angles(positions[r], &self.rope_inv_freqs[..half], &mut angles);
             for head in q[r * q_dim..(r + 1) * q_dim].chunks_exact_mut(hd) {
                 ops::rope_apply(head, &angles, true);
             }
@@ -430,12 +498,28 @@ impl Eagle3Head {
             for head in 0..c.num_heads {
                 let (keys, values) = cache.head(0, head / group, slot + 1);
                 let qh = &q[r * q_dim + head * hd..r * q_dim + (head + 1) * hd];
-                scores.clear();
-                scores.extend(keys.chunks_exact(hd).map(|key| ops::dot(qh, key) * scale));
-                ops::softmax(&mut scores);
                 let out = &mut attn[r * q_dim + head * hd..r * q_dim + (head + 1) * hd];
-                for (&w, value) in scores.iter().zip(values.chunks_exact(hd)) {
-                    ops::axpy(out, w, value);
+                scores.clear();
+                match visible {
+                    None => {
+                        scores.extend(keys.chunks_exact(hd).map(|key| ops::dot(qh, key) * scale));
+                        ops::softmax(&mut scores);
+                        for (&w, value) in scores.iter().zip(values.chunks_exact(hd)) {
+                            ops::axpy(out, w, value);
+                        }
+                    }
+                    Some(v) => {
+                        let slots = &v[r];
+                        scores.extend(
+                            slots
+                                .iter()
+                                .map(|&s| ops::dot(qh, &keys[s * hd..(s + 1) * hd]) * scale),
+                        );
+                        ops::softmax(&mut scores);
+                        for (&w, &s) in scores.iter().zip(slots) {
+                            ops::axpy(out, w, &values[s * hd..(s + 1) * hd]);
+                        }
+                    }
                 }
             }
         }
@@ -460,11 +544,6 @@ impl Eagle3Head {
         for (o, &ri) in out.iter_mut().zip(&r1) {
             *o += ri;
         }
-        let last = &out[(n - 1) * h..n * h];
-        let mut last_normed = vec![0f32; h];
-        ops::rms_norm(last, &self.final_norm, eps, &mut last_normed);
-        let mut logits = vec![0f32; self.config.draft_vocab];
-        self.lm_head.matmul(&last_normed, 1, &mut logits);
-        Ok((out, logits))
+        Ok(out)
     }
 }

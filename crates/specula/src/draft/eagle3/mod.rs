@@ -22,7 +22,74 @@ use crate::error::{Error, Result};
 use crate::model::{Model, RowMatrix};
 use crate::sampling::{self, Distribution, SamplingParams};
 
-pub use head::{Eagle3Head, HeadConfig};
+pub use head::{Eagle3Head, HeadConfig, TreeRow};
+
+/// Tree drafting (SGLang's knobs): `topk` branches a node, `steps` levels, `draft_tokens` nodes kept in all (the
+/// pending token not counted; SGLang's num_draft_tokens - 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TreeShape {
+    pub topk: usize,
+    pub steps: usize,
+    pub draft_tokens: usize,
+}
+
+impl TreeShape {
+    /// Checks the shape (rows verified at once stay within what tree masks hold).
+    pub fn new(topk: usize, steps: usize, draft_tokens: usize) -> Result<Self> {
+        if topk == 0 || steps == 0 || draft_tokens == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "EAGLE-3 tree: --eagle-topk {topk}, --num-steps {steps} and --num-draft-tokens {} must each be at \
+                 least 1 (2 for --num-draft-tokens)",
+                draft_tokens + 1
+            )));
+        }
+        if draft_tokens + 1 > 64 {
+            return Err(Error::InvalidArgument(format!(
+                "EAGLE-3 tree: --num-draft-tokens {} verifies more than 64 rows at once",
+                draft_tokens + 1
+            )));
+        }
+        if draft_tokens > topk + topk * topk * (steps - 1) {
+            return Err(Error::InvalidArgument(format!(
+                "EAGLE-3 tree: --num-draft-tokens {} is more than {steps} steps of top-{topk} can propose",
+                draft_tokens + 1
+            )));
+        }
+        Ok(TreeShape {
+            topk,
+            steps,
+            draft_tokens,
+        })
+    }
+}
+
+/// A node of the candidate tree during drafting.
+struct Candidate {
+    /// Target id.
+    token: u32,
+    /// Index of the parent candidate (None: a child of the last target-fed row).
+    parent: Option<usize>,
+    depth: usize,
+    /// Sum of log-probabilities along the path.
+    score: f32,
+    /// Once expanded: its head cache slot and output row.
+    slot: Option<usize>,
+    out: Option<Vec<f32>>,
+}
+
+/// The `k` largest (log-probability, draft id) of `logits` (softmax over the draft vocabulary), best first; ties
+/// by the smaller id.
+fn top_log_probs(logits: &[f32], k: usize) -> Vec<(f32, usize)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx.into_iter()
+        .map(|i| ((logits[i] as f64 - log_z) as f32, i))
+        .collect()
+}
 
 pub struct Eagle3Drafter<'a> {
     head: &'a Eagle3Head,
@@ -35,6 +102,8 @@ pub struct Eagle3Drafter<'a> {
     /// Target features (3H a row) of positions `cache.len()..`, not yet run through the head.
     features: Vec<f32>,
     rng: ChaCha20Rng,
+    /// Tree drafting (greedy decoding only); None drafts chains.
+    tree: Option<TreeShape>,
 }
 
 impl<'a> Eagle3Drafter<'a> {
@@ -50,6 +119,123 @@ impl<'a> Eagle3Drafter<'a> {
             cache: head.new_cache(c.context_length),
             features: Vec::new(),
             rng: ChaCha20Rng::seed_from_u64(seed ^ 0xea91_e3d2),
+            tree: None,
+        })
+    }
+
+    /// Drafts trees of `shape` when decoding is greedy (sampled decoding keeps chains of `shape.steps`).
+    pub fn with_tree(mut self, shape: TreeShape) -> Self {
+        self.tree = Some(shape);
+        self
+    }
+
+    /// SGLang-style tree drafting from the last target-fed row (`out_last`, `logits`): the top-k tokens form
+    /// level 1; at each further level every kept node is expanded by its top-k and the k best candidates by
+    /// path probability are kept for the next level; finally the `nodes` best candidates of all levels, by
+    /// path probability, form the tree (parents always kept before children).
+    fn draft_tree(
+        &mut self,
+        shape: TreeShape,
+        nodes: usize,
+        out_last: &[f32],
+        logits: &[f32],
+        base: usize,
+    ) -> Result<Draft> {
+        let fed = self.cache.len();
+        let mut cands: Vec<Candidate> = top_log_probs(logits, shape.topk)
+            .into_iter()
+            .map(|(lp, id)| Candidate {
+                token: self.head.target_id(id),
+                parent: None,
+                depth: 1,
+                score: lp,
+                slot: None,
+                out: None,
+            })
+            .collect();
+        let mut beams: Vec<usize> = (0..cands.len()).collect();
+        for _level in 1..shape.steps {
+            // Expand the beams: each runs through the head at its depth's position, seeing the target-fed rows
+            // and its own ancestors.
+            let mut rows = Vec::with_capacity(beams.len());
+            let mut xs = Vec::new();
+            let mut tokens = Vec::with_capacity(beams.len());
+            for &b in &beams {
+                let c = &cands[b];
+                let mut ancestors = Vec::new();
+                let mut p = c.parent;
+                while let Some(i) = p {
+                    ancestors.push(cands[i].slot.expect("ancestors are expanded first"));
+                    p = cands[i].parent;
+                }
+                ancestors.reverse();
+                rows.push(TreeRow {
+                    position: base - 1 + c.depth,
+                    prefix: fed,
+                    ancestors,
+                });
+                match c.parent {
+                    Some(i) => xs.extend_from_slice(cands[i].out.as_ref().expect("expanded parent")),
+                    None => xs.extend_from_slice(out_last),
+                }
+                tokens.push(c.token);
+            }
+            let first_slot = self.cache.len();
+            let embeds = self.embeddings(&tokens)?;
+            let (outs, row_logits) = self.head.forward_tree(&embeds, &xs, &rows, &mut self.cache)?;
+            let h = self.head.config.layer.hidden_size;
+            let mut children = Vec::new();
+            for (j, &b) in beams.iter().enumerate() {
+                cands[b].slot = Some(first_slot + j);
+                cands[b].out = Some(outs[j * h..(j + 1) * h].to_vec());
+                for (lp, id) in top_log_probs(&row_logits[j], shape.topk) {
+                    children.push(Candidate {
+                        token: self.head.target_id(id),
+                        parent: Some(b),
+                        depth: cands[b].depth + 1,
+                        score: cands[b].score + lp,
+                        slot: None,
+                        out: None,
+                    });
+                }
+            }
+            let first_child = cands.len();
+            cands.extend(children);
+            let mut next: Vec<usize> = (first_child..cands.len()).collect();
+            next.sort_by(|&a, &b| cands[b].score.total_cmp(&cands[a].score).then(a.cmp(&b)));
+            next.truncate(shape.topk);
+            beams = next;
+        }
+        self.cache.truncate(fed);
+        // The best `nodes` candidates; a node whose parent was not kept is skipped (a child never scores above
+        // its parent, so this only matters on ties).
+        let mut order: Vec<usize> = (0..cands.len()).collect();
+        order.sort_by(|&a, &b| {
+            cands[b]
+                .score
+                .total_cmp(&cands[a].score)
+                .then(cands[a].depth.cmp(&cands[b].depth))
+                .then(a.cmp(&b))
+        });
+        let mut index_of = vec![None; cands.len()];
+        let mut kept: Vec<usize> = Vec::new();
+        for i in order {
+            if kept.len() == nodes {
+                break;
+            }
+            if cands[i].parent.is_none_or(|p| index_of[p].is_some()) {
+                index_of[i] = Some(kept.len());
+                kept.push(i);
+            }
+        }
+        Ok(Draft {
+            tokens: kept.iter().map(|&i| cands[i].token).collect(),
+            distributions: None,
+            parents: Some(
+                kept.iter()
+                    .map(|&i| cands[i].parent.map(|p| index_of[p].expect("parents kept first")))
+                    .collect(),
+            ),
         })
     }
 
@@ -104,7 +290,7 @@ impl Drafter for Eagle3Drafter<'_> {
         &mut self,
         first_position: usize,
         hidden: &[(usize, Box<dyn RowMatrix>)],
-        kept: usize,
+        kept: &[usize],
     ) -> Result<()> {
         let width = self.feature_width();
         let known = self.cache.len() + self.features.len() / width;
@@ -134,7 +320,7 @@ impl Drafter for Eagle3Drafter<'_> {
                 })?;
             mats.push(m);
         }
-        for r in 0..kept {
+        for &r in kept {
             for m in &mats {
                 self.features.extend_from_slice(&m.row(r)?);
             }
@@ -169,6 +355,14 @@ impl Drafter for Eagle3Drafter<'_> {
         self.features.clear();
         let fed = self.cache.len();
         let h = self.head.config.layer.hidden_size;
+        let k = match self.tree {
+            Some(shape) if sampling.is_greedy() => {
+                let last = out[out.len() - h..].to_vec();
+                return self.draft_tree(shape, k.min(shape.draft_tokens), &last, &logits, base);
+            }
+            Some(shape) => k.min(shape.steps),
+            None => k,
+        };
         let mut tokens = Vec::with_capacity(k);
         let mut distributions = Vec::with_capacity(k);
         for i in 0..k {
@@ -186,6 +380,7 @@ impl Drafter for Eagle3Drafter<'_> {
         Ok(Draft {
             tokens,
             distributions: (!sampling.is_greedy()).then_some(distributions),
+            parents: None,
         })
     }
 }

@@ -92,7 +92,9 @@ fn greedy_eagle3_speculation_equals_plain_decoding() {
     let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
     let ctx: Vec<u32> = PROMPT.to_vec();
     let hidden = capture(&t, &ctx[..ctx.len() - 1], drafter.target_layers());
-    drafter.observe_target(0, &hidden, ctx.len() - 1).unwrap();
+    drafter
+        .observe_target(0, &hidden, &(0..ctx.len() - 1).collect::<Vec<_>>())
+        .unwrap();
     let draft = drafter
         .propose(&ctx, 6, &SamplingParams::default())
         .unwrap();
@@ -123,7 +125,9 @@ fn sampled_eagle3_drafts_carry_distributions_over_target_ids() {
     assert_eq!(out.tokens.len(), 30);
     let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 1).unwrap();
     let hidden = capture(&t, &PROMPT[..9], drafter.target_layers());
-    drafter.observe_target(0, &hidden, 9).unwrap();
+    drafter
+        .observe_target(0, &hidden, &(0..9).collect::<Vec<_>>())
+        .unwrap();
     let params = SamplingParams {
         temperature: 0.8,
         ..Default::default()
@@ -471,7 +475,9 @@ fn drafter_pairs_features_at_p_with_token_p_plus_1() {
     let base = PROMPT.len() - 1;
     let hidden = capture(&t, &PROMPT[..base], &[0, 1, 2]);
     let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
-    drafter.observe_target(0, &hidden, base).unwrap();
+    drafter
+        .observe_target(0, &hidden, &(0..base).collect::<Vec<_>>())
+        .unwrap();
     let params = SamplingParams {
         temperature: 1.0,
         ..Default::default()
@@ -505,4 +511,87 @@ fn drafter_pairs_features_at_p_with_token_p_plus_1() {
             );
         }
     }
+}
+
+#[test]
+fn greedy_eagle3_tree_speculation_equals_plain_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, used) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let plain = run(&t, 40, 0.0, None);
+    for (topk, steps, nodes) in [(2, 3, 5), (3, 2, 6), (1, 3, 3), (4, 4, 12)] {
+        let shape = TreeShape::new(topk, steps, nodes).unwrap();
+        // The tree itself: `nodes` tokens from the draft vocabulary, parents before children, depth <= steps.
+        let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+            .unwrap()
+            .with_tree(shape);
+        let hidden = capture(&t, &PROMPT[..9], drafter.target_layers());
+        drafter
+            .observe_target(0, &hidden, &(0..9).collect::<Vec<_>>())
+            .unwrap();
+        let draft = drafter.propose(&PROMPT, nodes, &SamplingParams::default()).unwrap();
+        let parents = draft.parents.clone().unwrap();
+        assert_eq!(draft.tokens.len(), nodes);
+        assert!(draft.tokens.iter().all(|t| used.contains(t)));
+        let mut depth = vec![0usize; nodes];
+        for (i, p) in parents.iter().enumerate() {
+            depth[i] = match p {
+                None => 1,
+                Some(p) => {
+                    assert!(*p < i, "parent {p} of node {i} comes first");
+                    depth[*p] + 1
+                }
+            };
+            assert!(depth[i] <= steps);
+        }
+        assert_eq!(parents.iter().filter(|p| p.is_none()).count().min(topk), parents.iter().filter(|p| p.is_none()).count());
+        // Decoding with it: plain decoding's tokens.
+        let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+            .unwrap()
+            .with_tree(shape);
+        let out = run(
+            &t,
+            40,
+            0.0,
+            Some(Speculation {
+                drafter: &mut drafter,
+                draft_tokens: nodes,
+                simulate_acceptance: None,
+            }),
+        );
+        assert_eq!(out.tokens, plain.tokens, "tree {topk}/{steps}/{nodes}");
+        assert!(out.speculation.unwrap().drafted > 0);
+    }
+    // Sampled decoding drafts chains of at most `steps` tokens even in tree mode.
+    let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+        .unwrap()
+        .with_tree(TreeShape::new(2, 3, 5).unwrap());
+    let hidden = capture(&t, &PROMPT[..9], drafter.target_layers());
+    drafter
+        .observe_target(0, &hidden, &(0..9).collect::<Vec<_>>())
+        .unwrap();
+    let params = SamplingParams {
+        temperature: 0.7,
+        ..Default::default()
+    };
+    let d = drafter.propose(&PROMPT, 5, &params).unwrap();
+    assert!(d.parents.is_none() && d.tokens.len() == 3);
+}
+
+#[test]
+fn tree_shapes_are_checked() {
+    assert!(TreeShape::new(0, 3, 4).is_err());
+    assert!(TreeShape::new(2, 0, 4).is_err());
+    let e = TreeShape::new(8, 8, 80).unwrap_err().to_string();
+    assert!(e.contains("more than 64 rows"), "{e}");
+    let e = TreeShape::new(1, 3, 5).unwrap_err().to_string();
+    assert!(e.contains("more than 3 steps of top-1"), "{e}");
+}
+
+#[test]
+fn top_log_probs_are_normalized_and_ordered() {
+    let t = top_log_probs(&[0.0, 2.0, 1.0, 2.0], 3);
+    assert_eq!(t.iter().map(|x| x.1).collect::<Vec<_>>(), vec![1, 3, 2]);
+    let z: f32 = [0.0f32, 2.0, 1.0, 2.0].iter().map(|l| l.exp()).sum();
+    assert!((t[0].0 - (2.0 - z.ln())).abs() < 1e-6);
 }
