@@ -23,6 +23,10 @@ pub struct TinySpec {
     /// Multiplies the final norm's weights, and so the logits: below 1 flattens the next-token distributions
     /// (random weights otherwise give near-certain top tokens).
     pub logit_scale: f32,
+    /// Write a separate LM head (GGUF `output.weight`) instead of tying it to the embedding: a tied tiny random
+    /// model mostly repeats its input token, an untied one writes varied text (tests whose checks need the
+    /// context to matter use it).
+    pub untied_head: bool,
 }
 
 impl Default for TinySpec {
@@ -39,6 +43,7 @@ impl Default for TinySpec {
             weight_type: GgmlType::F32,
             attention_bias: true,
             logit_scale: 1.0,
+            untied_head: false,
         }
     }
 }
@@ -239,6 +244,15 @@ pub fn tiny_tensors(
             .map(|v| v * spec.logit_scale)
             .collect(),
     );
+    if spec.untied_head {
+        push(
+            "output.weight".into(),
+            "lm_head.weight".into(),
+            vocab,
+            h,
+            rng.vec(vocab * h, 1.0),
+        );
+    }
     out
 }
 
@@ -358,7 +372,7 @@ pub fn write_tiny_hf_dir(dir: &Path, spec: &TinySpec) -> crate::Result<()> {
         "max_position_embeddings": spec.context,
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": true,
+        "tie_word_embeddings": !spec.untied_head,
         "attention_bias": spec.attention_bias,
     });
     let write = |name: &str, text: String| {

@@ -768,11 +768,14 @@ fn tree_verification_keeps_a_path_that_is_not_a_prefix() {
         "t.gguf",
         TinySpec {
             seed: 3,
+            untied_head: true,
             ..Default::default()
         },
     );
     let req = request(&PROMPT, 30, SamplingParams::default());
     let plain = run(&target, &req, None);
+    let distinct: std::collections::BTreeSet<u32> = plain.tokens.iter().copied().collect();
+    assert!(distinct.len() > 5, "the target writes varied text: {:?}", plain.tokens);
     let mut seq = PROMPT.to_vec();
     seq.extend(&plain.tokens);
     let mut drafter = OracleTreeDrafter {
