@@ -98,7 +98,9 @@ fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
             }
             out
         }
-        DraftChoice::Eagle3(_) => vec![DraftMethod::Eagle3],
+        DraftChoice::Eagle3(_) => vec![DraftMethod::Eagle3 {
+            tree: d.eagle_tree()?,
+        }],
         DraftChoice::Ngram { min_n, max_n, .. } => d
             .ngram_confidences()?
             .into_iter()
@@ -132,7 +134,11 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         .as_ref()
         .ok_or_else(|| anyhow::anyhow!("give a prompts file with --prompts FILE.jsonl"))?;
     let methods = methods(args)?;
-    let ks = draft_tokens(args)?;
+    let ks = match args.drafter.eagle_tree()? {
+        // A tree's size is its node count: one configuration.
+        Some(shape) => vec![shape.draft_tokens],
+        None => draft_tokens(args)?,
+    };
     let sampling = args.sampling.params()?;
     if args.max_tokens == 0 {
         anyhow::bail!("--max-tokens must be at least 1");

@@ -200,6 +200,18 @@ pub struct DrafterArgs {
     /// always drafts --draft-tokens.
     #[arg(long, value_name = "P", allow_negative_numbers = true)]
     pub simulate_acceptance: Option<f64>,
+    /// EAGLE-3 tree drafting (SGLang's --speculative-eagle-topk): branches kept per node (default 4 once any tree
+    /// flag is given). Trees are verified in one pass with a tree mask; greedy decoding only (sampling drafts
+    /// chains of --num-steps).
+    #[arg(long, value_name = "K")]
+    pub eagle_topk: Option<usize>,
+    /// EAGLE-3 tree drafting: levels (SGLang's --speculative-num-steps; default 5).
+    #[arg(long, value_name = "N")]
+    pub num_steps: Option<usize>,
+    /// EAGLE-3 tree drafting: tokens per verify pass, the pending one included (SGLang's
+    /// --speculative-num-draft-tokens; default 8).
+    #[arg(long, value_name = "N")]
+    pub num_draft_tokens: Option<usize>,
 }
 
 /// Parses a comma-separated flag's values; no values means the single `default`.
@@ -290,6 +302,11 @@ impl DrafterArgs {
         if !self.ngram_confidence.is_empty() && !matches!(choice, DraftChoice::Ngram { .. }) {
             anyhow::bail!("--ngram-confidence applies to prompt lookup; add --draft ngram");
         }
+        if self.eagle_tree()?.is_some() && !matches!(choice, DraftChoice::Eagle3(_)) {
+            anyhow::bail!(
+                "--eagle-topk / --num-steps / --num-draft-tokens shape EAGLE-3 trees; add --draft eagle3 --draft-model HEAD_DIR"
+            );
+        }
         if let Some(p) = self.simulate_acceptance {
             specula::verify::check_simulated_acceptance(p)?;
             if matches!(choice, DraftChoice::None) {
@@ -299,6 +316,23 @@ impl DrafterArgs {
             }
         }
         Ok(choice)
+    }
+
+    /// The EAGLE-3 tree shape the tree flags ask for (None: chains).
+    pub fn eagle_tree(&self) -> anyhow::Result<Option<specula::draft::eagle3::TreeShape>> {
+        if self.eagle_topk.is_none() && self.num_steps.is_none() && self.num_draft_tokens.is_none()
+        {
+            return Ok(None);
+        }
+        let nodes = self.num_draft_tokens.unwrap_or(8);
+        if nodes < 2 {
+            anyhow::bail!("--num-draft-tokens must be at least 2 (the pending token and one draft), got {nodes}");
+        }
+        Ok(Some(specula::draft::eagle3::TreeShape::new(
+            self.eagle_topk.unwrap_or(4),
+            self.num_steps.unwrap_or(5),
+            nodes - 1,
+        )?))
     }
 
     /// generate's drafter: like [`Self::choice`], refusing lists.
@@ -448,7 +482,14 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             "--draft-tokens needs a drafter: add --draft-model PATH|NAME or --draft ngram"
         );
     }
-    let draft_tokens = args.draft.draft_tokens(&choice);
+    let tree = args.draft.drafter.eagle_tree()?;
+    if tree.is_some() && args.draft.draft_tokens.is_some() {
+        anyhow::bail!("--draft-tokens and the tree flags both size the draft: give --num-draft-tokens for a tree");
+    }
+    let draft_tokens = match tree {
+        Some(shape) => shape.draft_tokens,
+        None => args.draft.draft_tokens(&choice),
+    };
     if !matches!(choice, DraftChoice::None) {
         specula::decode::check_draft_tokens(draft_tokens)?;
     }
@@ -496,11 +537,17 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             specula::draft::ngram::NgramDrafter::with_stopping(*min_n, *max_n, *min_confidence)?,
         )),
         DraftChoice::Eagle3(_) => match eagle3_head.as_ref() {
-            Some(head) => Some(Box::new(specula::draft::eagle3::Eagle3Drafter::new(
-                head,
-                loaded.model.as_ref(),
-                sampling.seed,
-            )?) as Box<dyn specula::draft::Drafter>),
+            Some(head) => {
+                let d = specula::draft::eagle3::Eagle3Drafter::new(
+                    head,
+                    loaded.model.as_ref(),
+                    sampling.seed,
+                )?;
+                Some(Box::new(match tree {
+                    Some(shape) => d.with_tree(shape),
+                    None => d,
+                }) as Box<dyn specula::draft::Drafter>)
+            }
             None => None,
         },
     };
@@ -611,7 +658,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     d
                 }
                 DraftChoice::Eagle3(dir) => {
-                    let mut d = DraftMethod::Eagle3.settings_json();
+                    let mut d = DraftMethod::Eagle3 { tree }.settings_json();
                     d["draft_model"] = dir.clone().into();
                     d["draft_tokens"] = draft_tokens.into();
                     if let Some(h) = eagle3_head.as_ref() {

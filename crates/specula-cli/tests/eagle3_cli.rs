@@ -29,6 +29,7 @@ fn setup(dir: &Path) -> (String, String) {
         &model,
         &TinySpec {
             layers: 3,
+            untied_head: true,
             ..Default::default()
         },
     )
@@ -224,4 +225,84 @@ fn eagle3_check_prints_every_wiring_and_a_verdict() {
     let wirings = j["wirings"].as_array().unwrap();
     assert!(wirings.len() >= 4, "{j}");
     assert_eq!(wirings[0]["target_layers"], serde_json::json!([0, 1, 2]));
+}
+
+#[test]
+fn eagle3_trees_match_plain_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, head) = setup(dir.path());
+    let base = [
+        "generate",
+        "-m",
+        &model,
+        "-p",
+        "hello world",
+        "-n",
+        "24",
+        "--raw",
+        "--ignore-eos",
+    ];
+    let (plain, _) = ok(&base);
+    let report = dir.path().join("report.json");
+    let mut args = base.to_vec();
+    args.extend([
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        &head,
+        "--eagle-topk",
+        "2",
+        "--num-steps",
+        "3",
+        "--num-draft-tokens",
+        "6",
+        "--report-json",
+        report.to_str().unwrap(),
+    ]);
+    let (tree, _) = ok(&args);
+    assert_eq!(
+        tree, plain,
+        "greedy tree speculation writes plain decoding's text"
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(
+        r["config"]["draft"]["tree"],
+        serde_json::json!({"eagle_topk": 2, "num_steps": 3, "num_draft_tokens": 6})
+    );
+    // Tree flags need an EAGLE-3 drafter, and a tree sizes itself.
+    let out = specula(&[
+        "generate",
+        "-m",
+        &model,
+        "-p",
+        "hi",
+        "--draft",
+        "ngram",
+        "--eagle-topk",
+        "2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("add --draft eagle3"),
+        "{stderr}"
+    );
+    let out = specula(&[
+        "generate",
+        "-m",
+        &model,
+        "-p",
+        "hi",
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        &head,
+        "--num-draft-tokens",
+        "99",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("more than 64 rows"),
+        "{stderr}"
+    );
 }

@@ -172,8 +172,11 @@ pub fn generate(
     };
     if let (Some(s), false) = (speculation.as_mut(), capture.is_empty()) {
         let _s = prof.span(Phase::Draft);
-        s.drafter
-            .observe_target(0, &logits.hidden, &(0..req.prompt_tokens.len()).collect::<Vec<_>>())?;
+        s.drafter.observe_target(
+            0,
+            &logits.hidden,
+            &(0..req.prompt_tokens.len()).collect::<Vec<_>>(),
+        )?;
     }
     let first = {
         let _s = prof.span(Phase::Sample);
@@ -306,7 +309,9 @@ pub fn generate(
             s.drafter.observe_verify(1 + draft.tokens.len(), seconds);
         }
         // Rows of the verify pass that stay: the pending token's and the accepted drafts'.
-        let kept_rows: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
+        let kept_rows: Vec<usize> = std::iter::once(0)
+            .chain(path.iter().map(|&i| i + 1))
+            .collect();
         if let (Some(s), false) = (speculation.as_mut(), capture.is_empty()) {
             // Their hidden states are the drafter's next input.
             let _s = prof.span(Phase::Draft);

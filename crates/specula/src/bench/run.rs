@@ -33,8 +33,11 @@ pub enum DraftMethod {
         /// None: cost-aware stopping (see [`NgramDrafter::new`]).
         min_confidence: Option<f64>,
     },
-    /// An EAGLE-3 head ([`crate::draft::eagle3::Eagle3Drafter`]) fed by the target's hidden states.
-    Eagle3,
+    /// An EAGLE-3 head ([`crate::draft::eagle3::Eagle3Drafter`]) fed by the target's hidden states, drafting
+    /// chains or trees of a shape.
+    Eagle3 {
+        tree: Option<crate::draft::eagle3::TreeShape>,
+    },
 }
 
 impl DraftMethod {
@@ -43,7 +46,7 @@ impl DraftMethod {
         match self {
             DraftMethod::Model { .. } => "model",
             DraftMethod::Ngram { .. } => "ngram",
-            DraftMethod::Eagle3 => "eagle3",
+            DraftMethod::Eagle3 { .. } => "eagle3",
         }
     }
 
@@ -72,7 +75,15 @@ impl DraftMethod {
                 min_confidence: None,
                 ..
             } => "cost-aware".into(),
-            DraftMethod::Eagle3 => "chain".into(),
+            DraftMethod::Eagle3 { tree: None } => "chain".into(),
+            DraftMethod::Eagle3 { tree: Some(t) } => {
+                format!(
+                    "tree topk {} steps {} nodes {}",
+                    t.topk,
+                    t.steps,
+                    t.draft_tokens + 1
+                )
+            }
         }
     }
 
@@ -97,7 +108,13 @@ impl DraftMethod {
                 "ngram_max": max_n,
                 "ngram_confidence": min_confidence,
             }),
-            DraftMethod::Eagle3 => serde_json::json!({"method": "eagle3", "tree": "chain"}),
+            DraftMethod::Eagle3 { tree: None } => {
+                serde_json::json!({"method": "eagle3", "tree": null})
+            }
+            DraftMethod::Eagle3 { tree: Some(t) } => serde_json::json!({
+                "method": "eagle3",
+                "tree": {"eagle_topk": t.topk, "num_steps": t.steps, "num_draft_tokens": t.draft_tokens + 1},
+            }),
         }
     }
 }
@@ -413,7 +430,11 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             "the model drafting method needs a draft model".into(),
         ));
     }
-    if spec.methods.contains(&DraftMethod::Eagle3) {
+    if spec
+        .methods
+        .iter()
+        .any(|m| matches!(m, DraftMethod::Eagle3 { .. }))
+    {
         let head = spec.eagle3.ok_or_else(|| {
             Error::InvalidArgument("the eagle3 drafting method needs an EAGLE-3 head".into())
         })?;
@@ -428,7 +449,7 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             } => {
                 NgramDrafter::with_stopping(min_n, max_n, min_confidence)?;
             }
-            DraftMethod::Eagle3 => {}
+            DraftMethod::Eagle3 { .. } => {}
             DraftMethod::Model {
                 vocab_limit,
                 min_confidence,
@@ -520,12 +541,16 @@ pub fn run_bench(
                         max_n,
                         min_confidence,
                     )?)),
-                    (_, Some(DraftMethod::Eagle3)) => {
-                        Some(Box::new(crate::draft::eagle3::Eagle3Drafter::new(
+                    (_, Some(DraftMethod::Eagle3 { tree })) => {
+                        let d = crate::draft::eagle3::Eagle3Drafter::new(
                             spec.eagle3.expect("validated"),
                             spec.target,
                             spec.sampling.seed,
-                        )?))
+                        )?;
+                        Some(Box::new(match tree {
+                            Some(shape) => d.with_tree(shape),
+                            None => d,
+                        }))
                     }
                 };
                 let speculation = drafter.as_mut().map(|d| Speculation {

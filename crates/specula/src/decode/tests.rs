@@ -775,7 +775,11 @@ fn tree_verification_keeps_a_path_that_is_not_a_prefix() {
     let req = request(&PROMPT, 30, SamplingParams::default());
     let plain = run(&target, &req, None);
     let distinct: std::collections::BTreeSet<u32> = plain.tokens.iter().copied().collect();
-    assert!(distinct.len() > 5, "the target writes varied text: {:?}", plain.tokens);
+    assert!(
+        distinct.len() > 5,
+        "the target writes varied text: {:?}",
+        plain.tokens
+    );
     let mut seq = PROMPT.to_vec();
     seq.extend(&plain.tokens);
     let mut drafter = OracleTreeDrafter {
@@ -808,7 +812,11 @@ fn tree_acceptance_walks_the_argmax_path() {
     for (r, &a) in argmax.iter().enumerate() {
         data[r * 16 + a as usize] = 1.0;
     }
-    let logits = HostRows { rows: 6, cols: 16, data };
+    let logits = HostRows {
+        rows: 6,
+        cols: 16,
+        data,
+    };
     let tokens = [10, 11, 3, 12, 13];
     let parents = [None, None, Some(1), Some(1), Some(3)];
     let (a, path) = crate::verify::accept_tree(&tokens, &parents, &logits).unwrap();

@@ -395,7 +395,12 @@ impl Eagle3Head {
     fn logits(&self, out_row: &[f32]) -> Vec<f32> {
         let h = self.config.layer.hidden_size;
         let mut normed = vec![0f32; h];
-        ops::rms_norm(out_row, &self.final_norm, self.config.layer.rms_norm_eps as f32, &mut normed);
+        ops::rms_norm(
+            out_row,
+            &self.final_norm,
+            self.config.layer.rms_norm_eps as f32,
+            &mut normed,
+        );
         let mut logits = vec![0f32; self.config.draft_vocab];
         self.lm_head.matmul(&normed, 1, &mut logits);
         logits

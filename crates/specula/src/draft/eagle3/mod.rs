@@ -175,14 +175,18 @@ impl<'a> Eagle3Drafter<'a> {
                     ancestors,
                 });
                 match c.parent {
-                    Some(i) => xs.extend_from_slice(cands[i].out.as_ref().expect("expanded parent")),
+                    Some(i) => {
+                        xs.extend_from_slice(cands[i].out.as_ref().expect("expanded parent"))
+                    }
                     None => xs.extend_from_slice(out_last),
                 }
                 tokens.push(c.token);
             }
             let first_slot = self.cache.len();
             let embeds = self.embeddings(&tokens)?;
-            let (outs, row_logits) = self.head.forward_tree(&embeds, &xs, &rows, &mut self.cache)?;
+            let (outs, row_logits) =
+                self.head
+                    .forward_tree(&embeds, &xs, &rows, &mut self.cache)?;
             let h = self.head.config.layer.hidden_size;
             let mut children = Vec::new();
             for (j, &b) in beams.iter().enumerate() {
@@ -233,7 +237,11 @@ impl<'a> Eagle3Drafter<'a> {
             distributions: None,
             parents: Some(
                 kept.iter()
-                    .map(|&i| cands[i].parent.map(|p| index_of[p].expect("parents kept first")))
+                    .map(|&i| {
+                        cands[i]
+                            .parent
+                            .map(|p| index_of[p].expect("parents kept first"))
+                    })
                     .collect(),
             ),
         })
