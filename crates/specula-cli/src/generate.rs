@@ -502,6 +502,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         max_new_tokens: args.max_tokens,
         sampling,
         stop_at_eos: !args.ignore_eos,
+        cancel: None,
     };
     let prof = Profiler::with_clock(args.profile.detail(), loaded.model.clock(args.exact_timing));
     let eagle3_head = match &choice {

@@ -5,6 +5,7 @@ mod eagle3;
 mod generate;
 mod overhead;
 mod selftest;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -37,6 +38,8 @@ enum Command {
     /// Check this machine's kernels on a real model: every matrix type against the reference kernel, and a
     /// digest of the logits to compare runs bitwise (e.g. with SPECULA_NO_VNNI=1, or on another CPU).
     Selftest(selftest::SelftestArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (completions, chat completions, streaming).
+    Serve(serve::ServeArgs),
     /// EAGLE-3 heads: `specula eagle3 check` measures which target layers a head drafts best from.
     #[command(subcommand)]
     Eagle3(eagle3::Eagle3Command),
@@ -63,6 +66,7 @@ fn main() {
         Command::Tune(args) => bench::tune(args),
         Command::Selftest(args) => selftest::run(args),
         Command::Eagle3(command) => eagle3::run(command),
+        Command::Serve(args) => serve::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -42,6 +42,7 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
         max_new_tokens: args.max_tokens,
         sampling: SamplingParams::default(),
         stop_at_eos: false,
+        cancel: None,
     };
     let modes = [
         ("off", Detail::Off),

@@ -360,6 +360,7 @@ fn against_cpu(
         max_new_tokens: 32,
         sampling: SamplingParams::default(),
         stop_at_eos: false,
+        cancel: None,
     };
     let run = |m: &LoadedModel| {
         generate(

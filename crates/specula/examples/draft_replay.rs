@@ -83,6 +83,7 @@ fn record(
             max_new_tokens: max_tokens,
             sampling: SamplingParams::default(),
             stop_at_eos: false,
+            cancel: None,
         };
         let o = generate(
             loaded.model.as_ref(),

@@ -25,6 +25,9 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Stop at the model's end-of-turn tokens (on by default; off to force a fixed length in benchmarks).
     pub stop_at_eos: bool,
+    /// Set by someone else to stop generation at the next step boundary (a server's client went away, or its
+    /// stop sequence appeared); None: never cancelled.
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -35,6 +38,8 @@ pub enum StopReason {
     MaxTokens,
     /// The model's context is full.
     ContextFull,
+    /// `GenerateRequest::cancel` was set.
+    Cancelled,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -205,6 +210,14 @@ pub fn generate(
     // Decode steps: draft -> verify -> accept -> commit -> emit.
     let decode_start = Instant::now();
     while stop.is_none() {
+        if req
+            .cancel
+            .as_ref()
+            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+        {
+            stop = Some(StopReason::Cancelled);
+            break;
+        }
         prof.begin_step(StepKind::Decode);
         let pending = *context.last().unwrap_or(&0);
         let base = cache.len();

@@ -232,6 +232,7 @@ fn run_model(model: &dyn Model, tokenizer: &Tokenizer) {
         max_new_tokens: 4,
         sampling: SamplingParams::default(),
         stop_at_eos: true,
+        cancel: None,
     };
     if let Ok(mut ngram) = NgramDrafter::new(1, 2) {
         let speculation = Speculation {

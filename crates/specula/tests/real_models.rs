@@ -17,6 +17,7 @@ fn greedy(m: &LoadedModel, prompt: &str, max_new_tokens: usize) -> specula::deco
         max_new_tokens,
         sampling: SamplingParams::default(),
         stop_at_eos: true,
+        cancel: None,
     };
     generate(
         m.model.as_ref(),
@@ -274,6 +275,7 @@ fn assert_speculation_equals_plain(
             max_new_tokens,
             sampling: SamplingParams::default(),
             stop_at_eos: true,
+            cancel: None,
         };
         let plain = generate_with(target, &req, None, 0);
         for (i, (label, k, make)) in configs.iter_mut().enumerate() {

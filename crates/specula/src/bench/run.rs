@@ -497,6 +497,7 @@ pub fn run_bench(
                 max_new_tokens: spec.max_new_tokens,
                 sampling: spec.sampling,
                 stop_at_eos: spec.stop_at_eos,
+                cancel: None,
             };
             decode::validate_request(spec.target, &req)
                 .map_err(|e| Error::InvalidArgument(format!("prompt {}: {e}", prompt.id)))?;

@@ -22,6 +22,7 @@ fn request(prompt: &[u32], n: usize, sampling: SamplingParams) -> GenerateReques
         max_new_tokens: n,
         sampling,
         stop_at_eos: false,
+        cancel: None,
     }
 }
 

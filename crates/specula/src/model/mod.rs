@@ -242,23 +242,33 @@ impl LoadedModel {
         raw: bool,
         system: Option<&str>,
     ) -> Result<String> {
-        if raw {
+        if raw || self.chat_template.is_none() {
             return Ok(user_prompt.to_string());
         }
-        let Some(template) = &self.chat_template else {
-            return Ok(user_prompt.to_string());
-        };
         let mut messages = Vec::new();
         if let Some(s) = system {
             messages.push(crate::chat::ChatMessage::system(s));
         }
         messages.push(crate::chat::ChatMessage::user(user_prompt));
+        self.format_chat(&messages)
+    }
+
+    /// A conversation through the chat template, ready for the assistant's turn (without a template, the
+    /// messages' contents joined by newlines).
+    pub fn format_chat(&self, messages: &[crate::chat::ChatMessage]) -> Result<String> {
+        let Some(template) = &self.chat_template else {
+            return Ok(messages
+                .iter()
+                .map(|m| m.content.as_str())
+                .collect::<Vec<_>>()
+                .join("\n"));
+        };
         let text_of = |id: Option<u32>| {
             id.and_then(|i| self.tokenizer.token_text(i))
                 .unwrap_or_default()
         };
         template.render(
-            &messages,
+            messages,
             true,
             &text_of(self.tokenizer.bos_token),
             &text_of(self.tokenizer.eos_token),

@@ -105,6 +105,7 @@ pub fn check_wiring(
                 max_new_tokens,
                 sampling: SamplingParams::default(),
                 stop_at_eos: true,
+                cancel: None,
             };
             let out = generate(
                 target,

@@ -49,6 +49,7 @@ fn run(
             ..Default::default()
         },
         stop_at_eos: false,
+        cancel: None,
     };
     generate(
         t.model.as_ref(),

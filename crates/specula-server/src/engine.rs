@@ -1,0 +1,271 @@
+//! The engine loop: one thread owns the model and runs requests; HTTP handlers talk to it through channels. The
+//! engine knows nothing of HTTP.
+//!
+//! This first increment runs one request at a time in arrival order (a bounded queue in front); continuous
+//! batching of several requests per step comes next (issue 14).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+
+use specula::chat::ChatMessage;
+use specula::decode::{self, GenerateRequest, Speculation, StopReason};
+use specula::draft::model::ModelDrafter;
+use specula::draft::ngram::NgramDrafter;
+use specula::draft::Drafter;
+use specula::model::LoadedModel;
+use specula::profile::Profiler;
+use specula::sampling::SamplingParams;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What the server speculates with.
+pub enum DraftSetup {
+    None,
+    /// Prompt lookup (default settings).
+    Ngram,
+    /// A draft model sharing the target's tokenizer.
+    Model(Box<LoadedModel>),
+}
+
+/// A request's input: a raw prompt (`/v1/completions`) or a conversation (`/v1/chat/completions`).
+pub enum Input {
+    Prompt(String),
+    Chat(Vec<ChatMessage>),
+}
+
+pub struct Job {
+    pub input: Input,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub events: UnboundedSender<Event>,
+    /// Set when the client goes away: the engine stops at the next step.
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// What the engine tells a request's handler, in order: `Started` (or an error), text pieces, `Done`.
+#[derive(Debug)]
+pub enum Event {
+    Started { prompt_tokens: usize },
+    Text(String),
+    Done(Result<Finished, String>),
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Finished {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// OpenAI's finish_reason: "stop" (end of turn or a stop sequence) or "length".
+    pub finish_reason: &'static str,
+    /// Speculative stats of the request (zero without a drafter).
+    pub drafted: u64,
+    pub accepted: u64,
+    pub cycles: u64,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+}
+
+/// The handle the HTTP side holds.
+pub struct Engine {
+    jobs: SyncSender<Job>,
+    pub model_name: String,
+    pub context_length: usize,
+}
+
+/// Why a job was not queued.
+pub enum SubmitError {
+    QueueFull,
+    Stopped,
+}
+
+impl Engine {
+    /// Starts the engine thread over `model`, with room for `max_queue` waiting requests.
+    pub fn start(
+        model: LoadedModel,
+        draft: DraftSetup,
+        draft_tokens: usize,
+        max_queue: usize,
+    ) -> Self {
+        let (jobs, rx) = sync_channel(max_queue.max(1));
+        let model_name = model.spec.clone();
+        let context_length = model.model.config().context_length;
+        std::thread::Builder::new()
+            .name("specula-engine".into())
+            .spawn(move || engine_loop(model, draft, draft_tokens, rx))
+            .expect("spawn the engine thread");
+        Engine {
+            jobs,
+            model_name,
+            context_length,
+        }
+    }
+
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        self.jobs.try_send(job).map_err(|e| match e {
+            TrySendError::Full(_) => SubmitError::QueueFull,
+            TrySendError::Disconnected(_) => SubmitError::Stopped,
+        })
+    }
+}
+
+fn engine_loop(model: LoadedModel, draft: DraftSetup, draft_tokens: usize, jobs: Receiver<Job>) {
+    for job in jobs {
+        if job.cancel.load(Ordering::Relaxed) {
+            continue;
+        }
+        let events = job.events.clone();
+        // A panic in one request must not take the engine (and every other request) down.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_job(&model, &draft, draft_tokens, job)
+        }));
+        let result = match outcome {
+            Ok(r) => r,
+            Err(_) => Err("internal error: the request panicked in the engine".to_string()),
+        };
+        let _ = events.send(Event::Done(result));
+    }
+}
+
+/// Text that cannot yet be sent because it may be the start of a stop sequence.
+fn holdback(text: &str, stop: &[String]) -> usize {
+    let longest = stop.iter().map(|s| s.len()).max().unwrap_or(0);
+    if longest == 0 {
+        return text.len();
+    }
+    let mut cut = text.len().saturating_sub(longest - 1);
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    cut
+}
+
+fn run_job(
+    model: &LoadedModel,
+    draft: &DraftSetup,
+    draft_tokens: usize,
+    job: Job,
+) -> Result<Finished, String> {
+    let text = match &job.input {
+        Input::Prompt(p) => p.clone(),
+        Input::Chat(messages) => model.format_chat(messages).map_err(|e| e.to_string())?,
+    };
+    let prompt_tokens = model.tokenizer.encode(&text).map_err(|e| e.to_string())?;
+    if prompt_tokens.is_empty() {
+        return Err("the prompt is empty".into());
+    }
+    let ctx = model.model.config().context_length;
+    if prompt_tokens.len() + job.max_tokens > ctx {
+        return Err(format!(
+            "the prompt ({} tokens) plus max_tokens ({}) exceeds the model's context of {ctx} tokens",
+            prompt_tokens.len(),
+            job.max_tokens
+        ));
+    }
+    let _ = job.events.send(Event::Started {
+        prompt_tokens: prompt_tokens.len(),
+    });
+    let req = GenerateRequest {
+        prompt_tokens,
+        max_new_tokens: job.max_tokens,
+        sampling: job.sampling,
+        stop_at_eos: true,
+        cancel: Some(job.cancel.clone()),
+    };
+    let mut drafter: Option<Box<dyn Drafter + '_>> = match draft {
+        DraftSetup::None => None,
+        DraftSetup::Ngram => Some(Box::new(
+            NgramDrafter::with_stopping(1, 4, Some(specula::draft::ngram::DEFAULT_MIN_CONFIDENCE))
+                .map_err(|e| e.to_string())?,
+        )),
+        DraftSetup::Model(d) => Some(Box::new(
+            ModelDrafter::new(d.model.as_ref(), job.sampling.seed)
+                .and_then(|m| m.with_min_confidence(specula::draft::model::DEFAULT_MIN_CONFIDENCE))
+                .map_err(|e| e.to_string())?,
+        )),
+    };
+    let speculation = drafter.as_mut().map(|d| Speculation {
+        drafter: d.as_mut(),
+        draft_tokens,
+        simulate_acceptance: None,
+    });
+    // Stop sequences: text is held back while it could still begin one; once one appears, the text before it
+    // is the answer and generation stops.
+    let mut produced = String::new();
+    let mut sent = 0;
+    let mut stopped_by_sequence = false;
+    let out = decode::generate(
+        model.model.as_ref(),
+        &model.tokenizer,
+        &req,
+        speculation,
+        &Profiler::disabled(),
+        &mut |piece| {
+            if stopped_by_sequence {
+                return;
+            }
+            produced.push_str(piece);
+            if let Some(at) = job
+                .stop
+                .iter()
+                .filter_map(|s| {
+                    produced[sent.min(produced.len())..]
+                        .find(s.as_str())
+                        .map(|i| i + sent)
+                })
+                .min()
+            {
+                produced.truncate(at);
+                stopped_by_sequence = true;
+                job.cancel.store(true, Ordering::Relaxed);
+            }
+            let upto = if stopped_by_sequence {
+                produced.len()
+            } else {
+                holdback(&produced, &job.stop)
+            };
+            if upto > sent {
+                if job
+                    .events
+                    .send(Event::Text(produced[sent..upto].to_string()))
+                    .is_err()
+                {
+                    // The client went away: stop at the next step.
+                    job.cancel.store(true, Ordering::Relaxed);
+                }
+                sent = upto;
+            }
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    if !stopped_by_sequence && produced.len() > sent {
+        let _ = job.events.send(Event::Text(produced[sent..].to_string()));
+    }
+    let finish_reason = match out.stop_reason {
+        StopReason::MaxTokens | StopReason::ContextFull => "length",
+        StopReason::EndOfText | StopReason::Cancelled => "stop",
+    };
+    let spec = out.speculation.as_ref();
+    Ok(Finished {
+        prompt_tokens: out.prompt_tokens,
+        completion_tokens: out.tokens.len(),
+        finish_reason,
+        drafted: spec.map_or(0, |s| s.drafted),
+        accepted: spec.map_or(0, |s| s.accepted),
+        cycles: spec.map_or(0, |s| s.cycles),
+        prefill_s: out.timing.prefill_s,
+        decode_s: out.timing.decode_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::holdback;
+
+    #[test]
+    fn holdback_keeps_what_could_start_a_stop_sequence() {
+        assert_eq!(holdback("hello wor", &[]), 9);
+        assert_eq!(holdback("hello wor", &["world".into()]), 5);
+        // Never splits a character.
+        assert_eq!(holdback("aé", &["xy".into()]), 1);
+    }
+}

@@ -1,0 +1,530 @@
+//! `specula serve`: an OpenAI-compatible HTTP server (axum) over the specula engine ([`engine`]).
+//!
+//! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both streaming over SSE or not), `GET
+//! /v1/models`, `GET /health`. Errors come in OpenAI's JSON shape (`{"error": {"message", "type", "param",
+//! "code"}}`) with the matching status: 400 for malformed or out-of-range requests, 401 for a missing or wrong API
+//! key, 404 for an unknown model, 429 (with Retry-After) when the queue is full. Binds to 127.0.0.1 by default.
+
+pub mod engine;
+
+use std::convert::Infallible;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use specula::chat::ChatMessage;
+use specula::sampling::SamplingParams;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::StreamExt;
+
+use engine::{Engine, Event, Finished, Input, Job, SubmitError};
+
+/// Limits on what a request may ask for (checked before it is queued).
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// The most new tokens a request may ask for (also capped by the context).
+    pub max_tokens: usize,
+    pub max_stop_sequences: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_tokens: 8192,
+            max_stop_sequences: 8,
+        }
+    }
+}
+
+pub struct AppState {
+    pub engine: Engine,
+    pub api_key: Option<String>,
+    pub limits: Limits,
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .with_state(state)
+}
+
+/// Serves on `listener` until the process ends.
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).await
+}
+
+/// An error in OpenAI's shape.
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.status.as_u16(),
+        }});
+        let mut resp = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            resp.headers_mut()
+                .insert("retry-after", HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+fn check_key(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &state.api_key else {
+        return Ok(());
+    };
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(key.as_str()) {
+        Ok(())
+    } else {
+        Err(ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: if given.is_none() {
+                "missing API key: send Authorization: Bearer KEY".into()
+            } else {
+                "wrong API key".into()
+            },
+            kind: "authentication_error",
+            param: None,
+        })
+    }
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn models(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    check_key(&state, &headers)?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{"id": state.engine.model_name, "object": "model", "owned_by": "specula"}],
+    })))
+}
+
+/// The request fields both endpoints share, checked.
+struct Common {
+    max_tokens: usize,
+    sampling: SamplingParams,
+    stop: Vec<String>,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}"), None))?;
+    match value {
+        Value::Object(o) => Ok(o),
+        _ => Err(ApiError::bad("the body must be a JSON object", None)),
+    }
+}
+
+fn number(o: &serde_json::Map<String, Value>, key: &'static str) -> Result<Option<f64>, ApiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => Ok(n.as_f64()),
+        Some(other) => Err(ApiError::bad(
+            format!("{key} must be a number, got {other}"),
+            Some(key),
+        )),
+    }
+}
+
+fn integer(o: &serde_json::Map<String, Value>, key: &'static str) -> Result<Option<u64>, ApiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => n.as_u64().map(Some).ok_or_else(|| {
+            ApiError::bad(
+                format!("{key} must be a non-negative integer, got {n}"),
+                Some(key),
+            )
+        }),
+        Some(other) => Err(ApiError::bad(
+            format!("{key} must be an integer, got {other}"),
+            Some(key),
+        )),
+    }
+}
+
+fn common(
+    state: &AppState,
+    o: &serde_json::Map<String, Value>,
+    default_max: usize,
+) -> Result<Common, ApiError> {
+    if let Some(model) = o.get("model") {
+        let name = model
+            .as_str()
+            .ok_or_else(|| ApiError::bad("model must be a string", Some("model")))?;
+        if name != state.engine.model_name {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "the model {name:?} does not exist; this server serves {:?}",
+                    state.engine.model_name
+                ),
+                kind: "invalid_request_error",
+                param: Some("model"),
+            });
+        }
+    }
+    let max_tokens = integer(o, "max_tokens")?
+        .or(integer(o, "max_completion_tokens")?)
+        .unwrap_or(default_max as u64);
+    let ctx = state.engine.context_length as u64;
+    if max_tokens == 0 || max_tokens > state.limits.max_tokens as u64 || max_tokens >= ctx {
+        return Err(ApiError::bad(
+            format!(
+                "max_tokens is {max_tokens}; it must be between 1 and {} (the server's limit and the model's context of {ctx})",
+                (state.limits.max_tokens as u64).min(ctx - 1)
+            ),
+            Some("max_tokens"),
+        ));
+    }
+    let temperature = number(o, "temperature")?.unwrap_or(1.0);
+    let top_p = number(o, "top_p")?.unwrap_or(1.0);
+    let top_k = match o.get("top_k") {
+        Some(Value::Number(n)) if n.as_i64() == Some(-1) => 0,
+        _ => integer(o, "top_k")?.unwrap_or(0),
+    };
+    let seed = integer(o, "seed")?.unwrap_or(0);
+    let sampling = SamplingParams {
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k: top_k as usize,
+        seed,
+    };
+    sampling
+        .validate()
+        .map_err(|e| ApiError::bad(e.to_string(), None))?;
+    let stop = match o.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str().map(String::from).ok_or_else(|| {
+                    ApiError::bad("stop must be a string or a list of strings", Some("stop"))
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::bad(
+                "stop must be a string or a list of strings",
+                Some("stop"),
+            ))
+        }
+    };
+    if stop.len() > state.limits.max_stop_sequences
+        || stop.iter().any(|s| s.is_empty() || s.len() > 256)
+    {
+        return Err(ApiError::bad(
+            format!(
+                "stop takes at most {} non-empty sequences of up to 256 bytes",
+                state.limits.max_stop_sequences
+            ),
+            Some("stop"),
+        ));
+    }
+    let stream = match o.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::bad("stream must be a boolean", Some("stream"))),
+    };
+    let include_usage = o
+        .get("stream_options")
+        .and_then(|s| s.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    Ok(Common {
+        max_tokens: max_tokens as usize,
+        sampling,
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+fn usage(f: &Finished) -> Value {
+    json!({
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "speculation": {
+            "drafted": f.drafted,
+            "accepted": f.accepted,
+            "cycles": f.cycles,
+            "mean_accepted_length": if f.cycles > 0 { 1.0 + f.accepted as f64 / f.cycles as f64 } else { 1.0 },
+        },
+        "timing": {"prefill_s": f.prefill_s, "decode_s": f.decode_s},
+    })
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    check_key(&state, &headers)?;
+    let o = parse_body(&body)?;
+    let prompt = match o.get("prompt") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            a[0].as_str().unwrap_or_default().to_string()
+        }
+        None => return Err(ApiError::bad("prompt is required", Some("prompt"))),
+        Some(_) => return Err(ApiError::bad("prompt must be a string", Some("prompt"))),
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad("prompt is empty", Some("prompt")));
+    }
+    let c = common(&state, &o, 16)?;
+    run(state, Input::Prompt(prompt), c, Kind::Completion).await
+}
+
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    check_key(&state, &headers)?;
+    let o = parse_body(&body)?;
+    let messages = match o.get("messages") {
+        Some(Value::Array(a)) if !a.is_empty() => a
+            .iter()
+            .map(|m| {
+                let role = m.get("role").and_then(Value::as_str);
+                let content = m.get("content").and_then(Value::as_str);
+                match (role, content) {
+                    (Some(r), Some(c)) => Ok(ChatMessage {
+                        role: r.to_string(),
+                        content: c.to_string(),
+                    }),
+                    _ => Err(ApiError::bad(
+                        "each message needs a string role and a string content",
+                        Some("messages"),
+                    )),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(Value::Array(_)) => return Err(ApiError::bad("messages is empty", Some("messages"))),
+        None => return Err(ApiError::bad("messages is required", Some("messages"))),
+        Some(_) => return Err(ApiError::bad("messages must be a list", Some("messages"))),
+    };
+    let c = common(&state, &o, 256)?;
+    run(state, Input::Chat(messages), c, Kind::Chat).await
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn run(
+    state: Arc<AppState>,
+    input: Input,
+    c: Common,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = Job {
+        input,
+        max_tokens: c.max_tokens,
+        sampling: c.sampling,
+        stop: c.stop,
+        events: tx,
+        cancel: cancel.clone(),
+    };
+    state.engine.submit(job).map_err(|e| match e {
+        SubmitError::QueueFull => ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: "the server's queue is full; retry later".into(),
+            kind: "rate_limit_error",
+            param: None,
+        },
+        SubmitError::Stopped => ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the engine has stopped".into(),
+            kind: "server_error",
+            param: None,
+        },
+    })?;
+    // The first event says whether the request can run (the prompt tokenized and fits).
+    match rx.recv().await {
+        Some(Event::Started { .. }) => {}
+        Some(Event::Done(Err(message))) => return Err(ApiError::bad(message, None)),
+        _ => {
+            return Err(ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                message: "the engine ended the request without an answer".into(),
+                kind: "server_error",
+                param: None,
+            })
+        }
+    }
+    let id = format!(
+        "{}-{:x}",
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        now() ^ (Arc::as_ptr(&cancel) as u64)
+    );
+    let created = now();
+    let model = state.engine.model_name.clone();
+    if !c.stream {
+        let mut text = String::new();
+        let finished = loop {
+            match rx.recv().await {
+                Some(Event::Text(t)) => text.push_str(&t),
+                Some(Event::Done(Ok(f))) => break f,
+                Some(Event::Done(Err(m))) => {
+                    return Err(ApiError {
+                        status: StatusCode::INTERNAL_SERVER_ERROR,
+                        message: m,
+                        kind: "server_error",
+                        param: None,
+                    })
+                }
+                Some(Event::Started { .. }) | None => {
+                    return Err(ApiError {
+                        status: StatusCode::INTERNAL_SERVER_ERROR,
+                        message: "the engine ended the request without an answer".into(),
+                        kind: "server_error",
+                        param: None,
+                    })
+                }
+            }
+        };
+        let choice = match kind {
+            Kind::Completion => {
+                json!({"index": 0, "text": text, "finish_reason": finished.finish_reason, "logprobs": null})
+            }
+            Kind::Chat => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finished.finish_reason})
+            }
+        };
+        let body = json!({
+            "id": id,
+            "object": if kind == Kind::Chat { "chat.completion" } else { "text_completion" },
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage(&finished),
+        });
+        return Ok(Json(body).into_response());
+    }
+    // Streaming: one SSE event per text piece, then the finish reason, the usage when asked, and [DONE]. A
+    // client that disconnects drops the stream, which cancels the request at the engine's next step.
+    let (sse_tx, sse_rx) = tokio::sync::mpsc::unbounded_channel::<SseEvent>();
+    let object = if kind == Kind::Chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    tokio::spawn(async move {
+        let chunk = |choice: Value, usage: Option<Value>| {
+            let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
+            if let Some(u) = usage {
+                v["usage"] = u;
+                v["choices"] = json!([]);
+            }
+            SseEvent::default().data(v.to_string())
+        };
+        if kind == Kind::Chat
+            && sse_tx
+                .send(chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}), None))
+                .is_err()
+        {
+            cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+            return;
+        }
+        while let Some(event) = rx.recv().await {
+            let out = match event {
+                Event::Text(t) => chunk(
+                    match kind {
+                        Kind::Completion => json!({"index": 0, "text": t, "finish_reason": null}),
+                        Kind::Chat => {
+                            json!({"index": 0, "delta": {"content": t}, "finish_reason": null})
+                        }
+                    },
+                    None,
+                ),
+                Event::Done(Ok(f)) => {
+                    let last = match kind {
+                        Kind::Completion => {
+                            json!({"index": 0, "text": "", "finish_reason": f.finish_reason})
+                        }
+                        Kind::Chat => {
+                            json!({"index": 0, "delta": {}, "finish_reason": f.finish_reason})
+                        }
+                    };
+                    let _ = sse_tx.send(chunk(last, None));
+                    if c.include_usage {
+                        let _ = sse_tx.send(chunk(json!({}), Some(usage(&f))));
+                    }
+                    let _ = sse_tx.send(SseEvent::default().data("[DONE]"));
+                    return;
+                }
+                Event::Done(Err(m)) => {
+                    let _ = sse_tx.send(SseEvent::default().data(
+                        json!({"error": {"message": m, "type": "server_error", "param": null, "code": 500}}).to_string(),
+                    ));
+                    return;
+                }
+                Event::Started { .. } => continue,
+            };
+            if sse_tx.send(out).is_err() {
+                cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                return;
+            }
+        }
+    });
+    let stream = UnboundedReceiverStream::new(sse_rx).map(Ok::<_, Infallible>);
+    Ok(Sse::new(stream).into_response())
+}

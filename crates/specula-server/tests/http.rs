@@ -1,0 +1,409 @@
+//! The server end to end over raw HTTP/1.1 on a tiny model the test writes: answers equal the library's own
+//! generation, streaming equals non-streaming, stop sequences cut, and every bad request gets OpenAI's error shape
+//! with the right status.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use specula::decode::{generate, GenerateRequest};
+use specula::model::{load_gguf, LoadedModel};
+use specula::profile::Profiler;
+use specula::sampling::SamplingParams;
+use specula::testing::{write_tiny_gguf, TinySpec};
+use specula_server::engine::{DraftSetup, Engine};
+use specula_server::{AppState, Limits};
+
+fn tiny(dir: &Path) -> LoadedModel {
+    let p = dir.join("tiny.gguf");
+    write_tiny_gguf(
+        &p,
+        &TinySpec {
+            untied_head: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    load_gguf(&p, "tiny").unwrap()
+}
+
+/// Starts a server on a free port in a background runtime.
+fn start(
+    model: LoadedModel,
+    draft: DraftSetup,
+    api_key: Option<&str>,
+    max_queue: usize,
+) -> SocketAddr {
+    let engine = Engine::start(model, draft, 4, max_queue);
+    let state = Arc::new(AppState {
+        engine,
+        api_key: api_key.map(String::from),
+        limits: Limits::default(),
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(listener.local_addr().unwrap()).unwrap();
+            specula_server::serve(listener, state).await.unwrap();
+        });
+    });
+    rx.recv().unwrap()
+}
+
+/// One request; returns (status, headers, body).
+fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let body = body.unwrap_or("");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n", body.len());
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
+    let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(rest)
+    } else {
+        rest.to_string()
+    };
+    (status, head.to_string(), body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((len, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(len.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn post(addr: SocketAddr, path: &str, body: Value) -> (u16, Value) {
+    let (status, _, body) = http(addr, "POST", path, Some(&body.to_string()), &[]);
+    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+}
+
+/// The library's own greedy answer.
+fn expected(model: &LoadedModel, text: &str, n: usize) -> String {
+    let req = GenerateRequest {
+        prompt_tokens: model.tokenizer.encode(text).unwrap(),
+        max_new_tokens: n,
+        sampling: SamplingParams::default(),
+        stop_at_eos: true,
+        cancel: None,
+    };
+    generate(
+        model.model.as_ref(),
+        &model.tokenizer,
+        &req,
+        None,
+        &Profiler::disabled(),
+        &mut |_| {},
+    )
+    .unwrap()
+    .text
+}
+
+/// The text of an SSE stream's chunks, and whether it ended with [DONE].
+fn sse_text(body: &str, chat: bool) -> (String, bool, Vec<Value>) {
+    let mut text = String::new();
+    let mut done = false;
+    let mut chunks = Vec::new();
+    for line in body.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        if let Some(c) = v["choices"].get(0) {
+            let piece = if chat {
+                &c["delta"]["content"]
+            } else {
+                &c["text"]
+            };
+            text.push_str(piece.as_str().unwrap_or(""));
+        }
+        chunks.push(v);
+    }
+    (text, done, chunks)
+}
+
+#[test]
+fn completions_and_chat_answer_what_the_library_generates() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, 8);
+    let (status, _, body) = http(addr, "GET", "/health", None, &[]);
+    assert_eq!(status, 200, "{body}");
+    let (status, _, body) = http(addr, "GET", "/v1/models", None, &[]);
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["data"][0]["id"],
+        "tiny"
+    );
+
+    let want = expected(&reference, "hello world", 20);
+    let (status, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"model": "tiny", "prompt": "hello world", "max_tokens": 20, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], want);
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        reference.tokenizer.encode("hello world").unwrap().len()
+    );
+    let completion = v["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!((1..=20).contains(&completion), "{v}");
+    assert_eq!(
+        v["usage"]["total_tokens"].as_u64().unwrap(),
+        completion + v["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+
+    // Chat: the template applied as the library applies it.
+    let messages = [specula::chat::ChatMessage::user("hi there")];
+    let chat_want = expected(&reference, &reference.format_chat(&messages).unwrap(), 16);
+    let (status, v) = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 16, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], chat_want);
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+
+    // Streaming gives the same text, chunk by chunk, with usage when asked and [DONE] last.
+    let (status, head, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(&json!({"prompt": "hello world", "max_tokens": 20, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}).to_string()),
+        &[],
+    );
+    assert_eq!(status, 200);
+    assert!(
+        head.to_ascii_lowercase().contains("text/event-stream"),
+        "{head}"
+    );
+    let (text, done, chunks) = sse_text(&body, false);
+    assert_eq!(text, want);
+    assert!(done, "{body}");
+    assert_eq!(
+        chunks.last().unwrap()["usage"]["prompt_tokens"],
+        v_usage_prompt(&reference, "hello world")
+    );
+    let (status, _, body) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(&json!({"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 16, "temperature": 0, "stream": true}).to_string()),
+        &[],
+    );
+    assert_eq!(status, 200);
+    let (text, done, _) = sse_text(&body, true);
+    assert_eq!(text, chat_want);
+    assert!(done);
+
+    // A stop sequence cuts the answer before it (streaming or not) and finishes with "stop".
+    let chars: Vec<char> = want.chars().collect();
+    assert!(
+        chars.len() > 6,
+        "the tiny model writes enough text: {want:?}"
+    );
+    let stop: String = chars[3..5].iter().collect();
+    let cut = &want[..want.find(&stop).unwrap()];
+    let (status, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "hello world", "max_tokens": 20, "temperature": 0, "stop": [stop]}),
+    );
+    assert_eq!(status, 200);
+    assert_eq!(v["choices"][0]["text"], cut);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let (_, _, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(&json!({"prompt": "hello world", "max_tokens": 20, "temperature": 0, "stop": stop, "stream": true}).to_string()),
+        &[],
+    );
+    assert_eq!(sse_text(&body, false).0, cut);
+}
+
+fn v_usage_prompt(model: &LoadedModel, text: &str) -> Value {
+    json!(model.tokenizer.encode(text).unwrap().len())
+}
+
+#[test]
+fn bad_requests_get_openai_errors_with_the_right_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, 8);
+    let check = |status: u16, body: &str, want_status: u16, needle: &str| {
+        assert_eq!(status, want_status, "{body}");
+        let v: Value = serde_json::from_str(body).unwrap();
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(needle), "{needle:?} not in {body}");
+        assert!(v["error"]["type"].is_string());
+    };
+    let (s, _, b) = http(addr, "POST", "/v1/completions", Some("{not json"), &[]);
+    check(s, &b, 400, "not valid JSON");
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": ""}"#),
+        &[],
+    );
+    check(s, &b, 400, "prompt is empty");
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"max_tokens": 4}"#),
+        &[],
+    );
+    check(s, &b, 400, "prompt is required");
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "hi", "model": "gpt-4"}"#),
+        &[],
+    );
+    check(s, &b, 404, "\"gpt-4\" does not exist");
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "hi", "max_tokens": 99999999999}"#),
+        &[],
+    );
+    check(s, &b, 400, "max_tokens is 99999999999");
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "hi", "max_tokens": "ten"}"#),
+        &[],
+    );
+    check(s, &b, 400, "max_tokens must be an integer");
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "hi", "temperature": -1}"#),
+        &[],
+    );
+    check(s, &b, 400, "temperature");
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(r#"{"messages": []}"#),
+        &[],
+    );
+    check(s, &b, 400, "messages is empty");
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(r#"{"messages": [{"role": "user"}]}"#),
+        &[],
+    );
+    check(s, &b, 400, "string content");
+    // A prompt longer than the context names both numbers.
+    let long = "a ".repeat(300);
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(&json!({"prompt": long, "max_tokens": 10}).to_string()),
+        &[],
+    );
+    check(s, &b, 400, "exceeds the model's context of 256 tokens");
+    // The engine still serves after all of that.
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 3}),
+    );
+    assert_eq!(s, 200, "{v}");
+}
+
+#[test]
+fn an_api_key_is_required_when_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(tiny(dir.path()), DraftSetup::None, Some("sekret"), 8);
+    let body = r#"{"prompt": "hi", "max_tokens": 2}"#;
+    let (s, _, b) = http(addr, "POST", "/v1/completions", Some(body), &[]);
+    assert_eq!(s, 401, "{b}");
+    assert!(b.contains("missing API key"));
+    let (s, _, _) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(body),
+        &[("Authorization", "Bearer wrong")],
+    );
+    assert_eq!(s, 401);
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(body),
+        &[("Authorization", "Bearer sekret")],
+    );
+    assert_eq!(s, 200, "{b}");
+    // Health needs no key (load balancers probe it).
+    assert_eq!(http(addr, "GET", "/health", None, &[]).0, 200);
+}
+
+#[test]
+fn speculative_requests_report_their_stats_and_stay_lossless() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let addr = start(tiny(dir.path()), DraftSetup::Ngram, None, 8);
+    let prompt = "the tea the tea the tea the";
+    let want = expected(&reference, prompt, 24);
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 24, "temperature": 0}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], want);
+    let spec = &v["usage"]["speculation"];
+    assert!(spec["cycles"].as_u64().unwrap() > 0, "{v}");
+    assert!(spec["drafted"].is_u64() && spec["mean_accepted_length"].as_f64().unwrap() >= 1.0);
+}
