@@ -66,9 +66,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         DraftChoice::Eagle3(_) => anyhow::bail!("serve does not run EAGLE-3 heads yet"),
     };
     let name = target.spec.clone();
-    let engine = Engine::start(target, draft, draft_tokens, args.max_queue);
+    let metrics = Arc::new(specula_server::metrics::Metrics::new());
+    let engine = Engine::start(target, draft, draft_tokens, args.max_queue, metrics.clone());
     let state = Arc::new(AppState {
         engine,
+        metrics,
         api_key: args.api_key.clone(),
         limits: Limits {
             max_tokens: args.max_tokens_limit,

@@ -18,6 +18,8 @@ use specula::profile::Profiler;
 use specula::sampling::SamplingParams;
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::metrics::Metrics;
+
 /// What the server speculates with.
 pub enum DraftSetup {
     None,
@@ -41,6 +43,8 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// Set when the client goes away: the engine stops at the next step.
     pub cancel: Arc<AtomicBool>,
+    /// When the request was queued (latency metrics).
+    pub queued_at: std::time::Instant,
 }
 
 /// What the engine tells a request's handler, in order: `Started` (or an error), text pieces, `Done`.
@@ -68,6 +72,7 @@ pub struct Finished {
 /// The handle the HTTP side holds.
 pub struct Engine {
     jobs: SyncSender<Job>,
+    metrics: Arc<Metrics>,
     pub model_name: String,
     pub context_length: usize,
 }
@@ -85,39 +90,56 @@ impl Engine {
         draft: DraftSetup,
         draft_tokens: usize,
         max_queue: usize,
+        metrics: Arc<Metrics>,
     ) -> Self {
         let (jobs, rx) = sync_channel(max_queue.max(1));
         let model_name = model.spec.clone();
         let context_length = model.model.config().context_length;
+        let engine_metrics = metrics.clone();
         std::thread::Builder::new()
             .name("specula-engine".into())
-            .spawn(move || engine_loop(model, draft, draft_tokens, rx))
+            .spawn(move || engine_loop(model, draft, draft_tokens, rx, &engine_metrics))
             .expect("spawn the engine thread");
         Engine {
             jobs,
+            metrics,
             model_name,
             context_length,
         }
     }
 
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
-        self.jobs.try_send(job).map_err(|e| match e {
-            TrySendError::Full(_) => SubmitError::QueueFull,
-            TrySendError::Disconnected(_) => SubmitError::Stopped,
+        // Counted before the send: the engine may pick the job up (and count it down) at once.
+        self.metrics.queue.inc();
+        self.jobs.try_send(job).map_err(|e| {
+            self.metrics.queue.dec();
+            match e {
+                TrySendError::Full(_) => SubmitError::QueueFull,
+                TrySendError::Disconnected(_) => SubmitError::Stopped,
+            }
         })
     }
 }
 
-fn engine_loop(model: LoadedModel, draft: DraftSetup, draft_tokens: usize, jobs: Receiver<Job>) {
+fn engine_loop(
+    model: LoadedModel,
+    draft: DraftSetup,
+    draft_tokens: usize,
+    jobs: Receiver<Job>,
+    metrics: &Metrics,
+) {
     for job in jobs {
+        metrics.queue.dec();
         if job.cancel.load(Ordering::Relaxed) {
             continue;
         }
         let events = job.events.clone();
+        metrics.running.inc();
         // A panic in one request must not take the engine (and every other request) down.
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_job(&model, &draft, draft_tokens, job)
+            run_job(&model, &draft, draft_tokens, job, metrics)
         }));
+        metrics.running.dec();
         let result = match outcome {
             Ok(r) => r,
             Err(_) => Err("internal error: the request panicked in the engine".to_string()),
@@ -144,6 +166,7 @@ fn run_job(
     draft: &DraftSetup,
     draft_tokens: usize,
     job: Job,
+    metrics: &Metrics,
 ) -> Result<Finished, String> {
     let text = match &job.input {
         Input::Prompt(p) => p.clone(),
@@ -193,6 +216,7 @@ fn run_job(
     let mut produced = String::new();
     let mut sent = 0;
     let mut stopped_by_sequence = false;
+    let mut last_text: Option<std::time::Instant> = None;
     let out = decode::generate(
         model.model.as_ref(),
         &model.tokenizer,
@@ -224,6 +248,12 @@ fn run_job(
                 holdback(&produced, &job.stop)
             };
             if upto > sent {
+                let now = std::time::Instant::now();
+                match last_text {
+                    None => metrics.ttft.observe((now - job.queued_at).as_secs_f64()),
+                    Some(t) => metrics.itl.observe((now - t).as_secs_f64()),
+                }
+                last_text = Some(now);
                 if job
                     .events
                     .send(Event::Text(produced[sent..upto].to_string()))
@@ -245,6 +275,20 @@ fn run_job(
         StopReason::EndOfText | StopReason::Cancelled => "stop",
     };
     let spec = out.speculation.as_ref();
+    metrics.e2e.observe(job.queued_at.elapsed().as_secs_f64());
+    metrics.prompt_tokens.inc_by(out.prompt_tokens as u64);
+    metrics.generation_tokens.inc_by(out.tokens.len() as u64);
+    if let Some(st) = spec {
+        metrics.num_drafts.inc_by(st.cycles - st.empty_drafts);
+        metrics.num_draft_tokens.inc_by(st.drafted);
+        metrics.num_accepted_tokens.inc_by(st.accepted);
+        for (i, &a) in st.accepted_per_position.iter().enumerate() {
+            metrics
+                .accepted_per_pos
+                .with_label_values(&[&(i + 1).to_string()])
+                .inc_by(a);
+        }
+    }
     Ok(Finished {
         prompt_tokens: out.prompt_tokens,
         completion_tokens: out.tokens.len(),

@@ -6,6 +6,7 @@
 //! key, 404 for an unknown model, 429 (with Retry-After) when the queue is full. Binds to 127.0.0.1 by default.
 
 pub mod engine;
+pub mod metrics;
 
 use std::convert::Infallible;
 use std::sync::atomic::AtomicBool;
@@ -45,6 +46,7 @@ impl Default for Limits {
 
 pub struct AppState {
     pub engine: Engine,
+    pub metrics: Arc<metrics::Metrics>,
     pub api_key: Option<String>,
     pub limits: Limits,
 }
@@ -53,6 +55,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
+        .route("/metrics", get(metrics_text))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .with_state(state)
@@ -121,6 +124,14 @@ fn check_key(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
             param: None,
         })
     }
+}
+
+async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
 }
 
 async fn health() -> Json<Value> {
@@ -302,8 +313,40 @@ enum Kind {
     Chat,
 }
 
+/// Counts a handler's answer by status.
+fn counted(state: &AppState, r: Result<Response, ApiError>) -> Result<Response, ApiError> {
+    let status = match &r {
+        Ok(resp) => resp.status(),
+        Err(e) => e.status,
+    };
+    state
+        .metrics
+        .requests
+        .with_label_values(&[status.as_str()])
+        .inc();
+    r
+}
+
 async fn completions(
     State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let r = completions_inner(state.clone(), headers, body).await;
+    counted(&state, r)
+}
+
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let r = chat_completions_inner(state.clone(), headers, body).await;
+    counted(&state, r)
+}
+
+async fn completions_inner(
+    state: Arc<AppState>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -324,8 +367,8 @@ async fn completions(
     run(state, Input::Prompt(prompt), c, Kind::Completion).await
 }
 
-async fn chat_completions(
-    State(state): State<Arc<AppState>>,
+async fn chat_completions_inner(
+    state: Arc<AppState>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -378,6 +421,7 @@ async fn run(
         stop: c.stop,
         events: tx,
         cancel: cancel.clone(),
+        queued_at: std::time::Instant::now(),
     };
     state.engine.submit(job).map_err(|e| match e {
         SubmitError::QueueFull => ApiError {

@@ -36,9 +36,11 @@ fn start(
     api_key: Option<&str>,
     max_queue: usize,
 ) -> SocketAddr {
-    let engine = Engine::start(model, draft, 4, max_queue);
+    let metrics = Arc::new(specula_server::metrics::Metrics::new());
+    let engine = Engine::start(model, draft, 4, max_queue, metrics.clone());
     let state = Arc::new(AppState {
         engine,
+        metrics,
         api_key: api_key.map(String::from),
         limits: Limits::default(),
     });
@@ -406,4 +408,43 @@ fn speculative_requests_report_their_stats_and_stay_lossless() {
     let spec = &v["usage"]["speculation"];
     assert!(spec["cycles"].as_u64().unwrap() > 0, "{v}");
     assert!(spec["drafted"].is_u64() && spec["mean_accepted_length"].as_f64().unwrap() >= 1.0);
+
+    // /metrics (Prometheus text) counts what happened: the request, its tokens, its drafts.
+    let (s, head, text) = http(addr, "GET", "/metrics", None, &[]);
+    assert_eq!(s, 200);
+    assert!(head.to_ascii_lowercase().contains("text/plain"), "{head}");
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing from\n{text}"))
+    };
+    assert_eq!(value("specula:request_total{status=\"200\"}"), 1.0);
+    assert_eq!(
+        value("specula:generation_tokens_total"),
+        v["usage"]["completion_tokens"].as_f64().unwrap()
+    );
+    assert_eq!(
+        value("specula:spec_decode_num_draft_tokens"),
+        spec["drafted"].as_f64().unwrap()
+    );
+    assert_eq!(
+        value("specula:spec_decode_num_accepted_tokens"),
+        spec["accepted"].as_f64().unwrap()
+    );
+    assert_eq!(value("specula:time_to_first_token_seconds_count"), 1.0);
+    assert_eq!(value("specula:e2e_request_latency_seconds_count"), 1.0);
+    assert_eq!(value("specula:num_requests_waiting"), 0.0);
+    assert_eq!(value("specula:num_requests_running"), 0.0);
+    if spec["accepted"].as_u64().unwrap() > 0 {
+        assert!(value("specula:spec_decode_num_accepted_tokens_per_pos{position=\"1\"}") > 0.0);
+    }
+    // An error is counted under its status.
+    post(addr, "/v1/completions", json!({"prompt": ""}));
+    let (_, _, text2) = http(addr, "GET", "/metrics", None, &[]);
+    assert!(
+        text2.contains("specula:request_total{status=\"400\"} 1"),
+        "{text2}"
+    );
 }

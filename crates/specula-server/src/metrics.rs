@@ -1,0 +1,121 @@
+//! Prometheus metrics (`GET /metrics`, text format), named like vLLM's where the meaning is the same
+//! (`specula:` instead of `vllm:`): request counts and errors, queue and running gauges, TTFT, inter-token and
+//! end-to-end latency histograms, prompt and generated tokens, and speculative decoding with vLLM's definitions
+//! (`spec_decode_num_drafts`: verify cycles that had a draft; `..._num_draft_tokens`; `..._num_accepted_tokens`;
+//! `..._num_accepted_tokens_per_pos{position}`: accepted tokens at each draft position, 1-based).
+
+use prometheus::{
+    exponential_buckets, Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    Opts, Registry, TextEncoder,
+};
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub queue: IntGauge,
+    pub running: IntGauge,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub prompt_tokens: IntCounter,
+    pub generation_tokens: IntCounter,
+    pub num_drafts: IntCounter,
+    pub num_draft_tokens: IntCounter,
+    pub num_accepted_tokens: IntCounter,
+    pub accepted_per_pos: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let latency = |name: &str, help: &str, start: f64| {
+            let h = Histogram::with_opts(
+                HistogramOpts::new(name, help)
+                    .buckets(exponential_buckets(start, 2.0, 16).expect("valid buckets")),
+            )
+            .expect("valid histogram");
+            registry.register(Box::new(h.clone())).expect("unique name");
+            h
+        };
+        let counter = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).expect("valid counter");
+            registry.register(Box::new(c.clone())).expect("unique name");
+            c
+        };
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("valid gauge");
+            registry.register(Box::new(g.clone())).expect("unique name");
+            g
+        };
+        let counter_vec = |name: &str, help: &str, label: &str| {
+            let c = IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid counter");
+            registry.register(Box::new(c.clone())).expect("unique name");
+            c
+        };
+        Metrics {
+            requests: counter_vec(
+                "specula:request_total",
+                "Requests answered, by HTTP status code.",
+                "status",
+            ),
+            queue: gauge(
+                "specula:num_requests_waiting",
+                "Requests queued for the engine.",
+            ),
+            running: gauge(
+                "specula:num_requests_running",
+                "Requests the engine is running.",
+            ),
+            ttft: latency(
+                "specula:time_to_first_token_seconds",
+                "From queueing to the first generated text.",
+                0.001,
+            ),
+            itl: latency(
+                "specula:inter_token_latency_seconds",
+                "Between consecutive pieces of generated text.",
+                0.0005,
+            ),
+            e2e: latency(
+                "specula:e2e_request_latency_seconds",
+                "From queueing to the last token.",
+                0.005,
+            ),
+            prompt_tokens: counter("specula:prompt_tokens_total", "Prompt tokens processed."),
+            generation_tokens: counter("specula:generation_tokens_total", "Tokens generated."),
+            num_drafts: counter(
+                "specula:spec_decode_num_drafts",
+                "Verify cycles that verified a draft.",
+            ),
+            num_draft_tokens: counter(
+                "specula:spec_decode_num_draft_tokens",
+                "Draft tokens proposed.",
+            ),
+            num_accepted_tokens: counter(
+                "specula:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted.",
+            ),
+            accepted_per_pos: counter_vec(
+                "specula:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each draft position (1-based).",
+                "position",
+            ),
+            registry,
+        }
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding of gathered metrics");
+        String::from_utf8(out).expect("the text format is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
