@@ -75,6 +75,9 @@ pub struct Engine {
     metrics: Arc<Metrics>,
     pub model_name: String,
     pub context_length: usize,
+    /// The model's tokenizer, shared with the engine (`/tokenize`, `/detokenize` need no engine turn).
+    pub tokenizer: Arc<specula::tokenizer::Tokenizer>,
+    pub vocab_size: usize,
 }
 
 /// Why a job was not queued.
@@ -95,6 +98,8 @@ impl Engine {
         let (jobs, rx) = sync_channel(max_queue.max(1));
         let model_name = model.spec.clone();
         let context_length = model.model.config().context_length;
+        let tokenizer = model.tokenizer.clone();
+        let vocab_size = model.model.config().vocab_size;
         let engine_metrics = metrics.clone();
         std::thread::Builder::new()
             .name("specula-engine".into())
@@ -105,6 +110,8 @@ impl Engine {
             metrics,
             model_name,
             context_length,
+            tokenizer,
+            vocab_size,
         }
     }
 

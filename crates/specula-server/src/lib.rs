@@ -56,6 +56,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics_text))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .with_state(state)
@@ -132,6 +134,71 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
         state.metrics.render(),
     )
         .into_response()
+}
+
+/// `{"prompt": TEXT}` -> `{"tokens": [...], "count": N, "max_model_len": CONTEXT}` (vLLM's shape).
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    check_key(&state, &headers)?;
+    let o = parse_body(&body)?;
+    let prompt = o
+        .get("prompt")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad("prompt (a string) is required", Some("prompt")))?;
+    let tokens = state
+        .engine
+        .tokenizer
+        .encode(prompt)
+        .map_err(|e| ApiError::bad(e.to_string(), Some("prompt")))?;
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": state.engine.context_length,
+        "tokens": tokens,
+    })))
+}
+
+/// `{"tokens": [...]}` -> `{"prompt": TEXT}`.
+async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    check_key(&state, &headers)?;
+    let o = parse_body(&body)?;
+    let bad = || ApiError::bad("tokens must be a list of token ids", Some("tokens"));
+    let tokens: Vec<u32> = o
+        .get("tokens")
+        .and_then(Value::as_array)
+        .ok_or_else(bad)?
+        .iter()
+        .map(|v| {
+            v.as_u64()
+                .filter(|&t| t <= u32::MAX as u64)
+                .map(|t| t as u32)
+                .ok_or_else(bad)
+        })
+        .collect::<Result<_, _>>()?;
+    if let Some(&t) = tokens
+        .iter()
+        .find(|&&t| t as usize >= state.engine.vocab_size)
+    {
+        return Err(ApiError::bad(
+            format!(
+                "token {t} is outside the vocabulary of {}",
+                state.engine.vocab_size
+            ),
+            Some("tokens"),
+        ));
+    }
+    let prompt = state
+        .engine
+        .tokenizer
+        .decode(&tokens)
+        .map_err(|e| ApiError::bad(e.to_string(), Some("tokens")))?;
+    Ok(Json(json!({ "prompt": prompt })))
 }
 
 async fn health() -> Json<Value> {

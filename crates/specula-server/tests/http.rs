@@ -354,6 +354,33 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
         &[],
     );
     check(s, &b, 400, "exceeds the model's context of 256 tokens");
+    // /tokenize and /detokenize round-trip; bad ids are named.
+    let (s, v) = post(addr, "/tokenize", json!({"prompt": "hello world"}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        v["count"].as_u64().unwrap() as usize,
+        v["tokens"].as_array().unwrap().len()
+    );
+    assert_eq!(v["max_model_len"], 256);
+    let (s, d) = post(addr, "/detokenize", json!({"tokens": v["tokens"]}));
+    assert_eq!(s, 200);
+    assert_eq!(d["prompt"], "hello world");
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/detokenize",
+        Some(r#"{"tokens": [99999]}"#),
+        &[],
+    );
+    check(s, &b, 400, "token 99999 is outside the vocabulary");
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/detokenize",
+        Some(r#"{"tokens": ["a"]}"#),
+        &[],
+    );
+    check(s, &b, 400, "list of token ids");
     // The engine still serves after all of that.
     let (s, v) = post(
         addr,

@@ -36,7 +36,7 @@ pub enum Format {
 /// A model ready to run: weights on a device, tokenizer, chat template and where it came from.
 pub struct LoadedModel {
     pub model: Box<dyn Model>,
-    pub tokenizer: Tokenizer,
+    pub tokenizer: std::sync::Arc<Tokenizer>,
     pub chat_template: Option<ChatTemplate>,
     /// The GGUF file or the HF directory.
     pub path: PathBuf,
@@ -99,7 +99,7 @@ pub fn load_random(shape: &str, device: Device, seed: u64) -> Result<LoadedModel
     let tokenizer = Tokenizer::from_hf_json(json.as_bytes(), &null, &null)?;
     Ok(LoadedModel {
         model,
-        tokenizer,
+        tokenizer: std::sync::Arc::new(tokenizer),
         chat_template: None,
         path: PathBuf::from(format!("random:{shape}")),
         spec: format!("random:{shape}"),
@@ -157,7 +157,7 @@ pub fn load_gguf_file(file: gguf::GgufFile, spec: &str, device: Device) -> Resul
     let model = crate::backend::load(device, config, &file, &tensors::GGUF_NAMES)?;
     Ok(LoadedModel {
         model,
-        tokenizer,
+        tokenizer: std::sync::Arc::new(tokenizer),
         chat_template,
         path,
         spec: spec.to_string(),
@@ -182,7 +182,7 @@ pub fn load_hf_dir_on(dir: &Path, spec: &str, device: Device) -> Result<LoadedMo
     let model = crate::backend::load(device, config, &files, &tensors::HF_NAMES)?;
     Ok(LoadedModel {
         model,
-        tokenizer,
+        tokenizer: std::sync::Arc::new(tokenizer),
         chat_template,
         path: dir.to_path_buf(),
         spec: spec.to_string(),
