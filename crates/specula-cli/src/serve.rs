@@ -28,6 +28,9 @@ pub struct ServeArgs {
     /// Requests that may wait for the engine; past it, 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
+    /// Where POST /stop_profile writes its Chrome trace and JSON report.
+    #[arg(long, default_value = "specula-profiles")]
+    pub profile_dir: std::path::PathBuf,
     /// The most new tokens one request may ask for.
     #[arg(long, default_value_t = 8192)]
     pub max_tokens_limit: usize,
@@ -71,6 +74,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let state = Arc::new(AppState {
         engine,
         metrics,
+        profile_dir: args.profile_dir.clone(),
         api_key: args.api_key.clone(),
         limits: Limits {
             max_tokens: args.max_tokens_limit,

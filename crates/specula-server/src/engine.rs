@@ -20,6 +20,22 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
 
+/// Requests recorded between `/start_profile` and `/stop_profile`: each one's phase summary and Chrome trace.
+pub struct ProfileSession {
+    pub started: std::time::Instant,
+    pub requests: Vec<ProfiledRequest>,
+}
+
+pub struct ProfiledRequest {
+    /// Seconds from the session's start to the request's start.
+    pub offset_s: f64,
+    pub summary: serde_json::Value,
+    pub trace: serde_json::Value,
+}
+
+/// The profiling switch the HTTP side flips and the engine reads at each request's start.
+pub type Profiling = Arc<std::sync::Mutex<Option<ProfileSession>>>;
+
 /// What the server speculates with.
 pub enum DraftSetup {
     None,
@@ -78,6 +94,7 @@ pub struct Engine {
     /// The model's tokenizer, shared with the engine (`/tokenize`, `/detokenize` need no engine turn).
     pub tokenizer: Arc<specula::tokenizer::Tokenizer>,
     pub vocab_size: usize,
+    pub profiling: Profiling,
 }
 
 /// Why a job was not queued.
@@ -101,9 +118,20 @@ impl Engine {
         let tokenizer = model.tokenizer.clone();
         let vocab_size = model.model.config().vocab_size;
         let engine_metrics = metrics.clone();
+        let profiling: Profiling = Arc::default();
+        let engine_profiling = profiling.clone();
         std::thread::Builder::new()
             .name("specula-engine".into())
-            .spawn(move || engine_loop(model, draft, draft_tokens, rx, &engine_metrics))
+            .spawn(move || {
+                engine_loop(
+                    model,
+                    draft,
+                    draft_tokens,
+                    rx,
+                    &engine_metrics,
+                    &engine_profiling,
+                )
+            })
             .expect("spawn the engine thread");
         Engine {
             jobs,
@@ -112,6 +140,7 @@ impl Engine {
             context_length,
             tokenizer,
             vocab_size,
+            profiling,
         }
     }
 
@@ -134,6 +163,7 @@ fn engine_loop(
     draft_tokens: usize,
     jobs: Receiver<Job>,
     metrics: &Metrics,
+    profiling: &Profiling,
 ) {
     for job in jobs {
         metrics.queue.dec();
@@ -144,7 +174,7 @@ fn engine_loop(
         metrics.running.inc();
         // A panic in one request must not take the engine (and every other request) down.
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_job(&model, &draft, draft_tokens, job, metrics)
+            run_job(&model, &draft, draft_tokens, job, metrics, profiling)
         }));
         metrics.running.dec();
         let result = match outcome {
@@ -174,6 +204,7 @@ fn run_job(
     draft_tokens: usize,
     job: Job,
     metrics: &Metrics,
+    profiling: &Profiling,
 ) -> Result<Finished, String> {
     let text = match &job.input {
         Input::Prompt(p) => p.clone(),
@@ -224,12 +255,23 @@ fn run_job(
     let mut sent = 0;
     let mut stopped_by_sequence = false;
     let mut last_text: Option<std::time::Instant> = None;
+    // Between /start_profile and /stop_profile every request runs with the profiler on (phases, device clock).
+    let session_start = profiling
+        .lock()
+        .map_err(|_| "the profiling state is poisoned".to_string())?
+        .as_ref()
+        .map(|s| s.started);
+    let prof = match session_start {
+        Some(_) => Profiler::with_clock(specula::profile::Detail::Phases, model.model.clock(false)),
+        None => Profiler::disabled(),
+    };
+    let request_start = std::time::Instant::now();
     let out = decode::generate(
         model.model.as_ref(),
         &model.tokenizer,
         &req,
         speculation,
-        &Profiler::disabled(),
+        &prof,
         &mut |piece| {
             if stopped_by_sequence {
                 return;
@@ -281,6 +323,28 @@ fn run_job(
         StopReason::MaxTokens | StopReason::ContextFull => "length",
         StopReason::EndOfText | StopReason::Cancelled => "stop",
     };
+    if let Some(started) = session_start {
+        let summary = prof.summary();
+        let record = ProfiledRequest {
+            offset_s: request_start
+                .saturating_duration_since(started)
+                .as_secs_f64(),
+            summary: serde_json::json!({
+                "prompt_tokens": out.prompt_tokens,
+                "generated_tokens": out.tokens.len(),
+                "decode_tok_s": out.timing.decode_tok_s(),
+                "phases": summary.phases_json(),
+                "speculation": out.speculation.as_ref().map(|s| s.to_json()),
+            }),
+            trace: prof.chrome_trace(),
+        };
+        if let Ok(mut guard) = profiling.lock() {
+            // Only if the same session is still on (it may have stopped mid-request).
+            if let Some(session) = guard.as_mut().filter(|s| s.started == started) {
+                session.requests.push(record);
+            }
+        }
+    }
     let spec = out.speculation.as_ref();
     metrics.e2e.observe(job.queued_at.elapsed().as_secs_f64());
     metrics.prompt_tokens.inc_by(out.prompt_tokens as u64);

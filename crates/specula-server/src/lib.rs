@@ -47,6 +47,8 @@ impl Default for Limits {
 pub struct AppState {
     pub engine: Engine,
     pub metrics: Arc<metrics::Metrics>,
+    /// Where `/stop_profile` writes its trace and report (the server's choice, never the client's).
+    pub profile_dir: std::path::PathBuf,
     pub api_key: Option<String>,
     pub limits: Limits,
 }
@@ -57,6 +59,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics_text))
         .route("/tokenize", post(tokenize))
+        .route("/start_profile", post(start_profile))
+        .route("/stop_profile", post(stop_profile))
         .route("/detokenize", post(detokenize))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -134,6 +138,102 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
         state.metrics.render(),
     )
         .into_response()
+}
+
+fn server_error(message: String) -> ApiError {
+    ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        message,
+        kind: "server_error",
+        param: None,
+    }
+}
+
+/// Starts recording every request's phases and trace (SGLang's endpoint name).
+async fn start_profile(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    check_key(&state, &headers)?;
+    let mut guard = state
+        .engine
+        .profiling
+        .lock()
+        .map_err(|_| server_error("the profiling state is poisoned".into()))?;
+    if guard.is_some() {
+        return Err(ApiError::bad(
+            "profiling is already on; POST /stop_profile first",
+            None,
+        ));
+    }
+    *guard = Some(engine::ProfileSession {
+        started: std::time::Instant::now(),
+        requests: Vec::new(),
+    });
+    Ok(Json(json!({"status": "profiling"})))
+}
+
+/// Stops recording and writes the Chrome trace (one process lane per request, on one time axis) and the JSON
+/// report (each request's phase summary and speculation) into the server's profile directory.
+async fn stop_profile(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    check_key(&state, &headers)?;
+    let session = state
+        .engine
+        .profiling
+        .lock()
+        .map_err(|_| server_error("the profiling state is poisoned".into()))?
+        .take()
+        .ok_or_else(|| ApiError::bad("profiling is not on; POST /start_profile first", None))?;
+    let mut events = Vec::new();
+    let mut report = Vec::new();
+    for (i, r) in session.requests.iter().enumerate() {
+        let pid = i + 1;
+        for e in r.trace["traceEvents"].as_array().into_iter().flatten() {
+            let mut e = e.clone();
+            e["pid"] = json!(pid);
+            if let Some(ts) = e["ts"].as_f64() {
+                e["ts"] = json!(ts + r.offset_s * 1e6);
+            }
+            if e["name"] == "process_name" {
+                e["args"]["name"] = json!(format!("request {pid}"));
+            }
+            events.push(e);
+        }
+        let mut s = r.summary.clone();
+        s["request"] = json!(pid);
+        s["start_s"] = json!(r.offset_s);
+        report.push(s);
+    }
+    std::fs::create_dir_all(&state.profile_dir)
+        .map_err(|e| server_error(format!("creating {}: {e}", state.profile_dir.display())))?;
+    let stamp = now();
+    let trace_path = state
+        .profile_dir
+        .join(format!("specula-trace-{stamp}.json"));
+    let report_path = state
+        .profile_dir
+        .join(format!("specula-profile-{stamp}.json"));
+    let write = |path: &std::path::Path, v: &Value| {
+        std::fs::write(path, v.to_string())
+            .map_err(|e| server_error(format!("writing {}: {e}", path.display())))
+    };
+    write(
+        &trace_path,
+        &json!({"traceEvents": events, "displayTimeUnit": "ms"}),
+    )?;
+    write(
+        &report_path,
+        &json!({"model": state.engine.model_name, "requests": report}),
+    )?;
+    Ok(Json(json!({
+        "status": "stopped",
+        "requests": session.requests.len(),
+        "trace": trace_path.display().to_string(),
+        "report": report_path.display().to_string(),
+    })))
 }
 
 /// `{"prompt": TEXT}` -> `{"tokens": [...], "count": N, "max_model_len": CONTEXT}` (vLLM's shape).

@@ -41,6 +41,8 @@ fn start(
     let state = Arc::new(AppState {
         engine,
         metrics,
+        profile_dir: std::env::temp_dir()
+            .join(format!("specula-server-test-{}", std::process::id())),
         api_key: api_key.map(String::from),
         limits: Limits::default(),
     });
@@ -467,6 +469,38 @@ fn speculative_requests_report_their_stats_and_stay_lossless() {
     if spec["accepted"].as_u64().unwrap() > 0 {
         assert!(value("specula:spec_decode_num_accepted_tokens_per_pos{position=\"1\"}") > 0.0);
     }
+    // On-demand profiling: every request between start and stop lands in one trace and one report.
+    let (s, v) = post(addr, "/stop_profile", json!({}));
+    assert_eq!(s, 400, "stop without start: {v}");
+    assert_eq!(post(addr, "/start_profile", json!({})).0, 200);
+    assert_eq!(post(addr, "/start_profile", json!({})).0, 400, "already on");
+    let (s, _) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(s, 200);
+    let (s, v) = post(addr, "/stop_profile", json!({}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["requests"], 1);
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(v["trace"].as_str().unwrap()).unwrap())
+            .unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e["name"] == "verify" && e["pid"] == 1),
+        "{trace}"
+    );
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(v["report"].as_str().unwrap()).unwrap())
+            .unwrap();
+    let r = &report["requests"][0];
+    assert_eq!(r["request"], 1);
+    assert!(r["phases"].to_string().contains("verify"), "{report}");
+    assert!(r["speculation"]["drafted"].is_u64(), "{report}");
+
     // An error is counted under its status.
     post(addr, "/v1/completions", json!({"prompt": ""}));
     let (_, _, text2) = http(addr, "GET", "/metrics", None, &[]);
