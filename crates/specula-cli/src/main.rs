@@ -1,6 +1,7 @@
 //! The `specula` command line: a thin front end over the library.
 
 mod bench;
+mod bench_serve;
 mod eagle3;
 mod generate;
 mod overhead;
@@ -40,6 +41,9 @@ enum Command {
     Selftest(selftest::SelftestArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (completions, chat completions, streaming).
     Serve(serve::ServeArgs),
+    /// Load-test an OpenAI-compatible server (specula's or another, by URL): throughput and TTFT / inter-token /
+    /// end-to-end latency percentiles at each concurrency level.
+    BenchServe(bench_serve::BenchServeArgs),
     /// EAGLE-3 heads: `specula eagle3 check` measures which target layers a head drafts best from.
     #[command(subcommand)]
     Eagle3(eagle3::Eagle3Command),
@@ -67,6 +71,7 @@ fn main() {
         Command::Selftest(args) => selftest::run(args),
         Command::Eagle3(command) => eagle3::run(command),
         Command::Serve(args) => serve::run(args),
+        Command::BenchServe(args) => bench_serve::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

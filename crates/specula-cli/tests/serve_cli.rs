@@ -49,11 +49,58 @@ fn serve_answers_over_http_and_checks_its_flags() {
     .unwrap();
     let mut resp = String::new();
     s.read_to_string(&mut resp).unwrap();
-    child.kill().unwrap();
-    let _ = child.wait();
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     assert!(
         resp.contains("\"text_completion\"") && resp.contains("\"speculation\""),
         "{resp}"
     );
+
+    // bench-serve against it: every request of every level completes, with latencies and throughput.
+    let prompts = dir.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"id\": \"a\", \"prompt\": \"hello\"}\n{\"id\": \"b\", \"prompt\": \"the tea\"}\n{\"id\": \"c\", \"prompt\": \"one two\"}\n",
+    )
+    .unwrap();
+    let json = dir.path().join("bench.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_specula"))
+        .args([
+            "bench-serve",
+            "--url",
+            &format!("http://{addr}"),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--concurrency",
+            "1,2",
+            "-n",
+            "6",
+            "--json",
+            json.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    child.kill().unwrap();
+    let _ = child.wait();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ttft p50"), "{stdout}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let levels = v["levels"].as_array().unwrap();
+    assert_eq!(levels.len(), 2);
+    for l in levels {
+        assert_eq!(l["completed"], 3, "{l}");
+        assert_eq!(l["errors"], 0, "{l}");
+        assert!(l["output_tokens"].as_u64().unwrap() >= 3, "{l}");
+        assert!(l["ttft_s"]["p50"].as_f64().unwrap() > 0.0, "{l}");
+        assert!(
+            l["e2e_s"]["p50"].as_f64().unwrap() >= l["ttft_s"]["p50"].as_f64().unwrap(),
+            "{l}"
+        );
+    }
+    assert_eq!(v["model"], m);
 }

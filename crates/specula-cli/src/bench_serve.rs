@@ -1,0 +1,290 @@
+//! `specula bench-serve`: a load generator for OpenAI-compatible servers (specula's own, or llama.cpp's
+//! llama-server, vLLM, SGLang by URL), like vLLM's benchmark_serving: the same prompts at several concurrency
+//! levels, streaming, with throughput and TTFT / inter-token / end-to-end latency percentiles per level.
+
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use anyhow::Context;
+use serde_json::{json, Value};
+
+#[derive(clap::Args)]
+pub struct BenchServeArgs {
+    /// The server's base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// Prompts file: JSON Lines, one {"prompt": "..."} per line.
+    #[arg(long)]
+    pub prompts: PathBuf,
+    /// Use only the first N prompts.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Concurrency levels to run, comma separated (requests in flight at once).
+    #[arg(long, default_value = "1,4", value_delimiter = ',')]
+    pub concurrency: Vec<usize>,
+    /// Requests per level (default: one per prompt).
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// max_tokens of every request.
+    #[arg(long, short = 'n', default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature sent with every request.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Send prompts to /v1/completions as they are instead of /v1/chat/completions as user messages.
+    #[arg(long)]
+    pub raw: bool,
+    /// The model name to send (default: the first of the server's /v1/models).
+    #[arg(long)]
+    pub model: Option<String>,
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Write every level's results as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// No progress line.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// What one streamed request measured.
+#[derive(Debug, Clone, Default)]
+struct Sample {
+    ttft_s: f64,
+    e2e_s: f64,
+    /// Gaps between consecutive text chunks.
+    itl_s: Vec<f64>,
+    output_tokens: usize,
+    error: Option<String>,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn request(args: &BenchServeArgs, model: &str, prompt: &str) -> Sample {
+    let (path, body) = if args.raw {
+        (
+            "/v1/completions",
+            json!({"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
+                   "temperature": args.temperature, "stream": true,
+                   "stream_options": {"include_usage": true}}),
+        )
+    } else {
+        (
+            "/v1/chat/completions",
+            json!({"model": model, "messages": [{"role": "user", "content": prompt}],
+                   "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": true,
+                   "stream_options": {"include_usage": true}}),
+        )
+    };
+    let start = Instant::now();
+    let mut req = ureq::post(&format!("{}{path}", args.url.trim_end_matches('/')))
+        .set("Content-Type", "application/json");
+    if let Some(k) = &args.api_key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    let resp = match req.send_string(&body.to_string()) {
+        Ok(r) => r,
+        Err(ureq::Error::Status(code, r)) => {
+            return Sample {
+                error: Some(format!(
+                    "HTTP {code}: {}",
+                    r.into_string().unwrap_or_default()
+                )),
+                ..Default::default()
+            }
+        }
+        Err(e) => {
+            return Sample {
+                error: Some(e.to_string()),
+                ..Default::default()
+            }
+        }
+    };
+    let mut sample = Sample::default();
+    let mut last: Option<Instant> = None;
+    let mut chunks = 0;
+    let mut usage_tokens = None;
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let Ok(line) = line else { break };
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data.trim() == "[DONE]" {
+            break;
+        }
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            usage_tokens = Some(n as usize);
+        }
+        let c = &v["choices"][0];
+        let text = if args.raw {
+            &c["text"]
+        } else {
+            &c["delta"]["content"]
+        };
+        if text.as_str().is_some_and(|t| !t.is_empty()) {
+            let now = Instant::now();
+            match last {
+                None => sample.ttft_s = (now - start).as_secs_f64(),
+                Some(t) => sample.itl_s.push((now - t).as_secs_f64()),
+            }
+            last = Some(now);
+            chunks += 1;
+        }
+    }
+    sample.e2e_s = start.elapsed().as_secs_f64();
+    sample.output_tokens = usage_tokens.unwrap_or(chunks);
+    sample
+}
+
+pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
+    if args.concurrency.iter().any(|&c| c == 0 || c > 1024) {
+        anyhow::bail!("--concurrency levels must be between 1 and 1024");
+    }
+    if args.max_tokens == 0 {
+        anyhow::bail!("--max-tokens must be at least 1");
+    }
+    let (mut prompts, warnings) =
+        specula::bench::read_prompts(&args.prompts, specula::bench::BadLines::Stop)?;
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    if let Some(l) = args.limit {
+        prompts.truncate(l.max(1));
+    }
+    if prompts.is_empty() {
+        anyhow::bail!("{} holds no prompts", args.prompts.display());
+    }
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => {
+            let mut req = ureq::get(&format!("{}/v1/models", args.url.trim_end_matches('/')));
+            if let Some(k) = &args.api_key {
+                req = req.set("Authorization", &format!("Bearer {k}"));
+            }
+            let v: Value = req
+                .call()
+                .with_context(|| format!("asking {} for its models", args.url))?
+                .into_json()?;
+            v["data"][0]["id"]
+                .as_str()
+                .map(String::from)
+                .ok_or_else(|| anyhow::anyhow!("{}/v1/models lists no model", args.url))?
+        }
+    };
+    let n = args.requests.unwrap_or(prompts.len()).max(1);
+    let show = !args.quiet && std::io::stderr().is_terminal();
+    eprintln!(
+        "bench-serve: {} ({model}), {n} requests per level, max_tokens {}, levels {:?}",
+        args.url, args.max_tokens, args.concurrency
+    );
+    println!(
+        "{:>5} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
+        "conc",
+        "req/s",
+        "out tok/s",
+        "ttft p50",
+        "ttft p99",
+        "itl p50",
+        "itl p99",
+        "e2e p50",
+        "e2e p99",
+        "errors"
+    );
+    let prompts = Arc::new(prompts);
+    let mut levels = Vec::new();
+    for &c in &args.concurrency {
+        let next = Arc::new(AtomicUsize::new(0));
+        let samples = Arc::new(Mutex::new(Vec::with_capacity(n)));
+        let start = Instant::now();
+        std::thread::scope(|scope| {
+            for _ in 0..c {
+                let (next, samples, prompts, model, args) =
+                    (&next, &samples, &prompts, &model, &args);
+                scope.spawn(move || loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    let s = request(args, model, &prompts[i % prompts.len()].prompt);
+                    let mut all = samples.lock().expect("samples");
+                    all.push(s);
+                    if show {
+                        eprint!("\rconcurrency {c}: {}/{n} requests", all.len());
+                        let _ = std::io::stderr().flush();
+                    }
+                });
+            }
+        });
+        let wall = start.elapsed().as_secs_f64();
+        if show {
+            eprint!("\r{:60}\r", "");
+        }
+        let samples = std::mem::take(&mut *samples.lock().expect("samples"));
+        let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
+        let errors: Vec<&String> = samples.iter().filter_map(|s| s.error.as_ref()).collect();
+        let sorted = |f: &dyn Fn(&Sample) -> Vec<f64>| {
+            let mut v: Vec<f64> = ok.iter().flat_map(|s| f(s)).collect();
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        let ttft = sorted(&|s| vec![s.ttft_s]);
+        let itl = sorted(&|s| s.itl_s.clone());
+        let e2e = sorted(&|s| vec![s.e2e_s]);
+        let out_tokens: usize = ok.iter().map(|s| s.output_tokens).sum();
+        let level = json!({
+            "concurrency": c,
+            "requests": samples.len(),
+            "completed": ok.len(),
+            "errors": errors.len(),
+            "first_error": errors.first(),
+            "wall_s": wall,
+            "requests_per_s": ok.len() as f64 / wall,
+            "output_tokens": out_tokens,
+            "output_tok_s": out_tokens as f64 / wall,
+            "ttft_s": {"p50": percentile(&ttft, 0.5), "p90": percentile(&ttft, 0.9), "p99": percentile(&ttft, 0.99)},
+            "itl_s": {"p50": percentile(&itl, 0.5), "p90": percentile(&itl, 0.9), "p99": percentile(&itl, 0.99)},
+            "e2e_s": {"p50": percentile(&e2e, 0.5), "p90": percentile(&e2e, 0.9), "p99": percentile(&e2e, 0.99)},
+        });
+        let ms = |v: &Value| v.as_f64().unwrap_or(0.0) * 1e3;
+        println!(
+            "{:>5} {:>8.2} {:>10.1} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.0}ms {:>7.0}ms {:>7}",
+            c,
+            level["requests_per_s"].as_f64().unwrap_or(0.0),
+            level["output_tok_s"].as_f64().unwrap_or(0.0),
+            ms(&level["ttft_s"]["p50"]),
+            ms(&level["ttft_s"]["p99"]),
+            ms(&level["itl_s"]["p50"]),
+            ms(&level["itl_s"]["p99"]),
+            ms(&level["e2e_s"]["p50"]),
+            ms(&level["e2e_s"]["p99"]),
+            errors.len()
+        );
+        if let Some(e) = errors.first() {
+            eprintln!(
+                "concurrency {c}: {} requests failed; the first: {e}",
+                errors.len()
+            );
+        }
+        levels.push(level);
+    }
+    if let Some(path) = &args.json {
+        crate::generate::write_json(
+            path,
+            &json!({"url": args.url, "model": model, "max_tokens": args.max_tokens, "levels": levels}),
+        )?;
+        eprintln!("results: {}", path.display());
+    }
+    Ok(())
+}
