@@ -7,7 +7,13 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 cargo build --release -p specula-cli
 ./target/release/specula fetch smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
-cargo test --release --workspace
+# The official `openai` Python client talks to `specula serve` in crates/specula-cli/tests/openai_client.rs:
+# installed from PyPI into the cache (not the system), and required so the test cannot silently skip.
+openai_dir="${SPECULA_CACHE:-$HOME/.cache/specula}/pylib-openai-3.57.0"
+if [ ! -d "$openai_dir/openai" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --target "$openai_dir" openai==3.57.0
+fi
+PYTHONPATH="$openai_dir${PYTHONPATH:+:$PYTHONPATH}" SPECULA_REQUIRE_OPENAI=1 cargo test --release --workspace
 # The CUDA backend must keep building without a GPU or toolkit, and its kernels must compile: NVRTC comes from
 # PyPI (the nvidia-cuda-nvrtc wheel, cached), no GPU needed. A separate target directory keeps the CPU build cached.
 nvrtc_dir="${SPECULA_CACHE:-$HOME/.cache/specula}/nvrtc-13.0.88"

@@ -1,0 +1,60 @@
+"""The official `openai` client against a running `specula serve` (crates/specula-cli/tests/openai_client.rs).
+
+    python3 openai_client.py BASE_URL MODEL API_KEY
+"""
+import sys
+
+import openai
+
+base, model, key = sys.argv[1], sys.argv[2], sys.argv[3]
+client = openai.OpenAI(base_url=base + "/v1", api_key=key)
+
+listed = [m.id for m in client.models.list().data]
+assert listed == [model], listed
+
+done = client.completions.create(model=model, prompt="hello world", max_tokens=12, temperature=0)
+assert done.choices[0].text, done
+assert done.usage.completion_tokens >= 1 and done.usage.prompt_tokens >= 1, done.usage
+
+chat = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "hi there"}], max_tokens=12, temperature=0
+)
+answer = chat.choices[0].message.content
+assert chat.choices[0].message.role == "assistant" and answer, chat
+
+stream = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "hi there"}],
+    max_tokens=12,
+    temperature=0,
+    stream=True,
+    stream_options={"include_usage": True},
+)
+pieces, usage = [], None
+for chunk in stream:
+    if chunk.usage is not None:
+        usage = chunk.usage
+    for choice in chunk.choices:
+        pieces.append(choice.delta.content or "")
+assert "".join(pieces) == answer, (pieces, answer)
+assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens, usage
+
+cut = client.completions.create(model=model, prompt="hello world", max_tokens=12, temperature=0, stop=[done.choices[0].text[2:4]])
+assert cut.choices[0].finish_reason == "stop" and done.choices[0].text.startswith(cut.choices[0].text), cut
+
+try:
+    client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    raise SystemExit("an unknown model was accepted")
+except openai.NotFoundError:
+    pass
+try:
+    client.completions.create(model=model, prompt="x", max_tokens=10**9)
+    raise SystemExit("max_tokens beyond the context was accepted")
+except openai.BadRequestError as e:
+    assert "max_tokens" in str(e), e
+try:
+    openai.OpenAI(base_url=base + "/v1", api_key="wrong").models.list()
+    raise SystemExit("a wrong key was accepted")
+except openai.AuthenticationError:
+    pass
+print("openai client checks passed")
