@@ -14,7 +14,7 @@ pub struct ServeArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub drafter: DrafterArgs,
-    /// Draft tokens per cycle (default 3 for a draft model, 8 for prompt lookup).
+    /// Draft tokens per cycle (default 3 for a draft model or an EAGLE-3 chain, 8 for prompt lookup).
     #[arg(long)]
     pub draft_tokens: Option<usize>,
     /// Address to bind (127.0.0.1: this machine only).
@@ -39,9 +39,13 @@ pub struct ServeArgs {
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     args.model.device()?;
     let choice = args.drafter.single_choice()?;
-    if args.drafter.simulate_acceptance.is_some() || args.drafter.eagle_tree()?.is_some() {
+    if args.drafter.simulate_acceptance.is_some() {
+        anyhow::bail!("--simulate-acceptance is for generate and bench, not serve");
+    }
+    let tree = args.drafter.eagle_tree()?;
+    if tree.is_some() && args.draft_tokens.is_some() {
         anyhow::bail!(
-            "serve takes --draft-model or --draft ngram (no simulated acceptance or EAGLE-3 yet)"
+            "--draft-tokens and the tree flags both size the draft: give --num-draft-tokens for a tree"
         );
     }
     if args.max_queue == 0 || args.max_queue > 100_000 {
@@ -50,10 +54,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             args.max_queue
         );
     }
-    let draft_tokens = args.draft_tokens.unwrap_or(match choice {
-        DraftChoice::Ngram { .. } => 8,
-        _ => 3,
-    });
+    let draft_tokens = match tree {
+        Some(shape) => shape.draft_tokens,
+        None => args.draft_tokens.unwrap_or(match choice {
+            DraftChoice::Ngram { .. } => 8,
+            _ => 3,
+        }),
+    };
     specula::decode::check_draft_tokens(draft_tokens)?;
     let (target, _, _) = load(&args.model)?;
     let draft = match &choice {
@@ -66,7 +73,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             specula::draft::model::check_compatible(&target, &d)?;
             DraftSetup::Model(Box::new(d))
         }
-        DraftChoice::Eagle3(_) => anyhow::bail!("serve does not run EAGLE-3 heads yet"),
+        DraftChoice::Eagle3(dir) => {
+            DraftSetup::Eagle3(Box::new(crate::generate::load_eagle3(dir, &target)?), tree)
+        }
     };
     let name = target.spec.clone();
     let metrics = Arc::new(specula_server::metrics::Metrics::new());

@@ -43,6 +43,11 @@ pub enum DraftSetup {
     Ngram,
     /// A draft model sharing the target's tokenizer.
     Model(Box<LoadedModel>),
+    /// An EAGLE-3 head fed by the target's hidden states (chains, or trees of a shape).
+    Eagle3(
+        Box<specula::draft::eagle3::Eagle3Head>,
+        Option<specula::draft::eagle3::TreeShape>,
+    ),
 }
 
 /// A request's input: a raw prompt (`/v1/completions`) or a conversation (`/v1/chat/completions`).
@@ -238,6 +243,18 @@ fn run_job(
             NgramDrafter::with_stopping(1, 4, Some(specula::draft::ngram::DEFAULT_MIN_CONFIDENCE))
                 .map_err(|e| e.to_string())?,
         )),
+        DraftSetup::Eagle3(head, tree) => {
+            let d = specula::draft::eagle3::Eagle3Drafter::new(
+                head,
+                model.model.as_ref(),
+                job.sampling.seed,
+            )
+            .map_err(|e| e.to_string())?;
+            Some(Box::new(match tree {
+                Some(shape) => d.with_tree(*shape),
+                None => d,
+            }))
+        }
         DraftSetup::Model(d) => Some(Box::new(
             ModelDrafter::new(d.model.as_ref(), job.sampling.seed)
                 .and_then(|m| m.with_min_confidence(specula::draft::model::DEFAULT_MIN_CONFIDENCE))

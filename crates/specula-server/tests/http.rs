@@ -509,3 +509,46 @@ fn speculative_requests_report_their_stats_and_stay_lossless() {
         "{text2}"
     );
 }
+
+#[test]
+fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
+    use specula::draft::eagle3::{Eagle3Head, TreeShape};
+    use specula::testing::{write_tiny_eagle3_head, TinyHeadSpec};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec {
+        layers: 3,
+        untied_head: true,
+        ..Default::default()
+    };
+    let p = dir.path().join("t.gguf");
+    write_tiny_gguf(&p, &spec).unwrap();
+    let reference = load_gguf(&p, "t").unwrap();
+    let head_dir = dir.path().join("head");
+    write_tiny_eagle3_head(
+        &head_dir,
+        reference.model.config(),
+        &TinyHeadSpec::default(),
+    )
+    .unwrap();
+    let want = expected(&reference, "hello world", 20);
+    for tree in [None, Some(TreeShape::new(2, 3, 5).unwrap())] {
+        let head = Eagle3Head::load(&head_dir).unwrap();
+        let addr = start(
+            load_gguf(&p, "t").unwrap(),
+            DraftSetup::Eagle3(Box::new(head), tree),
+            None,
+            8,
+        );
+        let (s, v) = post(
+            addr,
+            "/v1/completions",
+            json!({"prompt": "hello world", "max_tokens": 20, "temperature": 0}),
+        );
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["choices"][0]["text"], want, "tree {tree:?}");
+        assert!(
+            v["usage"]["speculation"]["drafted"].as_u64().unwrap() > 0,
+            "{v}"
+        );
+    }
+}
