@@ -609,12 +609,9 @@ async fn run(
         Some(Event::Started { .. }) => {}
         Some(Event::Done(Err(message))) => return Err(ApiError::bad(message, None)),
         _ => {
-            return Err(ApiError {
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                message: "the engine ended the request without an answer".into(),
-                kind: "server_error",
-                param: None,
-            })
+            return Err(server_error(
+                "the engine ended the request without an answer".into(),
+            ))
         }
     }
     let id = format!(
@@ -634,21 +631,11 @@ async fn run(
             match rx.recv().await {
                 Some(Event::Text(t)) => text.push_str(&t),
                 Some(Event::Done(Ok(f))) => break f,
-                Some(Event::Done(Err(m))) => {
-                    return Err(ApiError {
-                        status: StatusCode::INTERNAL_SERVER_ERROR,
-                        message: m,
-                        kind: "server_error",
-                        param: None,
-                    })
-                }
+                Some(Event::Done(Err(m))) => return Err(server_error(m)),
                 Some(Event::Started { .. }) | None => {
-                    return Err(ApiError {
-                        status: StatusCode::INTERNAL_SERVER_ERROR,
-                        message: "the engine ended the request without an answer".into(),
-                        kind: "server_error",
-                        param: None,
-                    })
+                    return Err(server_error(
+                        "the engine ended the request without an answer".into(),
+                    ))
                 }
             }
         };

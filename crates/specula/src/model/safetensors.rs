@@ -96,21 +96,7 @@ impl WeightSource for SafetensorsFiles {
     }
 
     fn tensor(&self, name: &str, rows: usize, cols: usize) -> Result<RawTensor<'_>> {
-        let shard = self
-            .index
-            .get(name)
-            .map(|&i| &self.shards[i])
-            .ok_or_else(|| Error::MissingTensor {
-                name: name.to_string(),
-                hint: " in the safetensors files".into(),
-            })?;
-        let info = shard
-            .metadata
-            .info(name)
-            .ok_or_else(|| Error::MissingTensor {
-                name: name.to_string(),
-                hint: format!(" in {}", shard.path.display()),
-            })?;
+        let (shard, info) = self.locate(name)?;
         let shape_ok = match info.shape.as_slice() {
             [c] => rows == 1 && *c == cols,
             [r, c] => *r == rows && *c == cols,
@@ -140,16 +126,7 @@ impl WeightSource for SafetensorsFiles {
                 })
             }
         };
-        let (begin, end) = info.data_offsets;
-        let base = 8 + shard.header_len;
-        let data = base
-            .checked_add(begin)
-            .zip(base.checked_add(end))
-            .and_then(|(b, e)| shard.bytes.get(b..e))
-            .ok_or_else(|| Error::BadSafetensors {
-                path: shard.path.clone(),
-                reason: format!("tensor {name}'s data offsets {begin}..{end} lie outside the file"),
-            })?;
+        let data = shard.data(name, info)?;
         let expected = rows
             .checked_mul(cols)
             .and_then(|n| ty.bytes_for(n))
@@ -176,15 +153,24 @@ impl WeightSource for SafetensorsFiles {
     }
 }
 
-impl SafetensorsFiles {
-    /// The shape of tensor `name`, if present.
-    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        let shard = &self.shards[*self.index.get(name)?];
-        shard.metadata.info(name).map(|i| i.shape.clone())
+impl Shard {
+    /// Tensor `name`'s bytes (its header entry `info`), checked to lie inside the file.
+    fn data(&self, name: &str, info: &safetensors::tensor::TensorInfo) -> Result<&[u8]> {
+        let (begin, end) = info.data_offsets;
+        let base = 8 + self.header_len;
+        base.checked_add(begin)
+            .zip(base.checked_add(end))
+            .and_then(|(b, e)| self.bytes.get(b..e))
+            .ok_or_else(|| Error::BadSafetensors {
+                path: self.path.clone(),
+                reason: format!("tensor {name}'s data offsets {begin}..{end} lie outside the file"),
+            })
     }
+}
 
-    /// An integer vector of `len` values (I64 or I32), e.g. an EAGLE-3 head's d2t.
-    pub fn integers(&self, name: &str, len: usize) -> Result<Vec<i64>> {
+impl SafetensorsFiles {
+    /// The shard holding tensor `name` and its header entry.
+    fn locate(&self, name: &str) -> Result<(&Shard, &safetensors::tensor::TensorInfo)> {
         let shard = self
             .index
             .get(name)
@@ -200,6 +186,18 @@ impl SafetensorsFiles {
                 name: name.to_string(),
                 hint: format!(" in {}", shard.path.display()),
             })?;
+        Ok((shard, info))
+    }
+
+    /// The shape of tensor `name`, if present.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let shard = &self.shards[*self.index.get(name)?];
+        shard.metadata.info(name).map(|i| i.shape.clone())
+    }
+
+    /// An integer vector of `len` values (I64 or I32), e.g. an EAGLE-3 head's d2t.
+    pub fn integers(&self, name: &str, len: usize) -> Result<Vec<i64>> {
+        let (shard, info) = self.locate(name)?;
         if info.shape != [len] {
             return Err(Error::ShapeMismatch {
                 name: name.to_string(),
@@ -219,18 +217,11 @@ impl SafetensorsFiles {
                 })
             }
         };
-        let (begin, end) = info.data_offsets;
-        let base = 8 + shard.header_len;
-        let data = base
-            .checked_add(begin)
-            .zip(base.checked_add(end))
-            .and_then(|(b, e)| shard.bytes.get(b..e))
+        let data = Some(shard.data(name, info)?)
             .filter(|d| d.len() == len * width)
             .ok_or_else(|| Error::BadSafetensors {
                 path: shard.path.clone(),
-                reason: format!(
-                    "tensor {name}'s data offsets {begin}..{end} do not hold {len} integers"
-                ),
+                reason: format!("tensor {name} does not hold {len} integers"),
             })?;
         Ok(data
             .chunks_exact(width)
