@@ -227,6 +227,17 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         eprint!("\r{:100}\r", "");
     }
     eprintln!("bench finished in {:.1}s", start.elapsed().as_secs_f64());
+    if let Some(head) = &eagle3 {
+        for c in &report.configs {
+            if let Some(w) = c
+                .speculation
+                .as_ref()
+                .and_then(|s| specula::draft::eagle3::check::acceptance_warning(head, s))
+            {
+                eprintln!("warning ({}): {w}", c.label);
+            }
+        }
+    }
     Ok(report)
 }
 

@@ -423,7 +423,8 @@ pub fn load_eagle3(
     dir: &str,
     target: &specula::model::LoadedModel,
 ) -> anyhow::Result<specula::draft::eagle3::Eagle3Head> {
-    let head = specula::draft::eagle3::Eagle3Head::load(std::path::Path::new(dir))
+    let path = specula::registry::locate_head(dir)?;
+    let head = specula::draft::eagle3::Eagle3Head::load(&path)
         .with_context(|| format!("loading EAGLE-3 head {dir}"))?;
     head.check_target(target.model.config())?;
     let layers = head
@@ -615,6 +616,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     if let Some(stats) = &output.speculation {
         eprint!("{}", stats.table());
+        if let Some(w) = eagle3_head
+            .as_ref()
+            .and_then(|h| specula::draft::eagle3::check::acceptance_warning(h, stats))
+        {
+            eprintln!("warning: {w}");
+        }
     }
     if let Some(path) = &args.report_json {
         let info = specula::run_report::RunInfo {

@@ -7,6 +7,7 @@ mod generate;
 mod overhead;
 mod selftest;
 mod serve;
+mod train_eagle3;
 
 use clap::{Parser, Subcommand};
 
@@ -47,6 +48,9 @@ enum Command {
     /// EAGLE-3 heads: `specula eagle3 check` measures which target layers a head drafts best from.
     #[command(subcommand)]
     Eagle3(eagle3::Eagle3Command),
+    /// Train an EAGLE-3 head for a target (self-distilled answers and a corpus; training-time-test unrolling)
+    /// and write it in the layout specula, SGLang and vLLM load.
+    TrainEagle3(train_eagle3::TrainEagle3Args),
 }
 
 #[derive(clap::Args)]
@@ -70,6 +74,7 @@ fn main() {
         Command::Tune(args) => bench::tune(args),
         Command::Selftest(args) => selftest::run(args),
         Command::Eagle3(command) => eagle3::run(command),
+        Command::TrainEagle3(args) => train_eagle3::run(args),
         Command::Serve(args) => serve::run(args),
         Command::BenchServe(args) => bench_serve::run(args),
     };
@@ -89,6 +94,12 @@ fn fetch(args: FetchArgs) -> anyhow::Result<()> {
         args.names
     };
     for name in names {
+        if let Some(h) = specula::registry::find_head(&name) {
+            // Heads are built here, not downloaded: say where it is or how to build it.
+            let path = specula::registry::locate_head(h.name)?;
+            println!("{}\t{}", h.name, path.display());
+            continue;
+        }
         let model = specula::registry::find(&name).ok_or_else(|| specula::Error::UnknownModel {
             name: name.clone(),
             known: specula::registry::known_names(),
@@ -113,6 +124,13 @@ fn models() {
         println!(
             "{:<22} {:>14}  {:<9} {}",
             m.name, m.bytes, cached, m.description
+        );
+    }
+    for h in specula::registry::HEADS {
+        let built = if h.built().is_some() { "yes" } else { "no" };
+        println!(
+            "{:<22} {:>14}  {:<9} {} (build: scripts/train-head.sh {})",
+            h.name, "-", built, h.description, h.name
         );
     }
     println!("cache: {}", specula::registry::cache_dir().display());

@@ -306,3 +306,126 @@ fn eagle3_trees_match_plain_decoding() {
         "{stderr}"
     );
 }
+
+#[test]
+fn train_eagle3_writes_a_head_that_drafts_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = setup(dir.path());
+    let corpus = dir.path().join("corpus");
+    std::fs::create_dir_all(&corpus).unwrap();
+    for i in 0..6 {
+        let text: String = (0..60)
+            .map(|j| format!("def f{i}_{j}(x): return x + {j}\n"))
+            .collect();
+        std::fs::write(corpus.join(format!("m{i}.py")), text).unwrap();
+    }
+    let out = dir.path().join("trained");
+    let report = dir.path().join("report.json");
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "train-eagle3",
+            "-m",
+            &model,
+            "--out",
+            out.to_str().unwrap(),
+            "--corpus",
+            corpus.to_str().unwrap(),
+            "--seq-len",
+            "48",
+            "--corpus-tokens",
+            "2000",
+            "--draft-vocab",
+            "64",
+            "--ttt-steps",
+            "2",
+            "--aux-layers",
+            "0,1,2",
+            "--intermediate-size",
+            "64",
+            "--batch",
+            "2",
+            "--json",
+            report.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let run = |extra: &[&str]| {
+        let a = args(extra);
+        let refs: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+        specula(&refs)
+    };
+    let first = run(&["--epochs", "1"]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&first.stdout);
+    assert!(stdout.contains("held-out accuracy per unrolled step"), "{stdout}");
+    let r1: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let steps1 = r1["steps"].as_u64().unwrap();
+    assert!(steps1 > 0);
+    // A second run into the same directory needs --resume, and then continues the step count.
+    let again = run(&["--epochs", "2"]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--resume"));
+    let resumed = run(&["--epochs", "2", "--resume"]);
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    let r2: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r2["steps"].as_u64().unwrap(), 2 * steps1);
+    // The trained head drafts for its target, losslessly.
+    let out_dir = out.to_str().unwrap();
+    let plain = ok(&["generate", "-m", &model, "-p", "def f", "-n", "24", "--ignore-eos"]).0;
+    let spec = ok(&[
+        "generate",
+        "-m",
+        &model,
+        "-p",
+        "def f",
+        "-n",
+        "24",
+        "--ignore-eos",
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        out_dir,
+        "--draft-tokens",
+        "2",
+    ])
+    .0;
+    assert_eq!(plain, spec);
+}
+
+#[test]
+fn train_eagle3_refuses_bad_input_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = setup(dir.path());
+    let out = dir.path().join("o");
+    let out = out.to_str().unwrap();
+    for (extra, needle) in [
+        (vec![], "no training data"),
+        (vec!["--corpus", "/nonexistent/corpus"], "/nonexistent/corpus"),
+        (vec!["--corpus", ".", "--seq-len", "3"], "--seq-len"),
+        (vec!["--corpus", ".", "--ttt-steps", "0"], "--ttt-steps"),
+        (vec!["--corpus", ".", "--max-minutes", "-1"], "--max-minutes"),
+        (vec!["--corpus", ".", "--aux-layers", "0,1,9"], "layer 9"),
+    ] {
+        let mut args = vec!["train-eagle3", "-m", &model, "--out", out];
+        args.extend(extra);
+        let o = specula(&args);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}

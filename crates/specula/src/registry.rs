@@ -100,6 +100,66 @@ pub fn known_names() -> String {
     MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
 }
 
+/// An EAGLE-3 head specula trains for a registry target. Heads are tens of MB (too large for the repository) and
+/// published nowhere this machine reaches, so one command builds each into the cache
+/// (`scripts/train-head.sh NAME`, docs/eagle3.md "Heads"), and `--draft-model NAME` finds it there.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RegistryHead {
+    pub name: &'static str,
+    /// The registry target it drafts for.
+    pub target: &'static str,
+    pub description: &'static str,
+    /// Wall time of the build command on this project's 2-core machine, for the message that suggests it.
+    pub build_minutes: u32,
+}
+
+pub static HEADS: &[RegistryHead] = &[RegistryHead {
+    name: "smollm2-135m-eagle3",
+    target: "smollm2-135m",
+    description: "EAGLE-3 head for smollm2-135m (self-distilled code answers + Python stdlib)",
+    build_minutes: 45,
+}];
+
+pub fn find_head(name: &str) -> Option<&'static RegistryHead> {
+    HEADS.iter().find(|h| h.name == name)
+}
+
+impl RegistryHead {
+    pub fn dir(&self) -> PathBuf {
+        cache_dir().join("heads").join(self.name)
+    }
+
+    /// The built head's directory, if its build finished (config.json and weights are written last).
+    pub fn built(&self) -> Option<PathBuf> {
+        let dir = self.dir();
+        (dir.join("config.json").is_file() && dir.join("model.safetensors").is_file()).then_some(dir)
+    }
+}
+
+/// An EAGLE-3 head's directory from what the user gave: a directory, or a registry head's name (built).
+pub fn locate_head(spec: &str) -> Result<PathBuf> {
+    let path = Path::new(spec);
+    if path.is_dir() {
+        return Ok(path.to_path_buf());
+    }
+    match find_head(spec) {
+        Some(h) => h.built().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "EAGLE-3 head {} is not built yet: `scripts/train-head.sh {}` trains it into {} (about {} minutes \
+                 on 2 cores)",
+                h.name,
+                h.name,
+                h.dir().display(),
+                h.build_minutes
+            ))
+        }),
+        None => Err(Error::InvalidArgument(format!(
+            "EAGLE-3 head {spec:?} is neither a directory nor a registry head ({})",
+            HEADS.iter().map(|h| h.name).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}
+
 pub fn cache_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("SPECULA_CACHE") {
         return PathBuf::from(dir);

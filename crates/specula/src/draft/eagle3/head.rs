@@ -43,6 +43,9 @@ pub struct HeadConfig {
     /// The target layers whose outputs feed fc, low to high, as the config gives them (SpecForge's "output of
     /// layer i" convention; None when the config names none).
     pub aux_layers: Option<Vec<usize>>,
+    /// Held-out accuracy per unrolled step that training recorded (`specula_training.eval_accuracy_per_step`,
+    /// written by `specula train-eagle3`; other exporters leave it out).
+    pub trained_accuracy: Option<Vec<f64>>,
 }
 
 fn config_error(path: &Path, reason: impl std::fmt::Display) -> Error {
@@ -118,6 +121,11 @@ impl HeadConfig {
                 Some(ids)
             }
         };
+        let trained_accuracy = obj
+            .get("specula_training")
+            .and_then(|t| t.get("eval_accuracy_per_step"))
+            .and_then(|v| serde_json::from_value::<Vec<f64>>(v.clone()).ok())
+            .filter(|v| !v.is_empty() && v.iter().all(|a| (0.0..=1.0).contains(a)));
         // The decoder layer is a Llama layer: reuse the model config parser (sizes, RoPE scaling, limits). RoPE
         // comes from the head's own config (default theta 10000, as SGLang and vLLM read it).
         obj.insert("model_type".into(), "llama".into());
@@ -132,6 +140,7 @@ impl HeadConfig {
             target_hidden,
             draft_vocab,
             aux_layers,
+            trained_accuracy,
         })
     }
 

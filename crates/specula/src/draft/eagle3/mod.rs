@@ -12,6 +12,7 @@
 
 pub mod check;
 pub mod head;
+pub mod train;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;

@@ -603,3 +603,39 @@ fn top_log_probs_are_normalized_and_ordered() {
     let z: f32 = [0.0f32, 2.0, 1.0, 2.0].iter().map(|l| l.exp()).sum();
     assert!((t[0].0 - (2.0 - z.ln())).abs() < 1e-6);
 }
+
+#[test]
+fn acceptance_far_below_the_training_record_is_flagged() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (trained, _) = head(
+        dir.path(),
+        &t,
+        &TinyHeadSpec {
+            config_overrides: serde_json::json!({
+                "specula_training": {"eval_accuracy_per_step": [0.6, 0.4]}
+            }),
+            ..Default::default()
+        },
+    );
+    assert_eq!(trained.config.trained_accuracy, Some(vec![0.6, 0.4]));
+    let stats = |cycles: usize, accepted_first: usize| {
+        let mut s = crate::decode::SpeculationStats::new("eagle3", 3);
+        for i in 0..cycles {
+            s.record(3, usize::from(i < accepted_first));
+        }
+        s
+    };
+    // 10 of 40 = 25% against 60% recorded: flagged, with both numbers.
+    let w = check::acceptance_warning(&trained, &stats(40, 10)).expect("a warning");
+    assert!(w.contains("25.0%") && w.contains("60.0%"), "{w}");
+    // 35% is more than half of 60%: no warning; nor with too few drafts to judge.
+    assert!(check::acceptance_warning(&trained, &stats(40, 14)).is_none());
+    assert!(check::acceptance_warning(&trained, &stats(20, 0)).is_none());
+    // A head without a training record (another exporter's) is never flagged.
+    let other = dir.path().join("other");
+    write_tiny_eagle3_head(&other, t.model.config(), &TinyHeadSpec::default()).unwrap();
+    let other = Eagle3Head::load(&other).unwrap();
+    assert!(other.config.trained_accuracy.is_none());
+    assert!(check::acceptance_warning(&other, &stats(40, 0)).is_none());
+}

@@ -1,0 +1,239 @@
+//! `specula train-eagle3`: trains an EAGLE-3 head for a target and writes it in the published layout.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use specula::draft::eagle3::train::{self, data, TrainOptions, TrainingText};
+
+use crate::generate::{load, write_json, ModelArgs};
+
+#[derive(clap::Args)]
+pub struct TrainEagle3Args {
+    /// The target model the head drafts for (-m/--model or --target).
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Output directory: the head (config.json, model.safetensors), its checkpoint and training data.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Instruction prompts (JSON Lines, {"prompt": ...}) the target answers itself (self-distillation: the
+    /// best data for a small budget). Repeatable.
+    #[arg(long)]
+    pub prompts: Vec<PathBuf>,
+    /// Text files or directories (source code, prose) to train on as-is. Repeatable.
+    #[arg(long)]
+    pub corpus: Vec<PathBuf>,
+    /// Most tokens taken from the corpus.
+    #[arg(long, default_value_t = 200_000)]
+    pub corpus_tokens: usize,
+    /// Most tokens of each self-distilled answer.
+    #[arg(long, default_value_t = 256)]
+    pub answer_tokens: usize,
+    /// Tokens per training sequence (corpus chunks; prompt + answer at most this).
+    #[arg(long, default_value_t = 384)]
+    pub seq_len: usize,
+    /// Tokens the head can propose (most frequent in the data; d2t maps them to target ids).
+    #[arg(long, default_value_t = 8192)]
+    pub draft_vocab: usize,
+    /// Unrolled training-time-test steps (SpecForge uses 7).
+    #[arg(long, default_value_t = 4)]
+    pub ttt_steps: usize,
+    #[arg(long, default_value_t = 2)]
+    pub epochs: usize,
+    /// Sequences per optimizer step.
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    /// Draft tokens of the target's distribution kept per position (the soft targets; renormalized).
+    #[arg(long, default_value_t = 32)]
+    pub top_k: usize,
+    /// Memory (GB) for the target's outputs kept between epochs; beyond it they are recomputed each epoch.
+    #[arg(long, default_value_t = 4.0)]
+    pub cache_gb: f64,
+    /// Peak learning rate (AdamW; warmup, then cosine decay).
+    #[arg(long, default_value_t = 5e-4)]
+    pub lr: f64,
+    /// Target layers the head reads, e.g. 1,14,26 ("output of layer" ids); default [1, n/2 - 1, n - 4].
+    #[arg(long, value_delimiter = ',')]
+    pub aux_layers: Option<Vec<usize>>,
+    /// The head's MLP width (default: the target's).
+    #[arg(long)]
+    pub intermediate_size: Option<usize>,
+    /// Stop after this many minutes (a checkpoint and a usable head are written).
+    #[arg(long, allow_negative_numbers = true)]
+    pub max_minutes: Option<f64>,
+    /// Continue the checkpoint and data in --out.
+    #[arg(long)]
+    pub resume: bool,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Only gather the training data (self-distilled answers, corpus chunks) into --out/data.jsonl and stop;
+    /// a later run with --resume trains on it.
+    #[arg(long)]
+    pub data_only: bool,
+    /// Write the training report as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
+    if args.seq_len < 8 || args.seq_len > 8192 {
+        anyhow::bail!("--seq-len must be between 8 and 8192, got {}", args.seq_len);
+    }
+    if args.answer_tokens == 0 {
+        anyhow::bail!("--answer-tokens must be at least 1");
+    }
+    if let Some(m) = args.max_minutes {
+        if !(m > 0.0 && m.is_finite()) {
+            anyhow::bail!("--max-minutes must be a positive number of minutes, got {m}");
+        }
+    }
+    let opts = TrainOptions {
+        out: args.out.clone(),
+        draft_vocab: args.draft_vocab,
+        ttt_steps: args.ttt_steps,
+        epochs: args.epochs,
+        batch: args.batch,
+        lr: args.lr,
+        seed: args.seed,
+        aux_layers: args.aux_layers.clone(),
+        intermediate_size: args.intermediate_size,
+        max_time: args.max_minutes.map(|m| Duration::from_secs_f64(m * 60.0)),
+        resume: args.resume,
+        top_k: args.top_k,
+        cache_bytes: (args.cache_gb.clamp(0.0, 1e6) * 1e9) as usize,
+        ..Default::default()
+    };
+    opts.validate()?;
+    let data_path = args.out.join("data.jsonl");
+    if !args.resume && args.out.join("checkpoint").join("state.json").exists() {
+        anyhow::bail!(
+            "{} holds a checkpoint: pass --resume to continue it, or choose another --out",
+            args.out.display()
+        );
+    }
+    let mut prompts = Vec::new();
+    for p in &args.prompts {
+        let (list, warnings) = specula::bench::read_prompts(p, specula::bench::BadLines::Stop)?;
+        for w in warnings {
+            eprintln!("warning: {w}");
+        }
+        prompts.extend(list.into_iter().map(|b| (b.id, b.prompt)));
+    }
+    let files = data::corpus_files(&args.corpus)?;
+    if !(args.resume && data_path.exists()) && prompts.is_empty() && files.is_empty() {
+        anyhow::bail!("no training data: give instruction prompts (--prompts FILE) or a corpus (--corpus PATH)");
+    }
+    let (target, _, _) = load(&args.model)?;
+    // Checked before any data is gathered (self-distillation takes minutes).
+    let layers = train::target_layers(target.model.config(), args.aux_layers.as_deref())?;
+    eprintln!(
+        "target {}: the head reads layers {layers:?}",
+        target.spec
+    );
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let texts: Vec<TrainingText> = if args.resume && data_path.exists() {
+        let texts = data::read_texts(&data_path)?;
+        eprintln!("data: {} sequences from {}", texts.len(), data_path.display());
+        texts
+    } else {
+        let mut texts = data::self_distilled_texts(
+            &target,
+            &prompts,
+            args.answer_tokens,
+            args.seq_len,
+            &mut |i, n, id| {
+                eprint!("\rself-distillation: {i}/{n} answers {id:<24}");
+                let _ = std::io::stderr().flush();
+            },
+        )?;
+        if !prompts.is_empty() {
+            eprintln!();
+        }
+        let answers = texts.len();
+        texts.extend(data::corpus_texts(
+            &target,
+            &files,
+            args.seq_len,
+            args.corpus_tokens,
+        )?);
+        let tokens: usize = texts.iter().map(|t| t.tokens.len()).sum();
+        eprintln!(
+            "data: {answers} self-distilled answers and {} corpus chunks, {tokens} tokens ({})",
+            texts.len() - answers,
+            data_path.display()
+        );
+        data::write_texts(&data_path, &texts)?;
+        texts
+    };
+    if args.data_only {
+        return Ok(());
+    }
+    let started = std::time::Instant::now();
+    let report = train::train(&target, &texts, &opts, &mut |p| {
+        let acc: Vec<String> = p
+            .step_accuracy
+            .iter()
+            .map(|a| format!("{:.0}", a * 100.0))
+            .collect();
+        let done = p.step as f64 / p.total_steps.max(1) as f64;
+        let width = 24;
+        let filled = (done * width as f64).round() as usize;
+        eprint!(
+            "\r[{}{}] step {}/{} epoch {} loss {:.3} acc/step % [{}] {:.0} tok/s lr {:.1e} {:.0}s ",
+            "#".repeat(filled.min(width)),
+            "-".repeat(width - filled.min(width)),
+            p.step,
+            p.total_steps,
+            p.epoch + 1,
+            p.loss,
+            acc.join(" "),
+            p.tokens_per_s,
+            p.lr,
+            started.elapsed().as_secs_f64(),
+        );
+        let _ = std::io::stderr().flush();
+    })?;
+    eprintln!();
+    let pct = |v: &[f64]| {
+        v.iter()
+            .map(|a| format!("{:.1}%", a * 100.0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "head: {} ({} parameters, {:.1} MB bf16, sha256 {})",
+        report.out.display(),
+        report.parameters,
+        report.head_bytes as f64 / 1e6,
+        report.head_sha256
+    );
+    println!(
+        "trained {} of {} steps{} on {} sequences ({} tokens seen) in {:.0} s; target layers {:?}; draft vocabulary \
+         {} ({:.1}% of answer tokens)",
+        report.steps,
+        report.total_steps,
+        if report.stopped_early {
+            " (stopped at --max-minutes)"
+        } else {
+            ""
+        },
+        report.train_sequences,
+        report.tokens_trained,
+        report.wall_s,
+        report.target_layers,
+        report.draft_vocab,
+        report.coverage * 100.0
+    );
+    println!(
+        "held-out accuracy per unrolled step ({} sequences): {} (untrained: {})",
+        report.eval_sequences,
+        pct(&report.eval_accuracy),
+        pct(&report.initial_eval_accuracy)
+    );
+    if let Some(path) = &args.json {
+        write_json(path, &serde_json::to_value(&report)?)?;
+        eprintln!("report: {}", path.display());
+    }
+    Ok(())
+}

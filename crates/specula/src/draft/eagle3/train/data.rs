@@ -1,0 +1,374 @@
+//! Training data for an EAGLE-3 head: token sequences (the target's own answers to instruction prompts, and
+//! chunks of a text corpus), the draft vocabulary chosen by token frequency, and each sequence's target outputs
+//! (hidden states at the head's layers, distribution over the draft vocabulary).
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+
+use crate::decode::{self, GenerateRequest};
+use crate::error::{Error, Result};
+use crate::model::{ForwardOptions, LoadedModel, LogitsFor, Model};
+use crate::profile::Profiler;
+use crate::sampling::SamplingParams;
+
+use super::net::TrainingSequence;
+
+/// One training sequence: `tokens`, of which the head learns to predict those from `loss_from` on (earlier ones
+/// are a prompt it only reads).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrainingText {
+    pub tokens: Vec<u32>,
+    pub loss_from: usize,
+    /// Where it came from ("answer:ID" or "corpus:PATH#chunk").
+    pub source: String,
+}
+
+/// File extensions read from a corpus directory (source code and text).
+const CORPUS_EXTENSIONS: &[&str] = &[
+    "py", "rs", "c", "h", "cc", "cpp", "hpp", "js", "ts", "go", "java", "md", "txt", "rst", "sh", "toml",
+];
+
+/// Every corpus file under `paths` (files as given, directories walked in sorted order, by extension).
+pub fn corpus_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| Error::io(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        entries.sort();
+        for p in entries {
+            if p.is_dir() {
+                walk(&p, out)?;
+            } else if p
+                .extension()
+                .and_then(|x| x.to_str())
+                .is_some_and(|x| CORPUS_EXTENSIONS.contains(&x))
+            {
+                out.push(p);
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    for p in paths {
+        if p.is_dir() {
+            walk(p, &mut out)?;
+        } else if p.is_file() {
+            out.push(p.clone());
+        } else {
+            return Err(Error::InvalidArgument(format!(
+                "corpus path {} is neither a file nor a directory",
+                p.display()
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// Chunks of `seq_len` tokens from the corpus files (each file tokenized on its own; a last piece shorter than
+/// a quarter chunk is dropped), at most `max_tokens` tokens in all. Files that are not UTF-8 are skipped.
+pub fn corpus_texts(
+    model: &LoadedModel,
+    files: &[PathBuf],
+    seq_len: usize,
+    max_tokens: usize,
+) -> Result<Vec<TrainingText>> {
+    let mut out = Vec::new();
+    let mut total = 0usize;
+    for file in files {
+        if total >= max_tokens {
+            break;
+        }
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        let tokens = model.tokenizer.encode(&text)?;
+        for (i, chunk) in tokens.chunks(seq_len).enumerate() {
+            if chunk.len() < (seq_len / 4).max(2) || total >= max_tokens {
+                continue;
+            }
+            total += chunk.len();
+            out.push(TrainingText {
+                tokens: chunk.to_vec(),
+                loss_from: 1,
+                source: format!("corpus:{}#{i}", file.display()),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The target's own greedy answers to `prompts` (self-distillation: the head learns what this target says, in
+/// its chat format), each at most `answer_tokens` long and the whole sequence at most `seq_len`.
+pub fn self_distilled_texts(
+    model: &LoadedModel,
+    prompts: &[(String, String)],
+    answer_tokens: usize,
+    seq_len: usize,
+    progress: &mut dyn FnMut(usize, usize, &str),
+) -> Result<Vec<TrainingText>> {
+    let mut out = Vec::new();
+    for (i, (id, prompt)) in prompts.iter().enumerate() {
+        progress(i, prompts.len(), id);
+        let text = model.format_prompt(prompt, false, None)?;
+        let prompt_tokens = model.tokenizer.encode(&text)?;
+        if prompt_tokens.len() + 2 > seq_len {
+            continue;
+        }
+        let req = GenerateRequest {
+            prompt_tokens: prompt_tokens.clone(),
+            max_new_tokens: answer_tokens.min(seq_len - prompt_tokens.len()),
+            sampling: SamplingParams::default(),
+            stop_at_eos: true,
+            cancel: None,
+        };
+        let answer = decode::generate(
+            model.model.as_ref(),
+            &model.tokenizer,
+            &req,
+            None,
+            &Profiler::disabled(),
+            &mut |_| {},
+        )?;
+        let mut tokens = prompt_tokens;
+        let loss_from = tokens.len();
+        tokens.extend(&answer.tokens);
+        if tokens.len() > loss_from {
+            out.push(TrainingText {
+                tokens,
+                loss_from,
+                source: format!("answer:{id}"),
+            });
+        }
+    }
+    progress(prompts.len(), prompts.len(), "");
+    Ok(out)
+}
+
+/// The draft vocabulary: the target ids the head can propose, increasing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftVocab {
+    pub ids: Vec<u32>,
+    /// Draft id of each target id, if it is in the draft vocabulary.
+    pub draft_of: Vec<Option<u32>>,
+}
+
+impl DraftVocab {
+    pub fn from_ids(mut ids: Vec<u32>, target_vocab: usize) -> Result<Self> {
+        ids.sort_unstable();
+        ids.dedup();
+        let mut draft_of = vec![None; target_vocab];
+        for (d, &t) in ids.iter().enumerate() {
+            let slot = draft_of.get_mut(t as usize).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "draft vocabulary token {t} is outside the target's vocabulary of {target_vocab}"
+                ))
+            })?;
+            *slot = Some(d as u32);
+        }
+        Ok(DraftVocab { ids, draft_of })
+    }
+
+    /// The `size` most frequent tokens among those the head learns to predict (ties: smaller id first), padded
+    /// with the smallest unused ids when the data has fewer distinct tokens.
+    pub fn by_frequency(texts: &[TrainingText], target_vocab: usize, size: usize) -> Result<Self> {
+        let size = size.min(target_vocab);
+        let mut counts = vec![0u64; target_vocab];
+        for t in texts {
+            for &tok in t.tokens.iter().skip(t.loss_from) {
+                if let Some(c) = counts.get_mut(tok as usize) {
+                    *c += 1;
+                }
+            }
+        }
+        let mut order: Vec<u32> = (0..target_vocab as u32).collect();
+        order.sort_by(|&a, &b| counts[b as usize].cmp(&counts[a as usize]).then(a.cmp(&b)));
+        order.truncate(size);
+        Self::from_ids(order, target_vocab)
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// d2t as the published layout stores it: target id = draft id + d2t[draft id].
+    pub fn d2t(&self) -> Vec<i64> {
+        self.ids
+            .iter()
+            .enumerate()
+            .map(|(d, &t)| i64::from(t) - d as i64)
+            .collect()
+    }
+
+    /// Share of the predicted tokens of `texts` that the draft vocabulary holds.
+    pub fn coverage(&self, texts: &[TrainingText]) -> f64 {
+        let (mut hit, mut all) = (0u64, 0u64);
+        for t in texts {
+            for &tok in t.tokens.iter().skip(t.loss_from) {
+                all += 1;
+                hit += u64::from(self.draft_of.get(tok as usize).is_some_and(|d| d.is_some()));
+            }
+        }
+        hit as f64 / all.max(1) as f64
+    }
+}
+
+/// The target's outputs on one training sequence, kept compactly between epochs: its hidden states at the
+/// head's layers in f16 and its distribution over the draft vocabulary as the `top_k` most likely draft tokens
+/// (renormalized; the tail carries almost no mass and no gradient worth its memory).
+pub struct TargetOutputs {
+    pub len: usize,
+    /// `[len, 3H]`, low ++ mid ++ high per position.
+    pub features: Vec<half::f16>,
+    pub top_k: usize,
+    /// `len x top_k` (draft id, probability), most likely first.
+    pub top: Vec<(u32, f32)>,
+    /// Per row r: the draft id of the target's most likely token r + 1, or None when outside the draft
+    /// vocabulary or not trained on.
+    pub target_ids: Vec<Option<u32>>,
+}
+
+impl TargetOutputs {
+    pub fn bytes(&self) -> usize {
+        self.features.len() * 2 + self.top.len() * 8 + self.target_ids.len() * 8
+    }
+
+    /// The training sequence: features, next-token embeddings (room for `steps` unrolled steps) and dense
+    /// target distributions.
+    pub fn sequence(
+        &self,
+        target: &dyn Model,
+        text: &TrainingText,
+        steps: usize,
+        draft_vocab: usize,
+    ) -> Result<TrainingSequence> {
+        let t = self.len;
+        let h = target.config().hidden_size;
+        let mut embeds = target.embed_tokens(&text.tokens[1..t])?;
+        embeds.resize((t + steps) * h, 0.0);
+        let mut probs = vec![0f32; t * draft_vocab];
+        for r in 0..t {
+            for &(d, p) in &self.top[r * self.top_k..(r + 1) * self.top_k] {
+                probs[r * draft_vocab + d as usize] = p;
+            }
+        }
+        let features: Vec<f32> = self.features.iter().map(|v| v.to_f32()).collect();
+        let dev = Device::Cpu;
+        Ok(TrainingSequence {
+            len: t,
+            features: Tensor::from_vec(features, (t, 3 * h), &dev)?,
+            embeds: Tensor::from_vec(embeds, (t + steps, h), &dev)?,
+            target_probs: Tensor::from_vec(probs, (t, draft_vocab), &dev)?,
+            target_ids: self.target_ids.clone(),
+        })
+    }
+}
+
+/// Runs the target over `text`: its hidden states at `layers` and, per row, the `top_k` most likely draft
+/// tokens with their probabilities (softmax over the draft vocabulary, renormalized over the top k).
+pub fn target_outputs(
+    target: &dyn Model,
+    layers: &[usize],
+    vocab: &DraftVocab,
+    text: &TrainingText,
+    top_k: usize,
+) -> Result<TargetOutputs> {
+    let tokens = &text.tokens;
+    let t = tokens.len();
+    if t < 2 {
+        return Err(Error::InvalidArgument(format!(
+            "training sequence {} has {t} tokens; at least 2 needed",
+            text.source
+        )));
+    }
+    let c = target.config();
+    let mut cache = target.new_cache(t)?;
+    let opts = ForwardOptions {
+        capture_layers: layers,
+        vocab_limit: None,
+    };
+    let out = target
+        .forward_one(tokens, cache.as_mut(), &opts, LogitsFor::All, &Profiler::disabled())?
+        .to_host()?;
+    let big_h = c.hidden_size;
+    let mut features = vec![half::f16::ZERO; t * 3 * big_h];
+    for (k, (_, rows)) in out.hidden.iter().enumerate() {
+        for r in 0..t {
+            let dst = &mut features[r * 3 * big_h + k * big_h..r * 3 * big_h + (k + 1) * big_h];
+            for (d, &v) in dst.iter_mut().zip(rows.row(r)) {
+                *d = half::f16::from_f32(v);
+            }
+        }
+    }
+    let dv = vocab.len();
+    let top_k = top_k.clamp(1, dv);
+    let mut top = Vec::with_capacity(t * top_k);
+    let mut target_ids = vec![None; t];
+    let mut scratch: Vec<(u32, f32)> = Vec::with_capacity(dv);
+    for (r, id) in target_ids.iter_mut().enumerate() {
+        let row = out.logits.row(r);
+        scratch.clear();
+        scratch.extend(vocab.ids.iter().enumerate().map(|(d, &tok)| (d as u32, row[tok as usize])));
+        let max = scratch.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = scratch.iter().map(|x| ((x.1 - max) as f64).exp()).sum();
+        scratch.select_nth_unstable_by(top_k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let kept = &mut scratch[..top_k];
+        kept.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let probs: Vec<f64> = kept.iter().map(|x| ((x.1 - max) as f64).exp() / sum).collect();
+        let kept_mass: f64 = probs.iter().sum();
+        top.extend(kept.iter().zip(&probs).map(|(x, &p)| (x.0, (p / kept_mass) as f32)));
+        // The row is trained on when it predicts an answer token and the target's choice is draftable.
+        if r + 1 >= text.loss_from {
+            let best = crate::sampling::argmax(row);
+            *id = vocab.draft_of.get(best as usize).copied().flatten();
+        }
+    }
+    Ok(TargetOutputs {
+        len: t,
+        features,
+        top_k,
+        top,
+        target_ids,
+    })
+}
+
+/// [`target_outputs`] and [`TargetOutputs::sequence`] in one (tests and one-off use).
+pub fn prepare(
+    target: &dyn Model,
+    layers: &[usize],
+    vocab: &DraftVocab,
+    text: &TrainingText,
+    steps: usize,
+    top_k: usize,
+) -> Result<TrainingSequence> {
+    target_outputs(target, layers, vocab, text, top_k)?.sequence(target, text, steps, vocab.len())
+}
+
+/// Reads training texts written by [`write_texts`].
+pub fn read_texts(path: &Path) -> Result<Vec<TrainingText>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| {
+                Error::InvalidArgument(format!("{} line {}: {e}", path.display(), i + 1))
+            })
+        })
+        .collect()
+}
+
+/// Writes training texts as JSON Lines.
+pub fn write_texts(path: &Path, texts: &[TrainingText]) -> Result<()> {
+    let mut s = String::new();
+    for t in texts {
+        s.push_str(&serde_json::to_string(t).map_err(|e| Error::InvalidArgument(e.to_string()))?);
+        s.push('\n');
+    }
+    std::fs::write(path, s).map_err(|e| Error::io(path, e))
+}

@@ -1,0 +1,623 @@
+//! Training EAGLE-3 heads (`specula train-eagle3`): the target produces the data (its hidden states and
+//! distributions on its own answers and on a corpus), the head learns them with the training-time-test unrolling,
+//! AdamW with warmup and cosine decay, gradient clipping; checkpoints resume; the result is written in the
+//! published layout (config.json + model.safetensors with d2t) that specula, SGLang and vLLM load.
+//!
+//! Autograd: candle-core's (already a dependency for its quantized block types), on the CPU. docs/eagle3.md says
+//! why it over the alternatives.
+
+pub mod data;
+pub mod net;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha20Rng;
+
+use crate::error::{Error, Result};
+use crate::model::config::Config;
+use crate::model::{LoadedModel, Model};
+
+pub use data::{DraftVocab, TargetOutputs, TrainingText};
+pub use net::{HeadParams, HeadShape, TrainingSequence};
+
+use super::head::HeadConfig;
+
+/// What to train and how.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Where the head (config.json, model.safetensors), its checkpoint and its data go.
+    pub out: PathBuf,
+    pub draft_vocab: usize,
+    /// Unrolled training-time-test steps (SpecForge: 7).
+    pub ttt_steps: usize,
+    pub epochs: usize,
+    /// Sequences per optimizer step.
+    pub batch: usize,
+    pub lr: f64,
+    /// Share of the optimizer steps spent warming the learning rate up.
+    pub warmup: f64,
+    pub grad_clip: f64,
+    pub weight_decay: f64,
+    pub seed: u64,
+    /// Target layers to read ("output of layer i"); None: SGLang's default [1, n/2 - 1, n - 4].
+    pub aux_layers: Option<Vec<usize>>,
+    /// The head's MLP width; None: the target's.
+    pub intermediate_size: Option<usize>,
+    /// Every n-th sequence is held out to measure accuracy (the training record).
+    pub eval_every: usize,
+    /// Optimizer steps between checkpoints.
+    pub checkpoint_every: usize,
+    /// Stop (with a checkpoint and an exported head) after this long.
+    pub max_time: Option<Duration>,
+    /// Continue from the checkpoint in `out`.
+    pub resume: bool,
+    /// Draft tokens of the target's distribution kept per position (renormalized).
+    pub top_k: usize,
+    /// Memory for the target's outputs kept between epochs (beyond it they are recomputed).
+    pub cache_bytes: usize,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            out: PathBuf::from("eagle3-head"),
+            draft_vocab: 8192,
+            ttt_steps: 4,
+            epochs: 2,
+            batch: 4,
+            lr: 5e-4,
+            warmup: 0.03,
+            grad_clip: 0.5,
+            weight_decay: 0.0,
+            seed: 0,
+            aux_layers: None,
+            intermediate_size: None,
+            eval_every: 20,
+            checkpoint_every: 50,
+            max_time: None,
+            resume: false,
+            top_k: 32,
+            cache_bytes: 4 << 30,
+        }
+    }
+}
+
+impl TrainOptions {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::InvalidArgument(what.to_string()));
+        if self.draft_vocab == 0 {
+            return bad("--draft-vocab must be at least 1");
+        }
+        if self.ttt_steps == 0 || self.ttt_steps > 16 {
+            return bad("--ttt-steps must be between 1 and 16");
+        }
+        if self.epochs == 0 || self.batch == 0 {
+            return bad("--epochs and --batch must be at least 1");
+        }
+        if !(self.lr > 0.0 && self.lr < 1.0) {
+            return bad("--lr must be between 0 and 1");
+        }
+        if !(0.0..1.0).contains(&self.warmup) {
+            return bad("--warmup must be a share in [0, 1)");
+        }
+        if self.top_k == 0 {
+            return bad("--top-k must be at least 1");
+        }
+        if self.eval_every < 2 {
+            return bad("--eval-every must be at least 2");
+        }
+        Ok(())
+    }
+}
+
+/// Where training stands, after each optimizer step.
+#[derive(Debug, Clone)]
+pub struct TrainProgress {
+    pub step: usize,
+    pub total_steps: usize,
+    pub epoch: usize,
+    /// Weighted loss of the last step's batch.
+    pub loss: f32,
+    /// Accuracy per unrolled step over the recent batches (draft argmax = target argmax).
+    pub step_accuracy: Vec<f64>,
+    pub tokens_per_s: f64,
+    pub lr: f64,
+}
+
+/// What training produced.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TrainReport {
+    pub out: PathBuf,
+    pub steps: usize,
+    pub total_steps: usize,
+    /// Training stopped at --max-time before the last step.
+    pub stopped_early: bool,
+    pub train_sequences: usize,
+    pub eval_sequences: usize,
+    pub tokens_trained: usize,
+    pub wall_s: f64,
+    pub parameters: usize,
+    pub target_layers: Vec<usize>,
+    pub draft_vocab: usize,
+    /// Share of the answer tokens the draft vocabulary holds.
+    pub coverage: f64,
+    /// Held-out accuracy per unrolled step (draft argmax = target argmax), and loss per step.
+    pub eval_accuracy: Vec<f64>,
+    pub eval_loss: Vec<f32>,
+    /// Held-out accuracy of the untrained head (the same measurement before the first step).
+    pub initial_eval_accuracy: Vec<f64>,
+    pub head_bytes: u64,
+    pub head_sha256: String,
+}
+
+/// The head's config.json (published layout: SpecForge's export, which SGLang and vLLM load).
+pub fn head_config_json(
+    target: &Config,
+    layers: &[usize],
+    draft_vocab: usize,
+    intermediate: usize,
+) -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": 1,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim,
+        "max_position_embeddings": target.context_length,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta,
+        "vocab_size": target.vocab_size,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": target.hidden_size,
+        "tie_word_embeddings": false,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": layers,
+            "use_aux_hidden_state": true,
+        },
+    })
+}
+
+/// The target layers a head trained with `aux` reads (checked against the target; None: SGLang's default).
+pub fn target_layers(target: &Config, aux: Option<&[usize]>) -> Result<Vec<usize>> {
+    let json = head_config_json(target, &[0, 0, 0], 1, target.intermediate_size);
+    let mut hc = HeadConfig::from_json(&json.to_string(), Path::new("config.json"))?;
+    hc.aux_layers = aux.map(|a| a.to_vec());
+    hc.target_layers(target.num_layers)
+}
+
+/// Adam moments of one parameter.
+struct Moments {
+    m: Tensor,
+    v: Tensor,
+}
+
+fn checkpoint_dir(out: &Path) -> PathBuf {
+    out.join("checkpoint")
+}
+
+/// The checkpoint's bookkeeping (tensors are in state.safetensors beside it).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct CheckpointState {
+    step: usize,
+    epoch: usize,
+    /// Sequences of this epoch's order already trained on.
+    position: usize,
+    target_layers: Vec<usize>,
+    draft_vocab: usize,
+    intermediate: usize,
+    ttt_steps: usize,
+    seed: u64,
+    tokens_trained: usize,
+    initial_eval_accuracy: Vec<f64>,
+}
+
+fn save_checkpoint(
+    out: &Path,
+    params: &HeadParams,
+    moments: &[Moments],
+    vocab: &DraftVocab,
+    state: &CheckpointState,
+) -> Result<()> {
+    let dir = checkpoint_dir(out);
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    for ((name, var), m) in params.vars.iter().zip(moments) {
+        tensors.insert(format!("param.{name}"), var.as_tensor().clone());
+        tensors.insert(format!("adam_m.{name}"), m.m.clone());
+        tensors.insert(format!("adam_v.{name}"), m.v.clone());
+    }
+    let ids: Vec<i64> = vocab.ids.iter().map(|&i| i64::from(i)).collect();
+    tensors.insert(
+        "draft_ids".into(),
+        Tensor::from_vec(ids, vocab.len(), &Device::Cpu)?,
+    );
+    // Write beside, then rename: a crash mid-write leaves the previous checkpoint intact.
+    let tmp = dir.join("state.safetensors.tmp");
+    candle_core::safetensors::save(&tensors, &tmp)?;
+    let final_path = dir.join("state.safetensors");
+    std::fs::rename(&tmp, &final_path).map_err(|e| Error::io(&final_path, e))?;
+    let json = dir.join("state.json");
+    let text = serde_json::to_string_pretty(state).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    std::fs::write(&json, text).map_err(|e| Error::io(&json, e))
+}
+
+fn load_checkpoint(
+    out: &Path,
+    target: &Config,
+    shape_of: &dyn Fn(&CheckpointState) -> Result<HeadShape>,
+) -> Result<(HeadParams, Vec<Moments>, DraftVocab, CheckpointState)> {
+    let dir = checkpoint_dir(out);
+    let json = dir.join("state.json");
+    let text = std::fs::read_to_string(&json).map_err(|e| Error::io(&json, e))?;
+    let state: CheckpointState = serde_json::from_str(&text)
+        .map_err(|e| Error::InvalidArgument(format!("{}: {e}", json.display())))?;
+    let path = dir.join("state.safetensors");
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)?;
+    let mut take = |name: String| {
+        tensors.remove(&name).ok_or_else(|| Error::MissingTensor {
+            name,
+            hint: format!(" in the checkpoint {}", path.display()),
+        })
+    };
+    let ids = take("draft_ids".into())?.to_vec1::<i64>()?;
+    let ids: Vec<u32> = ids
+        .into_iter()
+        .map(|i| u32::try_from(i).map_err(|_| Error::InvalidArgument(format!("bad draft id {i}"))))
+        .collect::<Result<_>>()?;
+    let vocab = DraftVocab::from_ids(ids, target.vocab_size)?;
+    let shape = shape_of(&state)?;
+    let params = HeadParams::from_tensors(shape.clone(), |name| take(format!("param.{name}")))?;
+    let mut moments = Vec::new();
+    for (name, _) in shape.tensors() {
+        moments.push(Moments {
+            m: take(format!("adam_m.{name}"))?,
+            v: take(format!("adam_v.{name}"))?,
+        });
+    }
+    Ok((params, moments, vocab, state))
+}
+
+/// Writes the head in the published layout: config.json and model.safetensors (weights in `dtype`, bf16 for
+/// use; int64 d2t).
+pub fn export_head(
+    out: &Path,
+    params: &HeadParams,
+    vocab: &DraftVocab,
+    config: &serde_json::Value,
+    dtype: DType,
+) -> Result<()> {
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    for (name, var) in &params.vars {
+        tensors.insert(name.to_string(), var.as_tensor().to_dtype(dtype)?);
+    }
+    tensors.insert(
+        "d2t".into(),
+        Tensor::from_vec(vocab.d2t(), vocab.len(), &Device::Cpu)?,
+    );
+    let path = out.join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &path)?;
+    let config_path = out.join("config.json");
+    let text = serde_json::to_string_pretty(config).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    std::fs::write(&config_path, text).map_err(|e| Error::io(&config_path, e))
+}
+
+/// The target's outputs per training text, computed once and kept within a memory budget.
+struct TargetCache<'a> {
+    target: &'a dyn Model,
+    layers: Vec<usize>,
+    top_k: usize,
+    entries: Vec<Option<TargetOutputs>>,
+    bytes: usize,
+    budget: usize,
+}
+
+impl TargetCache<'_> {
+    fn sequence(
+        &mut self,
+        texts: &[TrainingText],
+        i: usize,
+        vocab: &DraftVocab,
+        steps: usize,
+    ) -> Result<TrainingSequence> {
+        let text = &texts[i];
+        if let Some(outputs) = &self.entries[i] {
+            return outputs.sequence(self.target, text, steps, vocab.len());
+        }
+        let outputs = data::target_outputs(self.target, &self.layers, vocab, text, self.top_k)?;
+        let seq = outputs.sequence(self.target, text, steps, vocab.len())?;
+        if self.bytes + outputs.bytes() <= self.budget {
+            self.bytes += outputs.bytes();
+            self.entries[i] = Some(outputs);
+        }
+        Ok(seq)
+    }
+}
+
+/// Held-out loss and accuracy per unrolled step.
+fn evaluate(
+    cache: &mut TargetCache<'_>,
+    texts: &[TrainingText],
+    eval: &[usize],
+    params: &HeadParams,
+    vocab: &DraftVocab,
+    steps: usize,
+) -> Result<(Vec<f64>, Vec<f32>)> {
+    let mut correct = vec![0usize; steps];
+    let mut counted = vec![0usize; steps];
+    let mut loss = vec![0f64; steps];
+    for &i in eval {
+        let seq = cache.sequence(texts, i, vocab, steps)?;
+        let out = params.forward_ttt(&seq, steps)?;
+        for j in 0..out.correct.len() {
+            correct[j] += out.correct[j];
+            counted[j] += out.counted[j];
+            loss[j] += out.step_loss[j] as f64 * out.counted[j] as f64;
+        }
+    }
+    Ok((
+        (0..steps)
+            .map(|j| correct[j] as f64 / counted[j].max(1) as f64)
+            .collect(),
+        (0..steps)
+            .map(|j| (loss[j] / counted[j].max(1) as f64) as f32)
+            .collect(),
+    ))
+}
+
+fn learning_rate(opts: &TrainOptions, step: usize, total: usize) -> f64 {
+    let warm = ((total as f64 * opts.warmup).ceil() as usize).max(1);
+    if step < warm {
+        return opts.lr * (step + 1) as f64 / warm as f64;
+    }
+    let progress = (step - warm) as f64 / (total - warm).max(1) as f64;
+    opts.lr * 0.5 * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos())
+}
+
+/// Trains a head for `target` on `texts` and writes it to `opts.out`.
+pub fn train(
+    target: &LoadedModel,
+    texts: &[TrainingText],
+    opts: &TrainOptions,
+    progress: &mut dyn FnMut(&TrainProgress),
+) -> Result<TrainReport> {
+    opts.validate()?;
+    let started = Instant::now();
+    let model = target.model.as_ref();
+    let tc = model.config().clone();
+    if texts.is_empty() {
+        return Err(Error::InvalidArgument(
+            "no training data: give instruction prompts (--prompts) or a corpus (--corpus)".into(),
+        ));
+    }
+    let eval: Vec<usize> = (0..texts.len()).step_by(opts.eval_every).collect();
+    let train_set: Vec<usize> = (0..texts.len())
+        .filter(|i| i % opts.eval_every != 0)
+        .collect();
+    if train_set.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "only {} training sequence(s): at least 2 needed (one is held out to measure accuracy)",
+            texts.len()
+        )));
+    }
+    let intermediate = opts.intermediate_size.unwrap_or(tc.intermediate_size);
+    // The head's config goes through the same parser that loads heads, so training and inference agree on it.
+    let shape_of = |layers: &[usize], draft_vocab: usize, intermediate: usize| -> Result<HeadShape> {
+        let json = head_config_json(&tc, layers, draft_vocab, intermediate);
+        let hc = HeadConfig::from_json(&json.to_string(), &opts.out.join("config.json"))?;
+        Ok(HeadShape::new(&hc.layer, tc.hidden_size, draft_vocab))
+    };
+    let layers = target_layers(&tc, opts.aux_layers.as_deref())?;
+    let mut cache = TargetCache {
+        target: model,
+        layers: layers.clone(),
+        top_k: opts.top_k,
+        entries: Vec::new(),
+        bytes: 0,
+        budget: opts.cache_bytes,
+    };
+    cache.entries.resize_with(texts.len(), || None);
+    let ckpt_exists = checkpoint_dir(&opts.out).join("state.json").exists();
+    if ckpt_exists && !opts.resume {
+        return Err(Error::InvalidArgument(format!(
+            "{} holds a checkpoint: pass --resume to continue it, or choose another --out",
+            opts.out.display()
+        )));
+    }
+    let (params, mut moments, vocab, mut state) = if opts.resume && ckpt_exists {
+        let (params, moments, vocab, state) = load_checkpoint(&opts.out, &tc, &|s| {
+            shape_of(&s.target_layers, s.draft_vocab, s.intermediate)
+        })?;
+        if state.target_layers != layers || state.ttt_steps != opts.ttt_steps {
+            return Err(Error::InvalidArgument(format!(
+                "the checkpoint in {} was trained with target layers {:?} and {} unrolled steps; this run asks \
+                 for {:?} and {}",
+                opts.out.display(),
+                state.target_layers,
+                state.ttt_steps,
+                layers,
+                opts.ttt_steps
+            )));
+        }
+        (params, moments, vocab, state)
+    } else {
+        let vocab = DraftVocab::by_frequency(texts, tc.vocab_size, opts.draft_vocab)?;
+        let shape = shape_of(&layers, vocab.len(), intermediate)?;
+        // Tied targets: their embedding is their output layer, a good start for the head's.
+        let lm_init = if tc.tie_word_embeddings {
+            Some(model.embed_tokens(&vocab.ids)?)
+        } else {
+            None
+        };
+        let params = HeadParams::init(shape, opts.seed, lm_init)?;
+        let moments = params
+            .vars
+            .iter()
+            .map(|(_, v)| {
+                Ok(Moments {
+                    m: v.as_tensor().zeros_like()?,
+                    v: v.as_tensor().zeros_like()?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (initial, _) = evaluate(&mut cache, texts, &eval, &params, &vocab, opts.ttt_steps)?;
+        let state = CheckpointState {
+            step: 0,
+            epoch: 0,
+            position: 0,
+            target_layers: layers.clone(),
+            draft_vocab: vocab.len(),
+            intermediate,
+            ttt_steps: opts.ttt_steps,
+            seed: opts.seed,
+            tokens_trained: 0,
+            initial_eval_accuracy: initial,
+        };
+        (params, moments, vocab, state)
+    };
+    let steps_per_epoch = train_set.len().div_ceil(opts.batch);
+    let total_steps = steps_per_epoch * opts.epochs;
+    let coverage = vocab.coverage(texts);
+    let (beta1, beta2, adam_eps) = (0.9f64, 0.999f64, 1e-8f64);
+    let mut recent: Vec<(usize, usize)> = vec![(0, 0); opts.ttt_steps];
+    let mut stopped_early = false;
+    let mut window_tokens = 0usize;
+    let mut window_start = Instant::now();
+    'epochs: while state.epoch < opts.epochs {
+        let mut order: Vec<usize> = (0..train_set.len()).collect();
+        order.shuffle(&mut ChaCha20Rng::seed_from_u64(
+            opts.seed ^ (state.epoch as u64).wrapping_mul(0x9E37_79B9),
+        ));
+        while state.position < order.len() {
+            if opts.max_time.is_some_and(|t| started.elapsed() >= t) {
+                stopped_early = true;
+                break 'epochs;
+            }
+            let batch = &order[state.position..(state.position + opts.batch).min(order.len())];
+            let mut grads: Vec<Option<Tensor>> = vec![None; params.vars.len()];
+            let mut batch_loss = 0f32;
+            for &i in batch {
+                let seq = cache.sequence(texts, train_set[i], &vocab, opts.ttt_steps)?;
+                let out = params.forward_ttt(&seq, opts.ttt_steps)?;
+                batch_loss += out.loss.to_scalar::<f32>()?;
+                for j in 0..out.correct.len() {
+                    recent[j].0 += out.correct[j];
+                    recent[j].1 += out.counted[j];
+                }
+                let store = out.loss.backward()?;
+                for (slot, (_, var)) in grads.iter_mut().zip(&params.vars) {
+                    if let Some(g) = store.get(var.as_tensor()) {
+                        *slot = Some(match slot.take() {
+                            None => g.clone(),
+                            Some(acc) => (acc + g)?,
+                        });
+                    }
+                }
+                state.tokens_trained += seq.len;
+                window_tokens += seq.len;
+            }
+            // Mean over the batch, clipped by global norm.
+            let scale = 1.0 / batch.len() as f64;
+            let mut norm_sq = 0f64;
+            for g in grads.iter().flatten() {
+                norm_sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64 * scale * scale;
+            }
+            let norm = norm_sq.sqrt();
+            let clip = if norm > opts.grad_clip {
+                opts.grad_clip / norm
+            } else {
+                1.0
+            };
+            let lr = learning_rate(opts, state.step, total_steps);
+            let t = (state.step + 1) as i32;
+            let (bc1, bc2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+            for ((g, (_, var)), mom) in grads.iter().zip(&params.vars).zip(moments.iter_mut()) {
+                let Some(g) = g else { continue };
+                let g = (g * (scale * clip))?;
+                mom.m = ((&mom.m * beta1)? + (&g * (1.0 - beta1))?)?;
+                mom.v = ((&mom.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+                let update = (&mom.m * (1.0 / bc1))?
+                    .div(&((&mom.v * (1.0 / bc2))?.sqrt()? + adam_eps)?)?;
+                let p = var.as_tensor();
+                let decayed = (p * (1.0 - lr * opts.weight_decay))?;
+                var.set(&(decayed - (update * lr)?)?)?;
+            }
+            state.position += batch.len();
+            state.step += 1;
+            let elapsed = window_start.elapsed().as_secs_f64();
+            progress(&TrainProgress {
+                step: state.step,
+                total_steps,
+                epoch: state.epoch,
+                loss: batch_loss / batch.len() as f32,
+                step_accuracy: recent
+                    .iter()
+                    .map(|&(c, n)| c as f64 / n.max(1) as f64)
+                    .collect(),
+                tokens_per_s: window_tokens as f64 / elapsed.max(1e-9),
+                lr,
+            });
+            if elapsed > 30.0 {
+                window_tokens = 0;
+                window_start = Instant::now();
+                recent.iter_mut().for_each(|r| *r = (0, 0));
+            }
+            if state.step % opts.checkpoint_every == 0 {
+                save_checkpoint(&opts.out, &params, &moments, &vocab, &state)?;
+            }
+        }
+        state.epoch += 1;
+        state.position = 0;
+    }
+    save_checkpoint(&opts.out, &params, &moments, &vocab, &state)?;
+    let (eval_accuracy, eval_loss) =
+        evaluate(&mut cache, texts, &eval, &params, &vocab, opts.ttt_steps)?;
+    let mut config = head_config_json(&tc, &layers, vocab.len(), state.intermediate);
+    config["specula_training"] = serde_json::json!({
+        "target": target.spec,
+        "steps": state.step,
+        "tokens_trained": state.tokens_trained,
+        "ttt_steps": opts.ttt_steps,
+        "eval_accuracy_per_step": eval_accuracy,
+        "draft_vocab_coverage": coverage,
+    });
+    export_head(&opts.out, &params, &vocab, &config, DType::BF16)?;
+    // The export must load as a head for this target.
+    let head = super::head::Eagle3Head::load(&opts.out)?;
+    head.check_target(&tc)?;
+    let weights = opts.out.join("model.safetensors");
+    let bytes = std::fs::read(&weights).map_err(|e| Error::io(&weights, e))?;
+    use sha2::Digest;
+    let sha = format!("{:x}", sha2::Sha256::digest(&bytes));
+    Ok(TrainReport {
+        out: opts.out.clone(),
+        steps: state.step,
+        total_steps,
+        stopped_early,
+        train_sequences: train_set.len(),
+        eval_sequences: eval.len(),
+        tokens_trained: state.tokens_trained,
+        wall_s: started.elapsed().as_secs_f64(),
+        parameters: params.parameter_count(),
+        target_layers: layers,
+        draft_vocab: vocab.len(),
+        coverage,
+        eval_accuracy,
+        eval_loss,
+        initial_eval_accuracy: state.initial_eval_accuracy.clone(),
+        head_bytes: bytes.len() as u64,
+        head_sha256: sha,
+    })
+}

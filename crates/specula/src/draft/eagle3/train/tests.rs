@@ -1,0 +1,291 @@
+//! Training on tiny random models: the unrolled training graph computes what the inference head computes for the
+//! same rows (step 0 from the target's features, later steps as draft rows), training lowers the loss, and
+//! checkpoints resume where they stopped.
+
+use super::*;
+use crate::draft::eagle3::{Eagle3Head, TreeRow};
+use crate::model::load_gguf;
+use crate::testing::{write_tiny_gguf, TinySpec};
+
+fn target(dir: &Path) -> LoadedModel {
+    let p = dir.join("t.gguf");
+    write_tiny_gguf(
+        &p,
+        &TinySpec {
+            layers: 3,
+            seed: 11,
+            logit_scale: 0.3,
+            untied_head: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    load_gguf(&p, "t").unwrap()
+}
+
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn unrolled_steps_compute_what_the_inference_head_computes() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let tc = t.model.config().clone();
+    let (h, len, steps) = (tc.hidden_size, 12usize, 3usize);
+    let layers = [0usize, 1, 2];
+    let draft_ids: Vec<u32> = (0..40u32).map(|i| 5 + 3 * i).collect();
+    let vocab = DraftVocab::from_ids(draft_ids, tc.vocab_size).unwrap();
+    let json = head_config_json(&tc, &layers, vocab.len(), 96);
+    let hc = HeadConfig::from_json(&json.to_string(), Path::new("config.json")).unwrap();
+    let shape = HeadShape::new(&hc.layer, h, vocab.len());
+    // Norm weights away from one, so a misplaced norm shows.
+    let params = HeadParams::init(shape, 3, None).unwrap();
+    for (i, (name, var)) in params.vars.iter().enumerate() {
+        if var.as_tensor().dims().len() == 1 {
+            let n = var.elem_count();
+            let w: Vec<f32> = random(n, i as u64).iter().map(|v| 1.0 + 0.3 * v).collect();
+            var.set(&Tensor::from_vec(w, n, &Device::Cpu).unwrap()).unwrap();
+        } else if *name != "lm_head.weight" {
+            // Larger weights than Llama's init: the attention and MLP paths must matter in the comparison.
+            let dims = var.as_tensor().dims().to_vec();
+            let n = var.elem_count();
+            let w: Vec<f32> = random(n, 100 + i as u64).iter().map(|v| 0.3 * v).collect();
+            var.set(&Tensor::from_vec(w, dims, &Device::Cpu).unwrap()).unwrap();
+        }
+    }
+    let features = random(len * 3 * h, 1);
+    let mut embeds = random((len + steps) * h, 2);
+    embeds[len * h..].iter_mut().for_each(|v| *v = 0.0);
+    let seq = TrainingSequence {
+        len,
+        features: Tensor::from_vec(features.clone(), (len, 3 * h), &Device::Cpu).unwrap(),
+        embeds: Tensor::from_vec(embeds.clone(), (len + steps, h), &Device::Cpu).unwrap(),
+        target_probs: Tensor::zeros((len, vocab.len()), DType::F32, &Device::Cpu).unwrap(),
+        target_ids: vec![None; len],
+    };
+    let unrolled = params.unroll(&seq, steps).unwrap();
+    let rows = |t: &Tensor| t.to_vec2::<f32>().unwrap();
+
+    let out_dir = dir.path().join("head");
+    export_head(&out_dir, &params, &vocab, &json, DType::F32).unwrap();
+    let head = Eagle3Head::load(&out_dir).unwrap();
+    head.check_target(&tc).unwrap();
+    // Step 0: the target-fed rows, a chain over positions 0..len.
+    let mut cache = head.new_cache(64);
+    let x = head.fc(&features, len);
+    let (out0, last_logits) = head
+        .forward(&embeds[..len * h], &x, len, &mut cache)
+        .unwrap();
+    let trained0 = rows(&unrolled[0].0);
+    for r in 0..len {
+        let d = max_diff(&out0[r * h..(r + 1) * h], &trained0[r]);
+        assert!(d < 1e-3, "step 0 row {r}: outputs differ by {d}");
+    }
+    // The last row has no target in training, so compare logits on the row before through the tree path below.
+    assert_eq!(last_logits.len(), vocab.len());
+    // Steps 1 and 2 at every row t: draft rows at positions t + 1, t + 2 that see the target rows 0..=t and
+    // their own ancestors.
+    for t_row in 0..len - steps {
+        cache.truncate(len);
+        let mut x = out0[t_row * h..(t_row + 1) * h].to_vec();
+        let mut ancestors = Vec::new();
+        for step in 1..steps {
+            let e = &embeds[(t_row + step) * h..(t_row + step + 1) * h];
+            let row = TreeRow {
+                position: t_row + step,
+                prefix: t_row + 1,
+                ancestors: ancestors.clone(),
+            };
+            let (out, logits) = head.forward_tree(e, &x, &[row], &mut cache).unwrap();
+            let trained = rows(&unrolled[step].0);
+            let d = max_diff(&out, &trained[t_row]);
+            assert!(d < 1e-3, "step {step} row {t_row}: outputs differ by {d}");
+            let trained_logits = rows(&unrolled[step].1);
+            let d = max_diff(&logits[0], &trained_logits[t_row]);
+            assert!(d < 1e-3, "step {step} row {t_row}: logits differ by {d}");
+            ancestors.push(len + step - 1);
+            x = out;
+        }
+    }
+}
+
+fn texts(t: &LoadedModel, n: usize, len: usize) -> Vec<TrainingText> {
+    let v = t.model.config().vocab_size as u32;
+    (0..n)
+        .map(|i| TrainingText {
+            tokens: (0..len as u32)
+                .map(|j| (j * 7 + i as u32 * 13 + (j * j) % 5) % v)
+                .collect(),
+            loss_from: 1,
+            source: format!("test:{i}"),
+        })
+        .collect()
+}
+
+#[test]
+fn training_lowers_the_loss_and_checkpoints_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let data = texts(&t, 9, 24);
+    let opts = TrainOptions {
+        out: dir.path().join("head"),
+        draft_vocab: 64,
+        ttt_steps: 2,
+        epochs: 6,
+        batch: 2,
+        lr: 3e-3,
+        aux_layers: Some(vec![0, 1, 2]),
+        intermediate_size: Some(96),
+        eval_every: 3,
+        checkpoint_every: 2,
+        ..Default::default()
+    };
+    let layers = [0usize, 1, 2];
+    // KL divergence from the target on the training sequences (cross-entropy minus the target's entropy: the
+    // part training can remove), step 0.
+    let train_loss = |dir: &Path| -> f32 {
+        let (params, _, vocab, _) = load_checkpoint(dir, t.model.config(), &|s| {
+            let json = head_config_json(t.model.config(), &s.target_layers, s.draft_vocab, s.intermediate);
+            let hc = HeadConfig::from_json(&json.to_string(), Path::new("c")).unwrap();
+            Ok(HeadShape::new(&hc.layer, t.model.config().hidden_size, s.draft_vocab))
+        })
+        .unwrap();
+        let mut total = 0.0;
+        for (i, text) in data.iter().enumerate() {
+            if i % 3 == 0 {
+                continue;
+            }
+            let seq = data::prepare(t.model.as_ref(), &layers, &vocab, text, 2, 64).unwrap();
+            let probs = seq.target_probs.to_vec2::<f32>().unwrap();
+            let rows: Vec<usize> = (1..seq.len).filter(|&r| seq.target_ids[r].is_some()).collect();
+            let entropy: f32 = rows
+                .iter()
+                .map(|&r| -probs[r].iter().map(|&p| if p > 0.0 { p * p.ln() } else { 0.0 }).sum::<f32>())
+                .sum::<f32>()
+                / rows.len().max(1) as f32;
+            total += params.forward_ttt(&seq, 2).unwrap().step_loss[0] - entropy;
+        }
+        total
+    };
+    // One epoch first, then resume for the rest: the step count continues and the loss keeps falling.
+    let mut seen = Vec::new();
+    let first = train(
+        &t,
+        &data,
+        &TrainOptions {
+            epochs: 1,
+            ..opts.clone()
+        },
+        &mut |p| seen.push(p.step),
+    )
+    .unwrap();
+    assert_eq!(first.steps, 3, "6 training sequences in batches of 2");
+    assert_eq!(seen, vec![1, 2, 3]);
+    let after_one = train_loss(&opts.out);
+    // Without --resume an existing checkpoint is refused, by name.
+    let err = train(&t, &data, &opts, &mut |_| {}).unwrap_err().to_string();
+    assert!(err.contains("--resume"), "{err}");
+    let resumed = train(
+        &t,
+        &data,
+        &TrainOptions {
+            resume: true,
+            ..opts.clone()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(resumed.steps, 18);
+    let after_all = train_loss(&opts.out);
+    assert!(
+        after_all < 0.85 * after_one,
+        "KL from the target {after_one} after one epoch, {after_all} after six"
+    );
+    // The export loads as a head for the target, records its training, and its d2t maps into the vocabulary.
+    let head = Eagle3Head::load(&opts.out).unwrap();
+    head.check_target(t.model.config()).unwrap();
+    assert_eq!(head.config.aux_layers, Some(vec![0, 1, 2]));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(opts.out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["specula_training"]["steps"], 18);
+    assert_eq!(resumed.eval_accuracy.len(), 2);
+}
+
+#[test]
+fn draft_vocabulary_takes_the_most_frequent_answer_tokens() {
+    let texts = vec![
+        TrainingText {
+            tokens: vec![9, 9, 9, 9, 4, 4, 7],
+            loss_from: 1,
+            source: "a".into(),
+        },
+        TrainingText {
+            // Prompt tokens (before loss_from) do not count.
+            tokens: vec![1, 1, 1, 1, 7],
+            loss_from: 4,
+            source: "b".into(),
+        },
+    ];
+    let v = DraftVocab::by_frequency(&texts, 12, 3).unwrap();
+    assert_eq!(v.ids, vec![4, 7, 9]);
+    assert_eq!(v.d2t(), vec![4, 6, 7]);
+    assert_eq!(v.draft_of[7], Some(1));
+    assert_eq!(v.draft_of[1], None);
+    // Every answer token is covered.
+    assert!((v.coverage(&texts) - 1.0).abs() < 1e-12);
+    let small = DraftVocab::by_frequency(&texts, 12, 1).unwrap();
+    assert_eq!(small.ids, vec![9]);
+    assert!((small.coverage(&texts) - 3.0 / 7.0).abs() < 1e-12);
+    assert!(DraftVocab::from_ids(vec![3, 40], 12).is_err());
+}
+
+#[test]
+fn bad_options_are_refused_by_name() {
+    for (opts, needle) in [
+        (
+            TrainOptions {
+                ttt_steps: 0,
+                ..Default::default()
+            },
+            "--ttt-steps",
+        ),
+        (
+            TrainOptions {
+                lr: 0.0,
+                ..Default::default()
+            },
+            "--lr",
+        ),
+        (
+            TrainOptions {
+                batch: 0,
+                ..Default::default()
+            },
+            "--batch",
+        ),
+        (
+            TrainOptions {
+                draft_vocab: 0,
+                ..Default::default()
+            },
+            "--draft-vocab",
+        ),
+    ] {
+        let err = opts.validate().unwrap_err().to_string();
+        assert!(err.contains(needle), "{err}");
+    }
+}

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds a registry EAGLE-3 head into specula's cache (docs/eagle3.md, "Heads"), where `--draft-model NAME`
+# finds it. One command, resumable: run it again after an interruption and it continues from the checkpoint.
+#
+#   scripts/train-head.sh smollm2-135m-eagle3
+#
+# Data: coding requests made from the Python standard library's docstrings (scripts/eagle3_prompts.py), answered
+# by the target itself (self-distillation), plus chunks of the standard library's source. Never shared/prompts,
+# the evaluation set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name=${1:?usage: scripts/train-head.sh NAME   (smollm2-135m-eagle3)}
+cache=${SPECULA_CACHE:-$HOME/.cache/specula/models}
+out=$cache/heads/$name
+case "$name" in
+  smollm2-135m-eagle3)
+    target=smollm2-135m
+    prompts=200
+    train_args=(--answer-tokens 256 --corpus-tokens 120000 --seq-len 384 --draft-vocab 8192 --ttt-steps 4
+                --epochs 3 --batch 4 --lr 5e-4 --seed 0)
+    ;;
+  *)
+    echo "unknown head $name (known: smollm2-135m-eagle3)" >&2
+    exit 2
+    ;;
+esac
+cargo build --release -p specula-cli
+bin=target/release/specula
+mkdir -p "$out"
+stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+[ -s "$out/prompts.jsonl" ] || python3 scripts/eagle3_prompts.py --count "$prompts" --out "$out/prompts.jsonl"
+resume=()
+[ -e "$out/data.jsonl" ] && resume=(--resume)
+"$bin" train-eagle3 -m "$target" --out "$out" --prompts "$out/prompts.jsonl" --corpus "$stdlib" \
+  "${train_args[@]}" "${resume[@]}" --json "$out/training-report.json"
+echo "head $name: $out"
