@@ -235,6 +235,10 @@ pub fn generate(
                 } else {
                     let mut d = s.drafter.propose(&context, k, &req.sampling)?;
                     d.tokens.truncate(k);
+                    // A tree's nodes come after their parents, so its first k nodes are a tree.
+                    if let Some(parents) = d.parents.as_mut() {
+                        parents.truncate(k);
+                    }
                     d
                 }
             }
@@ -244,9 +248,9 @@ pub fn generate(
         // attending to its ancestors.
         let tree = match &draft.parents {
             Some(parents) => {
-                if !sampler.params().is_greedy() || simulated.is_some() {
+                if simulated.is_some() {
                     return Err(crate::error::Error::InvalidArgument(
-                        "tree drafts are verified greedily only (sampling and simulated acceptance take chains)"
+                        "tree drafts cannot be verified by simulated acceptance (it takes chains)"
                             .into(),
                     ));
                 }
@@ -285,7 +289,16 @@ pub fn generate(
         // The draft tokens kept, in order (a prefix for a chain, the accepted path for a tree).
         let (acceptance, path) = if let Some(parents) = &draft.parents {
             let _s = prof.span(Phase::Accept);
-            verify::accept_tree(&draft.tokens, parents, logits.logits.as_ref())?
+            if sampler.params().is_greedy() {
+                verify::accept_tree(&draft.tokens, parents, logits.logits.as_ref())?
+            } else {
+                verify::accept_tree_sampled(
+                    &draft.tokens,
+                    parents,
+                    logits.logits.as_ref(),
+                    &mut sampler,
+                )?
+            }
         } else {
             let acceptance = if let Some(sim) = simulated.as_mut() {
                 let _s = prof.span(Phase::Accept);

@@ -92,6 +92,63 @@ pub fn accept_tree(
     ))
 }
 
+/// Sampled acceptance of a tree draft, lossless (the output has exactly the target's distribution). The tree's
+/// tokens are chosen deterministically from the context (EAGLE's top-k), so each child is a point-mass proposal:
+/// at a node whose target distribution is p, its children are tried in order, each accepted with probability
+/// p(child); a rejected child's token leaves p (p becomes normalize(max(0, p - point mass)), i.e. p without it),
+/// and when every child is rejected the next token is drawn from what is left. The first child is thus chosen
+/// with probability p(c1), the second with (1 - p(c1)) p(c2) / (1 - p(c1)) = p(c2), any other token x with p(x):
+/// exactly p. An accepted child repeats this at its own row, with the target's distribution after it.
+pub fn accept_tree_sampled(
+    tokens: &[u32],
+    parents: &[Option<usize>],
+    logits: &dyn RowMatrix,
+    sampler: &mut Sampler,
+) -> Result<(Acceptance, Vec<usize>)> {
+    if parents.len() != tokens.len() {
+        return Err(crate::error::Error::InvalidArgument(format!(
+            "tree draft: {} tokens but {} parents",
+            tokens.len(),
+            parents.len()
+        )));
+    }
+    let params = *sampler.params();
+    let mut path = Vec::new();
+    let mut row: usize = 0;
+    loop {
+        let parent = row.checked_sub(1);
+        let mut p = sampling::distribution(&logits.row(row)?, &params);
+        let mut chosen = None;
+        for i in (0..tokens.len()).filter(|&i| parents[i] == parent) {
+            if sampler.uniform() < p.prob_of(tokens[i]) {
+                chosen = Some(i);
+                break;
+            }
+            let point = sampling::Distribution {
+                ids: vec![tokens[i]],
+                probs: vec![1.0],
+            };
+            p = sampling::residual(&p, &point);
+        }
+        match chosen {
+            Some(i) => {
+                path.push(i);
+                row = i + 1;
+            }
+            None => {
+                let next = sampler.draw(&p);
+                return Ok((
+                    Acceptance {
+                        accepted: path.len(),
+                        next,
+                    },
+                    path,
+                ));
+            }
+        }
+    }
+}
+
 /// Simulated acceptance for speed work (SGLang's SGLANG_SIMULATE_ACC_LEN): each draft token is accepted with
 /// probability `p`, independently, up to the first rejection, instead of being checked. The verify pass still
 /// runs on every drafted row and its argmax is still read (the same device work and copies as greedy

@@ -373,7 +373,17 @@ fn sampled_prompt_lookup_has_the_targets_distribution() {
     check_sampled_distribution(SampledCase::full_vocabulary(SampledDrafter::PromptLookup));
 }
 
+/// Tree drafts under sampling (`verify::accept_tree_sampled`): a fixed tree of three first tokens (two likely,
+/// one the target never proposes first) with two children under the first.
+#[test]
+fn sampled_tree_speculation_has_the_targets_distribution() {
+    check_sampled_distribution(SampledCase::top_k3(SampledDrafter::Tree));
+    check_sampled_distribution(SampledCase::full_vocabulary(SampledDrafter::Tree));
+}
+
 enum SampledDrafter {
+    /// A fixed tree over the target's likeliest first tokens (deterministic, like EAGLE's top-k tree).
+    Tree,
     /// Draws from a fixed uniform q over the target's likeliest first tokens and two tokens outside them.
     FixedQ {
         stop_after: Option<u32>,
@@ -546,13 +556,28 @@ fn check_sampled_distribution(case: SampledCase) {
             SampledDrafter::PromptLookup => {
                 Box::new(NgramDrafter::with_stopping(1, 4, Some(0.0)).unwrap())
             }
+            SampledDrafter::Tree => Box::new(TreeDrafter {
+                // q_support ends with tokens the target never proposes first.
+                tokens: vec![
+                    q_support[0],
+                    q_support[q_support.len() - 1],
+                    q_support[1],
+                    q_support[1],
+                    q_support[0],
+                ],
+                parents: vec![None, None, None, Some(0), Some(0)],
+            }),
+        };
+        let draft_tokens = match case.drafter {
+            SampledDrafter::Tree => 5,
+            _ => 2,
         };
         let out = run(
             &target,
             &req,
             Some(Speculation {
                 drafter: drafter.as_mut(),
-                draft_tokens: 2,
+                draft_tokens,
                 simulate_acceptance: None,
             }),
         );
@@ -647,6 +672,25 @@ impl Drafter for FixedQDrafter {
             tokens,
             distributions: Some(vec![q; n]),
             parents: None,
+        })
+    }
+}
+
+/// Proposes the same tree whatever the context (the decode loop truncates it to k nodes).
+struct TreeDrafter {
+    tokens: Vec<u32>,
+    parents: Vec<Option<usize>>,
+}
+
+impl Drafter for TreeDrafter {
+    fn method(&self) -> &'static str {
+        "fixed-tree"
+    }
+    fn propose(&mut self, _context: &[u32], _k: usize, _s: &SamplingParams) -> Result<Draft> {
+        Ok(Draft {
+            tokens: self.tokens.clone(),
+            distributions: None,
+            parents: Some(self.parents.clone()),
         })
     }
 }
