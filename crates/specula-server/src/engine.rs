@@ -278,10 +278,10 @@ fn run_job(
         .map_err(|_| "the profiling state is poisoned".to_string())?
         .as_ref()
         .map(|s| s.started);
-    let prof = match session_start {
-        Some(_) => Profiler::with_clock(specula::profile::Detail::Phases, model.model.clock(false)),
-        None => Profiler::disabled(),
-    };
+    // Every request runs with the phase profiler on (its cost is within noise: docs/benchmarks.md, "Profiler
+    // overhead"), which feeds the step histograms of /metrics; between /start_profile and /stop_profile its
+    // records are also kept for the trace.
+    let prof = Profiler::with_clock(specula::profile::Detail::Phases, model.model.clock(false));
     let request_start = std::time::Instant::now();
     let out = decode::generate(
         model.model.as_ref(),
@@ -340,6 +340,7 @@ fn run_job(
         StopReason::MaxTokens | StopReason::ContextFull => "length",
         StopReason::EndOfText | StopReason::Cancelled => "stop",
     };
+    metrics.observe_steps(&prof.step_phases());
     if let Some(started) = session_start {
         let summary = prof.summary();
         let record = ProfiledRequest {

@@ -2,11 +2,14 @@
 //! (`specula:` instead of `vllm:`): request counts and errors, queue and running gauges, TTFT, inter-token and
 //! end-to-end latency histograms, prompt and generated tokens, and speculative decoding with vLLM's definitions
 //! (`spec_decode_num_drafts`: verify cycles that had a draft; `..._num_draft_tokens`; `..._num_accepted_tokens`;
-//! `..._num_accepted_tokens_per_pos{position}`: accepted tokens at each draft position, 1-based).
+//! `..._num_accepted_tokens_per_pos{position}`: accepted tokens at each draft position, 1-based), and the
+//! profiler's view of every engine step: `specula:step_seconds{kind}` (prefill / decode) and
+//! `specula:step_phase_seconds{phase}` (draft, verify, accept, sample, ... inside a step), by the model's clock
+//! (device time on a GPU).
 
 use prometheus::{
-    exponential_buckets, Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
-    Opts, Registry, TextEncoder,
+    exponential_buckets, Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter,
+    IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -23,6 +26,8 @@ pub struct Metrics {
     pub num_draft_tokens: IntCounter,
     pub num_accepted_tokens: IntCounter,
     pub accepted_per_pos: IntCounterVec,
+    pub step_seconds: HistogramVec,
+    pub step_phase_seconds: HistogramVec,
 }
 
 impl Metrics {
@@ -52,7 +57,27 @@ impl Metrics {
             registry.register(Box::new(c.clone())).expect("unique name");
             c
         };
+        let latency_vec = |name: &str, help: &str, label: &str| {
+            let h = HistogramVec::new(
+                HistogramOpts::new(name, help)
+                    .buckets(exponential_buckets(0.0001, 2.0, 18).expect("valid buckets")),
+                &[label],
+            )
+            .expect("valid histogram");
+            registry.register(Box::new(h.clone())).expect("unique name");
+            h
+        };
         Metrics {
+            step_seconds: latency_vec(
+                "specula:step_seconds",
+                "Engine steps (prefill, or one decode / speculative cycle), by the model's clock.",
+                "kind",
+            ),
+            step_phase_seconds: latency_vec(
+                "specula:step_phase_seconds",
+                "Time of each phase inside an engine step (draft, verify, accept, ...), by the model's clock.",
+                "phase",
+            ),
             requests: counter_vec(
                 "specula:request_total",
                 "Requests answered, by HTTP status code.",
@@ -101,6 +126,24 @@ impl Metrics {
                 "position",
             ),
             registry,
+        }
+    }
+
+    /// Records a request's steps, as its profiler saw them.
+    pub fn observe_steps(&self, steps: &[specula::profile::StepPhases]) {
+        for step in steps {
+            let kind = match step.kind {
+                specula::profile::StepKind::Prefill => "prefill",
+                specula::profile::StepKind::Decode => "decode",
+            };
+            self.step_seconds
+                .with_label_values(&[kind])
+                .observe(step.seconds);
+            for (phase, secs) in &step.phases {
+                self.step_phase_seconds
+                    .with_label_values(&[phase.name()])
+                    .observe(*secs);
+            }
         }
     }
 

@@ -466,6 +466,18 @@ fn speculative_requests_report_their_stats_and_stay_lossless() {
     assert_eq!(value("specula:e2e_request_latency_seconds_count"), 1.0);
     assert_eq!(value("specula:num_requests_waiting"), 0.0);
     assert_eq!(value("specula:num_requests_running"), 0.0);
+    // Every engine step is in the step histograms: one prefill, one decode step per verify cycle, and a verify
+    // phase in each of those.
+    assert_eq!(value("specula:step_seconds_count{kind=\"prefill\"}"), 1.0);
+    assert_eq!(
+        value("specula:step_seconds_count{kind=\"decode\"}"),
+        spec["cycles"].as_f64().unwrap()
+    );
+    assert_eq!(
+        value("specula:step_phase_seconds_count{phase=\"verify\"}"),
+        spec["cycles"].as_f64().unwrap()
+    );
+    assert!(value("specula:step_phase_seconds_sum{phase=\"verify\"}") > 0.0);
     if spec["accepted"].as_u64().unwrap() > 0 {
         assert!(value("specula:spec_decode_num_accepted_tokens_per_pos{position=\"1\"}") > 0.0);
     }

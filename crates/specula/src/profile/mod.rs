@@ -96,6 +96,14 @@ pub enum StepKind {
     Decode,
 }
 
+/// One step's time and its phases' times ([`Profiler::step_phases`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepPhases {
+    pub kind: StepKind,
+    pub seconds: f64,
+    pub phases: Vec<(Phase, f64)>,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum SpanKind {
     Phase(Phase),
@@ -313,6 +321,32 @@ impl Profiler {
         summary
     }
 
+    /// Every recorded step: its kind, its time and the time of each phase inside it (by this profiler's clock;
+    /// a phase that ran several times in a step is summed). Empty when profiling is off.
+    pub fn step_phases(&self) -> Vec<StepPhases> {
+        let (steps, spans) = self.resolved();
+        let mut out: Vec<StepPhases> = steps
+            .iter()
+            .map(|s| StepPhases {
+                kind: s.kind,
+                seconds: s.end.saturating_sub(s.start) as f64 * 1e-9,
+                phases: Vec::new(),
+            })
+            .collect();
+        for span in &spans {
+            let (SpanKind::Phase(phase), Some(step)) = (span.kind, out.get_mut(span.step as usize))
+            else {
+                continue;
+            };
+            let secs = span.end.saturating_sub(span.start) as f64 * 1e-9;
+            match step.phases.iter_mut().find(|(p, _)| *p == phase) {
+                Some((_, total)) => *total += secs,
+                None => step.phases.push((phase, secs)),
+            }
+        }
+        out
+    }
+
     /// Seconds the last recorded span of `phase` took by this profiler's clock (None when profiling is off or it
     /// has not run). The decode loop tells drafters the verify time this way: on a GPU a host timer would
     /// measure only the launches.
@@ -356,6 +390,50 @@ mod tests {
         fn name(&self) -> &'static str {
             "tick"
         }
+    }
+
+    #[test]
+    fn step_phases_give_each_steps_phase_times() {
+        let prof = Profiler::with_clock(Detail::Phases, Box::new(TickClock(Cell::new(0))));
+        prof.begin_step(StepKind::Prefill); // 0
+        {
+            let _p = prof.span(Phase::Prefill); // 1000 .. 2000
+        }
+        prof.end_step(); // 3000
+        prof.begin_step(StepKind::Decode); // 4000
+        for _ in 0..2 {
+            let _d = prof.span(Phase::Draft); // 5000 .. 6000, then 7000 .. 8000
+        }
+        {
+            let _v = prof.span(Phase::Verify); // 9000 .. 10000
+        }
+        prof.end_step(); // 11000
+        let steps = prof.step_phases();
+        assert_eq!(steps.len(), 2);
+        assert_eq!(steps[0].kind, StepKind::Prefill);
+        assert!((steps[0].seconds - 3000e-9).abs() < 1e-15);
+        let close = |got: &[(Phase, f64)], want: &[(Phase, f64)]| {
+            got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() < 1e-15)
+        };
+        assert!(
+            close(&steps[0].phases, &[(Phase::Prefill, 1000e-9)]),
+            "{steps:?}"
+        );
+        assert_eq!(steps[1].kind, StepKind::Decode);
+        assert!((steps[1].seconds - 7000e-9).abs() < 1e-15);
+        // Two draft spans in one step are summed.
+        assert!(
+            close(
+                &steps[1].phases,
+                &[(Phase::Draft, 2000e-9), (Phase::Verify, 1000e-9)]
+            ),
+            "{steps:?}"
+        );
+        assert!(Profiler::disabled().step_phases().is_empty());
     }
 
     #[test]
