@@ -269,7 +269,9 @@ fn draw_progress(p: &bench::Progress<'_>, start: Instant) {
     let _ = err.flush();
 }
 
-pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+pub fn bench(mut args: BenchArgs) -> anyhow::Result<()> {
+    // bench keeps its own --draft-tokens list: it compares lengths anyway.
+    args.drafter.resolve_speculate(&args.model)?;
     let report = run_bench(&args)?;
     print!("{}", report.table());
     if let Some(path) = &args.json {
@@ -279,7 +281,8 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn tune(args: TuneArgs) -> anyhow::Result<()> {
+pub fn tune(mut args: TuneArgs) -> anyhow::Result<()> {
+    args.bench.drafter.resolve_speculate(&args.bench.model)?;
     let report_json = match &args.from_bench {
         Some(path) => {
             let text = std::fs::read_to_string(path)

@@ -200,6 +200,11 @@ pub struct DrafterArgs {
     /// always drafts --draft-tokens.
     #[arg(long, value_name = "P", allow_negative_numbers = true)]
     pub simulate_acceptance: Option<f64>,
+    /// Speculate with the drafter that wins for this target without tuning: its registry EAGLE-3 head if built,
+    /// else (on the CPU) its registry draft model if downloaded, with the settings measured best, else prompt
+    /// lookup. Says which and why. Replaces --draft / --draft-model.
+    #[arg(long)]
+    pub speculate: bool,
     /// EAGLE-3 tree drafting (SGLang's --speculative-eagle-topk): branches kept per node (default 4 once any tree
     /// flag is given). Trees are verified in one pass with a tree mask; greedy decoding only (sampling drafts
     /// chains of --num-steps).
@@ -277,6 +282,35 @@ pub enum DraftChoice {
 }
 
 impl DrafterArgs {
+    /// Turns `--speculate` into the explicit flags of the drafter it picks for `model` (and returns the draft
+    /// length that measured best with it); nothing without `--speculate`.
+    pub fn resolve_speculate(&mut self, model: &ModelArgs) -> anyhow::Result<Option<usize>> {
+        if !self.speculate {
+            return Ok(None);
+        }
+        if self.draft.is_some() || self.draft_model.is_some() {
+            anyhow::bail!(
+                "--speculate picks the drafter itself; drop --draft / --draft-model (or drop --speculate)"
+            );
+        }
+        let on_gpu = model.device()? != specula::backend::Device::Cpu;
+        let pick = specula::draft::auto::choose(
+            &model.model,
+            on_gpu,
+            &|name| specula::registry::find(name).is_some_and(|m| m.cached_path().is_file()),
+            &|h| h.built(),
+        );
+        eprintln!("--speculate: {}", pick.reason);
+        self.draft = Some(pick.method.to_string());
+        self.draft_model = pick.draft_model;
+        if let Some(v) = pick.draft_vocab {
+            if self.draft_vocab.is_empty() {
+                self.draft_vocab = vec![v.to_string()];
+            }
+        }
+        Ok(Some(pick.draft_tokens))
+    }
+
     /// The drafting method `--draft` and `--draft-model` ask for.
     /// The ngram choice carries the first `--ngram-confidence` value.
     pub fn choice(&self) -> anyhow::Result<DraftChoice> {
@@ -424,7 +458,14 @@ pub fn load_eagle3(
     target: &specula::model::LoadedModel,
 ) -> anyhow::Result<specula::draft::eagle3::Eagle3Head> {
     let path = specula::registry::locate_head(dir)?;
-    let head = specula::draft::eagle3::Eagle3Head::load(&path)
+    let precision = match std::env::var("SPECULA_EAGLE3_WEIGHTS").as_deref() {
+        Ok("stored") => specula::draft::eagle3::HeadPrecision::Stored,
+        Ok("q8_0") | Err(_) => specula::draft::eagle3::HeadPrecision::Q8_0,
+        Ok(other) => {
+            anyhow::bail!("SPECULA_EAGLE3_WEIGHTS={other:?}: use q8_0 (default) or stored")
+        }
+    };
+    let head = specula::draft::eagle3::Eagle3Head::load_as(&path, precision)
         .with_context(|| format!("loading EAGLE-3 head {dir}"))?;
     head.check_target(target.model.config())?;
     let layers = head
@@ -459,8 +500,11 @@ pub fn load(args: &ModelArgs) -> anyhow::Result<(specula::model::LoadedModel, us
     Ok((loaded, threads, t0.elapsed().as_secs_f64()))
 }
 
-pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
     let wall = Instant::now();
+    if let Some(k) = args.draft.drafter.resolve_speculate(&args.model)? {
+        args.draft.draft_tokens.get_or_insert(k);
+    }
     let prompt = crate::read_prompt(&args.prompt, &args.prompt_file)?;
     let sampling = args.sampling.params()?;
     if args.max_tokens == 0 {

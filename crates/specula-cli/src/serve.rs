@@ -36,8 +36,11 @@ pub struct ServeArgs {
     pub max_tokens_limit: usize,
 }
 
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     args.model.device()?;
+    if let Some(k) = args.drafter.resolve_speculate(&args.model)? {
+        args.draft_tokens.get_or_insert(k);
+    }
     let choice = args.drafter.single_choice()?;
     if args.drafter.simulate_acceptance.is_some() {
         anyhow::bail!("--simulate-acceptance is for generate and bench, not serve");

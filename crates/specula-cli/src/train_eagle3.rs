@@ -127,14 +127,16 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
     let (target, _, _) = load(&args.model)?;
     // Checked before any data is gathered (self-distillation takes minutes).
     let layers = train::target_layers(target.model.config(), args.aux_layers.as_deref())?;
-    eprintln!(
-        "target {}: the head reads layers {layers:?}",
-        target.spec
-    );
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    eprintln!("target {}: the head reads layers {layers:?}", target.spec);
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
     let texts: Vec<TrainingText> = if args.resume && data_path.exists() {
         let texts = data::read_texts(&data_path)?;
-        eprintln!("data: {} sequences from {}", texts.len(), data_path.display());
+        eprintln!(
+            "data: {} sequences from {}",
+            texts.len(),
+            data_path.display()
+        );
         texts
     } else {
         let mut texts = data::self_distilled_texts(

@@ -365,7 +365,10 @@ fn train_eagle3_writes_a_head_that_drafts_and_resumes() {
         String::from_utf8_lossy(&first.stderr)
     );
     let stdout = String::from_utf8_lossy(&first.stdout);
-    assert!(stdout.contains("held-out accuracy per unrolled step"), "{stdout}");
+    assert!(
+        stdout.contains("held-out accuracy per unrolled step"),
+        "{stdout}"
+    );
     let r1: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     let steps1 = r1["steps"].as_u64().unwrap();
@@ -385,7 +388,17 @@ fn train_eagle3_writes_a_head_that_drafts_and_resumes() {
     assert_eq!(r2["steps"].as_u64().unwrap(), 2 * steps1);
     // The trained head drafts for its target, losslessly.
     let out_dir = out.to_str().unwrap();
-    let plain = ok(&["generate", "-m", &model, "-p", "def f", "-n", "24", "--ignore-eos"]).0;
+    let plain = ok(&[
+        "generate",
+        "-m",
+        &model,
+        "-p",
+        "def f",
+        "-n",
+        "24",
+        "--ignore-eos",
+    ])
+    .0;
     let spec = ok(&[
         "generate",
         "-m",
@@ -414,10 +427,16 @@ fn train_eagle3_refuses_bad_input_by_name() {
     let out = out.to_str().unwrap();
     for (extra, needle) in [
         (vec![], "no training data"),
-        (vec!["--corpus", "/nonexistent/corpus"], "/nonexistent/corpus"),
+        (
+            vec!["--corpus", "/nonexistent/corpus"],
+            "/nonexistent/corpus",
+        ),
         (vec!["--corpus", ".", "--seq-len", "3"], "--seq-len"),
         (vec!["--corpus", ".", "--ttt-steps", "0"], "--ttt-steps"),
-        (vec!["--corpus", ".", "--max-minutes", "-1"], "--max-minutes"),
+        (
+            vec!["--corpus", ".", "--max-minutes", "-1"],
+            "--max-minutes",
+        ),
         (vec!["--corpus", ".", "--aux-layers", "0,1,9"], "layer 9"),
     ] {
         let mut args = vec!["train-eagle3", "-m", &model, "--out", out];

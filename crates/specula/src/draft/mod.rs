@@ -5,6 +5,7 @@
 //! draft model's KV cache, an n-gram index) and syncs it to the context itself, so rollback after a partial
 //! acceptance needs no special call.
 
+pub mod auto;
 pub mod eagle3;
 pub mod model;
 pub mod ngram;

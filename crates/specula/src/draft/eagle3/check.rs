@@ -200,6 +200,32 @@ pub fn report(results: &[WiringResult]) -> String {
     s
 }
 
+/// Fewest first-position drafts before a measured acceptance is compared with the training record.
+pub const MIN_DRAFTS_TO_FLAG: u64 = 32;
+
+/// A warning when the head accepts its first draft token far less often (under half as often) than its training
+/// measured on held-out data: the usual causes are a wrong wiring or a chat template the head was not trained
+/// with. None when the head has no training record or too few drafts were measured.
+pub fn acceptance_warning(head: &Eagle3Head, stats: &SpeculationStats) -> Option<String> {
+    let trained = *head.config.trained_accuracy.as_ref()?.first()?;
+    let drafted = *stats.drafted_per_position.first()?;
+    if drafted < MIN_DRAFTS_TO_FLAG {
+        return None;
+    }
+    let measured = stats.accepted_per_position[0] as f64 / drafted as f64;
+    (measured < 0.5 * trained).then(|| {
+        format!(
+            "EAGLE-3 head {}: its first draft token was accepted {:.1}% of the time ({} of {drafted}), but its \
+             training measured {:.1}% on held-out data; check the wiring (`specula eagle3 check`) and that prompts \
+             use the chat template the head was trained with",
+            head.path.display(),
+            measured * 100.0,
+            stats.accepted_per_position[0],
+            trained * 100.0
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,30 +334,4 @@ mod tests {
         }
         assert!(report(&results).contains("verdict:"));
     }
-}
-
-/// Fewest first-position drafts before a measured acceptance is compared with the training record.
-pub const MIN_DRAFTS_TO_FLAG: u64 = 32;
-
-/// A warning when the head accepts its first draft token far less often (under half as often) than its training
-/// measured on held-out data: the usual causes are a wrong wiring or a chat template the head was not trained
-/// with. None when the head has no training record or too few drafts were measured.
-pub fn acceptance_warning(head: &Eagle3Head, stats: &SpeculationStats) -> Option<String> {
-    let trained = *head.config.trained_accuracy.as_ref()?.first()?;
-    let drafted = *stats.drafted_per_position.first()?;
-    if drafted < MIN_DRAFTS_TO_FLAG {
-        return None;
-    }
-    let measured = stats.accepted_per_position[0] as f64 / drafted as f64;
-    (measured < 0.5 * trained).then(|| {
-        format!(
-            "EAGLE-3 head {}: its first draft token was accepted {:.1}% of the time ({} of {drafted}), but its \
-             training measured {:.1}% on held-out data; check the wiring (`specula eagle3 check`) and that prompts \
-             use the chat template the head was trained with",
-            head.path.display(),
-            measured * 100.0,
-            stats.accepted_per_position[0],
-            trained * 100.0
-        )
-    })
 }

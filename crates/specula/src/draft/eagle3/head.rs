@@ -212,6 +212,36 @@ fn find(src: &SafetensorsFiles, name: &str) -> Option<String> {
         .find(|n| src.has(n))
 }
 
+/// How a head's matrices are held on the CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HeadPrecision {
+    /// As the checkpoint stores them (bf16 for published heads).
+    #[default]
+    Stored,
+    /// Requantized to Q8_0 at load: half the bytes of bf16 and the CPU's 8-bit kernels, so each draft step costs
+    /// less; acceptance is measured to stay the same (docs/eagle3.md).
+    Q8_0,
+}
+
+fn requantize(w: Weight, precision: HeadPrecision) -> Result<Weight> {
+    match precision {
+        HeadPrecision::Stored => Ok(w),
+        HeadPrecision::Q8_0 => {
+            let (rows, cols) = (w.rows, w.cols);
+            if !cols.is_multiple_of(32) {
+                return Ok(w);
+            }
+            Weight::quantize(
+                &w.to_f32(),
+                rows,
+                cols,
+                crate::backend::cpu::weights::GgmlType::Q8_0,
+            )
+            .map_err(Error::InvalidArgument)
+        }
+    }
+}
+
 fn weight(src: &SafetensorsFiles, name: &str, rows: usize, cols: usize) -> Result<Weight> {
     let actual = find(src, name).ok_or_else(|| Error::MissingTensor {
         name: name.to_string(),
@@ -230,8 +260,13 @@ fn vector(src: &SafetensorsFiles, name: &str, len: usize) -> Result<Vec<f32>> {
 }
 
 impl Eagle3Head {
-    /// Loads a head from its directory (config.json + *.safetensors).
+    /// Loads a head from its directory (config.json + *.safetensors), matrices as stored.
     pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_as(dir, HeadPrecision::Stored)
+    }
+
+    /// Loads a head, holding its matrices at `precision`.
+    pub fn load_as(dir: &Path, precision: HeadPrecision) -> Result<Self> {
         let config_path = dir.join("config.json");
         let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
         let config = HeadConfig::from_json(&text, &config_path)?;
@@ -290,19 +325,43 @@ impl Eagle3Head {
         };
         let rope_inv_freqs = c.rope_inv_freqs(None);
         Ok(Eagle3Head {
-            fc: weight(&src, "fc.weight", h, 3 * config.target_hidden)?,
+            fc: requantize(
+                weight(&src, "fc.weight", h, 3 * config.target_hidden)?,
+                precision,
+            )?,
             hidden_norm: vector(&src, "midlayer.hidden_norm.weight", h)?,
             input_norm: vector(&src, "midlayer.input_layernorm.weight", h)?,
             post_attention_norm: vector(&src, "midlayer.post_attention_layernorm.weight", h)?,
-            wq: weight(&src, "midlayer.self_attn.q_proj.weight", q_dim, 2 * h)?,
-            wk: weight(&src, "midlayer.self_attn.k_proj.weight", kv_dim, 2 * h)?,
-            wv: weight(&src, "midlayer.self_attn.v_proj.weight", kv_dim, 2 * h)?,
-            wo: weight(&src, "midlayer.self_attn.o_proj.weight", h, q_dim)?,
-            w_gate: weight(&src, "midlayer.mlp.gate_proj.weight", ff, h)?,
-            w_up: weight(&src, "midlayer.mlp.up_proj.weight", ff, h)?,
-            w_down: weight(&src, "midlayer.mlp.down_proj.weight", h, ff)?,
+            wq: requantize(
+                weight(&src, "midlayer.self_attn.q_proj.weight", q_dim, 2 * h)?,
+                precision,
+            )?,
+            wk: requantize(
+                weight(&src, "midlayer.self_attn.k_proj.weight", kv_dim, 2 * h)?,
+                precision,
+            )?,
+            wv: requantize(
+                weight(&src, "midlayer.self_attn.v_proj.weight", kv_dim, 2 * h)?,
+                precision,
+            )?,
+            wo: requantize(
+                weight(&src, "midlayer.self_attn.o_proj.weight", h, q_dim)?,
+                precision,
+            )?,
+            w_gate: requantize(
+                weight(&src, "midlayer.mlp.gate_proj.weight", ff, h)?,
+                precision,
+            )?,
+            w_up: requantize(
+                weight(&src, "midlayer.mlp.up_proj.weight", ff, h)?,
+                precision,
+            )?,
+            w_down: requantize(
+                weight(&src, "midlayer.mlp.down_proj.weight", h, ff)?,
+                precision,
+            )?,
             final_norm: vector(&src, "norm.weight", h)?,
-            lm_head: weight(&src, "lm_head.weight", draft_vocab, h)?,
+            lm_head: requantize(weight(&src, "lm_head.weight", draft_vocab, h)?, precision)?,
             draft_to_target,
             embed,
             rope_inv_freqs,

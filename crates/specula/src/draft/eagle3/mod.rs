@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::model::{Model, RowMatrix};
 use crate::sampling::{self, Distribution, SamplingParams};
 
-pub use head::{Eagle3Head, HeadConfig, TreeRow};
+pub use head::{Eagle3Head, HeadConfig, HeadPrecision, TreeRow};
 
 /// Tree drafting (SGLang's knobs): `topk` branches a node, `steps` levels, `draft_tokens` nodes kept in all (the
 /// pending token not counted; SGLang's num_draft_tokens - 1).
@@ -103,7 +103,7 @@ pub struct Eagle3Drafter<'a> {
     /// Target features (3H a row) of positions `cache.len()..`, not yet run through the head.
     features: Vec<f32>,
     rng: ChaCha20Rng,
-    /// Tree drafting (greedy decoding only); None drafts chains.
+    /// Tree drafting (greedy and sampled decoding); None drafts chains.
     tree: Option<TreeShape>,
 }
 
@@ -124,7 +124,7 @@ impl<'a> Eagle3Drafter<'a> {
         })
     }
 
-    /// Drafts trees of `shape` when decoding is greedy (sampled decoding keeps chains of `shape.steps`).
+    /// Drafts trees of `shape` (verified greedily, or by lossless tree sampling: `verify::accept_tree_sampled`).
     pub fn with_tree(mut self, shape: TreeShape) -> Self {
         self.tree = Some(shape);
         self
@@ -365,11 +365,10 @@ impl Drafter for Eagle3Drafter<'_> {
         let fed = self.cache.len();
         let h = self.head.config.layer.hidden_size;
         let k = match self.tree {
-            Some(shape) if sampling.is_greedy() => {
+            Some(shape) => {
                 let last = out[out.len() - h..].to_vec();
                 return self.draft_tree(shape, k.min(shape.draft_tokens), &last, &logits, base);
             }
-            Some(shape) => k.min(shape.steps),
             None => k,
         };
         let mut tokens = Vec::with_capacity(k);

@@ -26,7 +26,8 @@ pub struct TrainingText {
 
 /// File extensions read from a corpus directory (source code and text).
 const CORPUS_EXTENSIONS: &[&str] = &[
-    "py", "rs", "c", "h", "cc", "cpp", "hpp", "js", "ts", "go", "java", "md", "txt", "rst", "sh", "toml",
+    "py", "rs", "c", "h", "cc", "cpp", "hpp", "js", "ts", "go", "java", "md", "txt", "rst", "sh",
+    "toml",
 ];
 
 /// Every corpus file under `paths` (files as given, directories walked in sorted order, by extension).
@@ -293,7 +294,13 @@ pub fn target_outputs(
         vocab_limit: None,
     };
     let out = target
-        .forward_one(tokens, cache.as_mut(), &opts, LogitsFor::All, &Profiler::disabled())?
+        .forward_one(
+            tokens,
+            cache.as_mut(),
+            &opts,
+            LogitsFor::All,
+            &Profiler::disabled(),
+        )?
         .to_host()?;
     let big_h = c.hidden_size;
     let mut features = vec![half::f16::ZERO; t * 3 * big_h];
@@ -313,15 +320,31 @@ pub fn target_outputs(
     for (r, id) in target_ids.iter_mut().enumerate() {
         let row = out.logits.row(r);
         scratch.clear();
-        scratch.extend(vocab.ids.iter().enumerate().map(|(d, &tok)| (d as u32, row[tok as usize])));
-        let max = scratch.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
+        scratch.extend(
+            vocab
+                .ids
+                .iter()
+                .enumerate()
+                .map(|(d, &tok)| (d as u32, row[tok as usize])),
+        );
+        let max = scratch
+            .iter()
+            .map(|x| x.1)
+            .fold(f32::NEG_INFINITY, f32::max);
         let sum: f64 = scratch.iter().map(|x| ((x.1 - max) as f64).exp()).sum();
         scratch.select_nth_unstable_by(top_k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let kept = &mut scratch[..top_k];
         kept.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let probs: Vec<f64> = kept.iter().map(|x| ((x.1 - max) as f64).exp() / sum).collect();
+        let probs: Vec<f64> = kept
+            .iter()
+            .map(|x| ((x.1 - max) as f64).exp() / sum)
+            .collect();
         let kept_mass: f64 = probs.iter().sum();
-        top.extend(kept.iter().zip(&probs).map(|(x, &p)| (x.0, (p / kept_mass) as f32)));
+        top.extend(
+            kept.iter()
+                .zip(&probs)
+                .map(|(x, &p)| (x.0, (p / kept_mass) as f32)),
+        );
         // The row is trained on when it predicts an answer token and the target's choice is draftable.
         if r + 1 >= text.loss_from {
             let best = crate::sampling::argmax(row);

@@ -151,8 +151,9 @@ pub struct TrainReport {
     /// Held-out accuracy per unrolled step (draft argmax = target argmax), and loss per step.
     pub eval_accuracy: Vec<f64>,
     pub eval_loss: Vec<f32>,
-    /// Held-out accuracy of the untrained head (the same measurement before the first step).
+    /// Held-out accuracy and loss of the untrained head (the same measurement before the first step).
     pub initial_eval_accuracy: Vec<f64>,
+    pub initial_eval_loss: Vec<f32>,
     pub head_bytes: u64,
     pub head_sha256: String,
 }
@@ -221,6 +222,8 @@ struct CheckpointState {
     seed: u64,
     tokens_trained: usize,
     initial_eval_accuracy: Vec<f64>,
+    #[serde(default)]
+    initial_eval_loss: Vec<f32>,
 }
 
 fn save_checkpoint(
@@ -249,7 +252,8 @@ fn save_checkpoint(
     let final_path = dir.join("state.safetensors");
     std::fs::rename(&tmp, &final_path).map_err(|e| Error::io(&final_path, e))?;
     let json = dir.join("state.json");
-    let text = serde_json::to_string_pretty(state).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    let text =
+        serde_json::to_string_pretty(state).map_err(|e| Error::InvalidArgument(e.to_string()))?;
     std::fs::write(&json, text).map_err(|e| Error::io(&json, e))
 }
 
@@ -310,7 +314,8 @@ pub fn export_head(
     let path = out.join("model.safetensors");
     candle_core::safetensors::save(&tensors, &path)?;
     let config_path = out.join("config.json");
-    let text = serde_json::to_string_pretty(config).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    let text =
+        serde_json::to_string_pretty(config).map_err(|e| Error::InvalidArgument(e.to_string()))?;
     std::fs::write(&config_path, text).map_err(|e| Error::io(&config_path, e))
 }
 
@@ -414,11 +419,12 @@ pub fn train(
     }
     let intermediate = opts.intermediate_size.unwrap_or(tc.intermediate_size);
     // The head's config goes through the same parser that loads heads, so training and inference agree on it.
-    let shape_of = |layers: &[usize], draft_vocab: usize, intermediate: usize| -> Result<HeadShape> {
-        let json = head_config_json(&tc, layers, draft_vocab, intermediate);
-        let hc = HeadConfig::from_json(&json.to_string(), &opts.out.join("config.json"))?;
-        Ok(HeadShape::new(&hc.layer, tc.hidden_size, draft_vocab))
-    };
+    let shape_of =
+        |layers: &[usize], draft_vocab: usize, intermediate: usize| -> Result<HeadShape> {
+            let json = head_config_json(&tc, layers, draft_vocab, intermediate);
+            let hc = HeadConfig::from_json(&json.to_string(), &opts.out.join("config.json"))?;
+            Ok(HeadShape::new(&hc.layer, tc.hidden_size, draft_vocab))
+        };
     let layers = target_layers(&tc, opts.aux_layers.as_deref())?;
     let mut cache = TargetCache {
         target: model,
@@ -472,7 +478,8 @@ pub fn train(
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let (initial, _) = evaluate(&mut cache, texts, &eval, &params, &vocab, opts.ttt_steps)?;
+        let (initial, initial_loss) =
+            evaluate(&mut cache, texts, &eval, &params, &vocab, opts.ttt_steps)?;
         let state = CheckpointState {
             step: 0,
             epoch: 0,
@@ -484,6 +491,7 @@ pub fn train(
             seed: opts.seed,
             tokens_trained: 0,
             initial_eval_accuracy: initial,
+            initial_eval_loss: initial_loss,
         };
         (params, moments, vocab, state)
     };
@@ -512,9 +520,9 @@ pub fn train(
                 let seq = cache.sequence(texts, train_set[i], &vocab, opts.ttt_steps)?;
                 let out = params.forward_ttt(&seq, opts.ttt_steps)?;
                 batch_loss += out.loss.to_scalar::<f32>()?;
-                for j in 0..out.correct.len() {
-                    recent[j].0 += out.correct[j];
-                    recent[j].1 += out.counted[j];
+                for (r, (&c, &n)) in recent.iter_mut().zip(out.correct.iter().zip(&out.counted)) {
+                    r.0 += c;
+                    r.1 += n;
                 }
                 let store = out.loss.backward()?;
                 for (slot, (_, var)) in grads.iter_mut().zip(&params.vars) {
@@ -548,8 +556,8 @@ pub fn train(
                 let g = (g * (scale * clip))?;
                 mom.m = ((&mom.m * beta1)? + (&g * (1.0 - beta1))?)?;
                 mom.v = ((&mom.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-                let update = (&mom.m * (1.0 / bc1))?
-                    .div(&((&mom.v * (1.0 / bc2))?.sqrt()? + adam_eps)?)?;
+                let update =
+                    (&mom.m * (1.0 / bc1))?.div(&((&mom.v * (1.0 / bc2))?.sqrt()? + adam_eps)?)?;
                 let p = var.as_tensor();
                 let decayed = (p * (1.0 - lr * opts.weight_decay))?;
                 var.set(&(decayed - (update * lr)?)?)?;
@@ -617,6 +625,7 @@ pub fn train(
         eval_accuracy,
         eval_loss,
         initial_eval_accuracy: state.initial_eval_accuracy.clone(),
+        initial_eval_loss: state.initial_eval_loss.clone(),
         head_bytes: bytes.len() as u64,
         head_sha256: sha,
     })

@@ -173,7 +173,10 @@ impl HeadParams {
     }
 
     /// Parameters from saved tensors (a checkpoint), each checked against the shape.
-    pub fn from_tensors(shape: HeadShape, mut get: impl FnMut(&str) -> Result<Tensor>) -> Result<Self> {
+    pub fn from_tensors(
+        shape: HeadShape,
+        mut get: impl FnMut(&str) -> Result<Tensor>,
+    ) -> Result<Self> {
         let mut vars = Vec::new();
         for (name, dims) in shape.tensors() {
             let t = get(name)?;
@@ -214,7 +217,13 @@ impl HeadParams {
         let dev = Device::Cpu;
         // Causal mask for the step-0 keys: row t sees keys 0..=t.
         let mask: Vec<f32> = (0..t * t)
-            .map(|i| if i % t <= i / t { 0.0 } else { f32::NEG_INFINITY })
+            .map(|i| {
+                if i % t <= i / t {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
             .collect();
         let mask = Tensor::from_vec(mask, (t, t), &dev)?;
         let half = hd / 2;
@@ -283,7 +292,8 @@ impl HeadParams {
             let y = (&r1 + gated.matmul(&w_down.t()?)?)?;
             // Row r (< t - 1 - step) predicts token r + step + 2: the target's row r + step + 1.
             let rows = t - 1 - step;
-            let logits = rms_norm(&y.narrow(0, 0, rows)?, final_norm, s.eps)?.matmul(&lm_head.t()?)?;
+            let logits =
+                rms_norm(&y.narrow(0, 0, rows)?, final_norm, s.eps)?.matmul(&lm_head.t()?)?;
             outs.push((y.clone(), logits));
             x = y;
         }

@@ -37,7 +37,10 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -58,13 +61,15 @@ fn unrolled_steps_compute_what_the_inference_head_computes() {
         if var.as_tensor().dims().len() == 1 {
             let n = var.elem_count();
             let w: Vec<f32> = random(n, i as u64).iter().map(|v| 1.0 + 0.3 * v).collect();
-            var.set(&Tensor::from_vec(w, n, &Device::Cpu).unwrap()).unwrap();
+            var.set(&Tensor::from_vec(w, n, &Device::Cpu).unwrap())
+                .unwrap();
         } else if *name != "lm_head.weight" {
             // Larger weights than Llama's init: the attention and MLP paths must matter in the comparison.
             let dims = var.as_tensor().dims().to_vec();
             let n = var.elem_count();
             let w: Vec<f32> = random(n, 100 + i as u64).iter().map(|v| 0.3 * v).collect();
-            var.set(&Tensor::from_vec(w, dims, &Device::Cpu).unwrap()).unwrap();
+            var.set(&Tensor::from_vec(w, dims, &Device::Cpu).unwrap())
+                .unwrap();
         }
     }
     let features = random(len * 3 * h, 1);
@@ -159,9 +164,18 @@ fn training_lowers_the_loss_and_checkpoints_resume() {
     // part training can remove), step 0.
     let train_loss = |dir: &Path| -> f32 {
         let (params, _, vocab, _) = load_checkpoint(dir, t.model.config(), &|s| {
-            let json = head_config_json(t.model.config(), &s.target_layers, s.draft_vocab, s.intermediate);
+            let json = head_config_json(
+                t.model.config(),
+                &s.target_layers,
+                s.draft_vocab,
+                s.intermediate,
+            );
             let hc = HeadConfig::from_json(&json.to_string(), Path::new("c")).unwrap();
-            Ok(HeadShape::new(&hc.layer, t.model.config().hidden_size, s.draft_vocab))
+            Ok(HeadShape::new(
+                &hc.layer,
+                t.model.config().hidden_size,
+                s.draft_vocab,
+            ))
         })
         .unwrap();
         let mut total = 0.0;
@@ -171,10 +185,17 @@ fn training_lowers_the_loss_and_checkpoints_resume() {
             }
             let seq = data::prepare(t.model.as_ref(), &layers, &vocab, text, 2, 64).unwrap();
             let probs = seq.target_probs.to_vec2::<f32>().unwrap();
-            let rows: Vec<usize> = (1..seq.len).filter(|&r| seq.target_ids[r].is_some()).collect();
+            let rows: Vec<usize> = (1..seq.len)
+                .filter(|&r| seq.target_ids[r].is_some())
+                .collect();
             let entropy: f32 = rows
                 .iter()
-                .map(|&r| -probs[r].iter().map(|&p| if p > 0.0 { p * p.ln() } else { 0.0 }).sum::<f32>())
+                .map(|&r| {
+                    -probs[r]
+                        .iter()
+                        .map(|&p| if p > 0.0 { p * p.ln() } else { 0.0 })
+                        .sum::<f32>()
+                })
                 .sum::<f32>()
                 / rows.len().max(1) as f32;
             total += params.forward_ttt(&seq, 2).unwrap().step_loss[0] - entropy;
@@ -197,7 +218,9 @@ fn training_lowers_the_loss_and_checkpoints_resume() {
     assert_eq!(seen, vec![1, 2, 3]);
     let after_one = train_loss(&opts.out);
     // Without --resume an existing checkpoint is refused, by name.
-    let err = train(&t, &data, &opts, &mut |_| {}).unwrap_err().to_string();
+    let err = train(&t, &data, &opts, &mut |_| {})
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("--resume"), "{err}");
     let resumed = train(
         &t,
@@ -220,7 +243,8 @@ fn training_lowers_the_loss_and_checkpoints_resume() {
     head.check_target(t.model.config()).unwrap();
     assert_eq!(head.config.aux_layers, Some(vec![0, 1, 2]));
     let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(opts.out.join("config.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(opts.out.join("config.json")).unwrap())
+            .unwrap();
     assert_eq!(config["specula_training"]["steps"], 18);
     assert_eq!(resumed.eval_accuracy.len(), 2);
 }

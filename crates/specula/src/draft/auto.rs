@@ -1,0 +1,181 @@
+//! `--speculate`: the drafter that wins for a target without tuning, from what has been measured (docs/eagle3.md,
+//! "Defaults that win"; docs/benchmarks.md has each measurement). In order of preference:
+//! 1. the target's registry EAGLE-3 head, when it has been built here and measured faster than the alternatives
+//!    (heads run with CPU targets only for now);
+//! 2. on the CPU, the target's registry draft model with the settings measured best on this project's CPU (on a
+//!    GPU a draft model of many layers costs nearly a target step at batch 1 and loses: measured 0.90-0.95x);
+//! 3. prompt lookup, which costs nothing and stops by itself when its matches get unreliable.
+//!
+//! Each drafter also sizes its drafts as it runs (the draft model's confidence bar, prompt lookup's stopping rule),
+//! so the draft length here is the most it may propose.
+
+use crate::registry;
+
+/// A target's registry draft model and the settings measured best with it on this project's 2-core CPU.
+pub struct DraftPartner {
+    pub target: &'static str,
+    pub draft: &'static str,
+    /// `--draft-vocab`: the draft proposes only ids below this (a cheaper LM head).
+    pub draft_vocab: Option<usize>,
+    pub draft_tokens: usize,
+}
+
+/// Measured: qwen2.5-coder-1.5b with the 0.5B at `--draft-vocab 65536`, k = 3: 1.21-1.28x plain on unseen code
+/// prompts (docs/benchmarks.md, "The draft model stops where it is unsure").
+pub static DRAFT_PARTNERS: &[DraftPartner] = &[DraftPartner {
+    target: "qwen2.5-coder-1.5b",
+    draft: "qwen2.5-coder-0.5b",
+    draft_vocab: Some(65536),
+    draft_tokens: 3,
+}];
+
+/// What `--speculate` chose, as the explicit flags that choose it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AutoDrafter {
+    /// `--draft`: "eagle3", "model" or "ngram".
+    pub method: &'static str,
+    /// `--draft-model`: the head or draft model.
+    pub draft_model: Option<String>,
+    pub draft_vocab: Option<usize>,
+    pub draft_tokens: usize,
+    /// Why, for the user.
+    pub reason: String,
+}
+
+/// Draft tokens prompt lookup proposes at most (it stops earlier by itself).
+pub const NGRAM_DRAFT_TOKENS: usize = 8;
+
+/// The drafter `--speculate` uses for the target `target_spec` (a registry name, path, ...) on a GPU or not.
+/// `draft_cached` says whether a registry model is in the cache (a draft model is never downloaded silently),
+/// `built_head` where a registry head is built (`RegistryHead::built`).
+pub fn choose(
+    target_spec: &str,
+    on_gpu: bool,
+    draft_cached: &dyn Fn(&str) -> bool,
+    built_head: &dyn Fn(&registry::RegistryHead) -> Option<std::path::PathBuf>,
+) -> AutoDrafter {
+    let head = registry::HEADS.iter().find(|h| h.target == target_spec);
+    if let Some(h) = head.filter(|h| h.wins_on_cpu && !on_gpu) {
+        if let Some(dir) = built_head(h) {
+            return AutoDrafter {
+                method: "eagle3",
+                draft_model: Some(dir.display().to_string()),
+                draft_vocab: None,
+                draft_tokens: h.draft_tokens,
+                reason: format!("the registry EAGLE-3 head {} (built)", h.name),
+            };
+        }
+    }
+    let mut notes = Vec::new();
+    if let Some(h) = head {
+        notes.push(if !h.wins_on_cpu {
+            format!(
+                "its EAGLE-3 head {} does not beat prompt lookup yet (measured)",
+                h.name
+            )
+        } else if on_gpu {
+            format!(
+                "its EAGLE-3 head {} runs with CPU targets only for now",
+                h.name
+            )
+        } else {
+            format!(
+                "its EAGLE-3 head {} is not built (scripts/train-head.sh {})",
+                h.name, h.name
+            )
+        });
+    }
+    if let Some(p) = DRAFT_PARTNERS.iter().find(|p| p.target == target_spec) {
+        if on_gpu {
+            notes.push(format!(
+                "its draft model {} loses on a GPU at batch 1 (each of its steps costs nearly a target step)",
+                p.draft
+            ));
+        } else if draft_cached(p.draft) {
+            return AutoDrafter {
+                method: "model",
+                draft_model: Some(p.draft.to_string()),
+                draft_vocab: p.draft_vocab,
+                draft_tokens: p.draft_tokens,
+                reason: format!(
+                    "the draft model {}{} at k = {} (measured best on the CPU){}",
+                    p.draft,
+                    p.draft_vocab
+                        .map(|v| format!(" with --draft-vocab {v}"))
+                        .unwrap_or_default(),
+                    p.draft_tokens,
+                    if notes.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; {}", notes.join("; "))
+                    }
+                ),
+            };
+        } else {
+            notes.push(format!(
+                "its draft model {} is not downloaded (specula fetch {})",
+                p.draft, p.draft
+            ));
+        }
+    }
+    AutoDrafter {
+        method: "ngram",
+        draft_model: None,
+        draft_vocab: None,
+        draft_tokens: NGRAM_DRAFT_TOKENS,
+        reason: format!(
+            "prompt lookup (free to draft){}",
+            if notes.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", notes.join("; "))
+            }
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    #[test]
+    fn prefers_a_built_head_then_a_cached_draft_model_on_the_cpu_then_prompt_lookup() {
+        let none = |_: &registry::RegistryHead| None;
+        // Qwen on the CPU with its draft model cached: the draft model, with the measured settings.
+        let q = choose(
+            "qwen2.5-coder-1.5b",
+            false,
+            &|n| n == "qwen2.5-coder-0.5b",
+            &none,
+        );
+        assert_eq!(q.method, "model");
+        assert_eq!(q.draft_model.as_deref(), Some("qwen2.5-coder-0.5b"));
+        assert_eq!((q.draft_vocab, q.draft_tokens), (Some(65536), 3));
+        // Not cached, or on a GPU: prompt lookup, saying why.
+        let q = choose("qwen2.5-coder-1.5b", false, &|_| false, &none);
+        assert_eq!(q.method, "ngram");
+        assert!(
+            q.reason.contains("specula fetch qwen2.5-coder-0.5b"),
+            "{}",
+            q.reason
+        );
+        let q = choose("qwen2.5-coder-1.5b", true, &|_| true, &none);
+        assert_eq!(q.method, "ngram");
+        assert!(q.reason.contains("GPU"), "{}", q.reason);
+        // SmolLM2's head measured slower than prompt lookup: prompt lookup, saying so, even when built.
+        let built = |h: &registry::RegistryHead| Some(PathBuf::from(format!("/heads/{}", h.name)));
+        let s = choose("smollm2-135m", false, &|_| true, &built);
+        assert_eq!(s.method, "ngram");
+        assert!(
+            s.reason.contains("does not beat prompt lookup"),
+            "{}",
+            s.reason
+        );
+        // Anything else: prompt lookup.
+        assert_eq!(
+            choose("/some/model.gguf", false, &|_| true, &built).method,
+            "ngram"
+        );
+    }
+}
