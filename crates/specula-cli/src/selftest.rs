@@ -348,6 +348,25 @@ fn against_cpu(
             "{relative:.2e} (tolerance {tolerance:.0e}); max |diff| {worst:.3} of max |logit| {scale:.2}"
         ),
     }];
+    // Embedding rows as an EAGLE-3 head reads them (the GPU's come from its bf16 table).
+    let (ge, ce) = (
+        gpu.model.embed_tokens(tokens)?,
+        cpu.model.embed_tokens(tokens)?,
+    );
+    let embed_worst = ge
+        .iter()
+        .zip(&ce)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+        .fold(0f32, f32::max);
+    checks.push(Check {
+        name: "embedding rows vs CPU (EAGLE-3 heads read them)".into(),
+        // bf16 keeps 8 significant bits: a relative error up to 2^-8 is rounding.
+        passed: ge.len() == ce.len() && embed_worst <= 1.0 / 128.0,
+        detail: format!(
+            "{} values, worst relative error {embed_worst:.1e} (bf16 rounding: <= 7.8e-3)",
+            ge.len()
+        ),
+    });
     let (ga, ca) = (g.logits.argmax(), c.logits.argmax());
     let same = ga.iter().zip(&ca).filter(|(a, b)| a == b).count();
     checks.push(Check {

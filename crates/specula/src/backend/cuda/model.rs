@@ -1172,6 +1172,42 @@ impl Model for CudaModel {
         self.forward_batch(batch, opts)
     }
 
+    /// The embedding rows through the forward pass's own kernel (`embed_rows`), copied to the host: an EAGLE-3
+    /// head on the CPU reads them for a GPU target.
+    fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let c = &self.config;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::InvalidArgument(format!(
+                "token {bad} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let gpu = &self.gpu;
+        let h = c.hidden_size;
+        let ids = gpu
+            .stream
+            .clone_htod(tokens)
+            .map_err(|e| cuda_err("uploading token ids", e))?;
+        let out = self.alloc(tokens.len() * h, "embedding rows")?;
+        launch!(
+            gpu,
+            embed_rows,
+            (tokens.len() as u32, 1, 1),
+            256,
+            ptr(&self.embed.data, gpu),
+            ptr(&ids, gpu),
+            ptr(&out, gpu),
+            h as i32,
+            self.embed.chunks as i32
+        );
+        gpu.stream
+            .clone_dtoh(&out)
+            .map_err(|e| cuda_err("reading embedding rows", e))
+    }
+
     fn weight_bytes(&self) -> usize {
         let m = |w: &Matrix| w.rows * w.cols * 2;
         self.layers

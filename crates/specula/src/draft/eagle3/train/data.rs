@@ -75,6 +75,8 @@ pub fn corpus_texts(
     seq_len: usize,
     max_tokens: usize,
 ) -> Result<Vec<TrainingText>> {
+    // A sequence must fit the target's context.
+    let seq_len = seq_len.min(model.model.config().context_length);
     let mut out = Vec::new();
     let mut total = 0usize;
     for file in files {
@@ -109,6 +111,7 @@ pub fn self_distilled_texts(
     seq_len: usize,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<Vec<TrainingText>> {
+    let seq_len = seq_len.min(model.model.config().context_length);
     let mut out = Vec::new();
     for (i, (id, prompt)) in prompts.iter().enumerate() {
         progress(i, prompts.len(), id);

@@ -313,3 +313,28 @@ fn bad_options_are_refused_by_name() {
         assert!(err.contains(needle), "{err}");
     }
 }
+
+#[test]
+fn training_sequences_fit_the_targets_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let ctx = t.model.config().context_length;
+    let prompts = vec![(
+        "p".to_string(),
+        "write a function that adds two numbers".to_string(),
+    )];
+    // Longer answers and sequences than the context holds: capped, not an error.
+    let answers =
+        data::self_distilled_texts(&t, &prompts, 10 * ctx, 10 * ctx, &mut |_, _, _| {}).unwrap();
+    assert_eq!(answers.len(), 1);
+    assert!(
+        answers[0].tokens.len() <= ctx,
+        "{} > {ctx}",
+        answers[0].tokens.len()
+    );
+    assert!(answers[0].loss_from > 0 && answers[0].tokens.len() > answers[0].loss_from);
+    let corpus = dir.path().join("c.txt");
+    std::fs::write(&corpus, "x = 1\n".repeat(2000)).unwrap();
+    let chunks = data::corpus_texts(&t, &[corpus], 10 * ctx, 100_000).unwrap();
+    assert!(chunks.len() > 1 && chunks.iter().all(|c| c.tokens.len() <= ctx));
+}
