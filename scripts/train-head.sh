@@ -15,7 +15,7 @@ out=$cache/heads/$name
 case "$name" in
   smollm2-135m-eagle3)
     target=smollm2-135m
-    prompts=200
+    prompts=600
     train_args=(--answer-tokens 256 --corpus-tokens 120000 --seq-len 384 --draft-vocab 8192 --ttt-steps 4
                 --epochs 3 --batch 4 --lr 5e-4 --seed 0)
     ;;

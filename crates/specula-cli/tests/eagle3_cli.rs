@@ -448,3 +448,31 @@ fn train_eagle3_refuses_bad_input_by_name() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
+
+#[test]
+fn speculate_picks_a_drafter_says_why_and_stays_lossless() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, head) = setup(dir.path());
+    let base = [
+        "generate",
+        "-m",
+        &model,
+        "-p",
+        "hello world",
+        "-n",
+        "16",
+        "--ignore-eos",
+    ];
+    let plain = ok(&base).0;
+    let mut args = base.to_vec();
+    args.push("--speculate");
+    let (out, err) = ok(&args);
+    // A model given by path has no registry head or draft model: prompt lookup, said so.
+    assert!(err.contains("--speculate: prompt lookup"), "{err}");
+    assert!(err.contains("speculation (ngram"), "{err}");
+    assert_eq!(out, plain);
+    args.extend(["--draft-model", &head]);
+    let o = specula(&args);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--speculate picks the drafter itself"));
+}
