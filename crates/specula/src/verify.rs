@@ -52,6 +52,17 @@ pub fn accept(draft: &Draft, logits: &dyn RowMatrix, sampler: &mut Sampler) -> R
     })
 }
 
+fn check_tree(tokens: &[u32], parents: &[Option<usize>]) -> Result<()> {
+    if parents.len() != tokens.len() {
+        return Err(crate::error::Error::InvalidArgument(format!(
+            "tree draft: {} tokens but {} parents",
+            tokens.len(),
+            parents.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Greedy acceptance of a tree draft: `logits` row 0 follows the pending token and row i + 1 follows draft token i,
 /// whose parent among the drafts is `parents[i]` (None: the pending token). From the root, each step keeps the child
 /// whose token is the target's argmax at its parent; the walk ends where no child matches. Returns the acceptance
@@ -61,13 +72,7 @@ pub fn accept_tree(
     parents: &[Option<usize>],
     logits: &dyn RowMatrix,
 ) -> Result<(Acceptance, Vec<usize>)> {
-    if parents.len() != tokens.len() {
-        return Err(crate::error::Error::InvalidArgument(format!(
-            "tree draft: {} tokens but {} parents",
-            tokens.len(),
-            parents.len()
-        )));
-    }
+    check_tree(tokens, parents)?;
     let best = logits.argmax_rows()?;
     let mut path = Vec::new();
     // Row of the node the walk stands on (0: the pending token).
@@ -105,13 +110,7 @@ pub fn accept_tree_sampled(
     logits: &dyn RowMatrix,
     sampler: &mut Sampler,
 ) -> Result<(Acceptance, Vec<usize>)> {
-    if parents.len() != tokens.len() {
-        return Err(crate::error::Error::InvalidArgument(format!(
-            "tree draft: {} tokens but {} parents",
-            tokens.len(),
-            parents.len()
-        )));
-    }
+    check_tree(tokens, parents)?;
     let params = *sampler.params();
     let mut path = Vec::new();
     let mut row: usize = 0;

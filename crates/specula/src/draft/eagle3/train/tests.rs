@@ -24,15 +24,7 @@ fn target(dir: &Path) -> LoadedModel {
 }
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
-        .collect()
+    crate::testing::pseudo_random(n, seed)
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
