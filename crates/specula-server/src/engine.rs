@@ -98,6 +98,8 @@ pub struct Engine {
     pub context_length: usize,
     /// The model's tokenizer, shared with the engine (`/tokenize`, `/detokenize` need no engine turn).
     pub tokenizer: Arc<specula::tokenizer::Tokenizer>,
+    /// The model's chat template (`/tokenize` of chat messages formats them as a chat request would).
+    pub chat_template: Option<specula::chat::ChatTemplate>,
     pub vocab_size: usize,
     pub profiling: Profiling,
 }
@@ -121,6 +123,7 @@ impl Engine {
         let model_name = model.spec.clone();
         let context_length = model.model.config().context_length;
         let tokenizer = model.tokenizer.clone();
+        let chat_template = model.chat_template.clone();
         let vocab_size = model.model.config().vocab_size;
         let engine_metrics = metrics.clone();
         let profiling: Profiling = Arc::default();
@@ -144,6 +147,7 @@ impl Engine {
             model_name,
             context_length,
             tokenizer,
+            chat_template,
             vocab_size,
             profiling,
         }

@@ -236,7 +236,8 @@ async fn stop_profile(
     })))
 }
 
-/// `{"prompt": TEXT}` -> `{"tokens": [...], "count": N, "max_model_len": CONTEXT}` (vLLM's shape).
+/// `{"prompt": TEXT}` or `{"messages": [...]}` (formatted by the chat template, ready for the assistant's turn,
+/// as a chat request would be) -> `{"tokens": [...], "count": N, "max_model_len": CONTEXT}` (vLLM's shape).
 async fn tokenize(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -244,15 +245,29 @@ async fn tokenize(
 ) -> Result<Json<Value>, ApiError> {
     check_key(&state, &headers)?;
     let o = parse_body(&body)?;
-    let prompt = o
-        .get("prompt")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ApiError::bad("prompt (a string) is required", Some("prompt")))?;
+    let (text, param) = if o.contains_key("messages") {
+        let messages = parse_messages(&o)?;
+        let text = specula::model::format_chat(
+            state.engine.chat_template.as_ref(),
+            &state.engine.tokenizer,
+            &messages,
+        )
+        .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
+        (text, "messages")
+    } else {
+        let prompt = o.get("prompt").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::bad(
+                "prompt (a string) or messages (a list) is required",
+                Some("prompt"),
+            )
+        })?;
+        (prompt.to_string(), "prompt")
+    };
     let tokens = state
         .engine
         .tokenizer
-        .encode(prompt)
-        .map_err(|e| ApiError::bad(e.to_string(), Some("prompt")))?;
+        .encode(&text)
+        .map_err(|e| ApiError::bad(e.to_string(), Some(param)))?;
     Ok(Json(json!({
         "count": tokens.len(),
         "max_model_len": state.engine.context_length,
@@ -534,14 +549,9 @@ async fn completions_inner(
     run(state, Input::Prompt(prompt), c, Kind::Completion).await
 }
 
-async fn chat_completions_inner(
-    state: Arc<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    check_key(&state, &headers)?;
-    let o = parse_body(&body)?;
-    let messages = match o.get("messages") {
+/// The request's `messages`: a non-empty list of {role, content} strings.
+fn parse_messages(o: &serde_json::Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    match o.get("messages") {
         Some(Value::Array(a)) if !a.is_empty() => a
             .iter()
             .map(|m| {
@@ -558,11 +568,21 @@ async fn chat_completions_inner(
                     )),
                 }
             })
-            .collect::<Result<Vec<_>, _>>()?,
-        Some(Value::Array(_)) => return Err(ApiError::bad("messages is empty", Some("messages"))),
-        None => return Err(ApiError::bad("messages is required", Some("messages"))),
-        Some(_) => return Err(ApiError::bad("messages must be a list", Some("messages"))),
-    };
+            .collect(),
+        Some(Value::Array(_)) => Err(ApiError::bad("messages is empty", Some("messages"))),
+        None => Err(ApiError::bad("messages is required", Some("messages"))),
+        Some(_) => Err(ApiError::bad("messages must be a list", Some("messages"))),
+    }
+}
+
+async fn chat_completions_inner(
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    check_key(&state, &headers)?;
+    let o = parse_body(&body)?;
+    let messages = parse_messages(&o)?;
     let c = common(&state, &o, 256)?;
     run(state, Input::Chat(messages), c, Kind::Chat).await
 }

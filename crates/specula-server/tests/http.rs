@@ -367,6 +367,32 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
     let (s, d) = post(addr, "/detokenize", json!({"tokens": v["tokens"]}));
     assert_eq!(s, 200);
     assert_eq!(d["prompt"], "hello world");
+    // Chat messages are tokenized as a chat request formats them (template, generation prompt).
+    let reference = tiny(dir.path());
+    let messages = [specula::chat::ChatMessage::user("hello world")];
+    let want = reference
+        .tokenizer
+        .encode(&reference.format_chat(&messages).unwrap())
+        .unwrap();
+    let (s, v) = post(
+        addr,
+        "/tokenize",
+        json!({"messages": [{"role": "user", "content": "hello world"}]}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["tokens"], json!(want));
+    assert!(
+        want.len() > 2,
+        "the template adds tokens around the message"
+    );
+    let (s, v) = post(addr, "/tokenize", json!({"messages": []}));
+    assert_eq!(s, 400, "{v}");
+    let (s, v) = post(addr, "/tokenize", json!({}));
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("messages"),
+        "{v}"
+    );
     let (s, _, b) = http(
         addr,
         "POST",

@@ -234,6 +234,30 @@ fn hf_chat_template(dir: &Path) -> Result<Option<ChatTemplate>> {
     })
 }
 
+/// A conversation through `template` (a model's chat template), ready for the assistant's turn; without a
+/// template, the messages' contents joined by newlines. What [`LoadedModel::format_chat`] does, for callers that
+/// hold the template and tokenizer without the model (the server's HTTP side).
+pub fn format_chat(
+    template: Option<&ChatTemplate>,
+    tokenizer: &Tokenizer,
+    messages: &[crate::chat::ChatMessage],
+) -> Result<String> {
+    let Some(template) = template else {
+        return Ok(messages
+            .iter()
+            .map(|m| m.content.as_str())
+            .collect::<Vec<_>>()
+            .join("\n"));
+    };
+    let text_of = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
+    template.render(
+        messages,
+        true,
+        &text_of(tokenizer.bos_token),
+        &text_of(tokenizer.eos_token),
+    )
+}
+
 impl LoadedModel {
     /// The prompt as the model should see it: chat-templated (default for models with a template) or raw.
     pub fn format_prompt(
@@ -256,23 +280,7 @@ impl LoadedModel {
     /// A conversation through the chat template, ready for the assistant's turn (without a template, the
     /// messages' contents joined by newlines).
     pub fn format_chat(&self, messages: &[crate::chat::ChatMessage]) -> Result<String> {
-        let Some(template) = &self.chat_template else {
-            return Ok(messages
-                .iter()
-                .map(|m| m.content.as_str())
-                .collect::<Vec<_>>()
-                .join("\n"));
-        };
-        let text_of = |id: Option<u32>| {
-            id.and_then(|i| self.tokenizer.token_text(i))
-                .unwrap_or_default()
-        };
-        template.render(
-            messages,
-            true,
-            &text_of(self.tokenizer.bos_token),
-            &text_of(self.tokenizer.eos_token),
-        )
+        format_chat(self.chat_template.as_ref(), &self.tokenizer, messages)
     }
 
     /// SHA-256 of the weights file (registry models: the checked value; otherwise hashed now).
