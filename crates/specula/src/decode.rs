@@ -7,15 +7,16 @@
 //!
 //! Plain decoding is the speculative cycle with no drafter: `verify` runs the target over one pending token.
 
-use std::time::Instant;
+pub mod generation;
 
-use crate::draft::{Draft, Drafter};
+pub use generation::{step, Generation, StepLimits, StepReport};
+
+use crate::draft::Drafter;
 use crate::error::{Error, Result};
-use crate::model::{ForwardOptions, LogitsFor, Model, SequenceInput, TreeMask};
-use crate::profile::{Phase, Profiler, StepKind};
-use crate::sampling::{Sampler, SamplingParams};
-use crate::tokenizer::{StreamDecoder, Tokenizer};
-use crate::verify::{self, Acceptance};
+use crate::model::Model;
+use crate::profile::Profiler;
+use crate::sampling::SamplingParams;
+use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
@@ -76,9 +77,13 @@ pub struct GenerateOutput {
 /// plus the last token, which is generated from the last position but never needs a cache slot itself.
 /// Generation stops there with [`StopReason::ContextFull`], whatever `max_new_tokens` asks.
 pub fn context_room(model: &dyn Model, prompt_tokens: usize) -> usize {
-    let ctx = model.config().context_length;
-    if prompt_tokens < ctx {
-        ctx - prompt_tokens + 1
+    context_room_for(model.config().context_length, prompt_tokens)
+}
+
+/// [`context_room`] for a cache of `capacity` positions.
+pub(crate) fn context_room_for(capacity: usize, prompt_tokens: usize) -> usize {
+    if prompt_tokens < capacity {
+        capacity - prompt_tokens + 1
     } else {
         0
     }
@@ -118,321 +123,39 @@ pub struct Speculation<'d> {
 }
 
 /// Generates up to `max_new_tokens` tokens, streaming text to `on_text` as it is produced. With a drafter, each
-/// decode step is one speculative cycle; without, it is a plain decoding step. Both run the same loop.
+/// decode step is one speculative cycle; without, it is a plain decoding step. Both run the same loop: a
+/// [`Generation`] stepped alone (the server steps several together).
 pub fn generate(
     model: &dyn Model,
     tokenizer: &Tokenizer,
     req: &GenerateRequest,
-    mut speculation: Option<Speculation<'_>>,
+    speculation: Option<Speculation<'_>>,
     prof: &Profiler,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<GenerateOutput> {
-    validate_request(model, req)?;
-    if let Some(s) = &speculation {
-        check_draft_tokens(s.draft_tokens)?;
-    }
-    let mut simulated = speculation
-        .as_ref()
-        .and_then(|s| s.simulate_acceptance)
-        .map(|p| verify::SimulatedAcceptance::new(p, req.sampling.seed))
-        .transpose()?;
-    let mut sampler = Sampler::new(req.sampling)?;
-    let draft_room = speculation.as_ref().map_or(0, |s| s.draft_tokens);
-    let mut cache = model.new_cache_for(req.prompt_tokens.len(), req.max_new_tokens, draft_room)?;
-    let mut stream = StreamDecoder::new();
-    // Never sized by max_new_tokens alone (a caller may ask for more than the context can hold).
-    let room = context_room(model, req.prompt_tokens.len());
-    let mut tokens: Vec<u32> = Vec::with_capacity(req.max_new_tokens.min(room));
-    // Prompt and committed tokens; the last one is pending (not yet in the target's cache).
-    let mut context: Vec<u32> = req.prompt_tokens.clone();
-    let mut timing = Timing::default();
-    let mut stats = speculation
-        .as_ref()
-        .map(|s| SpeculationStats::new(s.drafter.method(), s.draft_tokens));
-    // Generation stops where the cache is full: the model's context, or less if the cache was sized smaller.
-    let ctx = cache.capacity();
-
-    // Target layers the drafter reads (EAGLE-3), captured in every target forward.
-    let capture: Vec<usize> = speculation
-        .as_ref()
-        .map(|s| s.drafter.target_layers().to_vec())
-        .unwrap_or_default();
-    let target_opts = ForwardOptions {
-        capture_layers: &capture,
-        vocab_limit: None,
+    let mut generation = match speculation {
+        Some(s) => {
+            let g =
+                Generation::with_drafter(model, req.clone(), Box::new(s.drafter), s.draft_tokens)?;
+            match s.simulate_acceptance {
+                Some(p) => g.simulate_acceptance(p)?,
+                None => g,
+            }
+        }
+        None => Generation::new(model, req.clone())?,
     };
-
-    // Prefill step: the prompt in one forward pass, then the first token.
-    let prefill_start = Instant::now();
-    prof.begin_step(StepKind::Prefill);
-    let logits = {
-        let _s = prof.span(Phase::Prefill);
-        model.forward_one(
-            &req.prompt_tokens,
-            cache.as_mut(),
-            &target_opts,
-            LogitsFor::Last,
-            prof,
-        )?
-    };
-    if let (Some(s), false) = (speculation.as_mut(), capture.is_empty()) {
-        let _s = prof.span(Phase::Draft);
-        s.drafter.observe_target(
-            0,
-            &logits.hidden,
-            &(0..req.prompt_tokens.len()).collect::<Vec<_>>(),
-        )?;
-    }
-    let first = {
-        let _s = prof.span(Phase::Sample);
-        sampler.sample_row(logits.logits.as_ref(), 0)?
-    };
-    let (mut committed, mut stop) = commit_tokens(
-        tokenizer,
-        req,
-        &[first],
-        &mut tokens,
-        &mut context,
-        cache.len(),
-        ctx,
-        prof,
-    );
-    emit_tokens(
-        tokenizer,
-        &mut stream,
-        &tokens[tokens.len() - committed..],
-        prof,
-        on_text,
-    )?;
-    prof.end_step();
-    timing.prefill_s = prefill_start.elapsed().as_secs_f64();
-
-    // Decode steps: draft -> verify -> accept -> commit -> emit.
-    let decode_start = Instant::now();
-    while stop.is_none() {
-        if req
-            .cancel
-            .as_ref()
-            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
-        {
-            stop = Some(StopReason::Cancelled);
-            break;
-        }
-        prof.begin_step(StepKind::Decode);
-        let pending = *context.last().unwrap_or(&0);
-        let base = cache.len();
-        let remaining = req.max_new_tokens - tokens.len();
-        let draft = match speculation.as_mut() {
-            Some(s) => {
-                let _s = prof.span(Phase::Draft);
-                // Never draft past the token budget or the context: every accepted token must fit.
-                let k = s
-                    .draft_tokens
-                    .min(remaining - 1)
-                    .min(ctx.saturating_sub(base + 1));
-                if k == 0 {
-                    Draft::default()
-                } else {
-                    let mut d = s.drafter.propose(&context, k, &req.sampling)?;
-                    d.tokens.truncate(k);
-                    // A tree's nodes come after their parents, so its first k nodes are a tree.
-                    if let Some(parents) = d.parents.as_mut() {
-                        parents.truncate(k);
-                    }
-                    d
-                }
-            }
-            None => Draft::default(),
-        };
-        // A tree draft is verified with a tree mask: row 0 is the pending token, row i + 1 draft token i, each
-        // attending to its ancestors.
-        let tree = match &draft.parents {
-            Some(parents) => {
-                if simulated.is_some() {
-                    return Err(crate::error::Error::InvalidArgument(
-                        "tree drafts cannot be verified by simulated acceptance (it takes chains)"
-                            .into(),
-                    ));
-                }
-                let mut rows = vec![None];
-                rows.extend(parents.iter().map(|p| Some(p.map_or(0, |p| p + 1))));
-                Some(TreeMask::new(rows)?)
-            }
-            None => None,
-        };
-        let verify_start = Instant::now();
-        let logits = {
-            let _s = prof.span(Phase::Verify);
-            let mut input = Vec::with_capacity(1 + draft.tokens.len());
-            input.push(pending);
-            input.extend_from_slice(&draft.tokens);
-            let which = if draft.tokens.is_empty() {
-                LogitsFor::Last
-            } else {
-                LogitsFor::All
-            };
-            let mut batch = [SequenceInput {
-                tokens: &input,
-                cache: cache.as_mut(),
-                logits: which,
-                tree: tree.as_ref(),
-            }];
-            model
-                .forward(&mut batch, &target_opts, prof)?
-                .pop()
-                .ok_or_else(|| {
-                    crate::error::Error::InvalidArgument("the backend returned no output".into())
-                })?
-        };
-        // Host time of the verify call: right on the CPU, only the launches on a GPU (see below).
-        let verify_host_s = verify_start.elapsed().as_secs_f64();
-        // The draft tokens kept, in order (a prefix for a chain, the accepted path for a tree).
-        let (acceptance, path) = if let Some(parents) = &draft.parents {
-            let _s = prof.span(Phase::Accept);
-            if sampler.params().is_greedy() {
-                verify::accept_tree(&draft.tokens, parents, logits.logits.as_ref())?
-            } else {
-                verify::accept_tree_sampled(
-                    &draft.tokens,
-                    parents,
-                    logits.logits.as_ref(),
-                    &mut sampler,
-                )?
-            }
-        } else {
-            let acceptance = if let Some(sim) = simulated.as_mut() {
-                let _s = prof.span(Phase::Accept);
-                sim.accept(&draft, logits.logits.as_ref())?
-            } else if speculation.is_some() {
-                let _s = prof.span(Phase::Accept);
-                verify::accept(&draft, logits.logits.as_ref(), &mut sampler)?
-            } else {
-                let _s = prof.span(Phase::Sample);
-                Acceptance {
-                    accepted: 0,
-                    next: sampler.sample_row(logits.logits.as_ref(), 0)?,
-                }
-            };
-            let path: Vec<usize> = (0..acceptance.accepted).collect();
-            (acceptance, path)
-        };
-        if let Some(st) = stats.as_mut() {
-            match &tree {
-                Some(t) => st.record_tree(
-                    draft.tokens.len(),
-                    (1..t.len()).map(|r| t.depth(r)).max().unwrap_or(0),
-                    acceptance.accepted,
-                ),
-                None => st.record(draft.tokens.len(), acceptance.accepted),
-            }
-        }
-        if let Some(s) = speculation.as_mut() {
-            // The verify pass's time by the profiler's clock (device time on a GPU, where a host timer would
-            // see only the launches); read after acceptance, which waited for the pass.
-            let seconds = prof
-                .last_span_seconds(Phase::Verify)
-                .unwrap_or(verify_host_s);
-            s.drafter.observe_verify(1 + draft.tokens.len(), seconds);
-        }
-        // Rows of the verify pass that stay: the pending token's and the accepted drafts'.
-        let kept_rows: Vec<usize> = std::iter::once(0)
-            .chain(path.iter().map(|&i| i + 1))
-            .collect();
-        if let (Some(s), false) = (speculation.as_mut(), capture.is_empty()) {
-            // Their hidden states are the drafter's next input.
-            let _s = prof.span(Phase::Draft);
-            s.drafter.observe_target(base, &logits.hidden, &kept_rows)?;
-        }
-        let mut new_tokens: Vec<u32> = path.iter().map(|&i| draft.tokens[i]).collect();
-        new_tokens.push(acceptance.next);
-        if tree.is_some() {
-            // The accepted path's keys and values move next to the pending token's; the other branches go.
-            cache.keep_new_rows(base, &kept_rows)?;
-        }
-        let kept = base + 1 + acceptance.accepted;
-        (committed, stop) = {
-            cache.truncate(kept);
-            commit_tokens(
-                tokenizer,
-                req,
-                &new_tokens,
-                &mut tokens,
-                &mut context,
-                kept,
-                ctx,
-                prof,
-            )
-        };
-        emit_tokens(
+    while !generation.is_done() {
+        let (mut results, _) = generation::step(
+            model,
             tokenizer,
-            &mut stream,
-            &tokens[tokens.len() - committed..],
+            &mut [&mut generation],
+            StepLimits::default(),
             prof,
-            on_text,
-        )?;
-        timing.decode_tokens += committed + usize::from(stop == Some(StopReason::EndOfText));
-        prof.end_step();
+            &mut |_, text| on_text(text),
+        );
+        results.pop().unwrap_or(Ok(()))?;
     }
-    timing.decode_s = decode_start.elapsed().as_secs_f64();
-    if let Some(rest) = stream.flush(tokenizer)? {
-        on_text(&rest);
-    }
-    let text = tokenizer.decode(&tokens)?;
-    Ok(GenerateOutput {
-        prompt_tokens: req.prompt_tokens.len(),
-        tokens,
-        text,
-        stop_reason: stop.unwrap_or(StopReason::MaxTokens),
-        timing,
-        speculation: stats,
-    })
-}
-
-/// Appends new tokens to the output until one of them stops generation; returns how many were appended and
-/// why generation stops, if it does. `cached` is the target cache length, which the last new token would extend.
-#[allow(clippy::too_many_arguments)]
-fn commit_tokens(
-    tokenizer: &Tokenizer,
-    req: &GenerateRequest,
-    new_tokens: &[u32],
-    tokens: &mut Vec<u32>,
-    context: &mut Vec<u32>,
-    cached: usize,
-    context_length: usize,
-    prof: &Profiler,
-) -> (usize, Option<StopReason>) {
-    let _s = prof.span(Phase::Commit);
-    let mut appended = 0;
-    for &token in new_tokens {
-        if req.stop_at_eos && tokenizer.is_stop(token) {
-            return (appended, Some(StopReason::EndOfText));
-        }
-        tokens.push(token);
-        context.push(token);
-        appended += 1;
-        if tokens.len() >= req.max_new_tokens {
-            return (appended, Some(StopReason::MaxTokens));
-        }
-    }
-    // The pending token will occupy position `cached`.
-    let stop = (cached >= context_length).then_some(StopReason::ContextFull);
-    (appended, stop)
-}
-
-fn emit_tokens(
-    tokenizer: &Tokenizer,
-    stream: &mut StreamDecoder,
-    new_tokens: &[u32],
-    prof: &Profiler,
-    on_text: &mut dyn FnMut(&str),
-) -> Result<()> {
-    let _s = prof.span(Phase::Emit);
-    for &token in new_tokens {
-        if let Some(text) = stream.push(tokenizer, token)? {
-            on_text(&text);
-        }
-    }
-    Ok(())
+    generation.finish(tokenizer, on_text)
 }
 
 /// The most tokens a drafter may propose per cycle.

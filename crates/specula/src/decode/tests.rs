@@ -4,7 +4,9 @@
 use super::*;
 use crate::draft::model::ModelDrafter;
 use crate::draft::ngram::NgramDrafter;
+use crate::draft::Draft;
 use crate::model::dtype::GgmlType;
+use crate::model::LogitsFor;
 use crate::model::{load_gguf, LoadedModel};
 use crate::testing::{write_tiny_gguf, TinySpec};
 use rand::SeedableRng;
@@ -873,4 +875,287 @@ fn tree_acceptance_walks_the_argmax_path() {
     let (a, path) = crate::verify::accept_tree(&[1, 2], &[None, None], &logits).unwrap();
     assert!(path.is_empty());
     assert_eq!(a.next, 11);
+}
+
+/// How a batching test case drafts.
+#[derive(Clone, Copy, Debug)]
+enum CaseDrafter {
+    Plain,
+    Ngram(usize),
+    Model(usize),
+    Tree,
+}
+
+fn case_drafter<'a>(
+    kind: CaseDrafter,
+    draft: &'a LoadedModel,
+    seed: u64,
+) -> Option<(Box<dyn Drafter + 'a>, usize)> {
+    match kind {
+        CaseDrafter::Plain => None,
+        CaseDrafter::Ngram(k) => Some((
+            Box::new(NgramDrafter::with_stopping(1, 3, Some(0.0)).unwrap()),
+            k,
+        )),
+        CaseDrafter::Model(k) => Some((
+            Box::new(ModelDrafter::new(draft.model.as_ref(), seed).unwrap()),
+            k,
+        )),
+        CaseDrafter::Tree => Some((
+            Box::new(TreeDrafter {
+                tokens: vec![108, 111, 32, 72, 101],
+                parents: vec![None, Some(0), None, Some(1), Some(2)],
+            }),
+            5,
+        )),
+    }
+}
+
+/// Steps `cases` as a continuously batched engine would: case i joins at step `2 * i`, every live generation
+/// advances one step per forward pass (prompts in chunks of `prefill_tokens`), and each leaves when done. Returns
+/// each case's output and the text it streamed.
+fn run_batched<'a>(
+    target: &LoadedModel,
+    draft: &'a LoadedModel,
+    cases: &[(GenerateRequest, CaseDrafter)],
+    prefill_tokens: usize,
+) -> Vec<(GenerateOutput, String)> {
+    let mut results: Vec<Option<(GenerateOutput, String)>> = cases.iter().map(|_| None).collect();
+    let mut active: Vec<(usize, Generation<'a>, String)> = Vec::new();
+    let mut next = 0;
+    let mut step_no = 0;
+    let prof = Profiler::new(crate::profile::Detail::Phases);
+    while next < cases.len() || !active.is_empty() {
+        while next < cases.len() && next * 2 <= step_no {
+            let (req, kind) = &cases[next];
+            let g = match case_drafter(*kind, draft, req.sampling.seed) {
+                Some((d, k)) => {
+                    Generation::with_drafter(target.model.as_ref(), req.clone(), d, k).unwrap()
+                }
+                None => Generation::new(target.model.as_ref(), req.clone()).unwrap(),
+            };
+            active.push((next, g, String::new()));
+            next += 1;
+        }
+        let mut texts: Vec<(usize, String)> = Vec::new();
+        {
+            let mut refs: Vec<&mut Generation<'a>> = active.iter_mut().map(|(_, g, _)| g).collect();
+            let (res, report) = step(
+                target.model.as_ref(),
+                &target.tokenizer,
+                &mut refs,
+                StepLimits { prefill_tokens },
+                &prof,
+                &mut |i, t| texts.push((i, t.to_string())),
+            );
+            for r in res {
+                r.unwrap();
+            }
+            assert!(report.rows >= report.prefill_rows);
+            assert!(
+                report.prefill_rows <= prefill_tokens,
+                "{} prompt rows in one step, budget {prefill_tokens}",
+                report.prefill_rows
+            );
+        }
+        for (i, t) in texts {
+            active[i].2.push_str(&t);
+        }
+        let mut still = Vec::new();
+        for (id, g, mut text) in active.drain(..) {
+            if g.is_done() {
+                let out = g
+                    .finish(&target.tokenizer, &mut |t| text.push_str(t))
+                    .unwrap();
+                results[id] = Some((out, text));
+            } else {
+                still.push((id, g, text));
+            }
+        }
+        active = still;
+        step_no += 1;
+        assert!(step_no < 10_000, "batched generation does not end");
+    }
+    results.into_iter().map(|r| r.unwrap()).collect()
+}
+
+/// Continuous batching is invisible in the output: generations with different prompts, lengths, sampling and
+/// drafters (none, prompt lookup, a draft model, a tree), joining at different steps and prefilled in chunks
+/// alongside running ones, produce exactly the tokens and text each produces alone.
+#[test]
+fn batched_generations_equal_each_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            seed: 3,
+            untied_head: true,
+            ..Default::default()
+        },
+    );
+    let close = tiny(
+        dir.path(),
+        "c.gguf",
+        TinySpec {
+            seed: 3,
+            untied_head: true,
+            // The same model with flatter distributions: greedy drafts are all accepted, sampled ones partly.
+            logit_scale: 0.7,
+            ..Default::default()
+        },
+    );
+    let long: Vec<u32> = (0..37).map(|i| 65 + (i * 7 % 50) as u32).collect();
+    let sampled = |seed| SamplingParams {
+        temperature: 0.9,
+        top_k: 20,
+        top_p: 0.95,
+        seed,
+    };
+    let cases = vec![
+        (
+            request(&PROMPT, 30, SamplingParams::default()),
+            CaseDrafter::Plain,
+        ),
+        (
+            request(&long, 25, SamplingParams::default()),
+            CaseDrafter::Model(3),
+        ),
+        (request(&PROMPT[..5], 20, sampled(7)), CaseDrafter::Plain),
+        (
+            request(&PROMPT, 33, SamplingParams::default()),
+            CaseDrafter::Ngram(4),
+        ),
+        (request(&long[..20], 18, sampled(11)), CaseDrafter::Model(2)),
+        (
+            request(&PROMPT, 15, SamplingParams::default()),
+            CaseDrafter::Tree,
+        ),
+        (request(&[72], 12, sampled(5)), CaseDrafter::Ngram(2)),
+    ];
+    let alone: Vec<GenerateOutput> = cases
+        .iter()
+        .map(
+            |(req, kind)| match case_drafter(*kind, &close, req.sampling.seed) {
+                Some((mut d, k)) => run(
+                    &target,
+                    req,
+                    Some(Speculation {
+                        drafter: d.as_mut(),
+                        draft_tokens: k,
+                        simulate_acceptance: None,
+                    }),
+                ),
+                None => run(&target, req, None),
+            },
+        )
+        .collect();
+    for prefill_tokens in [usize::MAX, 16, 5] {
+        let batched = run_batched(&target, &close, &cases, prefill_tokens);
+        for (i, ((out, streamed), want)) in batched.iter().zip(&alone).enumerate() {
+            let what = format!(
+                "case {i} ({:?}), prefill chunk {prefill_tokens}",
+                cases[i].1
+            );
+            assert_eq!(out.tokens, want.tokens, "{what}");
+            assert_eq!(out.text, want.text, "{what}");
+            assert_eq!(streamed, &want.text, "{what}: streamed text");
+            assert_eq!(out.stop_reason, want.stop_reason, "{what}");
+            assert_eq!(
+                out.speculation.as_ref().map(|s| (s.drafted, s.accepted)),
+                want.speculation.as_ref().map(|s| (s.drafted, s.accepted)),
+                "{what}: speculation"
+            );
+        }
+    }
+}
+
+/// Proposes a token outside the vocabulary after `after` proposals (a broken drafter).
+struct BrokenDrafter {
+    after: usize,
+    calls: usize,
+}
+
+impl Drafter for BrokenDrafter {
+    fn method(&self) -> &'static str {
+        "broken"
+    }
+    fn propose(&mut self, _context: &[u32], _k: usize, _s: &SamplingParams) -> Result<Draft> {
+        self.calls += 1;
+        if self.calls > self.after {
+            return Ok(Draft {
+                tokens: vec![u32::MAX],
+                distributions: None,
+                parents: None,
+            });
+        }
+        Ok(Draft::default())
+    }
+}
+
+/// One generation's failure (a drafter proposing a token outside the vocabulary) or cancellation fails or stops
+/// only that generation; the others in its batch go on and produce what they produce alone.
+#[test]
+fn one_failing_or_cancelled_generation_leaves_its_batch_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            untied_head: true,
+            ..Default::default()
+        },
+    );
+    let plain = request(&PROMPT, 24, SamplingParams::default());
+    let want = run(&target, &plain, None);
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut cancelled_req = request(&PROMPT[..4], 24, SamplingParams::default());
+    cancelled_req.cancel = Some(cancel.clone());
+    let model = target.model.as_ref();
+    let mut good = Generation::new(model, plain.clone()).unwrap();
+    let mut broken = Generation::with_drafter(
+        model,
+        plain.clone(),
+        Box::new(BrokenDrafter { after: 3, calls: 0 }),
+        2,
+    )
+    .unwrap();
+    let mut stopped = Generation::new(model, cancelled_req).unwrap();
+    let prof = Profiler::disabled();
+    let mut broken_error = None;
+    let mut steps = 0;
+    while !good.is_done() {
+        steps += 1;
+        if steps == 6 {
+            cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        let mut batch: Vec<&mut Generation<'_>> = vec![&mut good, &mut stopped];
+        if broken_error.is_none() {
+            batch.push(&mut broken);
+        }
+        let (res, _) = step(
+            model,
+            &target.tokenizer,
+            &mut batch,
+            StepLimits::default(),
+            &prof,
+            &mut |_, _| {},
+        );
+        let mut res = res.into_iter();
+        res.next().unwrap().unwrap();
+        res.next().unwrap().unwrap();
+        if let Some(r) = res.next() {
+            if let Err(e) = r {
+                broken_error = Some(e.to_string());
+            }
+        }
+    }
+    let err = broken_error.expect("the broken drafter's generation failed");
+    assert!(err.contains("outside the vocabulary"), "{err}");
+    assert!(stopped.is_done());
+    let stopped = stopped.finish(&target.tokenizer, &mut |_| {}).unwrap();
+    assert_eq!(stopped.stop_reason, StopReason::Cancelled);
+    assert_eq!(stopped.tokens.len(), 5, "cancelled before its 6th step");
+    let good = good.finish(&target.tokenizer, &mut |_| {}).unwrap();
+    assert_eq!(good.tokens, want.tokens);
 }

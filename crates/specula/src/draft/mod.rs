@@ -77,6 +77,35 @@ pub trait Drafter {
     fn observe_verify(&mut self, _tokens: usize, _seconds: f64) {}
 }
 
+/// A borrowed drafter drafts as itself (a [`crate::decode::Generation`] owns its drafter; a caller that keeps
+/// one lends it this way).
+impl<D: Drafter + ?Sized> Drafter for &mut D {
+    fn method(&self) -> &'static str {
+        (**self).method()
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize, sampling: &SamplingParams) -> Result<Draft> {
+        (**self).propose(context, k, sampling)
+    }
+
+    fn target_layers(&self) -> &[usize] {
+        (**self).target_layers()
+    }
+
+    fn observe_target(
+        &mut self,
+        first_position: usize,
+        hidden: &[(usize, Box<dyn crate::model::RowMatrix>)],
+        kept: &[usize],
+    ) -> Result<()> {
+        (**self).observe_target(first_position, hidden, kept)
+    }
+
+    fn observe_verify(&mut self, tokens: usize, seconds: f64) {
+        (**self).observe_verify(tokens, seconds)
+    }
+}
+
 /// What verifying one more token costs, learned from the verify passes of the running generation: the median
 /// time of the last [`VerifyCostTracker::WINDOW`] passes of each size.
 #[derive(Debug, Clone, Default)]

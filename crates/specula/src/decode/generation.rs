@@ -1,0 +1,633 @@
+//! One generation as a state machine, and a step that advances several of them with one forward pass of the
+//! target. [`super::generate`] is this with a batch of one; the server's engine runs many at once (continuous
+//! batching: generations join and leave between steps).
+//!
+//! A step of a batch, in phases:
+//!
+//! ```text
+//! plan     each generation's rows: a chunk of its prompt while prefilling, else the pending token and a draft
+//! forward  one target pass over every generation's rows (each against its own KV cache)
+//! finish   per generation: sample or accept, feed the drafter, commit, emit text
+//! ```
+//!
+//! The CPU backend computes every row bitwise as it would alone, so a greedy generation's tokens do not depend on
+//! what else is in its batch (tested).
+
+use std::time::Instant;
+
+use crate::draft::{Draft, Drafter};
+use crate::error::{Error, Result};
+use crate::model::forward::check_batch;
+use crate::model::{
+    ForwardOptions, ForwardOutput, LogitsFor, Model, SequenceCache, SequenceInput, TreeMask,
+};
+use crate::profile::{Phase, Profiler, StepKind};
+use crate::sampling::Sampler;
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::verify::{self, Acceptance, SimulatedAcceptance};
+
+use super::{
+    check_draft_tokens, validate_request, GenerateOutput, GenerateRequest, SpeculationStats,
+    StopReason, Timing,
+};
+
+/// A generation in progress: its request, its KV cache, its drafter and sampler, and what it has produced.
+pub struct Generation<'d> {
+    req: GenerateRequest,
+    sampler: Sampler,
+    drafter: Option<Box<dyn Drafter + 'd>>,
+    draft_tokens: usize,
+    simulated: Option<SimulatedAcceptance>,
+    cache: Box<dyn SequenceCache>,
+    stream: StreamDecoder,
+    /// Generated tokens, without the stop token.
+    tokens: Vec<u32>,
+    /// Prompt and committed tokens; once prefilled, the last one is pending (not yet in the target's cache).
+    context: Vec<u32>,
+    /// Target layers the drafter reads (EAGLE-3), captured in every target forward.
+    capture: Vec<usize>,
+    stats: Option<SpeculationStats>,
+    timing: Timing,
+    /// Prompt tokens already in the cache.
+    prefilled: usize,
+    stop: Option<StopReason>,
+    started: Option<Instant>,
+    decode_started: Option<Instant>,
+    /// The rows of the step in flight (between planning and finishing).
+    planned: Option<Planned>,
+}
+
+struct Planned {
+    input: Vec<u32>,
+    logits: LogitsFor,
+    work: Work,
+}
+
+enum Work {
+    /// Prompt tokens `start..start + input.len()`; the last chunk samples the first token.
+    Prefill { start: usize, last: bool },
+    /// The pending token and a draft, at cache positions `base..`.
+    Cycle {
+        draft: Draft,
+        tree: Option<TreeMask>,
+        base: usize,
+    },
+}
+
+impl<'d> Generation<'d> {
+    /// A generation of `req` on `model`, checked before any work is done; its KV cache is allocated now.
+    pub fn new(model: &dyn Model, req: GenerateRequest) -> Result<Self> {
+        validate_request(model, &req)?;
+        let sampler = Sampler::new(req.sampling)?;
+        let cache = model.new_cache_for(req.prompt_tokens.len(), req.max_new_tokens, 0)?;
+        Ok(Self::with_cache(req, sampler, cache))
+    }
+
+    fn with_cache(req: GenerateRequest, sampler: Sampler, cache: Box<dyn SequenceCache>) -> Self {
+        let room = super::context_room_for(cache.capacity(), req.prompt_tokens.len());
+        Generation {
+            tokens: Vec::with_capacity(req.max_new_tokens.min(room)),
+            context: req.prompt_tokens.clone(),
+            req,
+            sampler,
+            drafter: None,
+            draft_tokens: 0,
+            simulated: None,
+            cache,
+            stream: StreamDecoder::new(),
+            capture: Vec::new(),
+            stats: None,
+            timing: Timing::default(),
+            prefilled: 0,
+            stop: None,
+            started: None,
+            decode_started: None,
+            planned: None,
+        }
+    }
+
+    /// A generation that speculates with `drafter`, up to `draft_tokens` tokens a cycle (its cache gets room for
+    /// a verify pass past the last token).
+    pub fn with_drafter(
+        model: &dyn Model,
+        req: GenerateRequest,
+        drafter: Box<dyn Drafter + 'd>,
+        draft_tokens: usize,
+    ) -> Result<Self> {
+        validate_request(model, &req)?;
+        check_draft_tokens(draft_tokens)?;
+        let sampler = Sampler::new(req.sampling)?;
+        let cache =
+            model.new_cache_for(req.prompt_tokens.len(), req.max_new_tokens, draft_tokens)?;
+        let mut g = Self::with_cache(req, sampler, cache);
+        g.capture = drafter.target_layers().to_vec();
+        g.stats = Some(SpeculationStats::new(drafter.method(), draft_tokens));
+        g.drafter = Some(drafter);
+        g.draft_tokens = draft_tokens;
+        Ok(g)
+    }
+
+    /// Speed work only: draft tokens are accepted with probability `p` instead of verified (the output is then
+    /// not the model's; [`verify::SimulatedAcceptance`]).
+    pub fn simulate_acceptance(mut self, p: f64) -> Result<Self> {
+        self.simulated = Some(SimulatedAcceptance::new(p, self.req.sampling.seed)?);
+        Ok(self)
+    }
+
+    /// Whether generation has stopped (then [`Self::finish`] gives the output).
+    pub fn is_done(&self) -> bool {
+        self.stop.is_some()
+    }
+
+    /// Whether the prompt is still (partly) outside the cache.
+    pub fn is_prefilling(&self) -> bool {
+        self.prefilled < self.req.prompt_tokens.len()
+    }
+
+    /// Tokens generated so far.
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn request(&self) -> &GenerateRequest {
+        &self.req
+    }
+
+    /// Positions the KV cache was sized for.
+    pub fn cache_capacity(&self) -> usize {
+        self.cache.capacity()
+    }
+
+    /// Acceptance statistics so far, when speculating.
+    pub fn speculation(&self) -> Option<&SpeculationStats> {
+        self.stats.as_ref()
+    }
+
+    fn cancelled(&self) -> bool {
+        self.req
+            .cancel
+            .as_ref()
+            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Plans this generation's rows of the next step: while prefilling, up to `prefill_budget` prompt tokens (the
+    /// budget shrinks by what is taken; none left: the generation sits this step out); else the pending token and
+    /// a draft (the drafter runs now). Returns whether the generation takes part in the step.
+    fn plan(&mut self, prefill_budget: &mut usize, prof: &Profiler) -> Result<bool> {
+        self.planned = None;
+        if self.stop.is_some() {
+            return Ok(false);
+        }
+        self.started.get_or_insert_with(Instant::now);
+        if self.is_prefilling() {
+            let left = self.req.prompt_tokens.len() - self.prefilled;
+            let n = left.min(*prefill_budget);
+            if n == 0 {
+                return Ok(false);
+            }
+            *prefill_budget -= n;
+            let start = self.prefilled;
+            let last = n == left;
+            self.planned = Some(Planned {
+                input: self.req.prompt_tokens[start..start + n].to_vec(),
+                logits: if last {
+                    LogitsFor::Last
+                } else {
+                    LogitsFor::None
+                },
+                work: Work::Prefill { start, last },
+            });
+            return Ok(true);
+        }
+        let ctx = self.cache.capacity();
+        let pending = *self.context.last().unwrap_or(&0);
+        let base = self.cache.len();
+        let remaining = self.req.max_new_tokens - self.tokens.len();
+        let draft = match self.drafter.as_mut() {
+            Some(drafter) => {
+                let _s = prof.span(Phase::Draft);
+                // Never draft past the token budget or the context: every accepted token must fit.
+                let k = self
+                    .draft_tokens
+                    .min(remaining - 1)
+                    .min(ctx.saturating_sub(base + 1));
+                if k == 0 {
+                    Draft::default()
+                } else {
+                    let mut d = drafter.propose(&self.context, k, &self.req.sampling)?;
+                    d.tokens.truncate(k);
+                    // A tree's nodes come after their parents, so its first k nodes are a tree.
+                    if let Some(parents) = d.parents.as_mut() {
+                        parents.truncate(k);
+                    }
+                    d
+                }
+            }
+            None => Draft::default(),
+        };
+        // A tree draft is verified with a tree mask: row 0 is the pending token, row i + 1 draft token i, each
+        // attending to its ancestors.
+        let tree = match &draft.parents {
+            Some(parents) => {
+                if self.simulated.is_some() {
+                    return Err(Error::InvalidArgument(
+                        "tree drafts cannot be verified by simulated acceptance (it takes chains)"
+                            .into(),
+                    ));
+                }
+                let mut rows = vec![None];
+                rows.extend(parents.iter().map(|p| Some(p.map_or(0, |p| p + 1))));
+                Some(TreeMask::new(rows)?)
+            }
+            None => None,
+        };
+        let mut input = Vec::with_capacity(1 + draft.tokens.len());
+        input.push(pending);
+        input.extend_from_slice(&draft.tokens);
+        let logits = if draft.tokens.is_empty() {
+            LogitsFor::Last
+        } else {
+            LogitsFor::All
+        };
+        self.planned = Some(Planned {
+            input,
+            logits,
+            work: Work::Cycle { draft, tree, base },
+        });
+        Ok(true)
+    }
+
+    /// The planned rows as one sequence of a forward pass.
+    fn input(&mut self) -> Option<SequenceInput<'_>> {
+        let planned = self.planned.as_ref()?;
+        Some(SequenceInput {
+            tokens: &planned.input,
+            cache: self.cache.as_mut(),
+            logits: planned.logits,
+            tree: match &planned.work {
+                Work::Cycle { tree, .. } => tree.as_ref(),
+                Work::Prefill { .. } => None,
+            },
+        })
+    }
+
+    /// Consumes the forward pass's output for the planned rows: samples or accepts, feeds the drafter, commits
+    /// the new tokens and emits their text.
+    fn finish_step(
+        &mut self,
+        out: ForwardOutput,
+        tokenizer: &Tokenizer,
+        prof: &Profiler,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<bool> {
+        let Some(planned) = self.planned.take() else {
+            return Ok(false);
+        };
+        let n = planned.input.len();
+        match planned.work {
+            Work::Prefill { start, last } => {
+                if let (Some(d), false) = (self.drafter.as_mut(), self.capture.is_empty()) {
+                    let _s = prof.span(Phase::Draft);
+                    d.observe_target(start, &out.hidden, &(0..n).collect::<Vec<_>>())?;
+                }
+                self.prefilled = start + n;
+                if !last {
+                    return Ok(false);
+                }
+                let first = {
+                    let _s = prof.span(Phase::Sample);
+                    self.sampler.sample_row(out.logits.as_ref(), 0)?
+                };
+                let committed = self.commit(tokenizer, &[first], self.cache.len(), prof);
+                self.emit(tokenizer, committed, prof, on_text)?;
+                let now = Instant::now();
+                self.timing.prefill_s = self
+                    .started
+                    .map_or(0.0, |s| now.duration_since(s).as_secs_f64());
+                self.decode_started = Some(now);
+                Ok(false)
+            }
+            Work::Cycle { draft, tree, base } => {
+                // The draft tokens kept, in order (a prefix for a chain, the accepted path for a tree).
+                let (acceptance, path) = if let Some(parents) = &draft.parents {
+                    let _s = prof.span(Phase::Accept);
+                    if self.sampler.params().is_greedy() {
+                        verify::accept_tree(&draft.tokens, parents, out.logits.as_ref())?
+                    } else {
+                        verify::accept_tree_sampled(
+                            &draft.tokens,
+                            parents,
+                            out.logits.as_ref(),
+                            &mut self.sampler,
+                        )?
+                    }
+                } else {
+                    let acceptance = if let Some(sim) = self.simulated.as_mut() {
+                        let _s = prof.span(Phase::Accept);
+                        sim.accept(&draft, out.logits.as_ref())?
+                    } else if self.drafter.is_some() {
+                        let _s = prof.span(Phase::Accept);
+                        verify::accept(&draft, out.logits.as_ref(), &mut self.sampler)?
+                    } else {
+                        let _s = prof.span(Phase::Sample);
+                        Acceptance {
+                            accepted: 0,
+                            next: self.sampler.sample_row(out.logits.as_ref(), 0)?,
+                        }
+                    };
+                    let path: Vec<usize> = (0..acceptance.accepted).collect();
+                    (acceptance, path)
+                };
+                if let Some(st) = self.stats.as_mut() {
+                    match &tree {
+                        Some(t) => st.record_tree(
+                            draft.tokens.len(),
+                            (1..t.len()).map(|r| t.depth(r)).max().unwrap_or(0),
+                            acceptance.accepted,
+                        ),
+                        None => st.record(draft.tokens.len(), acceptance.accepted),
+                    }
+                }
+                // Rows of the verify pass that stay: the pending token's and the accepted drafts'.
+                let kept_rows: Vec<usize> = std::iter::once(0)
+                    .chain(path.iter().map(|&i| i + 1))
+                    .collect();
+                if let (Some(d), false) = (self.drafter.as_mut(), self.capture.is_empty()) {
+                    // Their hidden states are the drafter's next input.
+                    let _s = prof.span(Phase::Draft);
+                    d.observe_target(base, &out.hidden, &kept_rows)?;
+                }
+                let mut new_tokens: Vec<u32> = path.iter().map(|&i| draft.tokens[i]).collect();
+                new_tokens.push(acceptance.next);
+                if tree.is_some() {
+                    // The accepted path's keys and values move next to the pending token's; the other branches
+                    // go.
+                    self.cache.keep_new_rows(base, &kept_rows)?;
+                }
+                let kept = base + 1 + acceptance.accepted;
+                self.cache.truncate(kept);
+                let committed = self.commit(tokenizer, &new_tokens, kept, prof);
+                self.emit(tokenizer, committed, prof, on_text)?;
+                self.timing.decode_tokens +=
+                    committed + usize::from(self.stop == Some(StopReason::EndOfText));
+                Ok(true)
+            }
+        }
+    }
+
+    /// Appends new tokens to the output until one of them stops generation; returns how many were appended.
+    /// `cached` is the target cache length, which the last new token would extend.
+    fn commit(
+        &mut self,
+        tokenizer: &Tokenizer,
+        new_tokens: &[u32],
+        cached: usize,
+        prof: &Profiler,
+    ) -> usize {
+        let _s = prof.span(Phase::Commit);
+        let mut appended = 0;
+        for &token in new_tokens {
+            if self.req.stop_at_eos && tokenizer.is_stop(token) {
+                self.stop = Some(StopReason::EndOfText);
+                return appended;
+            }
+            self.tokens.push(token);
+            self.context.push(token);
+            appended += 1;
+            if self.tokens.len() >= self.req.max_new_tokens {
+                self.stop = Some(StopReason::MaxTokens);
+                return appended;
+            }
+        }
+        // The pending token will occupy position `cached`.
+        if cached >= self.cache.capacity() {
+            self.stop = Some(StopReason::ContextFull);
+        }
+        appended
+    }
+
+    fn emit(
+        &mut self,
+        tokenizer: &Tokenizer,
+        committed: usize,
+        prof: &Profiler,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<()> {
+        let _s = prof.span(Phase::Emit);
+        for &token in &self.tokens[self.tokens.len() - committed..] {
+            if let Some(text) = self.stream.push(tokenizer, token)? {
+                on_text(&text);
+            }
+        }
+        Ok(())
+    }
+
+    /// The output of a generation that is done (or abandoned): the rest of its text goes to `on_text` first.
+    pub fn finish(
+        mut self,
+        tokenizer: &Tokenizer,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<GenerateOutput> {
+        if let Some(at) = self.decode_started {
+            self.timing.decode_s = at.elapsed().as_secs_f64();
+        }
+        if let Some(rest) = self.stream.flush(tokenizer)? {
+            on_text(&rest);
+        }
+        let text = tokenizer.decode(&self.tokens)?;
+        Ok(GenerateOutput {
+            prompt_tokens: self.req.prompt_tokens.len(),
+            tokens: self.tokens,
+            text,
+            stop_reason: self.stop.unwrap_or(StopReason::Cancelled),
+            timing: self.timing,
+            speculation: self.stats,
+        })
+    }
+}
+
+/// Limits of one step.
+#[derive(Debug, Clone, Copy)]
+pub struct StepLimits {
+    /// Prompt tokens prefilled in one step, over all generations (chunked prefill keeps running streams flowing
+    /// while a long prompt enters); `usize::MAX`: whole prompts.
+    pub prefill_tokens: usize,
+}
+
+impl Default for StepLimits {
+    fn default() -> Self {
+        StepLimits {
+            prefill_tokens: usize::MAX,
+        }
+    }
+}
+
+/// What one step did, for metrics and traces.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Generations that took part (had rows in the forward pass).
+    pub sequences: usize,
+    /// Rows of the forward pass (prompt chunks, pending tokens and drafts).
+    pub rows: usize,
+    /// Of those, prompt rows.
+    pub prefill_rows: usize,
+}
+
+/// Advances every generation of `batch` by one step with one forward pass of `model`: generations still
+/// prefilling get a prompt chunk (within `limits`), the others a speculative cycle (or a plain step). Decoding
+/// generations are planned first, so running streams never wait behind a long prompt. A generation that is done
+/// or cancelled takes no part. Text goes to `on_text` with the generation's index in `batch`.
+///
+/// Errors are per generation (`results[i]`): one generation's bad input or failing drafter does not stop the
+/// others. A failure of the forward pass itself fails every generation in it.
+pub fn step(
+    model: &dyn Model,
+    tokenizer: &Tokenizer,
+    batch: &mut [&mut Generation<'_>],
+    limits: StepLimits,
+    prof: &Profiler,
+    on_text: &mut dyn FnMut(usize, &str),
+) -> (Vec<Result<()>>, StepReport) {
+    let mut results: Vec<Result<()>> = batch.iter().map(|_| Ok(())).collect();
+    let mut report = StepReport::default();
+    for g in batch.iter_mut() {
+        if g.stop.is_none() && g.cancelled() {
+            g.stop = Some(StopReason::Cancelled);
+        }
+    }
+    let live: Vec<usize> = (0..batch.len()).filter(|&i| !batch[i].is_done()).collect();
+    if live.is_empty() {
+        return (results, report);
+    }
+    let all_prefill = live.iter().all(|&i| batch[i].is_prefilling());
+    prof.begin_step(if all_prefill {
+        StepKind::Prefill
+    } else {
+        StepKind::Decode
+    });
+
+    // Plan: decoding generations first, then prompt chunks within the budget.
+    let mut budget = limits.prefill_tokens.max(1);
+    let mut order: Vec<usize> = live.clone();
+    order.sort_by_key(|&i| batch[i].is_prefilling());
+    let mut members = Vec::with_capacity(order.len());
+    for &i in &order {
+        match batch[i].plan(&mut budget, prof) {
+            Ok(true) => members.push(i),
+            Ok(false) => {}
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    members.sort_unstable();
+    // Capture the union of what the drafters read; each takes its own layers by id.
+    let mut capture: Vec<usize> = members
+        .iter()
+        .flat_map(|&i| batch[i].capture.iter().copied())
+        .collect();
+    capture.sort_unstable();
+    capture.dedup();
+    let opts = ForwardOptions {
+        capture_layers: &capture,
+        vocab_limit: None,
+    };
+    // Each sequence's input is checked alone first, so one bad sequence is refused without failing the others.
+    members.retain(|&i| {
+        let Some(input) = batch[i].input() else {
+            return false;
+        };
+        match check_batch(model.config(), &[input], &opts) {
+            Ok(()) => true,
+            Err(e) => {
+                batch[i].planned = None;
+                results[i] = Err(e);
+                false
+            }
+        }
+    });
+    if members.is_empty() {
+        prof.end_step();
+        return (results, report);
+    }
+    report.sequences = members.len();
+    for &i in &members {
+        let p = batch[i].planned.as_ref().expect("planned above");
+        report.rows += p.input.len();
+        if matches!(p.work, Work::Prefill { .. }) {
+            report.prefill_rows += p.input.len();
+        }
+    }
+
+    // Forward: one pass over every member's rows.
+    let phase = if members.iter().all(|&i| batch[i].is_prefilling()) {
+        Phase::Prefill
+    } else {
+        Phase::Verify
+    };
+    let forward_start = Instant::now();
+    let outputs = {
+        let _s = prof.span(phase);
+        let mut inputs: Vec<SequenceInput<'_>> = Vec::with_capacity(members.len());
+        let mut rest: &mut [&mut Generation<'_>] = batch;
+        let mut offset = 0;
+        for &i in &members {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - offset);
+            let (g, tail) = tail.split_first_mut().expect("member index in range");
+            inputs.push(g.input().expect("planned above"));
+            rest = tail;
+            offset = i + 1;
+        }
+        model.forward(&mut inputs, &opts, prof)
+    };
+    // Host time of the pass: right on the CPU, only the launches on a GPU.
+    let forward_host_s = forward_start.elapsed().as_secs_f64();
+    let outputs = match outputs {
+        Ok(o) if o.len() == members.len() => o,
+        failed => {
+            let message = match failed {
+                Err(e) if members.len() == 1 => {
+                    batch[members[0]].planned = None;
+                    results[members[0]] = Err(e);
+                    prof.end_step();
+                    return (results, report);
+                }
+                Err(e) => e.to_string(),
+                Ok(o) => format!(
+                    "the backend returned {} outputs for {} sequences",
+                    o.len(),
+                    members.len()
+                ),
+            };
+            for &i in &members {
+                batch[i].planned = None;
+                results[i] = Err(Error::InvalidArgument(format!(
+                    "the batched forward pass failed: {message}"
+                )));
+            }
+            prof.end_step();
+            return (results, report);
+        }
+    };
+
+    // Finish: per generation, in batch order.
+    let mut verified = Vec::with_capacity(members.len());
+    for (&i, out) in members.iter().zip(outputs) {
+        match batch[i].finish_step(out, tokenizer, prof, &mut |t| on_text(i, t)) {
+            Ok(true) => verified.push(i),
+            Ok(false) => {}
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    // Drafters learn what the pass cost for all its rows (one more drafted row is weighed against that), by the
+    // profiler's clock: on a GPU a host timer sees only the launches, and the pass is over now that acceptance
+    // has read its results.
+    if phase == Phase::Verify {
+        let seconds = prof.last_span_seconds(phase).unwrap_or(forward_host_s);
+        for &i in &verified {
+            if let Some(d) = batch[i].drafter.as_mut() {
+                d.observe_verify(report.rows, seconds);
+            }
+        }
+    }
+    prof.end_step();
+    (results, report)
+}
