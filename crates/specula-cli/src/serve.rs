@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use specula_server::engine::{DraftSetup, Engine};
+use specula_server::engine::{DraftSetup, Engine, EngineOptions};
 use specula_server::{AppState, Limits};
 
 use crate::generate::{load, DraftChoice, DrafterArgs, ModelArgs};
@@ -34,6 +34,51 @@ pub struct ServeArgs {
     /// The most new tokens one request may ask for.
     #[arg(long, default_value_t = 8192)]
     pub max_tokens_limit: usize,
+    /// Requests decoded together (continuous batching: one forward pass serves them all).
+    #[arg(long, default_value_t = 16)]
+    pub max_batch: usize,
+    /// KV cache memory the running requests may reserve together, e.g. 4GiB, 512MiB (each reserves room for
+    /// its prompt plus max_tokens; a request that does not fit waits, one that never fits is refused).
+    #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
+    pub kv_memory: usize,
+    /// Prompt tokens prefilled per engine step over all requests (long prompts enter in chunks, so running
+    /// streams keep flowing).
+    #[arg(long, default_value_t = 256)]
+    pub prefill_chunk: usize,
+    /// Seconds a request may take from queueing to its last token; past it, it ends with a timeout error (504).
+    #[arg(long)]
+    pub request_timeout: Option<f64>,
+}
+
+/// A size in bytes: a number with an optional unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB as powers of 1000).
+pub fn parse_bytes(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (e.g. 4GiB, 512MiB, 1000000)"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" | "k" => 1024.0,
+        "mib" | "m" => 1048576.0,
+        "gib" | "g" => 1073741824.0,
+        "tib" | "t" => 1099511627776.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        other => return Err(format!(
+            "unknown size unit {other:?} in {text:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)"
+        )),
+    };
+    let bytes = value * scale;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > usize::MAX as f64 / 2.0 {
+        return Err(format!("{text:?} is not a usable size"));
+    }
+    Ok(bytes as usize)
 }
 
 pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
@@ -57,6 +102,22 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
             args.max_queue
         );
     }
+    if args.max_batch == 0 || args.max_batch > 1024 {
+        anyhow::bail!(
+            "--max-batch must be between 1 and 1024, got {}",
+            args.max_batch
+        );
+    }
+    if args.prefill_chunk == 0 {
+        anyhow::bail!("--prefill-chunk must be at least 1 token");
+    }
+    let request_timeout = match args.request_timeout {
+        None => None,
+        Some(t) if t.is_finite() && t > 0.0 && t <= 1e7 => {
+            Some(std::time::Duration::from_secs_f64(t))
+        }
+        Some(t) => anyhow::bail!("--request-timeout must be a positive number of seconds, got {t}"),
+    };
     let draft_tokens = match tree {
         Some(shape) => shape.draft_tokens,
         None => args.draft_tokens.unwrap_or(match choice {
@@ -82,7 +143,15 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     };
     let name = target.spec.clone();
     let metrics = Arc::new(specula_server::metrics::Metrics::new());
-    let engine = Engine::start(target, draft, draft_tokens, args.max_queue, metrics.clone());
+    let options = EngineOptions {
+        draft_tokens,
+        max_queue: args.max_queue,
+        max_batch: args.max_batch,
+        kv_memory: args.kv_memory,
+        prefill_chunk: args.prefill_chunk,
+        request_timeout,
+    };
+    let engine = Engine::start(target, draft, options, metrics.clone());
     let state = Arc::new(AppState {
         engine,
         metrics,
@@ -109,4 +178,22 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         specula_server::serve(listener, state).await?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_parse_with_units_and_bad_ones_are_named() {
+        assert_eq!(parse_bytes("4GiB").unwrap(), 4 << 30);
+        assert_eq!(parse_bytes("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("1.5 GB").unwrap(), 1_500_000_000);
+        assert_eq!(parse_bytes("1000").unwrap(), 1000);
+        assert!(parse_bytes("4 parsecs")
+            .unwrap_err()
+            .contains("unknown size unit"));
+        assert!(parse_bytes("lots").unwrap_err().contains("not a size"));
+        assert!(parse_bytes("0").unwrap_err().contains("not a usable size"));
+    }
 }

@@ -1,40 +1,96 @@
-//! The engine loop: one thread owns the model and runs requests; HTTP handlers talk to it through channels. The
-//! engine knows nothing of HTTP.
+//! The engine loop: one thread owns the model and runs every request; HTTP handlers talk to it through a bounded
+//! queue and a channel per request. The engine knows nothing of HTTP.
 //!
-//! This first increment runs one request at a time in arrival order (a bounded queue in front); continuous
-//! batching of several requests per step comes next (issue 14).
+//! Continuous batching: each engine step advances every running request by one decode step (a speculative cycle
+//! or a plain step) or one chunk of its prompt, all in one forward pass of the target
+//! ([`specula::decode::step`]). Requests join at step boundaries while there is a free slot (`max_batch`) and KV
+//! memory for their whole generation (`kv_memory`), and leave as soon as they finish, fail, time out or their
+//! client goes away. The CPU backend computes each row as it would alone, so a greedy request's output does not
+//! depend on what else runs with it.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use specula::chat::ChatMessage;
-use specula::decode::{self, GenerateRequest, Speculation, StopReason};
+use specula::decode::{self, GenerateRequest, Generation, StepLimits, StopReason};
 use specula::draft::model::ModelDrafter;
 use specula::draft::ngram::NgramDrafter;
 use specula::draft::Drafter;
 use specula::model::LoadedModel;
-use specula::profile::Profiler;
+use specula::profile::{Phase, Profiler};
 use specula::sampling::SamplingParams;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
 
-/// Requests recorded between `/start_profile` and `/stop_profile`: each one's phase summary and Chrome trace.
+/// Everything recorded between `/start_profile` and `/stop_profile`: every engine step (the profiler's trace
+/// events, on one time axis from the session's start) and every request that finished.
 pub struct ProfileSession {
-    pub started: std::time::Instant,
-    pub requests: Vec<ProfiledRequest>,
+    pub started: Instant,
+    /// Chrome trace events of the engine's steps (without the metadata events).
+    pub events: Vec<serde_json::Value>,
+    pub steps: usize,
+    /// One record per finished request: its usage and when it ran.
+    pub requests: Vec<serde_json::Value>,
+    /// Events dropped past [`ProfileSession::MAX_EVENTS`].
+    pub dropped_events: usize,
 }
 
-pub struct ProfiledRequest {
-    /// Seconds from the session's start to the request's start.
-    pub offset_s: f64,
-    pub summary: serde_json::Value,
-    pub trace: serde_json::Value,
+impl ProfileSession {
+    /// Bounds the memory of a session nobody stops.
+    pub const MAX_EVENTS: usize = 2_000_000;
+
+    pub fn new() -> Self {
+        ProfileSession {
+            started: Instant::now(),
+            events: Vec::new(),
+            steps: 0,
+            requests: Vec::new(),
+            dropped_events: 0,
+        }
+    }
 }
 
-/// The profiling switch the HTTP side flips and the engine reads at each request's start.
-pub type Profiling = Arc<std::sync::Mutex<Option<ProfileSession>>>;
+impl Default for ProfileSession {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The profiling switch the HTTP side flips and the engine reads at every step.
+pub type Profiling = Arc<Mutex<Option<ProfileSession>>>;
+
+/// How the engine batches and bounds its work.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Draft tokens per cycle when speculating.
+    pub draft_tokens: usize,
+    /// Requests that may wait for a slot; past it, submissions are refused (429).
+    pub max_queue: usize,
+    /// Requests running at once (one forward pass serves them all).
+    pub max_batch: usize,
+    /// Bytes of KV cache the running requests may reserve together (each reserves its prompt plus max_tokens).
+    pub kv_memory: usize,
+    /// Prompt tokens prefilled per step over all requests (chunked prefill keeps running streams flowing).
+    pub prefill_chunk: usize,
+    /// A request still unfinished this long after it was queued ends with a timeout error.
+    pub request_timeout: Option<Duration>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            draft_tokens: 3,
+            max_queue: 64,
+            max_batch: 16,
+            kv_memory: 4 << 30,
+            prefill_chunk: 256,
+            request_timeout: None,
+        }
+    }
+}
 
 /// What the server speculates with.
 pub enum DraftSetup {
@@ -62,18 +118,37 @@ pub struct Job {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub events: UnboundedSender<Event>,
-    /// Set when the client goes away: the engine stops at the next step.
+    /// Set when the client goes away: the engine drops the request at its next step.
     pub cancel: Arc<AtomicBool>,
-    /// When the request was queued (latency metrics).
-    pub queued_at: std::time::Instant,
+    /// When the request was queued (latency metrics, timeouts).
+    pub queued_at: Instant,
 }
 
-/// What the engine tells a request's handler, in order: `Started` (or an error), text pieces, `Done`.
+/// What the engine tells a request's handler, in order: `Started` (or a failure), text pieces, `Done`.
 #[derive(Debug)]
 pub enum Event {
     Started { prompt_tokens: usize },
     Text(String),
-    Done(Result<Finished, String>),
+    Done(Result<Finished, Failure>),
+}
+
+/// Why a request did not finish.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Failure {
+    /// The request cannot run (its prompt, its size): the client's to fix.
+    BadRequest(String),
+    /// It ran past the server's request timeout.
+    Timeout(String),
+    /// Something failed inside the engine.
+    Internal(String),
+}
+
+impl Failure {
+    pub fn message(&self) -> &str {
+        match self {
+            Failure::BadRequest(m) | Failure::Timeout(m) | Failure::Internal(m) => m,
+        }
+    }
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -86,13 +161,30 @@ pub struct Finished {
     pub drafted: u64,
     pub accepted: u64,
     pub cycles: u64,
+    /// Seconds from queueing to the engine taking the request.
+    pub queue_s: f64,
+    /// Seconds from the request's first step to its first token (its prompt's chunks, alongside other requests).
     pub prefill_s: f64,
+    /// Seconds from the first token to the last.
     pub decode_s: f64,
 }
 
-/// The handle the HTTP side holds.
+/// The queue between the HTTP side and the engine: bounded, and the engine drops requests whose client left or
+/// whose time ran out while they waited.
+struct Queue {
+    state: Mutex<QueueState>,
+    ready: Condvar,
+}
+
+struct QueueState {
+    jobs: VecDeque<Job>,
+    closed: bool,
+}
+
+/// The handle the HTTP side holds; dropping it stops the engine once its running requests are done.
 pub struct Engine {
-    jobs: SyncSender<Job>,
+    queue: Arc<Queue>,
+    max_queue: usize,
     metrics: Arc<Metrics>,
     pub model_name: String,
     pub context_length: usize,
@@ -102,6 +194,7 @@ pub struct Engine {
     pub chat_template: Option<specula::chat::ChatTemplate>,
     pub vocab_size: usize,
     pub profiling: Profiling,
+    pub options: EngineOptions,
 }
 
 /// Why a job was not queued.
@@ -111,15 +204,20 @@ pub enum SubmitError {
 }
 
 impl Engine {
-    /// Starts the engine thread over `model`, with room for `max_queue` waiting requests.
+    /// Starts the engine thread over `model`.
     pub fn start(
         model: LoadedModel,
         draft: DraftSetup,
-        draft_tokens: usize,
-        max_queue: usize,
+        options: EngineOptions,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let (jobs, rx) = sync_channel(max_queue.max(1));
+        let queue = Arc::new(Queue {
+            state: Mutex::new(QueueState {
+                jobs: VecDeque::new(),
+                closed: false,
+            }),
+            ready: Condvar::new(),
+        });
         let model_name = model.spec.clone();
         let context_length = model.model.config().context_length;
         let tokenizer = model.tokenizer.clone();
@@ -128,21 +226,25 @@ impl Engine {
         let engine_metrics = metrics.clone();
         let profiling: Profiling = Arc::default();
         let engine_profiling = profiling.clone();
+        let engine_queue = queue.clone();
+        let engine_options = options.clone();
         std::thread::Builder::new()
             .name("specula-engine".into())
             .spawn(move || {
-                engine_loop(
-                    model,
-                    draft,
-                    draft_tokens,
-                    rx,
-                    &engine_metrics,
-                    &engine_profiling,
-                )
+                EngineLoop {
+                    model: &model,
+                    draft: &draft,
+                    options: engine_options,
+                    queue: &engine_queue,
+                    metrics: &engine_metrics,
+                    profiling: &engine_profiling,
+                }
+                .run()
             })
             .expect("spawn the engine thread");
         Engine {
-            jobs,
+            queue,
+            max_queue: options.max_queue.max(1),
             metrics,
             model_name,
             context_length,
@@ -150,47 +252,32 @@ impl Engine {
             chat_template,
             vocab_size,
             profiling,
+            options,
         }
     }
 
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
-        // Counted before the send: the engine may pick the job up (and count it down) at once.
-        self.metrics.queue.inc();
-        self.jobs.try_send(job).map_err(|e| {
-            self.metrics.queue.dec();
-            match e {
-                TrySendError::Full(_) => SubmitError::QueueFull,
-                TrySendError::Disconnected(_) => SubmitError::Stopped,
-            }
-        })
+        let mut q = self.queue.state.lock().map_err(|_| SubmitError::Stopped)?;
+        if q.closed {
+            return Err(SubmitError::Stopped);
+        }
+        if q.jobs.len() >= self.max_queue {
+            return Err(SubmitError::QueueFull);
+        }
+        q.jobs.push_back(job);
+        self.metrics.queue.set(q.jobs.len() as i64);
+        drop(q);
+        self.queue.ready.notify_one();
+        Ok(())
     }
 }
 
-fn engine_loop(
-    model: LoadedModel,
-    draft: DraftSetup,
-    draft_tokens: usize,
-    jobs: Receiver<Job>,
-    metrics: &Metrics,
-    profiling: &Profiling,
-) {
-    for job in jobs {
-        metrics.queue.dec();
-        if job.cancel.load(Ordering::Relaxed) {
-            continue;
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Ok(mut q) = self.queue.state.lock() {
+            q.closed = true;
         }
-        let events = job.events.clone();
-        metrics.running.inc();
-        // A panic in one request must not take the engine (and every other request) down.
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_job(&model, &draft, draft_tokens, job, metrics, profiling)
-        }));
-        metrics.running.dec();
-        let result = match outcome {
-            Ok(r) => r,
-            Err(_) => Err("internal error: the request panicked in the engine".to_string()),
-        };
-        let _ = events.send(Event::Done(result));
+        self.queue.ready.notify_all();
     }
 }
 
@@ -207,191 +294,597 @@ fn holdback(text: &str, stop: &[String]) -> usize {
     cut
 }
 
-fn run_job(
-    model: &LoadedModel,
-    draft: &DraftSetup,
-    draft_tokens: usize,
+/// A request the engine is running.
+struct Running<'a> {
+    generation: Generation<'a>,
+    out: Output,
+    /// KV cache bytes reserved for it (target and draft model).
+    kv_bytes: usize,
+    admitted: Instant,
+    deadline: Option<Instant>,
+    timed_out: bool,
+    /// When its last token came (TTFT, then inter-token latency).
+    last_token_at: Option<Instant>,
+    /// Seconds of each phase ([`Phase::ALL`] order) of the engine steps it took part in: where its time went,
+    /// shared with the requests batched with it.
+    phase_seconds: [f64; Phase::ALL.len()],
+    steps: usize,
+}
+
+/// Where a running request's text goes: its job's channel, through the stop sequences.
+struct Output {
     job: Job,
-    metrics: &Metrics,
-    profiling: &Profiling,
-) -> Result<Finished, String> {
-    let text = match &job.input {
-        Input::Prompt(p) => p.clone(),
-        Input::Chat(messages) => model.format_chat(messages).map_err(|e| e.to_string())?,
-    };
-    let prompt_tokens = model.tokenizer.encode(&text).map_err(|e| e.to_string())?;
-    if prompt_tokens.is_empty() {
-        return Err("the prompt is empty".into());
-    }
-    let ctx = model.model.config().context_length;
-    if prompt_tokens.len() + job.max_tokens > ctx {
-        return Err(format!(
-            "the prompt ({} tokens) plus max_tokens ({}) exceeds the model's context of {ctx} tokens",
-            prompt_tokens.len(),
-            job.max_tokens
-        ));
-    }
-    let _ = job.events.send(Event::Started {
-        prompt_tokens: prompt_tokens.len(),
-    });
-    let req = GenerateRequest {
-        prompt_tokens,
-        max_new_tokens: job.max_tokens,
-        sampling: job.sampling,
-        stop_at_eos: true,
-        cancel: Some(job.cancel.clone()),
-    };
-    let mut drafter: Option<Box<dyn Drafter + '_>> = match draft {
-        DraftSetup::None => None,
-        DraftSetup::Ngram => Some(Box::new(
-            NgramDrafter::with_stopping(1, 4, Some(specula::draft::ngram::DEFAULT_MIN_CONFIDENCE))
-                .map_err(|e| e.to_string())?,
-        )),
-        DraftSetup::Eagle3(head, tree) => {
-            let d = specula::draft::eagle3::Eagle3Drafter::new(
-                head,
-                model.model.as_ref(),
-                job.sampling.seed,
-            )
-            .map_err(|e| e.to_string())?;
-            Some(Box::new(match tree {
-                Some(shape) => d.with_tree(*shape),
-                None => d,
-            }))
+    /// Generated text so far (cut at a stop sequence once one appears) and how much of it was sent.
+    produced: String,
+    sent: usize,
+    stopped_by_sequence: bool,
+}
+
+impl Output {
+    /// Takes a piece of generated text: stop sequences are looked for, and text is held back while it could
+    /// still begin one; once one appears, the text before it is the answer and generation stops.
+    fn take_text(&mut self, piece: &str) {
+        if self.stopped_by_sequence {
+            return;
         }
-        DraftSetup::Model(d) => Some(Box::new(
-            ModelDrafter::new(d.model.as_ref(), job.sampling.seed)
-                .and_then(|m| m.with_min_confidence(specula::draft::model::DEFAULT_MIN_CONFIDENCE))
-                .map_err(|e| e.to_string())?,
-        )),
-    };
-    let speculation = drafter.as_mut().map(|d| Speculation {
-        drafter: d.as_mut(),
-        draft_tokens,
-        simulate_acceptance: None,
-    });
-    // Stop sequences: text is held back while it could still begin one; once one appears, the text before it
-    // is the answer and generation stops.
-    let mut produced = String::new();
-    let mut sent = 0;
-    let mut stopped_by_sequence = false;
-    let mut last_text: Option<std::time::Instant> = None;
-    // Between /start_profile and /stop_profile every request runs with the profiler on (phases, device clock).
-    let session_start = profiling
-        .lock()
-        .map_err(|_| "the profiling state is poisoned".to_string())?
-        .as_ref()
-        .map(|s| s.started);
-    // Every request runs with the phase profiler on (its cost is within noise: docs/benchmarks.md, "Profiler
-    // overhead"), which feeds the step histograms of /metrics; between /start_profile and /stop_profile its
-    // records are also kept for the trace.
-    let prof = Profiler::with_clock(specula::profile::Detail::Phases, model.model.clock(false));
-    let request_start = std::time::Instant::now();
-    let out = decode::generate(
-        model.model.as_ref(),
-        &model.tokenizer,
-        &req,
-        speculation,
-        &prof,
-        &mut |piece| {
-            if stopped_by_sequence {
+        self.produced.push_str(piece);
+        let sent = self.sent;
+        if let Some(at) = self
+            .job
+            .stop
+            .iter()
+            .filter_map(|s| {
+                self.produced[sent.min(self.produced.len())..]
+                    .find(s.as_str())
+                    .map(|i| i + sent)
+            })
+            .min()
+        {
+            self.produced.truncate(at);
+            self.stopped_by_sequence = true;
+            self.job.cancel.store(true, Ordering::Relaxed);
+        }
+        let upto = if self.stopped_by_sequence {
+            self.produced.len()
+        } else {
+            holdback(&self.produced, &self.job.stop)
+        };
+        self.send_upto(upto);
+    }
+
+    /// Sends everything not yet sent (the request is over, so nothing more can complete a stop sequence).
+    fn flush(&mut self) {
+        self.send_upto(self.produced.len());
+    }
+
+    fn send_upto(&mut self, upto: usize) {
+        if upto > self.sent {
+            if self
+                .job
+                .events
+                .send(Event::Text(self.produced[self.sent..upto].to_string()))
+                .is_err()
+            {
+                // The client went away: the request leaves at the next step.
+                self.job.cancel.store(true, Ordering::Relaxed);
+            }
+            self.sent = upto;
+        }
+    }
+}
+
+struct EngineLoop<'a> {
+    model: &'a LoadedModel,
+    draft: &'a DraftSetup,
+    options: EngineOptions,
+    queue: &'a Queue,
+    metrics: &'a Metrics,
+    profiling: &'a Profiling,
+}
+
+/// A request taken from the queue, tokenized and checked, waiting for KV memory.
+struct Admission {
+    job: Job,
+    request: GenerateRequest,
+    kv_bytes: usize,
+}
+
+impl<'a> EngineLoop<'a> {
+    fn run(self) {
+        let mut running: Vec<Running<'a>> = Vec::new();
+        // A request that fits the server but not the memory left now: it goes first when memory frees.
+        let mut held: Option<Admission> = None;
+        let mut kv_reserved = 0usize;
+        loop {
+            if !self.take_requests(&mut running, &mut held, &mut kv_reserved) {
                 return;
             }
-            produced.push_str(piece);
-            if let Some(at) = job
-                .stop
-                .iter()
-                .filter_map(|s| {
-                    produced[sent.min(produced.len())..]
-                        .find(s.as_str())
-                        .map(|i| i + sent)
-                })
-                .min()
-            {
-                produced.truncate(at);
-                stopped_by_sequence = true;
-                job.cancel.store(true, Ordering::Relaxed);
+            self.metrics.running.set(running.len() as i64);
+            self.metrics
+                .kv_usage
+                .set(kv_reserved as f64 / self.options.kv_memory.max(1) as f64);
+            if running.is_empty() {
+                continue;
             }
-            let upto = if stopped_by_sequence {
-                produced.len()
-            } else {
-                holdback(&produced, &job.stop)
-            };
-            if upto > sent {
-                let now = std::time::Instant::now();
-                match last_text {
-                    None => metrics.ttft.observe((now - job.queued_at).as_secs_f64()),
-                    Some(t) => metrics.itl.observe((now - t).as_secs_f64()),
+            let now = Instant::now();
+            for r in running.iter_mut() {
+                if r.deadline.is_some_and(|d| now >= d) && !r.generation.is_done() {
+                    r.timed_out = true;
+                    r.out.job.cancel.store(true, Ordering::Relaxed);
                 }
-                last_text = Some(now);
-                if job
-                    .events
-                    .send(Event::Text(produced[sent..upto].to_string()))
-                    .is_err()
+            }
+            let outcomes = self.step(&mut running);
+            // Requests that are done, failed, timed out or cancelled leave now, freeing their slot and memory.
+            let mut still = Vec::with_capacity(running.len());
+            for (r, outcome) in running.drain(..).zip(outcomes) {
+                if outcome.is_ok() && !r.generation.is_done() {
+                    still.push(r);
+                    continue;
+                }
+                kv_reserved -= r.kv_bytes;
+                // Gauges first: a client that reads /metrics after its answer sees itself gone.
+                self.metrics.running.dec();
+                self.metrics
+                    .kv_usage
+                    .set(kv_reserved as f64 / self.options.kv_memory.max(1) as f64);
+                self.finish(r, outcome);
+            }
+            running = still;
+        }
+    }
+
+    /// Moves queued requests into the batch while there are slots and memory; blocks while there is nothing to
+    /// do. Returns false when the server is shutting down and nothing is left.
+    fn take_requests(
+        &self,
+        running: &mut Vec<Running<'a>>,
+        held: &mut Option<Admission>,
+        kv_reserved: &mut usize,
+    ) -> bool {
+        loop {
+            let job = {
+                let Ok(mut q) = self.queue.state.lock() else {
+                    return false;
+                };
+                // Queued requests whose client left, or whose time ran out, go now: no engine time, and the
+                // queue gauge falls at once.
+                let now = Instant::now();
+                let timeout = self.options.request_timeout;
+                q.jobs.retain(|j| {
+                    if j.cancel.load(Ordering::Relaxed) {
+                        return false;
+                    }
+                    if let Some(t) = timeout.filter(|&t| now.duration_since(j.queued_at) >= t) {
+                        let _ = j.events.send(Event::Done(Err(Failure::Timeout(format!(
+                            "the request waited {:.1} s in the queue, past the server's request timeout of {:.1} s",
+                            now.duration_since(j.queued_at).as_secs_f64(),
+                            t.as_secs_f64()
+                        )))));
+                        return false;
+                    }
+                    true
+                });
+                if held
+                    .as_ref()
+                    .is_some_and(|a| a.job.cancel.load(Ordering::Relaxed))
                 {
-                    // The client went away: stop at the next step.
-                    job.cancel.store(true, Ordering::Relaxed);
+                    *held = None;
                 }
-                sent = upto;
+                while running.is_empty() && held.is_none() && q.jobs.is_empty() {
+                    if q.closed {
+                        return false;
+                    }
+                    q = match self.queue.ready.wait(q) {
+                        Ok(q) => q,
+                        Err(_) => return false,
+                    };
+                }
+                self.metrics
+                    .queue
+                    .set((q.jobs.len() + usize::from(held.is_some())) as i64);
+                if running.len() >= self.options.max_batch.max(1) {
+                    return true;
+                }
+                match held.take() {
+                    Some(a) => Ok(a),
+                    None => match q.jobs.pop_front() {
+                        Some(job) => Err(job),
+                        None => return true,
+                    },
+                }
+            };
+            let admission = match job {
+                Ok(a) => a,
+                Err(job) => match self.prepare(job) {
+                    Some(a) => a,
+                    None => continue,
+                },
+            };
+            if *kv_reserved + admission.kv_bytes > self.options.kv_memory && !running.is_empty() {
+                // Waits for running requests to leave; nothing behind it overtakes it (first come, first served).
+                *held = Some(admission);
+                if let Ok(q) = self.queue.state.lock() {
+                    self.metrics.queue.set(q.jobs.len() as i64 + 1);
+                }
+                return true;
             }
-        },
-    )
-    .map_err(|e| e.to_string())?;
-    if !stopped_by_sequence && produced.len() > sent {
-        let _ = job.events.send(Event::Text(produced[sent..].to_string()));
+            if let Some(r) = self.start(admission) {
+                *kv_reserved += r.kv_bytes;
+                running.push(r);
+            }
+        }
     }
-    let finish_reason = match out.stop_reason {
-        StopReason::MaxTokens | StopReason::ContextFull => "length",
-        StopReason::EndOfText | StopReason::Cancelled => "stop",
-    };
-    metrics.observe_steps(&prof.step_phases());
-    if let Some(started) = session_start {
-        let summary = prof.summary();
-        let record = ProfiledRequest {
-            offset_s: request_start
-                .saturating_duration_since(started)
-                .as_secs_f64(),
-            summary: serde_json::json!({
-                "prompt_tokens": out.prompt_tokens,
-                "generated_tokens": out.tokens.len(),
-                "decode_tok_s": out.timing.decode_tok_s(),
-                "phases": summary.phases_json(),
-                "speculation": out.speculation.as_ref().map(|s| s.to_json()),
-            }),
-            trace: prof.chrome_trace(),
+
+    /// Tokenizes and checks a queued request; a request that cannot run is answered now (None).
+    fn prepare(&self, job: Job) -> Option<Admission> {
+        let refuse = |job: &Job, message: String| {
+            let _ = job
+                .events
+                .send(Event::Done(Err(Failure::BadRequest(message))));
         };
-        if let Ok(mut guard) = profiling.lock() {
-            // Only if the same session is still on (it may have stopped mid-request).
-            if let Some(session) = guard.as_mut().filter(|s| s.started == started) {
-                session.requests.push(record);
+        let text = match &job.input {
+            Input::Prompt(p) => Ok(p.clone()),
+            Input::Chat(messages) => self.model.format_chat(messages).map_err(|e| e.to_string()),
+        };
+        let tokens = text.and_then(|t| self.model.tokenizer.encode(&t).map_err(|e| e.to_string()));
+        let prompt_tokens = match tokens {
+            Ok(t) if t.is_empty() => {
+                refuse(&job, "the prompt is empty".into());
+                return None;
+            }
+            Ok(t) => t,
+            Err(e) => {
+                refuse(&job, e);
+                return None;
+            }
+        };
+        let ctx = self.model.model.config().context_length;
+        if prompt_tokens.len() + job.max_tokens > ctx {
+            refuse(
+                &job,
+                format!(
+                    "the prompt ({} tokens) plus max_tokens ({}) exceeds the model's context of {ctx} tokens",
+                    prompt_tokens.len(),
+                    job.max_tokens
+                ),
+            );
+            return None;
+        }
+        // The cache a generation allocates: prompt, new tokens and a verify pass's drafts (decode::Generation).
+        let positions = (prompt_tokens.len() + job.max_tokens + self.draft_room() + 1).min(ctx);
+        let kv_bytes = positions * self.kv_bytes_per_position();
+        if kv_bytes > self.options.kv_memory {
+            refuse(
+                &job,
+                format!(
+                    "the request needs {:.1} MiB of KV cache ({positions} positions: {} prompt tokens + max_tokens {}), \
+                     more than the server's KV memory of {:.1} MiB (--kv-memory)",
+                    kv_bytes as f64 / 1048576.0,
+                    prompt_tokens.len(),
+                    job.max_tokens,
+                    self.options.kv_memory as f64 / 1048576.0
+                ),
+            );
+            return None;
+        }
+        let request = GenerateRequest {
+            prompt_tokens,
+            max_new_tokens: job.max_tokens,
+            sampling: job.sampling,
+            stop_at_eos: true,
+            cancel: Some(job.cancel.clone()),
+        };
+        Some(Admission {
+            job,
+            request,
+            kv_bytes,
+        })
+    }
+
+    fn draft_room(&self) -> usize {
+        match self.draft {
+            DraftSetup::None => 0,
+            _ => self.options.draft_tokens,
+        }
+    }
+
+    /// KV bytes a position of a request costs: the target's cache, and a draft model's own.
+    fn kv_bytes_per_position(&self) -> usize {
+        self.model.model.kv_bytes_per_position()
+            + match self.draft {
+                DraftSetup::Model(d) => d.model.kv_bytes_per_position(),
+                _ => 0,
+            }
+    }
+
+    fn drafter(&self, seed: u64) -> specula::error::Result<Option<Box<dyn Drafter + 'a>>> {
+        let draft: &'a DraftSetup = self.draft;
+        Ok(match draft {
+            DraftSetup::None => None,
+            DraftSetup::Ngram => Some(Box::new(NgramDrafter::with_stopping(
+                1,
+                4,
+                Some(specula::draft::ngram::DEFAULT_MIN_CONFIDENCE),
+            )?)),
+            DraftSetup::Eagle3(head, tree) => {
+                let d = specula::draft::eagle3::Eagle3Drafter::new(
+                    head,
+                    self.model.model.as_ref(),
+                    seed,
+                )?;
+                Some(Box::new(match tree {
+                    Some(shape) => d.with_tree(*shape),
+                    None => d,
+                }))
+            }
+            DraftSetup::Model(d) => Some(Box::new(
+                ModelDrafter::new(d.model.as_ref(), seed)?
+                    .with_min_confidence(specula::draft::model::DEFAULT_MIN_CONFIDENCE)?,
+            )),
+        })
+    }
+
+    /// Starts a request: its generation (KV cache, drafter, sampler) joins the batch at the next step.
+    fn start(&self, a: Admission) -> Option<Running<'a>> {
+        let model = self.model.model.as_ref();
+        let generation = self.drafter(a.request.sampling.seed).and_then(|d| match d {
+            Some(d) => Generation::with_drafter(model, a.request, d, self.options.draft_tokens),
+            None => Generation::new(model, a.request),
+        });
+        let generation = match generation {
+            Ok(g) => g,
+            Err(e) => {
+                let _ = a
+                    .job
+                    .events
+                    .send(Event::Done(Err(Failure::BadRequest(e.to_string()))));
+                return None;
+            }
+        };
+        let _ = a.job.events.send(Event::Started {
+            prompt_tokens: generation.request().prompt_tokens.len(),
+        });
+        Some(Running {
+            deadline: self.options.request_timeout.map(|t| a.job.queued_at + t),
+            generation,
+            out: Output {
+                job: a.job,
+                produced: String::new(),
+                sent: 0,
+                stopped_by_sequence: false,
+            },
+            kv_bytes: a.kv_bytes,
+            admitted: Instant::now(),
+            timed_out: false,
+            last_token_at: None,
+            phase_seconds: [0.0; Phase::ALL.len()],
+            steps: 0,
+        })
+    }
+
+    /// One engine step over every running request; returns each one's outcome.
+    fn step(&self, running: &mut [Running<'a>]) -> Vec<specula::error::Result<()>> {
+        // A profiler per step (phases, by the model's clock: device time on a GPU) feeds the step histograms;
+        // during a profiling session its trace is kept too. Nothing accumulates between steps.
+        let prof = Profiler::with_clock(
+            specula::profile::Detail::Phases,
+            self.model.model.clock(false),
+        );
+        let step_start = Instant::now();
+        let before: Vec<usize> = running
+            .iter()
+            .map(|r| r.generation.generated().len())
+            .collect();
+        let took_part: Vec<bool> = running.iter().map(|r| !r.generation.is_done()).collect();
+        let mut texts: Vec<(usize, String)> = Vec::new();
+        let (results, report) = {
+            let mut batch: Vec<&mut Generation<'a>> =
+                running.iter_mut().map(|r| &mut r.generation).collect();
+            decode::step(
+                self.model.model.as_ref(),
+                &self.model.tokenizer,
+                &mut batch,
+                StepLimits {
+                    prefill_tokens: self.options.prefill_chunk,
+                },
+                &prof,
+                &mut |i, t| texts.push((i, t.to_string())),
+            )
+        };
+        let now = Instant::now();
+        for (i, t) in texts {
+            running[i].out.take_text(&t);
+        }
+        // Latency per token: a step that commits n tokens of a request (speculation) is n inter-token gaps.
+        for (r, &b) in running.iter_mut().zip(&before) {
+            let n = r.generation.generated().len() - b;
+            if n == 0 {
+                continue;
+            }
+            match r.last_token_at {
+                None => {
+                    self.metrics
+                        .ttft
+                        .observe(now.duration_since(r.out.job.queued_at).as_secs_f64());
+                    let gap = now.duration_since(step_start).as_secs_f64() / n as f64;
+                    for _ in 1..n {
+                        self.metrics.itl.observe(gap);
+                    }
+                }
+                Some(t) => {
+                    let gap = now.duration_since(t).as_secs_f64() / n as f64;
+                    for _ in 0..n {
+                        self.metrics.itl.observe(gap);
+                    }
+                }
+            }
+            r.last_token_at = Some(now);
+        }
+        let phases = prof.step_phases();
+        self.metrics.observe_steps(&phases);
+        for (r, _) in running.iter_mut().zip(&took_part).filter(|(_, &t)| t) {
+            r.steps += 1;
+            for step in &phases {
+                for &(phase, secs) in &step.phases {
+                    r.phase_seconds[phase as usize] += secs;
+                }
             }
         }
+        if report.sequences > 0 {
+            self.metrics.batch_size.observe(report.sequences as f64);
+            self.metrics.step_rows.observe(report.rows as f64);
+        }
+        self.record_step(&prof, step_start, report);
+        results
     }
-    let spec = out.speculation.as_ref();
-    metrics.e2e.observe(job.queued_at.elapsed().as_secs_f64());
-    metrics.prompt_tokens.inc_by(out.prompt_tokens as u64);
-    metrics.generation_tokens.inc_by(out.tokens.len() as u64);
-    if let Some(st) = spec {
-        metrics.num_drafts.inc_by(st.cycles - st.empty_drafts);
-        metrics.num_draft_tokens.inc_by(st.drafted);
-        metrics.num_accepted_tokens.inc_by(st.accepted);
-        for (i, &a) in st.accepted_per_position.iter().enumerate() {
-            metrics
-                .accepted_per_pos
-                .with_label_values(&[&(i + 1).to_string()])
-                .inc_by(a);
+
+    /// During a profiling session, keeps the step's trace events (on the session's time axis) and a counter of
+    /// the batch's size.
+    fn record_step(&self, prof: &Profiler, step_start: Instant, report: decode::StepReport) {
+        let Ok(mut guard) = self.profiling.lock() else {
+            return;
+        };
+        let Some(session) = guard.as_mut() else {
+            return;
+        };
+        let offset_us = step_start
+            .saturating_duration_since(session.started)
+            .as_secs_f64()
+            * 1e6;
+        let trace = prof.chrome_trace();
+        let step_index = session.steps;
+        session.steps += 1;
+        let mut events: Vec<serde_json::Value> = trace["traceEvents"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| e["ph"] != "M")
+            .cloned()
+            .map(|mut e| {
+                if let Some(ts) = e["ts"].as_f64() {
+                    e["ts"] = serde_json::json!(ts + offset_us);
+                }
+                if e["args"]["step"].is_number() {
+                    e["args"]["step"] = serde_json::json!(step_index);
+                }
+                e
+            })
+            .collect();
+        events.push(serde_json::json!({
+            "name": "batch", "ph": "C", "pid": 1, "ts": offset_us,
+            "args": {"requests": report.sequences, "rows": report.rows, "prefill_rows": report.prefill_rows},
+        }));
+        if session.events.len() + events.len() > ProfileSession::MAX_EVENTS {
+            session.dropped_events += events.len();
+        } else {
+            session.events.extend(events);
         }
     }
-    Ok(Finished {
-        prompt_tokens: out.prompt_tokens,
-        completion_tokens: out.tokens.len(),
-        finish_reason,
-        drafted: spec.map_or(0, |s| s.drafted),
-        accepted: spec.map_or(0, |s| s.accepted),
-        cycles: spec.map_or(0, |s| s.cycles),
-        prefill_s: out.timing.prefill_s,
-        decode_s: out.timing.decode_s,
-    })
+
+    /// A request leaves the batch: the rest of its text, then its usage (or why it failed), and the metrics.
+    fn finish(&self, r: Running<'a>, outcome: specula::error::Result<()>) {
+        let Running {
+            generation,
+            mut out,
+            admitted,
+            timed_out,
+            phase_seconds,
+            steps,
+            ..
+        } = r;
+        let failure = match outcome {
+            Err(e) => Some(Failure::Internal(e.to_string())),
+            Ok(()) if timed_out => Some(Failure::Timeout(format!(
+                "the request ran past the server's request timeout of {:.1} s",
+                self.options
+                    .request_timeout
+                    .unwrap_or_default()
+                    .as_secs_f64()
+            ))),
+            Ok(()) => None,
+        };
+        if let Some(f) = failure {
+            let _ = out.job.events.send(Event::Done(Err(f)));
+            return;
+        }
+        let result = generation.finish(&self.model.tokenizer, &mut |t| out.take_text(t));
+        let done = match result {
+            Err(e) => Err(Failure::Internal(e.to_string())),
+            Ok(g) => {
+                out.flush();
+                let finish_reason = match g.stop_reason {
+                    StopReason::MaxTokens | StopReason::ContextFull => "length",
+                    StopReason::EndOfText | StopReason::Cancelled => "stop",
+                };
+                let queued_at = out.job.queued_at;
+                let spec = g.speculation.as_ref();
+                self.metrics.e2e.observe(queued_at.elapsed().as_secs_f64());
+                self.metrics.prompt_tokens.inc_by(g.prompt_tokens as u64);
+                self.metrics.generation_tokens.inc_by(g.tokens.len() as u64);
+                if let Some(st) = spec {
+                    self.metrics.num_drafts.inc_by(st.cycles - st.empty_drafts);
+                    self.metrics.num_draft_tokens.inc_by(st.drafted);
+                    self.metrics.num_accepted_tokens.inc_by(st.accepted);
+                    for (i, &a) in st.accepted_per_position.iter().enumerate() {
+                        self.metrics
+                            .accepted_per_pos
+                            .with_label_values(&[&(i + 1).to_string()])
+                            .inc_by(a);
+                    }
+                }
+                let finished = Finished {
+                    prompt_tokens: g.prompt_tokens,
+                    completion_tokens: g.tokens.len(),
+                    finish_reason,
+                    drafted: spec.map_or(0, |s| s.drafted),
+                    accepted: spec.map_or(0, |s| s.accepted),
+                    cycles: spec.map_or(0, |s| s.cycles),
+                    queue_s: admitted.saturating_duration_since(queued_at).as_secs_f64(),
+                    prefill_s: g.timing.prefill_s,
+                    decode_s: g.timing.decode_s,
+                };
+                self.record_request(&finished, queued_at, admitted, spec, &phase_seconds, steps);
+                Ok(finished)
+            }
+        };
+        let _ = out.job.events.send(Event::Done(done));
+    }
+
+    /// During a profiling session, keeps a finished request's record: its usage and when it ran.
+    fn record_request(
+        &self,
+        f: &Finished,
+        queued_at: Instant,
+        admitted: Instant,
+        spec: Option<&specula::decode::SpeculationStats>,
+        phase_seconds: &[f64; Phase::ALL.len()],
+        steps: usize,
+    ) {
+        let Ok(mut guard) = self.profiling.lock() else {
+            return;
+        };
+        let Some(session) = guard.as_mut() else {
+            return;
+        };
+        let since = |t: Instant| t.saturating_duration_since(session.started).as_secs_f64();
+        let mut record = serde_json::to_value(f).unwrap_or_default();
+        record["queued_s"] = serde_json::json!(since(queued_at));
+        record["admitted_s"] = serde_json::json!(since(admitted));
+        record["finished_s"] = serde_json::json!(since(Instant::now()));
+        record["speculation"] = spec.map_or(serde_json::Value::Null, |s| s.to_json());
+        record["steps"] = serde_json::json!(steps);
+        record["phases"] = Phase::ALL
+            .iter()
+            .map(|p| {
+                (
+                    p.name().to_string(),
+                    serde_json::json!(phase_seconds[*p as usize]),
+                )
+            })
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+        session.requests.push(record);
+    }
 }
 
 #[cfg(test)]

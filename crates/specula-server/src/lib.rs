@@ -25,7 +25,7 @@ use specula::sampling::SamplingParams;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use engine::{Engine, Event, Finished, Input, Job, SubmitError};
+use engine::{Engine, Event, Failure, Finished, Input, Job, SubmitError};
 
 /// Limits on what a request may ask for (checked before it is queued).
 #[derive(Debug, Clone)]
@@ -140,6 +140,20 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// The error answer for a request the engine did not finish.
+fn failed(failure: Failure) -> ApiError {
+    match failure {
+        Failure::BadRequest(m) => ApiError::bad(m, None),
+        Failure::Timeout(m) => ApiError {
+            status: StatusCode::GATEWAY_TIMEOUT,
+            message: m,
+            kind: "timeout_error",
+            param: None,
+        },
+        Failure::Internal(m) => server_error(m),
+    }
+}
+
 fn server_error(message: String) -> ApiError {
     ApiError {
         status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -166,15 +180,13 @@ async fn start_profile(
             None,
         ));
     }
-    *guard = Some(engine::ProfileSession {
-        started: std::time::Instant::now(),
-        requests: Vec::new(),
-    });
+    *guard = Some(engine::ProfileSession::new());
     Ok(Json(json!({"status": "profiling"})))
 }
 
-/// Stops recording and writes the Chrome trace (one process lane per request, on one time axis) and the JSON
-/// report (each request's phase summary and speculation) into the server's profile directory.
+/// Stops recording and writes the Chrome trace (the engine's steps and phases with the batch size as a counter,
+/// and one lane per request from queueing to its end, on one time axis) and the JSON report (every request's
+/// usage and timing) into the server's profile directory.
 async fn stop_profile(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -187,25 +199,31 @@ async fn stop_profile(
         .map_err(|_| server_error("the profiling state is poisoned".into()))?
         .take()
         .ok_or_else(|| ApiError::bad("profiling is not on; POST /start_profile first", None))?;
-    let mut events = Vec::new();
-    let mut report = Vec::new();
-    for (i, r) in session.requests.iter().enumerate() {
-        let pid = i + 1;
-        for e in r.trace["traceEvents"].as_array().into_iter().flatten() {
-            let mut e = e.clone();
-            e["pid"] = json!(pid);
-            if let Some(ts) = e["ts"].as_f64() {
-                e["ts"] = json!(ts + r.offset_s * 1e6);
-            }
-            if e["name"] == "process_name" {
-                e["args"]["name"] = json!(format!("request {pid}"));
-            }
-            events.push(e);
-        }
-        let mut s = r.summary.clone();
-        s["request"] = json!(pid);
-        s["start_s"] = json!(r.offset_s);
-        report.push(s);
+    let mut events = vec![
+        json!({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "engine steps"}}),
+        json!({"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "requests"}}),
+        json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "step"}}),
+    ];
+    for p in specula::profile::Phase::ALL {
+        events.push(json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": 10 + p as u32, "args": {"name": p.name()}}));
+    }
+    events.extend(session.events);
+    let mut report = Vec::with_capacity(session.requests.len());
+    for (i, r) in session.requests.into_iter().enumerate() {
+        let tid = i + 1;
+        let us = |key: &str| r[key].as_f64().unwrap_or(0.0) * 1e6;
+        events.push(json!({"name": "thread_name", "ph": "M", "pid": 2, "tid": tid, "args": {"name": format!("request {tid}")}}));
+        events.push(
+            json!({"name": "queued", "ph": "X", "pid": 2, "tid": tid, "ts": us("queued_s"),
+                           "dur": us("admitted_s") - us("queued_s")}),
+        );
+        events.push(json!({"name": "running", "ph": "X", "pid": 2, "tid": tid, "ts": us("admitted_s"),
+                           "dur": us("finished_s") - us("admitted_s"),
+                           "args": {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["completion_tokens"],
+                                    "accepted": r["accepted"], "drafted": r["drafted"]}}));
+        let mut r = r;
+        r["request"] = json!(tid);
+        report.push(r);
     }
     std::fs::create_dir_all(&state.profile_dir)
         .map_err(|e| server_error(format!("creating {}: {e}", state.profile_dir.display())))?;
@@ -224,13 +242,16 @@ async fn stop_profile(
         &trace_path,
         &json!({"traceEvents": events, "displayTimeUnit": "ms"}),
     )?;
+    let requests = report.len();
     write(
         &report_path,
-        &json!({"model": state.engine.model_name, "requests": report}),
+        &json!({"model": state.engine.model_name, "steps": session.steps,
+                "dropped_trace_events": session.dropped_events, "requests": report}),
     )?;
     Ok(Json(json!({
         "status": "stopped",
-        "requests": session.requests.len(),
+        "steps": session.steps,
+        "requests": requests,
         "trace": trace_path.display().to_string(),
         "report": report_path.display().to_string(),
     })))
@@ -485,7 +506,7 @@ fn usage(f: &Finished) -> Value {
             "cycles": f.cycles,
             "mean_accepted_length": if f.cycles > 0 { 1.0 + f.accepted as f64 / f.cycles as f64 } else { 1.0 },
         },
-        "timing": {"prefill_s": f.prefill_s, "decode_s": f.decode_s},
+        "timing": {"queue_s": f.queue_s, "prefill_s": f.prefill_s, "decode_s": f.decode_s},
     })
 }
 
@@ -627,7 +648,7 @@ async fn run(
     // The first event says whether the request can run (the prompt tokenized and fits).
     match rx.recv().await {
         Some(Event::Started { .. }) => {}
-        Some(Event::Done(Err(message))) => return Err(ApiError::bad(message, None)),
+        Some(Event::Done(Err(failure))) => return Err(failed(failure)),
         _ => {
             return Err(server_error(
                 "the engine ended the request without an answer".into(),
@@ -651,7 +672,7 @@ async fn run(
             match rx.recv().await {
                 Some(Event::Text(t)) => text.push_str(&t),
                 Some(Event::Done(Ok(f))) => break f,
-                Some(Event::Done(Err(m))) => return Err(server_error(m)),
+                Some(Event::Done(Err(failure))) => return Err(failed(failure)),
                 Some(Event::Started { .. }) | None => {
                     return Err(server_error(
                         "the engine ended the request without an answer".into(),
@@ -729,10 +750,15 @@ async fn run(
                     let _ = sse_tx.send(SseEvent::default().data("[DONE]"));
                     return;
                 }
-                Event::Done(Err(m)) => {
-                    let _ = sse_tx.send(SseEvent::default().data(
-                        json!({"error": {"message": m, "type": "server_error", "param": null, "code": 500}}).to_string(),
-                    ));
+                Event::Done(Err(failure)) => {
+                    let e = failed(failure);
+                    let _ = sse_tx.send(
+                        SseEvent::default().data(
+                            json!({"error": {"message": e.message, "type": e.kind, "param": null,
+                                         "code": e.status.as_u16()}})
+                            .to_string(),
+                        ),
+                    );
                     return;
                 }
                 Event::Started { .. } => continue,

@@ -8,7 +8,7 @@
 //! (device time on a GPU).
 
 use prometheus::{
-    exponential_buckets, Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter,
+    exponential_buckets, Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter,
     IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 
@@ -28,6 +28,12 @@ pub struct Metrics {
     pub accepted_per_pos: IntCounterVec,
     pub step_seconds: HistogramVec,
     pub step_phase_seconds: HistogramVec,
+    /// Requests in each engine step's forward pass.
+    pub batch_size: Histogram,
+    /// Rows (prompt chunks, pending tokens, drafts) in each engine step's forward pass.
+    pub step_rows: Histogram,
+    /// Share of the KV memory budget the running requests reserve (0..1).
+    pub kv_usage: Gauge,
 }
 
 impl Metrics {
@@ -67,7 +73,33 @@ impl Metrics {
             registry.register(Box::new(h.clone())).expect("unique name");
             h
         };
+        let counts = |name: &str, help: &str| {
+            let h = Histogram::with_opts(
+                HistogramOpts::new(name, help)
+                    .buckets(exponential_buckets(1.0, 2.0, 12).expect("valid buckets")),
+            )
+            .expect("valid histogram");
+            registry.register(Box::new(h.clone())).expect("unique name");
+            h
+        };
+        let kv_usage = Gauge::new(
+            "specula:kv_cache_usage_perc",
+            "Share of the KV memory budget (--kv-memory) reserved by running requests, 0 to 1.",
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(kv_usage.clone()))
+            .expect("unique name");
         Metrics {
+            batch_size: counts(
+                "specula:step_batch_size",
+                "Requests in each engine step's forward pass (continuous batching).",
+            ),
+            step_rows: counts(
+                "specula:step_rows",
+                "Rows in each engine step's forward pass: prompt chunks, pending tokens and drafts.",
+            ),
+            kv_usage,
             step_seconds: latency_vec(
                 "specula:step_seconds",
                 "Engine steps (prefill, or one decode / speculative cycle), by the model's clock.",

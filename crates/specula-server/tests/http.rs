@@ -13,7 +13,7 @@ use specula::model::{load_gguf, LoadedModel};
 use specula::profile::Profiler;
 use specula::sampling::SamplingParams;
 use specula::testing::{write_tiny_gguf, TinySpec};
-use specula_server::engine::{DraftSetup, Engine};
+use specula_server::engine::{DraftSetup, Engine, EngineOptions};
 use specula_server::{AppState, Limits};
 
 fn tiny(dir: &Path) -> LoadedModel {
@@ -29,15 +29,24 @@ fn tiny(dir: &Path) -> LoadedModel {
     load_gguf(&p, "tiny").unwrap()
 }
 
+/// Engine options for tests: 4 draft tokens, a queue of `max_queue`.
+fn queue(max_queue: usize) -> EngineOptions {
+    EngineOptions {
+        draft_tokens: 4,
+        max_queue,
+        ..Default::default()
+    }
+}
+
 /// Starts a server on a free port in a background runtime.
 fn start(
     model: LoadedModel,
     draft: DraftSetup,
     api_key: Option<&str>,
-    max_queue: usize,
+    options: EngineOptions,
 ) -> SocketAddr {
     let metrics = Arc::new(specula_server::metrics::Metrics::new());
-    let engine = Engine::start(model, draft, 4, max_queue, metrics.clone());
+    let engine = Engine::start(model, draft, options, metrics.clone());
     let state = Arc::new(AppState {
         engine,
         metrics,
@@ -165,7 +174,7 @@ fn sse_text(body: &str, chat: bool) -> (String, bool, Vec<Value>) {
 fn completions_and_chat_answer_what_the_library_generates() {
     let dir = tempfile::tempdir().unwrap();
     let reference = tiny(dir.path());
-    let addr = start(tiny(dir.path()), DraftSetup::None, None, 8);
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
     let (status, _, body) = http(addr, "GET", "/health", None, &[]);
     assert_eq!(status, 200, "{body}");
     let (status, _, body) = http(addr, "GET", "/v1/models", None, &[]);
@@ -272,7 +281,7 @@ fn v_usage_prompt(model: &LoadedModel, text: &str) -> Value {
 #[test]
 fn bad_requests_get_openai_errors_with_the_right_status() {
     let dir = tempfile::tempdir().unwrap();
-    let addr = start(tiny(dir.path()), DraftSetup::None, None, 8);
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
     let check = |status: u16, body: &str, want_status: u16, needle: &str| {
         assert_eq!(status, want_status, "{body}");
         let v: Value = serde_json::from_str(body).unwrap();
@@ -421,7 +430,7 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
 #[test]
 fn an_api_key_is_required_when_set() {
     let dir = tempfile::tempdir().unwrap();
-    let addr = start(tiny(dir.path()), DraftSetup::None, Some("sekret"), 8);
+    let addr = start(tiny(dir.path()), DraftSetup::None, Some("sekret"), queue(8));
     let body = r#"{"prompt": "hi", "max_tokens": 2}"#;
     let (s, _, b) = http(addr, "POST", "/v1/completions", Some(body), &[]);
     assert_eq!(s, 401, "{b}");
@@ -450,7 +459,7 @@ fn an_api_key_is_required_when_set() {
 fn speculative_requests_report_their_stats_and_stay_lossless() {
     let dir = tempfile::tempdir().unwrap();
     let reference = tiny(dir.path());
-    let addr = start(tiny(dir.path()), DraftSetup::Ngram, None, 8);
+    let addr = start(tiny(dir.path()), DraftSetup::Ngram, None, queue(8));
     let prompt = "the tea the tea the tea the";
     let want = expected(&reference, prompt, 24);
     let (s, v) = post(
@@ -575,7 +584,7 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
             load_gguf(&p, "t").unwrap(),
             DraftSetup::Eagle3(Box::new(head), tree),
             None,
-            8,
+            queue(8),
         );
         let (s, v) = post(
             addr,
@@ -588,5 +597,212 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
             v["usage"]["speculation"]["drafted"].as_u64().unwrap() > 0,
             "{v}"
         );
+    }
+}
+
+/// Reads one sample of the Prometheus text exposition (a parser, not a substring match).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (key, value) = l.rsplit_once(' ')?;
+            (key == name).then(|| value.parse().ok()).flatten()
+        })
+        .unwrap_or_else(|| panic!("{name} missing from\n{text}"))
+}
+
+/// Continuous batching: clients sending at once are decoded together (the step batch-size histogram shows more
+/// than one request per step), and each gets exactly the answer it gets alone, with and without speculation,
+/// streamed or not; the metrics add up to the sum of the responses' usage.
+#[test]
+fn concurrent_requests_are_batched_and_each_gets_its_answer_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let prompts: Vec<(String, usize)> = (0..8)
+        .map(|i| {
+            (
+                format!("request {i}: the tea {} and {}", "x".repeat(i), i * 7),
+                12 + 5 * i,
+            )
+        })
+        .collect();
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|(p, n)| expected(&reference, p, *n))
+        .collect();
+    for draft in [DraftSetup::None, DraftSetup::Ngram] {
+        let speculating = !matches!(draft, DraftSetup::None);
+        let addr = start(
+            tiny(dir.path()),
+            draft,
+            None,
+            EngineOptions {
+                // Small chunks, so prompts enter over several steps beside running requests.
+                prefill_chunk: 7,
+                ..queue(16)
+            },
+        );
+        let answers: Vec<(String, Value)> = std::thread::scope(|s| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, (p, n))| {
+                    s.spawn(move || {
+                        let stream = i % 2 == 1;
+                        let body = json!({"prompt": p, "max_tokens": n, "temperature": 0,
+                                          "stream": stream, "stream_options": {"include_usage": true}});
+                        let (status, _, text) =
+                            http(addr, "POST", "/v1/completions", Some(&body.to_string()), &[]);
+                        assert_eq!(status, 200, "{text}");
+                        if stream {
+                            let (t, done, chunks) = sse_text(&text, false);
+                            assert!(done);
+                            (t, chunks.last().unwrap()["usage"].clone())
+                        } else {
+                            let v: Value = serde_json::from_str(&text).unwrap();
+                            (
+                                v["choices"][0]["text"].as_str().unwrap().to_string(),
+                                v["usage"].clone(),
+                            )
+                        }
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, ((text, _), want)) in answers.iter().zip(&want).enumerate() {
+            assert_eq!(text, want, "request {i}, speculating {speculating}");
+        }
+        let (_, _, m) = http(addr, "GET", "/metrics", None, &[]);
+        let steps = metric(&m, "specula:step_batch_size_count");
+        let batched = metric(&m, "specula:step_batch_size_sum");
+        assert!(
+            batched > steps,
+            "never more than one request per step ({batched} over {steps} steps)"
+        );
+        let total =
+            |key: &str| -> f64 { answers.iter().map(|(_, u)| u[key].as_f64().unwrap()).sum() };
+        assert_eq!(
+            metric(&m, "specula:generation_tokens_total"),
+            total("completion_tokens")
+        );
+        assert_eq!(
+            metric(&m, "specula:prompt_tokens_total"),
+            total("prompt_tokens")
+        );
+        let spec_total = |key: &str| -> f64 {
+            answers
+                .iter()
+                .map(|(_, u)| u["speculation"][key].as_f64().unwrap())
+                .sum()
+        };
+        assert_eq!(
+            metric(&m, "specula:spec_decode_num_draft_tokens"),
+            spec_total("drafted")
+        );
+        assert_eq!(
+            metric(&m, "specula:spec_decode_num_accepted_tokens"),
+            spec_total("accepted")
+        );
+        if speculating {
+            assert!(spec_total("drafted") > 0.0);
+        }
+        assert_eq!(metric(&m, "specula:num_requests_running"), 0.0);
+        assert_eq!(metric(&m, "specula:num_requests_waiting"), 0.0);
+        assert_eq!(metric(&m, "specula:kv_cache_usage_perc"), 0.0);
+        assert_eq!(metric(&m, "specula:e2e_request_latency_seconds_count"), 8.0);
+    }
+}
+
+/// The KV memory budget: a request that could never fit is refused naming both sizes; requests that fit one at a
+/// time wait for each other instead of failing.
+#[test]
+fn the_kv_memory_budget_admits_what_fits_and_refuses_what_never_can() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let per_position = reference.model.kv_bytes_per_position();
+    let addr = start(
+        tiny(dir.path()),
+        DraftSetup::None,
+        None,
+        EngineOptions {
+            // Room for one request of up to ~60 positions at a time.
+            kv_memory: 60 * per_position,
+            ..queue(8)
+        },
+    );
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "hello", "max_tokens": 100, "temperature": 0}),
+    );
+    assert_eq!(s, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("KV") && msg.contains("--kv-memory"), "{msg}");
+    let want = expected(&reference, "hello there", 30);
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|_| {
+                s.spawn(|| {
+                    post(
+                        addr,
+                        "/v1/completions",
+                        json!({"prompt": "hello there", "max_tokens": 30, "temperature": 0}),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (s, v) in &answers {
+        assert_eq!(*s, 200, "{v}");
+        assert_eq!(v["choices"][0]["text"], want);
+    }
+    let (_, _, m) = http(addr, "GET", "/metrics", None, &[]);
+    assert_eq!(
+        metric(&m, "specula:step_batch_size_sum"),
+        metric(&m, "specula:step_batch_size_count"),
+        "two requests ran together past the KV budget"
+    );
+}
+
+/// A request past the server's timeout ends with 504 (non-streamed) or an error event (streamed).
+#[test]
+fn requests_past_the_timeout_end_with_a_timeout_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(
+        tiny(dir.path()),
+        DraftSetup::None,
+        None,
+        EngineOptions {
+            request_timeout: Some(std::time::Duration::from_millis(1)),
+            ..queue(8)
+        },
+    );
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "hello", "max_tokens": 200, "temperature": 0}),
+    );
+    assert_eq!(s, 504, "{v}");
+    assert_eq!(v["error"]["type"], "timeout_error", "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("timeout"),
+        "{v}"
+    );
+    let body = json!({"prompt": "hello", "max_tokens": 200, "temperature": 0, "stream": true});
+    let (status, _, text) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(&body.to_string()),
+        &[],
+    );
+    // Either refused before it started (504) or ended mid-stream by an error event; never a normal end.
+    if status == 200 {
+        assert!(text.contains("timeout_error"), "{text}");
+        assert!(!text.contains("\"finish_reason\":\"length\""), "{text}");
+    } else {
+        assert_eq!(status, 504, "{text}");
     }
 }

@@ -1144,10 +1144,8 @@ fn one_failing_or_cancelled_generation_leaves_its_batch_alone() {
         let mut res = res.into_iter();
         res.next().unwrap().unwrap();
         res.next().unwrap().unwrap();
-        if let Some(r) = res.next() {
-            if let Err(e) = r {
-                broken_error = Some(e.to_string());
-            }
+        if let Some(Err(e)) = res.next() {
+            broken_error = Some(e.to_string());
         }
     }
     let err = broken_error.expect("the broken drafter's generation failed");

@@ -19,6 +19,13 @@ pub trait Model: Send + Sync {
     /// backend that preallocates (CUDA) reserves all of it now; the CPU grows on demand.
     fn new_cache(&self, capacity: usize) -> Result<Box<dyn SequenceCache>>;
 
+    /// Bytes one position of a sequence's KV cache takes (keys and values of every layer): what a server's KV
+    /// memory budget counts. Both backends keep the cache in f32.
+    fn kv_bytes_per_position(&self) -> usize {
+        let c = self.config();
+        2 * c.num_layers * c.kv_dim() * std::mem::size_of::<f32>()
+    }
+
     /// Runs every sequence's new tokens (at positions `cache.len()..`, or as a tree) and appends them to its
     /// cache. One output per sequence, in order.
     fn forward(
