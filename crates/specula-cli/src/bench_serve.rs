@@ -34,6 +34,10 @@ pub struct BenchServeArgs {
     /// Sampling temperature sent with every request.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// Ask the server to generate past end-of-turn tokens (vLLM's `ignore_eos`, which specula serve and
+    /// llama-server accept): every request then produces max_tokens tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Send prompts to /v1/completions as they are instead of /v1/chat/completions as user messages.
     #[arg(long)]
     pub raw: bool,
@@ -70,7 +74,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 fn request(args: &BenchServeArgs, model: &str, prompt: &str) -> Sample {
-    let (path, body) = if args.raw {
+    let (path, mut body) = if args.raw {
         (
             "/v1/completions",
             json!({"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
@@ -85,6 +89,9 @@ fn request(args: &BenchServeArgs, model: &str, prompt: &str) -> Sample {
                    "stream_options": {"include_usage": true}}),
         )
     };
+    if args.ignore_eos {
+        body["ignore_eos"] = json!(true);
+    }
     let start = Instant::now();
     let mut req = ureq::post(&format!("{}{path}", args.url.trim_end_matches('/')))
         .set("Content-Type", "application/json");

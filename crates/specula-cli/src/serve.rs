@@ -45,6 +45,11 @@ pub struct ServeArgs {
     /// streams keep flowing).
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
+    /// How draft lengths are chosen when speculating: `adaptive` (each step, per request, from the measured cost
+    /// of the batch's forward pass and the request's acceptance: fewer drafts as the batch grows, none where they
+    /// do not pay) or `fixed` (always --draft-tokens).
+    #[arg(long, default_value = "adaptive", value_parser = ["adaptive", "fixed"])]
+    pub draft_policy: String,
     /// Seconds a request may take from queueing to its last token; past it, it ends with a timeout error (504).
     #[arg(long)]
     pub request_timeout: Option<f64>,
@@ -70,9 +75,11 @@ pub fn parse_bytes(text: &str) -> Result<usize, String> {
         "mb" => 1e6,
         "gb" => 1e9,
         "tb" => 1e12,
-        other => return Err(format!(
+        other => {
+            return Err(format!(
             "unknown size unit {other:?} in {text:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)"
-        )),
+        ))
+        }
     };
     let bytes = value * scale;
     if !bytes.is_finite() || bytes < 1.0 || bytes > usize::MAX as f64 / 2.0 {
@@ -150,6 +157,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         kv_memory: args.kv_memory,
         prefill_chunk: args.prefill_chunk,
         request_timeout,
+        adaptive_drafts: args.draft_policy == "adaptive",
     };
     let engine = Engine::start(target, draft, options, metrics.clone());
     let state = Arc::new(AppState {

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use specula::chat::ChatMessage;
 use specula::decode::{self, GenerateRequest, Generation, StepLimits, StopReason};
+use specula::draft::budget::{DraftBudget, DraftCandidate};
 use specula::draft::model::ModelDrafter;
 use specula::draft::ngram::NgramDrafter;
 use specula::draft::Drafter;
@@ -77,6 +78,9 @@ pub struct EngineOptions {
     pub prefill_chunk: usize,
     /// A request still unfinished this long after it was queued ends with a timeout error.
     pub request_timeout: Option<Duration>,
+    /// Choose each request's draft length every step from the measured step costs and its acceptance
+    /// ([`specula::draft::budget::DraftBudget`]); false: always `draft_tokens`.
+    pub adaptive_drafts: bool,
 }
 
 impl Default for EngineOptions {
@@ -88,6 +92,7 @@ impl Default for EngineOptions {
             kv_memory: 4 << 30,
             prefill_chunk: 256,
             request_timeout: None,
+            adaptive_drafts: true,
         }
     }
 }
@@ -117,6 +122,8 @@ pub struct Job {
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
+    /// Generate past end-of-turn tokens (vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
     pub events: UnboundedSender<Event>,
     /// Set when the client goes away: the engine drops the request at its next step.
     pub cancel: Arc<AtomicBool>,
@@ -238,6 +245,8 @@ impl Engine {
                     queue: &engine_queue,
                     metrics: &engine_metrics,
                     profiling: &engine_profiling,
+                    next_id: std::cell::Cell::new(0),
+                    budget: std::cell::RefCell::new(DraftBudget::new()),
                 }
                 .run()
             })
@@ -296,6 +305,8 @@ fn holdback(text: &str, stop: &[String]) -> usize {
 
 /// A request the engine is running.
 struct Running<'a> {
+    /// Unique while the engine runs (the draft budget's key).
+    id: u64,
     generation: Generation<'a>,
     out: Output,
     /// KV cache bytes reserved for it (target and draft model).
@@ -380,6 +391,8 @@ struct EngineLoop<'a> {
     queue: &'a Queue,
     metrics: &'a Metrics,
     profiling: &'a Profiling,
+    next_id: std::cell::Cell<u64>,
+    budget: std::cell::RefCell<DraftBudget>,
 }
 
 /// A request taken from the queue, tokenized and checked, waiting for KV memory.
@@ -422,6 +435,7 @@ impl<'a> EngineLoop<'a> {
                     continue;
                 }
                 kv_reserved -= r.kv_bytes;
+                self.budget.borrow_mut().remove(r.id);
                 // Gauges first: a client that reads /metrics after its answer sees itself gone.
                 self.metrics.running.dec();
                 self.metrics
@@ -571,7 +585,7 @@ impl<'a> EngineLoop<'a> {
             prompt_tokens,
             max_new_tokens: job.max_tokens,
             sampling: job.sampling,
-            stop_at_eos: true,
+            stop_at_eos: !job.ignore_eos,
             cancel: Some(job.cancel.clone()),
         };
         Some(Admission {
@@ -631,6 +645,7 @@ impl<'a> EngineLoop<'a> {
             Some(d) => Generation::with_drafter(model, a.request, d, self.options.draft_tokens),
             None => Generation::new(model, a.request),
         });
+        self.next_id.set(self.next_id.get() + 1);
         let generation = match generation {
             Ok(g) => g,
             Err(e) => {
@@ -645,6 +660,7 @@ impl<'a> EngineLoop<'a> {
             prompt_tokens: generation.request().prompt_tokens.len(),
         });
         Some(Running {
+            id: self.next_id.get(),
             deadline: self.options.request_timeout.map(|t| a.job.queued_at + t),
             generation,
             out: Output {
@@ -676,6 +692,15 @@ impl<'a> EngineLoop<'a> {
             .map(|r| r.generation.generated().len())
             .collect();
         let took_part: Vec<bool> = running.iter().map(|r| !r.generation.is_done()).collect();
+        let limits = self.choose_draft_limits(running);
+        let spec_before: Vec<(u64, u64)> = running
+            .iter()
+            .map(|r| {
+                r.generation
+                    .speculation()
+                    .map_or((0, 0), |s| (s.drafted, s.accepted))
+            })
+            .collect();
         let mut texts: Vec<(usize, String)> = Vec::new();
         let (results, report) = {
             let mut batch: Vec<&mut Generation<'a>> =
@@ -722,6 +747,7 @@ impl<'a> EngineLoop<'a> {
         }
         let phases = prof.step_phases();
         self.metrics.observe_steps(&phases);
+        self.observe_for_budget(running, &limits, &spec_before, &phases, report);
         for (r, _) in running.iter_mut().zip(&took_part).filter(|(_, &t)| t) {
             r.steps += 1;
             for step in &phases {
@@ -734,13 +760,115 @@ impl<'a> EngineLoop<'a> {
             self.metrics.batch_size.observe(report.sequences as f64);
             self.metrics.step_rows.observe(report.rows as f64);
         }
-        self.record_step(&prof, step_start, report);
+        let drafts_allowed: usize = limits.iter().flatten().sum();
+        self.record_step(&prof, step_start, report, drafts_allowed);
         results
+    }
+
+    /// Each decoding request's draft length for the next step (None where it is not drafting: prefilling, done,
+    /// no drafter). With adaptive drafts, from the draft budget; else the configured length.
+    fn choose_draft_limits(&self, running: &mut [Running<'a>]) -> Vec<Option<usize>> {
+        let drafting = |r: &Running<'a>| {
+            !r.generation.is_done()
+                && !r.generation.is_prefilling()
+                && r.generation.speculation().is_some()
+        };
+        let mut limits: Vec<Option<usize>> = vec![None; running.len()];
+        let candidates: Vec<(usize, DraftCandidate)> = running
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, r)| drafting(r))
+            .map(|(i, r)| {
+                // The room before the scheduler's cap: lift the previous step's cap first.
+                r.generation.set_draft_limit(usize::MAX);
+                (
+                    i,
+                    DraftCandidate {
+                        id: r.id,
+                        max_tokens: r.generation.draft_room(),
+                    },
+                )
+            })
+            .collect();
+        if candidates.is_empty() {
+            return limits;
+        }
+        let chosen: Vec<usize> = if self.options.adaptive_drafts {
+            let decoding = running
+                .iter()
+                .filter(|r| !r.generation.is_done() && !r.generation.is_prefilling())
+                .count();
+            let prompt_left: usize = running
+                .iter()
+                .filter(|r| r.generation.is_prefilling() && !r.generation.is_done())
+                .map(|r| r.generation.prompt_left())
+                .sum();
+            let base_rows = decoding + prompt_left.min(self.options.prefill_chunk);
+            let c: Vec<DraftCandidate> = candidates.iter().map(|(_, c)| *c).collect();
+            self.budget.borrow().choose(&c, base_rows, decoding)
+        } else {
+            candidates.iter().map(|(_, c)| c.max_tokens).collect()
+        };
+        for ((i, _), k) in candidates.iter().zip(chosen) {
+            running[*i].generation.set_draft_limit(k);
+            self.metrics.draft_limit.observe(k as f64);
+            limits[*i] = Some(k);
+        }
+        limits
+    }
+
+    /// Feeds the draft budget what the step measured: the forward pass's time for its rows, the drafters' time,
+    /// and each drafting request's cycle.
+    fn observe_for_budget(
+        &self,
+        running: &[Running<'a>],
+        limits: &[Option<usize>],
+        spec_before: &[(u64, u64)],
+        phases: &[specula::profile::StepPhases],
+        report: decode::StepReport,
+    ) {
+        let Some(step) = phases.first() else {
+            return;
+        };
+        let phase = |p: Phase| {
+            step.phases
+                .iter()
+                .filter(|(q, _)| *q == p)
+                .map(|(_, s)| s)
+                .sum::<f64>()
+        };
+        let forward = phase(Phase::Verify) + phase(Phase::Prefill);
+        let draft = phase(Phase::Draft);
+        let mut budget = self.budget.borrow_mut();
+        let mut drafted_total = 0;
+        for ((r, limit), &(d0, a0)) in running.iter().zip(limits).zip(spec_before) {
+            let (Some(limit), Some(s)) = (limit, r.generation.speculation()) else {
+                continue;
+            };
+            let drafted = (s.drafted - d0) as usize;
+            drafted_total += drafted;
+            budget.observe_cycle(r.id, *limit, drafted, (s.accepted - a0) as usize);
+        }
+        if report.rows > 0 {
+            budget.observe_step(
+                report.rows,
+                forward,
+                drafted_total,
+                draft,
+                (step.seconds - forward - draft).max(0.0),
+            );
+        }
     }
 
     /// During a profiling session, keeps the step's trace events (on the session's time axis) and a counter of
     /// the batch's size.
-    fn record_step(&self, prof: &Profiler, step_start: Instant, report: decode::StepReport) {
+    fn record_step(
+        &self,
+        prof: &Profiler,
+        step_start: Instant,
+        report: decode::StepReport,
+        drafts_allowed: usize,
+    ) {
         let Ok(mut guard) = self.profiling.lock() else {
             return;
         };
@@ -772,7 +900,8 @@ impl<'a> EngineLoop<'a> {
             .collect();
         events.push(serde_json::json!({
             "name": "batch", "ph": "C", "pid": 1, "ts": offset_us,
-            "args": {"requests": report.sequences, "rows": report.rows, "prefill_rows": report.prefill_rows},
+            "args": {"requests": report.sequences, "rows": report.rows, "prefill_rows": report.prefill_rows,
+                     "drafts_allowed": drafts_allowed},
         }));
         if session.events.len() + events.len() > ProfileSession::MAX_EVENTS {
             session.dropped_events += events.len();

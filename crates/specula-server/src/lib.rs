@@ -359,6 +359,8 @@ struct Common {
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
+    /// vLLM's extension: keep generating past end-of-turn tokens (benchmarks of fixed length).
+    ignore_eos: bool,
 }
 
 fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
@@ -486,12 +488,23 @@ fn common(
         .and_then(|s| s.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    let ignore_eos = match o.get("ignore_eos") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::bad(
+                "ignore_eos must be a boolean",
+                Some("ignore_eos"),
+            ))
+        }
+    };
     Ok(Common {
         max_tokens: max_tokens as usize,
         sampling,
         stop,
         stream,
         include_usage,
+        ignore_eos,
     })
 }
 
@@ -627,6 +640,7 @@ async fn run(
         max_tokens: c.max_tokens,
         sampling: c.sampling,
         stop: c.stop,
+        ignore_eos: c.ignore_eos,
         events: tx,
         cancel: cancel.clone(),
         queued_at: std::time::Instant::now(),

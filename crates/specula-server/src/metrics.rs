@@ -32,6 +32,8 @@ pub struct Metrics {
     pub batch_size: Histogram,
     /// Rows (prompt chunks, pending tokens, drafts) in each engine step's forward pass.
     pub step_rows: Histogram,
+    /// Draft length the engine allowed each drafting request per step (adaptive speculation's decisions).
+    pub draft_limit: Histogram,
     /// Share of the KV memory budget the running requests reserve (0..1).
     pub kv_usage: Gauge,
 }
@@ -100,6 +102,19 @@ impl Metrics {
                 "Rows in each engine step's forward pass: prompt chunks, pending tokens and drafts.",
             ),
             kv_usage,
+            draft_limit: {
+                let h = Histogram::with_opts(
+                    HistogramOpts::new(
+                        "specula:spec_decode_draft_limit",
+                        "Draft tokens the engine allowed a drafting request in a step (0: a plain step), chosen \
+                         from the measured step costs and the request's acceptance.",
+                    )
+                    .buckets(vec![0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0]),
+                )
+                .expect("valid histogram");
+                registry.register(Box::new(h.clone())).expect("unique name");
+                h
+            },
             step_seconds: latency_vec(
                 "specula:step_seconds",
                 "Engine steps (prefill, or one decode / speculative cycle), by the model's clock.",

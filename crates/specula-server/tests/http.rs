@@ -806,3 +806,25 @@ fn requests_past_the_timeout_end_with_a_timeout_error() {
         assert_eq!(status, 504, "{text}");
     }
 }
+
+/// vLLM's `ignore_eos`: a boolean, and with it every request runs to max_tokens.
+#[test]
+fn ignore_eos_runs_to_max_tokens_and_must_be_a_boolean() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "hello", "max_tokens": 5, "ignore_eos": "yes"}),
+    );
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["param"], "ignore_eos", "{v}");
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "hello", "max_tokens": 60, "temperature": 1.5, "seed": 3, "ignore_eos": true}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 60, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+}

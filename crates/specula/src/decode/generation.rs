@@ -37,6 +37,8 @@ pub struct Generation<'d> {
     sampler: Sampler,
     drafter: Option<Box<dyn Drafter + 'd>>,
     draft_tokens: usize,
+    /// This step's cap on the draft length, set by a scheduler (None: `draft_tokens`).
+    draft_limit: Option<usize>,
     simulated: Option<SimulatedAcceptance>,
     cache: Box<dyn SequenceCache>,
     stream: StreamDecoder,
@@ -92,6 +94,7 @@ impl<'d> Generation<'d> {
             sampler,
             drafter: None,
             draft_tokens: 0,
+            draft_limit: None,
             simulated: None,
             cache,
             stream: StreamDecoder::new(),
@@ -134,6 +137,24 @@ impl<'d> Generation<'d> {
         Ok(self)
     }
 
+    /// Caps the next steps' draft length at `limit` (0: plain steps; the drafter still sees every target pass),
+    /// never above the configured draft length. A serving engine sets it per step from the load.
+    pub fn set_draft_limit(&mut self, limit: usize) {
+        self.draft_limit = Some(limit);
+    }
+
+    /// The most tokens the next step may draft: the configured draft length, the scheduler's cap, and the token
+    /// budget (a request one token from its end drafts nothing). 0 without a drafter.
+    pub fn draft_room(&self) -> usize {
+        if self.drafter.is_none() || self.stop.is_some() {
+            return 0;
+        }
+        let remaining = self.req.max_new_tokens - self.tokens.len();
+        self.draft_tokens
+            .min(self.draft_limit.unwrap_or(usize::MAX))
+            .min(remaining.saturating_sub(1))
+    }
+
     /// Whether generation has stopped (then [`Self::finish`] gives the output).
     pub fn is_done(&self) -> bool {
         self.stop.is_some()
@@ -142,6 +163,11 @@ impl<'d> Generation<'d> {
     /// Whether the prompt is still (partly) outside the cache.
     pub fn is_prefilling(&self) -> bool {
         self.prefilled < self.req.prompt_tokens.len()
+    }
+
+    /// Prompt tokens not yet in the cache.
+    pub fn prompt_left(&self) -> usize {
+        self.req.prompt_tokens.len() - self.prefilled
     }
 
     /// Tokens generated so far.
@@ -209,6 +235,7 @@ impl<'d> Generation<'d> {
                 // Never draft past the token budget or the context: every accepted token must fit.
                 let k = self
                     .draft_tokens
+                    .min(self.draft_limit.unwrap_or(usize::MAX))
                     .min(remaining - 1)
                     .min(ctx.saturating_sub(base + 1));
                 if k == 0 {

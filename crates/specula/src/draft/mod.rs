@@ -6,6 +6,7 @@
 //! acceptance needs no special call.
 
 pub mod auto;
+pub mod budget;
 pub mod eagle3;
 pub mod model;
 pub mod ngram;

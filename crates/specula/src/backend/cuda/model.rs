@@ -529,8 +529,12 @@ impl CudaModel {
         upload(&tables.rows, &mut ws.row_table, "row table")?;
         upload(&tables.seqs, &mut ws.seq_table, "cache table")?;
         upload(&tables.wanted, &mut ws.wanted, "wanted rows")?;
-        if graphs_enabled() {
+        if graphs_enabled() && shape.worth_a_graph() {
             if !ws.graphs.contains_key(&shape) {
+                // A server sees many shapes (batch sizes, draft lengths); the cache stays bounded.
+                if ws.graphs.len() >= MAX_GRAPHS {
+                    ws.graphs.clear();
+                }
                 gpu.stream
                     .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                     .map_err(|e| cuda_err("starting a CUDA graph capture", e))?;
@@ -912,6 +916,20 @@ impl CudaModel {
 fn graphs_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GRAPHS").map_or(true, |v| v != "0"))
+}
+
+/// Captured step graphs kept at most (each holds its kernels' parameters; a long-running server would otherwise
+/// keep one per batch shape it ever saw).
+const MAX_GRAPHS: usize = 256;
+
+/// Steps of more rows than this run without a graph: they are prefill chunks, long enough that launches are a
+/// small part of them, and their shapes rarely repeat.
+const MAX_GRAPH_ROWS: usize = 64;
+
+impl Shape {
+    fn worth_a_graph(&self) -> bool {
+        self.seqs.iter().map(|&(rows, _)| rows).sum::<usize>() <= MAX_GRAPH_ROWS
+    }
 }
 
 /// What a captured step depends on besides the tables' values: the sequences' row counts and logits choices,

@@ -1,0 +1,365 @@
+//! Draft lengths under load: each step of a batched engine, how many tokens each request may draft (zero
+//! included), chosen from what this machine measured. At batch 1 a verify row is nearly free (the step streams the
+//! weights once, memory-bound), so drafting pays even at modest acceptance; in a large batch every row is compute
+//! and a drafted token must be likely to be accepted to pay for its row. Both facts come out of one rule:
+//!
+//! A step of R rows producing N tokens takes T(R) + o + d * D (forward pass over R rows, per-step overhead, D
+//! drafted tokens at d each). One more drafted token at a request's position j adds a row with probability q_j
+//! (the drafter may stop earlier) and an expected g_j accepted tokens; it is allowed when it raises the step's
+//! tokens per second: (N + g_j) / (T(R + q_j) + o + d * (D + q_j)) > N / (T(R) + o + d * D). Candidates are
+//! taken best gain per row first, over all requests.
+//!
+//! T comes from [`StepCostTable`]: the median time of recent forward passes of each row count, interpolated
+//! between measured counts. g_j and q_j come from each request's own cycles at position j (when the limit
+//! allowed j), pooled over all requests while a request has little history, with a weak prior; a position cut
+//! for [`DraftBudget::PROBE_EVERY`] steps is allowed once so that its estimate keeps tracking the request.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Recent forward-pass times by row count.
+#[derive(Debug, Clone, Default)]
+pub struct StepCostTable {
+    by_rows: BTreeMap<usize, VecDeque<f64>>,
+}
+
+impl StepCostTable {
+    /// Samples kept per row count.
+    pub const WINDOW: usize = 16;
+
+    pub fn observe(&mut self, rows: usize, seconds: f64) {
+        if rows == 0 || !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        let w = self.by_rows.entry(rows).or_default();
+        if w.len() == Self::WINDOW {
+            w.pop_front();
+        }
+        w.push_back(seconds);
+    }
+
+    fn median(w: &VecDeque<f64>) -> f64 {
+        let mut v: Vec<f64> = w.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+
+    /// The time of a forward pass over `rows` rows (possibly fractional: an expected row count): interpolated
+    /// between the nearest measured counts, extrapolated along the last two beyond them (never below the largest
+    /// measured time); None until two row counts have been measured.
+    pub fn seconds(&self, rows: f64) -> Option<f64> {
+        if self.by_rows.len() < 2 {
+            return None;
+        }
+        let points: Vec<(f64, f64)> = self
+            .by_rows
+            .iter()
+            .map(|(&r, w)| (r as f64, Self::median(w)))
+            .collect();
+        let segment = points
+            .windows(2)
+            .find(|p| rows <= p[1].0)
+            .unwrap_or(&points[points.len() - 2..]);
+        let ((x0, y0), (x1, y1)) = (segment[0], segment[1]);
+        let slope = ((y1 - y0) / (x1 - x0)).max(0.0);
+        Some((y0 + slope * (rows - x0)).max(if rows >= x1 { y1 } else { 0.0 }))
+    }
+}
+
+/// Per draft position: cycles where the limit allowed it, cycles that drafted a token there, and cycles whose
+/// token there was accepted.
+#[derive(Debug, Clone, Default)]
+struct PositionCounts {
+    allowed: Vec<f64>,
+    drafted: Vec<f64>,
+    accepted: Vec<f64>,
+    /// Steps since the position was last allowed.
+    cut_for: Vec<usize>,
+}
+
+impl PositionCounts {
+    fn ensure(&mut self, k: usize) {
+        if self.allowed.len() < k {
+            self.allowed.resize(k, 0.0);
+            self.drafted.resize(k, 0.0);
+            self.accepted.resize(k, 0.0);
+            self.cut_for.resize(k, 0);
+        }
+    }
+
+    fn record(&mut self, limit: usize, drafted: usize, accepted: usize) {
+        self.ensure(limit.max(drafted));
+        for j in 0..self.allowed.len() {
+            if j < limit {
+                self.allowed[j] += 1.0;
+                self.cut_for[j] = 0;
+            } else {
+                self.cut_for[j] += 1;
+            }
+        }
+        for j in 0..drafted {
+            self.drafted[j] += 1.0;
+        }
+        for j in 0..accepted {
+            self.accepted[j] += 1.0;
+        }
+    }
+}
+
+/// A request's part of the next step, as the budget sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct DraftCandidate {
+    /// The request (any id the caller keeps stable while the request runs).
+    pub id: u64,
+    /// The most tokens it may draft (its configured draft length, capped by its token budget).
+    pub max_tokens: usize,
+}
+
+/// The engine's draft-length chooser: a step cost table, per-request acceptance by position, and the pooled
+/// acceptance of all requests.
+#[derive(Debug, Clone, Default)]
+pub struct DraftBudget {
+    forward: StepCostTable,
+    /// Per step: time outside the forward pass and the drafters (sampling, bookkeeping), and per drafted token.
+    overhead_s: Option<f64>,
+    draft_token_s: Option<f64>,
+    requests: HashMap<u64, PositionCounts>,
+    pooled: PositionCounts,
+}
+
+impl DraftBudget {
+    /// A position cut this many steps in a row is allowed once, to keep measuring it.
+    pub const PROBE_EVERY: usize = 32;
+    /// Weight of the pooled estimate in a request's own (pseudo-cycles).
+    const POOLED_WEIGHT: f64 = 4.0;
+    /// Weight of the prior in the pooled estimate: acceptance 1/2, drafting 1.
+    const PRIOR_WEIGHT: f64 = 2.0;
+
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The step's measurements: its forward pass over `rows` rows, its drafters' time for `drafted` tokens, and
+    /// the rest of the step.
+    pub fn observe_step(
+        &mut self,
+        rows: usize,
+        forward_s: f64,
+        drafted: usize,
+        draft_s: f64,
+        other_s: f64,
+    ) {
+        self.forward.observe(rows, forward_s);
+        let ema = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| 0.9 * o + 0.1 * new));
+        if other_s.is_finite() && other_s >= 0.0 {
+            self.overhead_s = ema(self.overhead_s, other_s);
+        }
+        if drafted > 0 && draft_s.is_finite() && draft_s >= 0.0 {
+            self.draft_token_s = ema(self.draft_token_s, draft_s / drafted as f64);
+        }
+    }
+
+    /// A request's cycle: it was allowed `limit` tokens, drafted `drafted`, and `accepted` were accepted.
+    pub fn observe_cycle(&mut self, id: u64, limit: usize, drafted: usize, accepted: usize) {
+        self.requests
+            .entry(id)
+            .or_default()
+            .record(limit, drafted, accepted);
+        self.pooled.record(limit, drafted, accepted);
+    }
+
+    /// Forgets a request that left.
+    pub fn remove(&mut self, id: u64) {
+        self.requests.remove(&id);
+    }
+
+    /// (expected accepted tokens, expected drafted rows) of request `id`'s position `j` (0-based).
+    fn estimate(&self, id: u64, j: usize) -> (f64, f64) {
+        let p = &self.pooled;
+        let (pa, pd, pn) = (
+            p.accepted.get(j).copied().unwrap_or(0.0),
+            p.drafted.get(j).copied().unwrap_or(0.0),
+            p.allowed.get(j).copied().unwrap_or(0.0),
+        );
+        let prior = Self::PRIOR_WEIGHT;
+        let pooled_gain = (pa + 0.5 * prior) / (pn + prior);
+        let pooled_rows = (pd + prior) / (pn + prior);
+        let Some(r) = self.requests.get(&id) else {
+            return (pooled_gain, pooled_rows);
+        };
+        let (a, d, n) = (
+            r.accepted.get(j).copied().unwrap_or(0.0),
+            r.drafted.get(j).copied().unwrap_or(0.0),
+            r.allowed.get(j).copied().unwrap_or(0.0),
+        );
+        let w = Self::POOLED_WEIGHT;
+        (
+            (a + w * pooled_gain) / (n + w),
+            (d + w * pooled_rows) / (n + w),
+        )
+    }
+
+    /// Chooses each candidate's draft length for a step whose forward pass also has `base_rows` rows without
+    /// drafts (each decoding request's pending token, prompt chunks) producing `base_tokens` tokens. Until the
+    /// cost table has two row counts, every candidate gets its maximum (the measurements come from those steps).
+    pub fn choose(
+        &self,
+        candidates: &[DraftCandidate],
+        base_rows: usize,
+        base_tokens: usize,
+    ) -> Vec<usize> {
+        let mut limits = vec![0usize; candidates.len()];
+        let Some(_) = self.forward.seconds(base_rows as f64) else {
+            return candidates.iter().map(|c| c.max_tokens).collect();
+        };
+        let overhead = self.overhead_s.unwrap_or(0.0);
+        let per_draft = self.draft_token_s.unwrap_or(0.0);
+        let step_time = |rows: f64, drafted: f64| {
+            self.forward.seconds(rows).unwrap_or(0.0) + overhead + per_draft * drafted
+        };
+        let mut rows = base_rows as f64;
+        let mut drafted = 0.0;
+        let mut tokens = base_tokens as f64;
+        loop {
+            // The best next position over all candidates: most expected tokens per expected row.
+            let mut best: Option<(usize, f64, f64, bool)> = None;
+            for (i, c) in candidates.iter().enumerate() {
+                let j = limits[i];
+                if j >= c.max_tokens {
+                    continue;
+                }
+                let (gain, extra) = self.estimate(c.id, j);
+                let probe = self
+                    .requests
+                    .get(&c.id)
+                    .and_then(|r| r.cut_for.get(j))
+                    .is_some_and(|&n| n >= Self::PROBE_EVERY);
+                let score = gain / extra.max(1e-6);
+                if best.is_none_or(|(_, s, _, p)| (probe && !p) || (probe == p && score > s)) {
+                    best = Some((i, score, gain, probe));
+                }
+            }
+            let Some((i, _, gain, probe)) = best else {
+                break;
+            };
+            let (_, extra) = self.estimate(candidates[i].id, limits[i]);
+            let now = tokens / step_time(rows, drafted);
+            let with = (tokens + gain) / step_time(rows + extra, drafted + extra);
+            if !(probe || with > now) {
+                break;
+            }
+            limits[i] += 1;
+            rows += extra;
+            drafted += extra;
+            tokens += gain;
+        }
+        limits
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cost_table_interpolates_between_measured_row_counts() {
+        let mut t = StepCostTable::default();
+        assert_eq!(t.seconds(1.0), None);
+        for _ in 0..3 {
+            t.observe(1, 0.030);
+            t.observe(2, 0.033);
+            t.observe(8, 0.075);
+        }
+        t.observe(8, 9.0); // an outlier: medians ignore it
+        assert!((t.seconds(1.0).unwrap() - 0.030).abs() < 1e-12);
+        assert!((t.seconds(1.5).unwrap() - 0.0315).abs() < 1e-12);
+        assert!((t.seconds(5.0).unwrap() - 0.054).abs() < 1e-12);
+        // Beyond the largest count: along the last segment.
+        assert!((t.seconds(10.0).unwrap() - 0.089).abs() < 1e-12);
+    }
+
+    /// This CPU's shape (qwen 1.5B, 2 threads): one row 30 ms, two 33.6, four 46, eight 73, sixteen 150.
+    fn cpu_like() -> DraftBudget {
+        let mut b = DraftBudget::new();
+        for (rows, ms) in [
+            (1, 30.0),
+            (2, 33.6),
+            (3, 40.0),
+            (4, 46.4),
+            (8, 73.4),
+            (9, 80.0),
+            (16, 150.0),
+        ] {
+            for _ in 0..3 {
+                b.observe_step(rows, ms * 1e-3, 0, 0.0, 0.0005);
+            }
+        }
+        b
+    }
+
+    fn history(b: &mut DraftBudget, id: u64, limit: usize, cycles: usize, accepted_first: f64) {
+        for c in 0..cycles {
+            let accepted = usize::from((c as f64 + 0.5) / cycles as f64 <= accepted_first);
+            b.observe_cycle(id, limit, limit, accepted);
+        }
+    }
+
+    #[test]
+    fn alone_a_modest_drafter_drafts_and_in_a_full_batch_it_does_not() {
+        let mut b = cpu_like();
+        history(&mut b, 1, 1, 40, 0.4);
+        let one = [DraftCandidate {
+            id: 1,
+            max_tokens: 3,
+        }];
+        // Alone: a second row costs 3.6 ms of 30, and is accepted 40% of the time: worth it.
+        assert!(b.choose(&one, 1, 1)[0] >= 1);
+        // Beside 7 other decoding requests, a row costs ~6.6 ms of 73: 40% does not pay.
+        for id in 2..=8 {
+            history(&mut b, id, 1, 40, 0.4);
+        }
+        let eight: Vec<DraftCandidate> = (1..=8)
+            .map(|id| DraftCandidate { id, max_tokens: 3 })
+            .collect();
+        assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
+    }
+
+    #[test]
+    fn a_request_that_is_nearly_always_right_keeps_drafting_in_a_full_batch() {
+        let mut b = cpu_like();
+        for id in 1..=8 {
+            history(&mut b, id, 1, 40, if id == 3 { 0.97 } else { 0.2 });
+        }
+        let eight: Vec<DraftCandidate> = (1..=8)
+            .map(|id| DraftCandidate { id, max_tokens: 2 })
+            .collect();
+        let limits = b.choose(&eight, 8, 8);
+        assert!(limits[2] >= 1, "{limits:?}");
+        assert_eq!(limits.iter().sum::<usize>(), limits[2], "{limits:?}");
+    }
+
+    #[test]
+    fn cut_positions_are_probed_and_unmeasured_machines_draft_fully() {
+        let fresh = DraftBudget::new();
+        let c = [DraftCandidate {
+            id: 1,
+            max_tokens: 4,
+        }];
+        assert_eq!(fresh.choose(&c, 1, 1), vec![4]);
+        let mut b = cpu_like();
+        for id in 1..=8 {
+            history(&mut b, id, 1, 40, 0.1);
+        }
+        let eight: Vec<DraftCandidate> = (1..=8)
+            .map(|id| DraftCandidate { id, max_tokens: 1 })
+            .collect();
+        assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
+        for _ in 0..DraftBudget::PROBE_EVERY {
+            b.observe_cycle(5, 0, 0, 0);
+        }
+        let limits = b.choose(&eight, 8, 8);
+        assert_eq!(limits[4], 1, "{limits:?}");
+        assert_eq!(limits.iter().sum::<usize>(), 1, "{limits:?}");
+        b.remove(5);
+        assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
+    }
+}
