@@ -426,7 +426,22 @@ impl<'a> EngineLoop<'a> {
                     r.out.job.cancel.store(true, Ordering::Relaxed);
                 }
             }
-            let outcomes = self.step(&mut running);
+            // A panic inside a step (a bug, never a client's input) must not take the engine down: the requests
+            // of that step end with an error, the others in the queue go on.
+            let outcomes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.step(&mut running)
+            }))
+            .unwrap_or_else(|_| {
+                running
+                    .iter()
+                    .map(|_| {
+                        Err(specula::error::Error::InvalidArgument(
+                            "internal error: the engine step panicked; its requests were ended"
+                                .into(),
+                        ))
+                    })
+                    .collect()
+            });
             // Requests that are done, failed, timed out or cancelled leave now, freeing their slot and memory.
             let mut still = Vec::with_capacity(running.len());
             for (r, outcome) in running.drain(..).zip(outcomes) {
