@@ -142,7 +142,9 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
                 specula::load_model_on(spec, args.model.device()?, true, &mut |l| eprintln!("{l}"))
                     .with_context(|| format!("loading draft model {spec}"))?;
             specula::draft::model::check_compatible(&target, &d)?;
-            DraftSetup::Model(Box::new(d))
+            let vocab_limit = args.drafter.draft_vocabs()?.first().copied().flatten();
+            specula::draft::model::check_vocab_limit(d.model.as_ref(), vocab_limit)?;
+            DraftSetup::Model(Box::new(d), vocab_limit)
         }
         DraftChoice::Eagle3(dir) => {
             DraftSetup::Eagle3(Box::new(crate::generate::load_eagle3(dir, &target)?), tree)

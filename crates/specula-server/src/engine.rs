@@ -102,8 +102,9 @@ pub enum DraftSetup {
     None,
     /// Prompt lookup (default settings).
     Ngram,
-    /// A draft model sharing the target's tokenizer.
-    Model(Box<LoadedModel>),
+    /// A draft model sharing the target's tokenizer, drafting from the first token ids only when limited
+    /// (`--draft-vocab`).
+    Model(Box<LoadedModel>, Option<usize>),
     /// An EAGLE-3 head fed by the target's hidden states (chains, or trees of a shape).
     Eagle3(
         Box<specula::draft::eagle3::Eagle3Head>,
@@ -428,20 +429,19 @@ impl<'a> EngineLoop<'a> {
             }
             // A panic inside a step (a bug, never a client's input) must not take the engine down: the requests
             // of that step end with an error, the others in the queue go on.
-            let outcomes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.step(&mut running)
-            }))
-            .unwrap_or_else(|_| {
-                running
-                    .iter()
-                    .map(|_| {
-                        Err(specula::error::Error::InvalidArgument(
+            let outcomes =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step(&mut running)))
+                    .unwrap_or_else(|_| {
+                        running
+                            .iter()
+                            .map(|_| {
+                                Err(specula::error::Error::InvalidArgument(
                             "internal error: the engine step panicked; its requests were ended"
                                 .into(),
                         ))
-                    })
-                    .collect()
-            });
+                            })
+                            .collect()
+                    });
             // Requests that are done, failed, timed out or cancelled leave now, freeing their slot and memory.
             let mut still = Vec::with_capacity(running.len());
             for (r, outcome) in running.drain(..).zip(outcomes) {
@@ -621,7 +621,7 @@ impl<'a> EngineLoop<'a> {
     fn kv_bytes_per_position(&self) -> usize {
         self.model.model.kv_bytes_per_position()
             + match self.draft {
-                DraftSetup::Model(d) => d.model.kv_bytes_per_position(),
+                DraftSetup::Model(d, _) => d.model.kv_bytes_per_position(),
                 _ => 0,
             }
     }
@@ -646,9 +646,10 @@ impl<'a> EngineLoop<'a> {
                     None => d,
                 }))
             }
-            DraftSetup::Model(d) => Some(Box::new(
+            DraftSetup::Model(d, vocab_limit) => Some(Box::new(
                 ModelDrafter::new(d.model.as_ref(), seed)?
-                    .with_min_confidence(specula::draft::model::DEFAULT_MIN_CONFIDENCE)?,
+                    .with_min_confidence(specula::draft::model::DEFAULT_MIN_CONFIDENCE)?
+                    .with_vocab_limit(*vocab_limit)?,
             )),
         })
     }

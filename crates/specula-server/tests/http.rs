@@ -828,3 +828,42 @@ fn ignore_eos_runs_to_max_tokens_and_must_be_a_boolean() {
     assert_eq!(v["usage"]["completion_tokens"], 60, "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
 }
+
+/// A draft model (with a reduced draft vocabulary, as `--draft-vocab` gives) serves losslessly, batched.
+#[test]
+fn a_draft_model_with_a_reduced_vocabulary_serves_losslessly() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let want = expected(&reference, "the tea the tea", 30);
+    let addr = start(
+        tiny(dir.path()),
+        DraftSetup::Model(Box::new(tiny(dir.path())), Some(200)),
+        None,
+        EngineOptions {
+            adaptive_drafts: false,
+            ..queue(8)
+        },
+    );
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|_| {
+                s.spawn(|| {
+                    post(
+                        addr,
+                        "/v1/completions",
+                        json!({"prompt": "the tea the tea", "max_tokens": 30, "temperature": 0}),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (s, v) in &answers {
+        assert_eq!(*s, 200, "{v}");
+        assert_eq!(v["choices"][0]["text"], want, "{v}");
+        assert!(
+            v["usage"]["speculation"]["drafted"].as_u64().unwrap() > 0,
+            "{v}"
+        );
+    }
+}
