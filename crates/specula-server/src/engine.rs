@@ -791,12 +791,10 @@ impl<'a> EngineLoop<'a> {
         };
         let mut limits: Vec<Option<usize>> = vec![None; running.len()];
         let candidates: Vec<(usize, DraftCandidate)> = running
-            .iter_mut()
+            .iter()
             .enumerate()
             .filter(|(_, r)| drafting(r))
             .map(|(i, r)| {
-                // The room before the scheduler's cap: lift the previous step's cap first.
-                r.generation.set_draft_limit(usize::MAX);
                 (
                     i,
                     DraftCandidate {

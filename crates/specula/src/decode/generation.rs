@@ -143,16 +143,14 @@ impl<'d> Generation<'d> {
         self.draft_limit = Some(limit);
     }
 
-    /// The most tokens the next step may draft: the configured draft length, the scheduler's cap, and the token
-    /// budget (a request one token from its end drafts nothing). 0 without a drafter.
+    /// The most tokens the next step could draft before a scheduler's cap: the configured draft length within
+    /// the token budget (a request one token from its end drafts nothing). 0 without a drafter.
     pub fn draft_room(&self) -> usize {
         if self.drafter.is_none() || self.stop.is_some() {
             return 0;
         }
         let remaining = self.req.max_new_tokens - self.tokens.len();
-        self.draft_tokens
-            .min(self.draft_limit.unwrap_or(usize::MAX))
-            .min(remaining.saturating_sub(1))
+        self.draft_tokens.min(remaining.saturating_sub(1))
     }
 
     /// Whether generation has stopped (then [`Self::finish`] gives the output).
