@@ -708,7 +708,9 @@ impl<'a> EngineLoop<'a> {
             .map(|r| r.generation.generated().len())
             .collect();
         let took_part: Vec<bool> = running.iter().map(|r| !r.generation.is_done()).collect();
-        let limits = self.choose_draft_limits(running);
+        // Tokens each drafter must catch up on before drafting (a draft model cut in earlier steps).
+        let lags: Vec<usize> = running.iter().map(|r| r.generation.draft_lag()).collect();
+        let limits = self.choose_draft_limits(running, &lags);
         let spec_before: Vec<(u64, u64)> = running
             .iter()
             .map(|r| {
@@ -763,7 +765,7 @@ impl<'a> EngineLoop<'a> {
         }
         let phases = prof.step_phases();
         self.metrics.observe_steps(&phases);
-        self.observe_for_budget(running, &limits, &spec_before, &phases, report);
+        self.observe_for_budget(running, &limits, &lags, &spec_before, &phases, report);
         for (r, _) in running.iter_mut().zip(&took_part).filter(|(_, &t)| t) {
             r.steps += 1;
             for step in &phases {
@@ -783,7 +785,11 @@ impl<'a> EngineLoop<'a> {
 
     /// Each decoding request's draft length for the next step (None where it is not drafting: prefilling, done,
     /// no drafter). With adaptive drafts, from the draft budget; else the configured length.
-    fn choose_draft_limits(&self, running: &mut [Running<'a>]) -> Vec<Option<usize>> {
+    fn choose_draft_limits(
+        &self,
+        running: &mut [Running<'a>],
+        lags: &[usize],
+    ) -> Vec<Option<usize>> {
         let drafting = |r: &Running<'a>| {
             !r.generation.is_done()
                 && !r.generation.is_prefilling()
@@ -800,6 +806,14 @@ impl<'a> EngineLoop<'a> {
                     DraftCandidate {
                         id: r.id,
                         max_tokens: r.generation.draft_room(),
+                        lag: lags[i],
+                        // The prompt (nothing drafted yet) is fed once for the whole request: shared by
+                        // its steps left (about two tokens a step); a catch-up after a cut is paid whole.
+                        shared_by: if r.generation.speculation().is_some_and(|s| s.drafted == 0) {
+                            r.generation.tokens_left().div_ceil(2)
+                        } else {
+                            1
+                        },
                     },
                 )
             })
@@ -837,6 +851,7 @@ impl<'a> EngineLoop<'a> {
         &self,
         running: &[Running<'a>],
         limits: &[Option<usize>],
+        lags: &[usize],
         spec_before: &[(u64, u64)],
         phases: &[specula::profile::StepPhases],
         report: decode::StepReport,
@@ -854,20 +869,27 @@ impl<'a> EngineLoop<'a> {
         let forward = phase(Phase::Verify) + phase(Phase::Prefill);
         let draft = phase(Phase::Draft);
         let mut budget = self.budget.borrow_mut();
-        let mut drafted_total = 0;
-        for ((r, limit), &(d0, a0)) in running.iter().zip(limits).zip(spec_before) {
+        // Drafter time per drafted token, the feeding of the last step's tokens included (every draft does it).
+        // Steps where a drafter first caught up (the prompt, or tokens missed while cut) are left out: that
+        // feed is not a per-token cost. A catch-up is priced at the per-token cost, which overstates it (it is
+        // fed as one batch): the budget then resumes a lagging draft model less readily, never more.
+        let mut draft_work = 0;
+        let mut caught_up = false;
+        for (((r, limit), &(d0, a0)), &lag) in running.iter().zip(limits).zip(spec_before).zip(lags)
+        {
             let (Some(limit), Some(s)) = (limit, r.generation.speculation()) else {
                 continue;
             };
             let drafted = (s.drafted - d0) as usize;
-            drafted_total += drafted;
+            draft_work += drafted;
+            caught_up |= drafted > 0 && lag > limit + 1;
             budget.observe_cycle(r.id, *limit, drafted, (s.accepted - a0) as usize);
         }
         if report.rows > 0 {
             budget.observe_step(
                 report.rows,
                 forward,
-                drafted_total,
+                if caught_up { 0 } else { draft_work },
                 draft,
                 (step.seconds - forward - draft).max(0.0),
             );
@@ -959,6 +981,12 @@ impl<'a> EngineLoop<'a> {
                     StopReason::MaxTokens | StopReason::ContextFull => "length",
                     StopReason::EndOfText | StopReason::Cancelled => "stop",
                 };
+                // A cancelled generation that no stop sequence ended was left by its client.
+                let aborted = g.stop_reason == StopReason::Cancelled && !out.stopped_by_sequence;
+                self.metrics
+                    .finished
+                    .with_label_values(&[if aborted { "abort" } else { finish_reason }])
+                    .inc();
                 let queued_at = out.job.queued_at;
                 let spec = g.speculation.as_ref();
                 self.metrics.e2e.observe(queued_at.elapsed().as_secs_f64());

@@ -15,6 +15,9 @@ use prometheus::{
 pub struct Metrics {
     registry: Registry,
     pub requests: IntCounterVec,
+    /// Requests the engine finished, by why (vLLM's `request_success_total`): stop, length, or abort (the client
+    /// went away mid-request).
+    pub finished: IntCounterVec,
     pub queue: IntGauge,
     pub running: IntGauge,
     pub ttft: Histogram,
@@ -129,6 +132,12 @@ impl Metrics {
                 "specula:request_total",
                 "Requests answered, by HTTP status code.",
                 "status",
+            ),
+            finished: counter_vec(
+                "specula:request_success_total",
+                "Requests the engine finished, by finish reason: stop (end of text or a stop sequence), length \
+                 (max_tokens or the context), abort (the client disconnected).",
+                "finished_reason",
             ),
             queue: gauge(
                 "specula:num_requests_waiting",

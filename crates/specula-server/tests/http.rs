@@ -867,3 +867,120 @@ fn a_draft_model_with_a_reduced_vocabulary_serves_losslessly() {
         );
     }
 }
+
+/// Polls /metrics until `name` reads `want` (the engine updates gauges between steps), or panics after 30 s.
+fn wait_for_metric(addr: SocketAddr, name: &str, want: f64) -> String {
+    let start = std::time::Instant::now();
+    loop {
+        let (_, _, m) = http(addr, "GET", "/metrics", None, &[]);
+        if m.lines().any(|l| {
+            l.rsplit_once(' ')
+                .is_some_and(|(k, v)| k == name && v.parse() == Ok(want))
+        }) {
+            return m;
+        }
+        assert!(
+            start.elapsed().as_secs() < 30,
+            "{name} never read {want}:\n{m}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Overload and disconnects under load: with one slot and a queue of one, a third request is refused with 429
+/// and Retry-After; a streaming client that leaves mid-answer frees its slot long before its max_tokens (the
+/// queued request then runs and gets its own answer), and the metrics count it as aborted, with nothing left
+/// running or reserved.
+#[test]
+fn a_full_queue_answers_429_and_a_client_that_leaves_frees_its_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    // Big enough that 4000 tokens take seconds, so a client leaving is seen long before the end.
+    let path = dir.path().join("slow.gguf");
+    write_tiny_gguf(
+        &path,
+        &TinySpec {
+            untied_head: true,
+            hidden: 256,
+            intermediate: 512,
+            layers: 4,
+            context: 4096,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let reference = load_gguf(&path, "tiny").unwrap();
+    let want_b = expected(&reference, "the queued one", 8);
+    let addr = start(
+        load_gguf(&path, "tiny").unwrap(),
+        DraftSetup::None,
+        None,
+        EngineOptions {
+            max_batch: 1,
+            ..queue(1)
+        },
+    );
+    // A: a long streamed answer; read until its first token arrives.
+    let body = json!({"prompt": "a long one", "max_tokens": 4000, "temperature": 0,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    let mut a = TcpStream::connect(addr).unwrap();
+    write!(
+        a,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: ") {
+        let n = a.read(&mut buf).unwrap();
+        assert!(n > 0, "A's stream closed before its first token");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    // B waits in the queue behind A.
+    let b = std::thread::spawn(move || {
+        post(
+            addr,
+            "/v1/completions",
+            json!({"prompt": "the queued one", "max_tokens": 8, "temperature": 0}),
+        )
+    });
+    wait_for_metric(addr, "specula:num_requests_waiting", 1.0);
+    // C finds the queue full.
+    let (status, head, text) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(&json!({"prompt": "one too many", "max_tokens": 4}).to_string()),
+        &[],
+    );
+    assert_eq!(status, 429, "{text}");
+    assert!(
+        head.to_ascii_lowercase().contains("retry-after:"),
+        "no Retry-After in {head}"
+    );
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("queue"),
+        "{v}"
+    );
+    // A's client leaves: its slot goes to B, which gets exactly its answer alone.
+    drop(a);
+    let (status, v) = b.join().unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], want_b.as_str());
+    let m = wait_for_metric(
+        addr,
+        "specula:request_success_total{finished_reason=\"abort\"}",
+        1.0,
+    );
+    let generated = metric(&m, "specula:generation_tokens_total");
+    let a_tokens = generated - v["usage"]["completion_tokens"].as_f64().unwrap();
+    assert!(
+        (1.0..4000.0).contains(&a_tokens),
+        "the abandoned request generated {a_tokens} of its 4000 tokens"
+    );
+    assert_eq!(metric(&m, "specula:num_requests_running"), 0.0);
+    assert_eq!(metric(&m, "specula:num_requests_waiting"), 0.0);
+    assert_eq!(metric(&m, "specula:kv_cache_usage_perc"), 0.0);
+}

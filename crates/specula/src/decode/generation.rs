@@ -153,6 +153,16 @@ impl<'d> Generation<'d> {
         self.draft_tokens.min(remaining.saturating_sub(1))
     }
 
+    /// Tokens the request may still generate (its max_new_tokens less what it generated).
+    pub fn tokens_left(&self) -> usize {
+        self.req.max_new_tokens.saturating_sub(self.tokens.len())
+    }
+
+    /// Tokens the drafter must process before its next draft ([`Drafter::lag`]); 0 without a drafter.
+    pub fn draft_lag(&self) -> usize {
+        self.drafter.as_ref().map_or(0, |d| d.lag(&self.context))
+    }
+
     /// Whether generation has stopped (then [`Self::finish`] gives the output).
     pub fn is_done(&self) -> bool {
         self.stop.is_some()

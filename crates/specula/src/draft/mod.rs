@@ -55,6 +55,13 @@ pub trait Drafter {
     /// pending token alone, which is a plain decoding step).
     fn propose(&mut self, context: &[u32], k: usize, sampling: &SamplingParams) -> Result<Draft>;
 
+    /// Tokens of `context` this drafter must still process before it can draft (a draft model's cache lags
+    /// the context while a scheduler gives it no drafts; the next draft feeds them all first). A scheduler
+    /// weighs this catch-up as part of what resuming costs. 0 by default (stateless drafters).
+    fn lag(&self, _context: &[u32]) -> usize {
+        0
+    }
+
     /// Layers of the target whose hidden states this drafter needs (EAGLE-3); none by default.
     fn target_layers(&self) -> &[usize] {
         &[]
@@ -87,6 +94,10 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
 
     fn propose(&mut self, context: &[u32], k: usize, sampling: &SamplingParams) -> Result<Draft> {
         (**self).propose(context, k, sampling)
+    }
+
+    fn lag(&self, context: &[u32]) -> usize {
+        (**self).lag(context)
     }
 
     fn target_layers(&self) -> &[usize] {

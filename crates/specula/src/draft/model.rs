@@ -81,9 +81,26 @@ impl<'a> ModelDrafter<'a> {
     }
 }
 
+impl ModelDrafter<'_> {
+    /// How much of `context` the cache already holds, keeping at least one token to feed (its logits are
+    /// drawn from).
+    fn common_prefix(&self, context: &[u32]) -> usize {
+        self.cached
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(context.len().saturating_sub(1))
+    }
+}
+
 impl Drafter for ModelDrafter<'_> {
     fn method(&self) -> &'static str {
         "model"
+    }
+
+    fn lag(&self, context: &[u32]) -> usize {
+        context.len() - self.common_prefix(context)
     }
 
     fn propose(&mut self, context: &[u32], k: usize, sampling: &SamplingParams) -> Result<Draft> {
@@ -92,13 +109,7 @@ impl Drafter for ModelDrafter<'_> {
         }
         // Roll the cache back to the longest prefix it shares with the context (rejected drafts drop out here),
         // keeping at least one token to feed so there are logits to draw from.
-        let common = self
-            .cached
-            .iter()
-            .zip(context)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(context.len() - 1);
+        let common = self.common_prefix(context);
         self.cache.truncate(common);
         self.cached.truncate(common);
         let room = self

@@ -295,6 +295,11 @@ impl Drafter for Eagle3Drafter<'_> {
         &self.layers
     }
 
+    fn lag(&self, _context: &[u32]) -> usize {
+        // Target features of accepted positions waiting to enter the head's cache.
+        self.features.len() / self.feature_width()
+    }
+
     fn observe_target(
         &mut self,
         first_position: usize,

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Serving the real Qwen2.5-Coder-1.5B on the GPU, in one device call (after the models reached MODELDIR, see
+# docs/gpu.md "Real models"):
+#   scripts/gpu-serve-real.sh BINARY OUTDIR MODELDIR PROMPTS.jsonl
+# `specula serve` plain, with prompt lookup and with the 0.5B draft model (adaptive draft lengths), each driven by
+# `specula bench-serve` (chat completions, ignore_eos, 128 tokens, 32 requests per level, 1-32 streams).
+set -uo pipefail
+bin="$1"; out="$2"; models="$3"; prompts="$4"
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export SPECULA_CACHE="$models"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+port=8600
+for cfg in "plain:" "ngram:--draft ngram" "model:--draft-model qwen2.5-coder-0.5b"; do
+    name=${cfg%%:*}; flags=${cfg#*:}
+    port=$((port + 1))
+    # shellcheck disable=SC2086
+    "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags > "$out/serve-$name.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 120); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 1; done
+    echo "== serve $name ($flags)"
+    grep -i -E "speculat|draft" "$out/serve-$name.log" | head -3
+    timeout 240 "$bin" bench-serve --url "http://127.0.0.1:$port" --prompts "$prompts" --ignore-eos -n 128 \
+        --requests 32 --concurrency 1,2,4,8,16,32 --quiet --json "$out/bench-serve-$name.json" 2>&1
+    curl -s "localhost:$port/metrics" > "$out/metrics-$name.txt"
+    grep -E "^specula:spec_decode_num_(draft|accepted)_tokens |^specula:step_batch_size_(sum|count)" "$out/metrics-$name.txt"
+    kill "$pid"; wait "$pid" 2>/dev/null
+done
