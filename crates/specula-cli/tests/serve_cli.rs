@@ -23,18 +23,7 @@ fn serve_answers_over_http_and_checks_its_flags() {
         "{stderr}"
     );
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_specula"))
-        .args(["serve", "-m", m, "--port", "0", "--draft", "ngram"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("serve printed its address").unwrap();
-        if let Some(rest) = line.split("http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-    };
+    let (mut child, addr) = spawn_server(m, &["--draft", "ngram"]);
     assert!(
         addr.starts_with("127.0.0.1:"),
         "binds to 127.0.0.1 by default: {addr}"

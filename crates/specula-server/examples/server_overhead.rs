@@ -10,6 +10,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use anyhow::{bail, Context, Result};
+
 use specula::decode::{generate, GenerateRequest};
 use specula::model::{load_gguf, LoadedModel};
 use specula::profile::Profiler;
@@ -92,30 +94,44 @@ fn via_library(model: &LoadedModel, prompt: &str, tokens: usize) -> (f64, usize)
     (start.elapsed().as_secs_f64(), out.tokens.len())
 }
 
-fn main() {
+fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
-        eprintln!("usage: server_overhead MODEL.gguf PROMPTS.jsonl [ROUNDS] [TOKENS] [THREADS]");
-        std::process::exit(2);
+        bail!("usage: server_overhead MODEL.gguf PROMPTS.jsonl [ROUNDS] [TOKENS] [THREADS]");
     }
-    let rounds: usize = args.get(3).map_or(6, |s| s.parse().expect("ROUNDS"));
-    let tokens: usize = args.get(4).map_or(64, |s| s.parse().expect("TOKENS"));
-    let threads: usize = args.get(5).map_or(2, |s| s.parse().expect("THREADS"));
-    specula::parallel::set_threads(threads).unwrap();
-    let prompts: Vec<String> = std::fs::read_to_string(&args[2])
-        .unwrap()
+    let number = |i: usize, default: usize, name: &str| -> Result<usize> {
+        match args.get(i) {
+            None => Ok(default),
+            Some(s) => match s.parse() {
+                Ok(n) if n > 0 => Ok(n),
+                _ => bail!("{name} must be a positive integer, got {s:?}"),
+            },
+        }
+    };
+    let rounds = number(3, 6, "ROUNDS")?;
+    let tokens = number(4, 64, "TOKENS")?;
+    let threads = number(5, 2, "THREADS")?;
+    specula::parallel::set_threads(threads).map_err(anyhow::Error::msg)?;
+    let text = std::fs::read_to_string(&args[2]).with_context(|| format!("reading {}", args[2]))?;
+    let mut prompts = Vec::new();
+    for (i, line) in text
         .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["prompt"]
-                .as_str()
-                .unwrap()
-                .to_string()
-        })
-        .collect();
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}: not JSON", args[2], i + 1))?;
+        let Some(p) = v["prompt"].as_str() else {
+            bail!("{} line {}: no \"prompt\" string", args[2], i + 1);
+        };
+        prompts.push(p.to_string());
+    }
+    if prompts.is_empty() {
+        bail!("{} has no prompts", args[2]);
+    }
     let path = Path::new(&args[1]);
-    let library = load_gguf(path, "library").unwrap();
-    let addr = start(load_gguf(path, "server").unwrap());
+    let library = load_gguf(path, "library").with_context(|| format!("loading {}", args[1]))?;
+    let addr = start(load_gguf(path, "server")?);
     // Warm both paths once.
     via_library(&library, &prompts[0], 8);
     via_server(addr, &prompts[0], 8);
@@ -156,4 +172,5 @@ fn main() {
         ratios[0],
         ratios[ratios.len() - 1]
     );
+    Ok(())
 }

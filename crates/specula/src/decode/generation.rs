@@ -149,8 +149,7 @@ impl<'d> Generation<'d> {
         if self.drafter.is_none() || self.stop.is_some() {
             return 0;
         }
-        let remaining = self.req.max_new_tokens - self.tokens.len();
-        self.draft_tokens.min(remaining.saturating_sub(1))
+        self.draft_tokens.min(self.tokens_left().saturating_sub(1))
     }
 
     /// Tokens the request may still generate (its max_new_tokens less what it generated).
