@@ -869,30 +869,42 @@ impl<'a> EngineLoop<'a> {
         let forward = phase(Phase::Verify) + phase(Phase::Prefill);
         let draft = phase(Phase::Draft);
         let mut budget = self.budget.borrow_mut();
-        // Drafter time per drafted token, the feeding of the last step's tokens included (every draft does it).
-        // Steps where a drafter first caught up (the prompt, or tokens missed while cut) are left out: that
-        // feed is not a per-token cost. A catch-up is priced at the per-token cost, which overstates it (it is
-        // fed as one batch): the budget then resumes a lagging draft model less readily, never more.
-        let mut draft_work = 0;
-        let mut caught_up = false;
+        // Drafted tokens (each draft first feeds the last step's tokens: part of the per-token cost) and the
+        // tokens a drafter fed beyond those (the prompt, or what it missed while cut, as DraftBudget::choose
+        // counts them): the budget prices the two apart.
+        let mut drafted_total = 0;
+        let mut catch_up = 0;
         for (((r, limit), &(d0, a0)), &lag) in running.iter().zip(limits).zip(spec_before).zip(lags)
         {
             let (Some(limit), Some(s)) = (limit, r.generation.speculation()) else {
                 continue;
             };
             let drafted = (s.drafted - d0) as usize;
-            draft_work += drafted;
-            caught_up |= drafted > 0 && lag > limit + 1;
+            drafted_total += drafted;
+            if drafted > 0 {
+                catch_up += lag.saturating_sub((*limit).max(r.generation.draft_room()) + 1);
+            }
             budget.observe_cycle(r.id, *limit, drafted, (s.accepted - a0) as usize);
         }
         if report.rows > 0 {
             budget.observe_step(
                 report.rows,
                 forward,
-                if caught_up { 0 } else { draft_work },
+                drafted_total,
+                catch_up,
                 draft,
                 (step.seconds - forward - draft).max(0.0),
             );
+            let (draft_token, catch_up_token, overhead) = budget.costs();
+            for (name, value) in [
+                ("draft_token", draft_token),
+                ("catch_up_token", catch_up_token),
+                ("step_overhead", overhead),
+            ] {
+                if let Some(v) = value {
+                    self.metrics.draft_costs.with_label_values(&[name]).set(v);
+                }
+            }
         }
     }
 

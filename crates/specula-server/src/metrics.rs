@@ -8,8 +8,8 @@
 //! (device time on a GPU).
 
 use prometheus::{
-    exponential_buckets, Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter,
-    IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    exponential_buckets, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec,
+    IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -39,6 +39,9 @@ pub struct Metrics {
     pub draft_limit: Histogram,
     /// Share of the KV memory budget the running requests reserve (0..1).
     pub kv_usage: Gauge,
+    /// What adaptive speculation currently prices (DraftBudget's measurements), by cost: draft_token,
+    /// catch_up_token, step_overhead.
+    pub draft_costs: GaugeVec,
 }
 
 impl Metrics {
@@ -95,7 +98,21 @@ impl Metrics {
         registry
             .register(Box::new(kv_usage.clone()))
             .expect("unique name");
+        let draft_costs = GaugeVec::new(
+            Opts::new(
+                "specula:spec_decode_cost_seconds",
+                "Costs adaptive speculation prices drafts with, as measured so far: draft_token (drafter time \
+                 per drafted token), catch_up_token (per token a draft model feeds to catch up: its prompt, or \
+                 what it missed while cut), step_overhead (a step's time outside the forward pass and drafters).",
+            ),
+            &["cost"],
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(draft_costs.clone()))
+            .expect("unique name");
         Metrics {
+            draft_costs,
             batch_size: counts(
                 "specula:step_batch_size",
                 "Requests in each engine step's forward pass (continuous batching).",

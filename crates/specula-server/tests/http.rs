@@ -516,6 +516,13 @@ fn speculative_requests_report_their_stats_and_stay_lossless() {
     if spec["accepted"].as_u64().unwrap() > 0 {
         assert!(value("specula:spec_decode_num_accepted_tokens_per_pos{position=\"1\"}") > 0.0);
     }
+    // Adaptive speculation's prices as measured so far: a step's overhead always, the drafter's time per drafted
+    // token once a draft ran (prompt lookup never lags, so no catch-up price).
+    assert!(value("specula:spec_decode_cost_seconds{cost=\"step_overhead\"}") >= 0.0);
+    if spec["drafted"].as_u64().unwrap() > 0 {
+        assert!(value("specula:spec_decode_cost_seconds{cost=\"draft_token\"}") > 0.0);
+    }
+    assert!(!text.contains("cost=\"catch_up_token\""), "{text}");
     // On-demand profiling: every request between start and stop lands in one trace and one report.
     let (s, v) = post(addr, "/stop_profile", json!({}));
     assert_eq!(s, 400, "stop without start: {v}");

@@ -136,11 +136,10 @@ pub struct DraftCandidate {
     /// Tokens its drafter must process before drafting again ([`crate::draft::Drafter::lag`]): a draft model
     /// first feeds the prompt, and after being cut for n steps the n+ tokens it missed.
     pub lag: usize,
-    /// Steps the catch-up's cost is spread over. A drafter that has not drafted yet lags by the prompt, which
-    /// every draft model feeds once: that is shared by the steps the request has left, while it decodes alone
-    /// (beside others, everyone waits through the catch-up, so it is charged whole). One that fell behind
-    /// while cut pays in full (1): were that shared too, a request would resume and be cut again as the batch
-    /// changes, paying a catch-up each time while the whole batch waits.
+    /// Steps the catch-up's cost is spread over (a lagging drafter resumes only alone in the step). A drafter
+    /// that has not drafted yet lags by the prompt, which every draft model feeds once: that is shared by the
+    /// steps the request has left. One that fell behind while cut pays in full (1): were that shared too, a
+    /// request would resume and be cut again as the batch changes, paying a catch-up each time.
     pub shared_by: usize,
 }
 
@@ -149,10 +148,12 @@ pub struct DraftCandidate {
 #[derive(Debug, Clone, Default)]
 pub struct DraftBudget {
     forward: StepCostTable,
-    /// Per step: time outside the forward pass and the drafters (sampling, bookkeeping), and drafter time per
-    /// drafted token (which also prices a catch-up's tokens).
+    /// Per step: time outside the forward pass and the drafters (sampling, bookkeeping), drafter time per
+    /// drafted token, and per token of a catch-up (a draft model feeding what it missed in one batched pass:
+    /// several times cheaper per token than drafting one token at a time).
     overhead_s: Option<f64>,
     draft_token_s: Option<f64>,
+    catch_up_token_s: Option<f64>,
     requests: HashMap<u64, PositionCounts>,
     pooled: PositionCounts,
 }
@@ -169,13 +170,16 @@ impl DraftBudget {
         Self::default()
     }
 
-    /// The step's measurements: its forward pass over `rows` rows, its drafters' time for `draft_work` drafted
-    /// tokens (including what they fed first), and the rest of the step.
+    /// The step's measurements: its forward pass over `rows` rows, its drafters' time `draft_s` for `drafted`
+    /// drafted tokens (each draft also feeds the last step's tokens first) and `catch_up` tokens fed beyond that
+    /// (a draft model's prompt, or what it missed while cut), and the rest of the step. A step with a catch-up
+    /// prices the catch-up: its drafter time less the drafted tokens at the per-token cost.
     pub fn observe_step(
         &mut self,
         rows: usize,
         forward_s: f64,
-        draft_work: usize,
+        drafted: usize,
+        catch_up: usize,
         draft_s: f64,
         other_s: f64,
     ) {
@@ -184,9 +188,27 @@ impl DraftBudget {
         if other_s.is_finite() && other_s >= 0.0 {
             self.overhead_s = ema(self.overhead_s, other_s);
         }
-        if draft_work > 0 && draft_s.is_finite() && draft_s >= 0.0 {
-            self.draft_token_s = ema(self.draft_token_s, draft_s / draft_work as f64);
+        if !draft_s.is_finite() || draft_s < 0.0 {
+            return;
         }
+        if catch_up == 0 {
+            if drafted > 0 {
+                self.draft_token_s = ema(self.draft_token_s, draft_s / drafted as f64);
+            }
+        } else if let Some(per_token) = self.draft_token_s {
+            // Only steps whose drafter time is mostly the catch-up: elsewhere the difference of two noisy
+            // numbers says little (and a catch-up priced near zero would stall a whole batch for real).
+            let fed = draft_s - drafted as f64 * per_token;
+            if fed >= 0.5 * draft_s {
+                self.catch_up_token_s = ema(self.catch_up_token_s, fed / catch_up as f64);
+            }
+        }
+    }
+
+    /// What drafts are priced with so far: (drafter time per drafted token, per catch-up token, step overhead
+    /// outside the forward pass and drafters), each None until measured.
+    pub fn costs(&self) -> (Option<f64>, Option<f64>, Option<f64>) {
+        (self.draft_token_s, self.catch_up_token_s, self.overhead_s)
     }
 
     /// A request's cycle: it was allowed `limit` tokens, drafted `drafted`, and `accepted` were accepted.
@@ -239,27 +261,46 @@ impl DraftBudget {
         base_tokens: usize,
     ) -> Vec<usize> {
         let mut limits = vec![0usize; candidates.len()];
+        let catch_up_tokens = |c: &DraftCandidate| c.lag.saturating_sub(c.max_tokens + 1);
+        // Alone in the step: no other request decodes or prefills beside it, so nobody waits through its
+        // catch-up but the request itself.
+        let alone = base_rows <= 1 && base_tokens <= 1;
         let curve = self.forward.curve();
         let Some(_) = curve.seconds(base_rows as f64) else {
-            return candidates.iter().map(|c| c.max_tokens).collect();
+            // Unmeasured: draft fully (the measurements come from those steps), except a lagging draft model
+            // beside others (in a fresh server under load every request's prompt feed at once stalled a step
+            // for a second).
+            return candidates
+                .iter()
+                .map(|c| {
+                    if alone || catch_up_tokens(c) == 0 {
+                        c.max_tokens
+                    } else {
+                        0
+                    }
+                })
+                .collect();
         };
         let overhead = self.overhead_s.unwrap_or(0.0);
         let per_draft = self.draft_token_s.unwrap_or(0.0);
+        // Until a catch-up has been measured it is priced as drafting (an overestimate), and the first one that
+        // would hold up no other request is allowed once so that it gets measured.
+        let per_catch_up = self.catch_up_token_s.unwrap_or(per_draft);
         let step_time =
             |rows: f64, draft_s: f64| curve.seconds(rows).unwrap_or(0.0) + overhead + draft_s;
         // The drafter time position j of candidate c adds: its expected rows, plus at its first position this
         // step's share of the catch-up.
         let draft_cost = |c: &DraftCandidate, j: usize, extra: f64| {
             // Shared over later steps only when no other request waits through this one's catch-up.
-            let shared_by = if base_tokens <= 1 { c.shared_by } else { 1 };
+            let shared_by = if alone { c.shared_by } else { 1 };
             // A drafter that drafted last step lags by that step's tokens (up to max_tokens + 1); feeding them is
             // part of every draft and already in the per-token cost. Only lag beyond that is a catch-up.
             let catch_up = if j == 0 {
-                c.lag.saturating_sub(c.max_tokens + 1) as f64 / shared_by.max(1) as f64
+                catch_up_tokens(c) as f64 / shared_by.max(1) as f64
             } else {
                 0.0
             };
-            per_draft * (extra + catch_up)
+            per_draft * extra + per_catch_up * catch_up
         };
         let mut rows = base_rows as f64;
         let mut draft_s = 0.0;
@@ -269,18 +310,29 @@ impl DraftBudget {
             let mut best: Option<(usize, f64, f64, bool)> = None;
             for (i, c) in candidates.iter().enumerate() {
                 let j = limits[i];
-                if j >= c.max_tokens {
+                // A lagging draft model resumes only alone: beside others its catch-up stalls every request
+                // in the batch (measured in the server: ITL p99 0.5-1.4 s at 8 streams when the cost rule
+                // allowed it there), and on these machines a draft model does not pay in a batch anyway.
+                if j >= c.max_tokens || (j == 0 && !alone && catch_up_tokens(c) > 0) {
                     continue;
                 }
                 let (gain, extra) = self.estimate(c.id, j);
                 // A long-cut position is probed, unless that means a long catch-up (a draft model cut while
                 // the batch was large resumes only when the cost rule says so, catch-up included).
-                let probe = (j > 0 || c.lag <= c.max_tokens + 1)
+                let lagging = catch_up_tokens(c) > 0;
+                // (Probing lagging draft models too, when alone and their catch-up cost less than the step,
+                // or even beside others, was measured in the server and lost: docs/benchmarks.md.)
+                let probe = ((j > 0 || !lagging)
                     && self
                         .requests
                         .get(&c.id)
                         .and_then(|r| r.cut_for.get(j))
-                        .is_some_and(|&n| n >= Self::PROBE_EVERY);
+                        .is_some_and(|&n| n >= Self::PROBE_EVERY))
+                    || (j == 0
+                        && lagging
+                        && alone
+                        && self.catch_up_token_s.is_none()
+                        && self.draft_token_s.is_some());
                 let score = gain / extra.max(1e-6);
                 if best.is_none_or(|(_, s, _, p)| (probe && !p) || (probe == p && score > s)) {
                     best = Some((i, score, gain, probe));
@@ -339,7 +391,7 @@ mod tests {
             (16, 150.0),
         ] {
             for _ in 0..3 {
-                b.observe_step(rows, ms * 1e-3, 0, 0.0, 0.0005);
+                b.observe_step(rows, ms * 1e-3, 0, 0, 0.0, 0.0005);
             }
         }
         b
@@ -408,6 +460,10 @@ mod tests {
             shared_by: 1,
         }];
         assert_eq!(fresh.choose(&c, 1, 1), vec![4]);
+        // ... but a fresh draft model that must first feed its prompt waits while others are in the step.
+        let lagging = DraftCandidate { lag: 50, ..c[0] };
+        assert_eq!(fresh.choose(&[lagging, c[0]], 2, 2), vec![0, 4]);
+        assert_eq!(fresh.choose(&[lagging], 1, 1), vec![4]);
         let mut b = cpu_like();
         for id in 1..=8 {
             history(&mut b, id, 1, 40, 0.1);
@@ -436,8 +492,10 @@ mod tests {
     #[test]
     fn a_lagging_draft_model_resumes_only_when_the_catch_up_pays() {
         let mut b = cpu_like();
-        // Drafting costs 5 ms a token (a draft model on this CPU: a sixth of a target step).
-        b.observe_step(1, 0.030, 4, 0.020, 0.0005);
+        // Drafting costs 5 ms a token (a draft model on this CPU: a sixth of a target step), and so did a
+        // catch-up of 10 tokens beside 2 drafted ones.
+        b.observe_step(1, 0.030, 4, 0, 0.020, 0.0005);
+        b.observe_step(1, 0.030, 2, 10, 0.060, 0.0005);
         history(&mut b, 1, 3, 40, 0.9);
         let alone = |lag, shared_by| {
             [DraftCandidate {
@@ -472,5 +530,42 @@ mod tests {
         }
         assert_eq!(b.choose(&weak(0), 1, 1), vec![1]);
         assert_eq!(b.choose(&weak(40), 1, 1), vec![0]);
+        assert_eq!(b.choose(&weak(6), 1, 1), vec![0]);
+    }
+
+    /// The first catch-up is allowed once while the request is alone and measured; afterwards a cheap one (a
+    /// batched prompt feed) is priced as what it costs, not as drafting.
+    #[test]
+    fn a_catch_up_is_measured_once_then_priced_by_its_own_cost() {
+        let mut b = cpu_like();
+        b.observe_step(1, 0.030, 4, 0, 0.040, 0.0005); // drafting: 10 ms a token
+        history(&mut b, 1, 3, 40, 0.9);
+        let c = |lag, shared_by| {
+            [DraftCandidate {
+                id: 1,
+                max_tokens: 3,
+                lag,
+                shared_by,
+            }]
+        };
+        // Unmeasured: alone it is allowed (to measure it), beside another request it is not.
+        assert!(b.choose(&c(100, 60), 1, 1)[0] >= 1);
+        assert_eq!(b.choose(&c(100, 60), 2, 2), vec![0]);
+        // Nor while another request's prompt chunk (8 rows) is prefilled in the same step.
+        assert_eq!(b.choose(&c(100, 60), 9, 1), vec![0]);
+        // A step whose drafter time is mostly drafting says nothing about a 2-token catch-up.
+        b.observe_step(2, 0.034, 3, 2, 0.031, 0.0005);
+        assert_eq!(b.catch_up_token_s, None);
+        // Measured: 100 tokens fed in 250 ms beside 3 drafted tokens (30 ms): 2.5 ms a token.
+        b.observe_step(2, 0.034, 3, 100, 0.280, 0.0005);
+        assert!((b.catch_up_token_s.unwrap() - 0.0025).abs() < 1e-9);
+        // 100 tokens at 2.5 ms shared by 60 steps add ~4 ms a step: a 90% drafter still pays; priced at the
+        // drafting cost (10 ms a token, ~17 ms a step) it would not have.
+        assert!(b.choose(&c(100, 60), 1, 1)[0] >= 1);
+        let mut unmeasured = b.clone();
+        unmeasured.catch_up_token_s = Some(0.010);
+        assert_eq!(unmeasured.choose(&c(100, 60), 1, 1), vec![0]);
+        // Charged whole (fell behind while cut), 100 tokens are still too many for one step.
+        assert_eq!(b.choose(&c(100, 1), 1, 1), vec![0]);
     }
 }
