@@ -711,12 +711,12 @@ impl<'a> EngineLoop<'a> {
         // Tokens each drafter must catch up on before drafting (a draft model cut in earlier steps).
         let lags: Vec<usize> = running.iter().map(|r| r.generation.draft_lag()).collect();
         let limits = self.choose_draft_limits(running, &lags);
-        let spec_before: Vec<(u64, u64)> = running
+        let spec_before: Vec<(u64, u64, u64)> = running
             .iter()
             .map(|r| {
                 r.generation
                     .speculation()
-                    .map_or((0, 0), |s| (s.drafted, s.accepted))
+                    .map_or((0, 0, 0), |s| (s.drafted, s.accepted, s.draft_passes))
             })
             .collect();
         let mut texts: Vec<(usize, String)> = Vec::new();
@@ -852,7 +852,7 @@ impl<'a> EngineLoop<'a> {
         running: &[Running<'a>],
         limits: &[Option<usize>],
         lags: &[usize],
-        spec_before: &[(u64, u64)],
+        spec_before: &[(u64, u64, u64)],
         phases: &[specula::profile::StepPhases],
         report: decode::StepReport,
     ) {
@@ -873,14 +873,17 @@ impl<'a> EngineLoop<'a> {
         // tokens a drafter fed beyond those (the prompt, or what it missed while cut, as DraftBudget::choose
         // counts them): the budget prices the two apart.
         let mut drafted_total = 0;
+        let mut passes = 0;
         let mut catch_up = 0;
-        for (((r, limit), &(d0, a0)), &lag) in running.iter().zip(limits).zip(spec_before).zip(lags)
+        for (((r, limit), &(d0, a0, p0)), &lag) in
+            running.iter().zip(limits).zip(spec_before).zip(lags)
         {
             let (Some(limit), Some(s)) = (limit, r.generation.speculation()) else {
                 continue;
             };
             let drafted = (s.drafted - d0) as usize;
             drafted_total += drafted;
+            passes += (s.draft_passes - p0) as usize;
             if drafted > 0 {
                 catch_up += lag.saturating_sub((*limit).max(r.generation.draft_room()) + 1);
             }
@@ -891,13 +894,15 @@ impl<'a> EngineLoop<'a> {
                 report.rows,
                 forward,
                 drafted_total,
+                passes,
                 catch_up,
                 draft,
                 (step.seconds - forward - draft).max(0.0),
             );
-            let (draft_token, catch_up_token, overhead) = budget.costs();
+            let (draft_token, draft_pass, catch_up_token, overhead) = budget.costs();
             for (name, value) in [
                 ("draft_token", draft_token),
+                ("draft_pass", draft_pass),
                 ("catch_up_token", catch_up_token),
                 ("step_overhead", overhead),
             ] {

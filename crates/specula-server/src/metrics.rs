@@ -40,7 +40,7 @@ pub struct Metrics {
     /// Share of the KV memory budget the running requests reserve (0..1).
     pub kv_usage: Gauge,
     /// What adaptive speculation currently prices (DraftBudget's measurements), by cost: draft_token,
-    /// catch_up_token, step_overhead.
+    /// draft_pass, catch_up_token, step_overhead.
     pub draft_costs: GaugeVec,
 }
 
@@ -102,7 +102,7 @@ impl Metrics {
             Opts::new(
                 "specula:spec_decode_cost_seconds",
                 "Costs adaptive speculation prices drafts with, as measured so far: draft_token (drafter time \
-                 per drafted token), catch_up_token (per token a draft model feeds to catch up: its prompt, or \
+                 per drafted token), draft_pass (per forward pass of a drafter with a model), catch_up_token (per token a draft model feeds to catch up: its prompt, or \
                  what it missed while cut), step_overhead (a step's time outside the forward pass and drafters).",
             ),
             &["cost"],

@@ -45,6 +45,7 @@ impl Drafter for LatestMatch {
                             tokens: context[follow..end].to_vec(),
                             distributions: None,
                             parents: None,
+                            passes: 0,
                         });
                     }
                 }

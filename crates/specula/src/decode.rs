@@ -187,6 +187,8 @@ pub struct SpeculationStats {
     pub fully_rejected: u64,
     pub drafted: u64,
     pub accepted: u64,
+    /// Forward passes the drafter ran ([`crate::draft::Draft::passes`]).
+    pub draft_passes: u64,
     /// Per draft position 1..=k: how many cycles drafted / accepted a token there.
     pub drafted_per_position: Vec<u64>,
     pub accepted_per_position: Vec<u64>,
@@ -205,6 +207,7 @@ impl SpeculationStats {
             fully_rejected: 0,
             drafted: 0,
             accepted: 0,
+            draft_passes: 0,
             drafted_per_position: vec![0; k],
             accepted_per_position: vec![0; k],
             accept_len_histogram: vec![0; k + 1],
@@ -255,6 +258,7 @@ impl SpeculationStats {
         self.fully_rejected += other.fully_rejected;
         self.drafted += other.drafted;
         self.accepted += other.accepted;
+        self.draft_passes += other.draft_passes;
         for (a, b) in self
             .drafted_per_position
             .iter_mut()

@@ -224,6 +224,7 @@ mod tests {
             tokens: vec![0, 0, 0, 0],
             distributions: None,
             parents: None,
+            passes: 0,
         }
     }
 

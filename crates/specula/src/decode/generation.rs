@@ -373,6 +373,7 @@ impl<'d> Generation<'d> {
                     (acceptance, path)
                 };
                 if let Some(st) = self.stats.as_mut() {
+                    st.draft_passes += draft.passes as u64;
                     match &tree {
                         Some(t) => st.record_tree(
                             draft.tokens.len(),

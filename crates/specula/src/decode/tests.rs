@@ -207,6 +207,8 @@ fn confidence_stopped_draft_model_is_lossless_and_drafts_where_confident() {
             .unwrap();
         let draft = drafter.propose(ctx, 5, &SamplingParams::default()).unwrap();
         assert_eq!(draft.tokens, expected, "confidence {bar}");
+        // The feed, then one pass after each kept token but the fifth: a stop still paid its pass.
+        assert_eq!(draft.passes, 1 + expected.len().min(4), "confidence {bar}");
         checked += 1;
     }
     assert!(checked >= 4, "only {checked} contexts checked");
@@ -674,6 +676,7 @@ impl Drafter for FixedQDrafter {
             tokens,
             distributions: Some(vec![q; n]),
             parents: None,
+            passes: 0,
         })
     }
 }
@@ -693,6 +696,7 @@ impl Drafter for TreeDrafter {
             tokens: self.tokens.clone(),
             distributions: None,
             parents: Some(self.parents.clone()),
+            passes: 0,
         })
     }
 }
@@ -803,6 +807,7 @@ impl Drafter for OracleTreeDrafter {
             tokens,
             distributions: None,
             parents: Some(parents),
+            passes: 0,
         })
     }
 }
@@ -1087,6 +1092,7 @@ impl Drafter for BrokenDrafter {
                 tokens: vec![u32::MAX],
                 distributions: None,
                 parents: None,
+                passes: 0,
             });
         }
         Ok(Draft::default())

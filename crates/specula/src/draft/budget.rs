@@ -153,6 +153,10 @@ pub struct DraftBudget {
     /// several times cheaper per token than drafting one token at a time).
     overhead_s: Option<f64>,
     draft_token_s: Option<f64>,
+    /// Drafter time per forward pass, for drafters with a model: what one more draft position really costs
+    /// (the first position one pass, position j one more pass when position j - 1 kept a token). Per drafted
+    /// token overstates it when drafts stop early by confidence (their passes ran, few tokens came out).
+    draft_pass_s: Option<f64>,
     catch_up_token_s: Option<f64>,
     requests: HashMap<u64, PositionCounts>,
     pooled: PositionCounts,
@@ -171,14 +175,17 @@ impl DraftBudget {
     }
 
     /// The step's measurements: its forward pass over `rows` rows, its drafters' time `draft_s` for `drafted`
-    /// drafted tokens (each draft also feeds the last step's tokens first) and `catch_up` tokens fed beyond that
-    /// (a draft model's prompt, or what it missed while cut), and the rest of the step. A step with a catch-up
-    /// prices the catch-up: its drafter time less the drafted tokens at the per-token cost.
+    /// drafted tokens in `passes` drafter forward passes (each draft also feeds the last step's tokens first)
+    /// and `catch_up` tokens fed beyond that (a draft model's prompt, or what it missed while cut), and the rest
+    /// of the step. A step with a catch-up prices the catch-up: its drafter time less its passes (or drafted
+    /// tokens) at their usual cost.
+    #[allow(clippy::too_many_arguments)]
     pub fn observe_step(
         &mut self,
         rows: usize,
         forward_s: f64,
         drafted: usize,
+        passes: usize,
         catch_up: usize,
         draft_s: f64,
         other_s: f64,
@@ -195,20 +202,35 @@ impl DraftBudget {
             if drafted > 0 {
                 self.draft_token_s = ema(self.draft_token_s, draft_s / drafted as f64);
             }
-        } else if let Some(per_token) = self.draft_token_s {
+            if passes > 0 {
+                self.draft_pass_s = ema(self.draft_pass_s, draft_s / passes as f64);
+            }
+            return;
+        }
+        let usual = match (self.draft_pass_s, self.draft_token_s) {
+            (Some(per_pass), _) if passes > 0 => Some(passes as f64 * per_pass),
+            (_, Some(per_token)) => Some(drafted as f64 * per_token),
+            _ => None,
+        };
+        if let Some(usual) = usual {
             // Only steps whose drafter time is mostly the catch-up: elsewhere the difference of two noisy
             // numbers says little (and a catch-up priced near zero would stall a whole batch for real).
-            let fed = draft_s - drafted as f64 * per_token;
+            let fed = draft_s - usual;
             if fed >= 0.5 * draft_s {
                 self.catch_up_token_s = ema(self.catch_up_token_s, fed / catch_up as f64);
             }
         }
     }
 
-    /// What drafts are priced with so far: (drafter time per drafted token, per catch-up token, step overhead
-    /// outside the forward pass and drafters), each None until measured.
-    pub fn costs(&self) -> (Option<f64>, Option<f64>, Option<f64>) {
-        (self.draft_token_s, self.catch_up_token_s, self.overhead_s)
+    /// What drafts are priced with so far: (drafter time per drafted token, per drafter forward pass, per
+    /// catch-up token, step overhead outside the forward pass and drafters), each None until measured.
+    pub fn costs(&self) -> (Option<f64>, Option<f64>, Option<f64>, Option<f64>) {
+        (
+            self.draft_token_s,
+            self.draft_pass_s,
+            self.catch_up_token_s,
+            self.overhead_s,
+        )
     }
 
     /// A request's cycle: it was allowed `limit` tokens, drafted `drafted`, and `accepted` were accepted.
@@ -300,7 +322,14 @@ impl DraftBudget {
             } else {
                 0.0
             };
-            per_draft * extra + per_catch_up * catch_up
+            let drafting = match self.draft_pass_s {
+                // Position 0 costs the pass that feeds the context; position j one more pass when the draft
+                // got past position j - 1.
+                Some(per_pass) if j == 0 => per_pass,
+                Some(per_pass) => per_pass * self.estimate(c.id, j - 1).1,
+                None => per_draft * extra,
+            };
+            drafting + per_catch_up * catch_up
         };
         let mut rows = base_rows as f64;
         let mut draft_s = 0.0;
@@ -391,7 +420,7 @@ mod tests {
             (16, 150.0),
         ] {
             for _ in 0..3 {
-                b.observe_step(rows, ms * 1e-3, 0, 0, 0.0, 0.0005);
+                b.observe_step(rows, ms * 1e-3, 0, 0, 0, 0.0, 0.0005);
             }
         }
         b
@@ -494,8 +523,8 @@ mod tests {
         let mut b = cpu_like();
         // Drafting costs 5 ms a token (a draft model on this CPU: a sixth of a target step), and so did a
         // catch-up of 10 tokens beside 2 drafted ones.
-        b.observe_step(1, 0.030, 4, 0, 0.020, 0.0005);
-        b.observe_step(1, 0.030, 2, 10, 0.060, 0.0005);
+        b.observe_step(1, 0.030, 4, 0, 0, 0.020, 0.0005);
+        b.observe_step(1, 0.030, 2, 0, 10, 0.060, 0.0005);
         history(&mut b, 1, 3, 40, 0.9);
         let alone = |lag, shared_by| {
             [DraftCandidate {
@@ -538,7 +567,7 @@ mod tests {
     #[test]
     fn a_catch_up_is_measured_once_then_priced_by_its_own_cost() {
         let mut b = cpu_like();
-        b.observe_step(1, 0.030, 4, 0, 0.040, 0.0005); // drafting: 10 ms a token
+        b.observe_step(1, 0.030, 4, 0, 0, 0.040, 0.0005); // drafting: 10 ms a token
         history(&mut b, 1, 3, 40, 0.9);
         let c = |lag, shared_by| {
             [DraftCandidate {
@@ -554,10 +583,10 @@ mod tests {
         // Nor while another request's prompt chunk (8 rows) is prefilled in the same step.
         assert_eq!(b.choose(&c(100, 60), 9, 1), vec![0]);
         // A step whose drafter time is mostly drafting says nothing about a 2-token catch-up.
-        b.observe_step(2, 0.034, 3, 2, 0.031, 0.0005);
+        b.observe_step(2, 0.034, 3, 0, 2, 0.031, 0.0005);
         assert_eq!(b.catch_up_token_s, None);
         // Measured: 100 tokens fed in 250 ms beside 3 drafted tokens (30 ms): 2.5 ms a token.
-        b.observe_step(2, 0.034, 3, 100, 0.280, 0.0005);
+        b.observe_step(2, 0.034, 3, 0, 100, 0.280, 0.0005);
         assert!((b.catch_up_token_s.unwrap() - 0.0025).abs() < 1e-9);
         // 100 tokens at 2.5 ms shared by 60 steps add ~4 ms a step: a 90% drafter still pays; priced at the
         // drafting cost (10 ms a token, ~17 ms a step) it would not have.
@@ -567,5 +596,29 @@ mod tests {
         assert_eq!(unmeasured.choose(&c(100, 60), 1, 1), vec![0]);
         // Charged whole (fell behind while cut), 100 tokens are still too many for one step.
         assert_eq!(b.choose(&c(100, 1), 1, 1), vec![0]);
+    }
+
+    /// A draft model whose confidence bar stops most drafts after one token costs three passes a kept token:
+    /// priced per kept token (30 ms) it looks like it never pays, priced per pass (10 ms: what one more position
+    /// really costs) it drafts.
+    #[test]
+    fn drafts_are_priced_by_the_drafters_passes_when_it_reports_them() {
+        let mut b = cpu_like();
+        for c in 0..40 {
+            b.observe_cycle(1, 3, 1, usize::from(c % 10 != 0));
+        }
+        // One kept token, three passes (the feed, and two after tokens the bar then stopped), 10 ms each.
+        b.observe_step(1, 0.030, 1, 3, 0, 0.030, 0.0005);
+        let c = [DraftCandidate {
+            id: 1,
+            max_tokens: 3,
+            lag: 1,
+            shared_by: 1,
+        }];
+        assert!(b.choose(&c, 1, 1)[0] >= 1);
+        let mut per_token = b.clone();
+        per_token.draft_pass_s = None;
+        assert_eq!(per_token.draft_token_s, Some(0.030));
+        assert_eq!(per_token.choose(&c, 1, 1), vec![0]);
     }
 }

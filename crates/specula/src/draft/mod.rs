@@ -24,6 +24,10 @@ pub struct Draft {
     /// A tree draft (greedy only): each token's parent among the draft tokens (None: it follows the pending
     /// token). `None`: the tokens are a chain.
     pub parents: Option<Vec<Option<usize>>>,
+    /// Forward passes the drafter ran for it (a draft model or EAGLE head: one that feeds the context, then one
+    /// after each kept token but the last; 0 for drafters without a model). A draft the confidence bar stops
+    /// early still paid for its passes: the server's draft budget prices drafts by passes.
+    pub passes: usize,
 }
 
 impl Draft {

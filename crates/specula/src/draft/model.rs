@@ -122,6 +122,7 @@ impl Drafter for ModelDrafter<'_> {
             return Ok(Draft::default());
         }
         let mut logits = self.feed(&context[common..])?;
+        let mut passes = 1;
         let mut tokens = Vec::with_capacity(k);
         let mut distributions = Vec::with_capacity(k);
         let mut all_accepted = 1.0f64;
@@ -152,12 +153,14 @@ impl Drafter for ModelDrafter<'_> {
             tokens.push(token);
             if i + 1 < k {
                 logits = self.feed(&[token])?;
+                passes += 1;
             }
         }
         Ok(Draft {
             tokens,
             distributions: (!sampling.is_greedy()).then_some(distributions),
             parents: None,
+            passes,
         })
     }
 }

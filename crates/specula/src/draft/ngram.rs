@@ -296,6 +296,7 @@ impl Drafter for NgramDrafter {
             tokens,
             distributions: None,
             parents: None,
+            passes: 0,
         })
     }
 

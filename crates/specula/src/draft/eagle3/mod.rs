@@ -245,6 +245,8 @@ impl<'a> Eagle3Drafter<'a> {
                     })
                     .collect(),
             ),
+            // The first head pass (in propose) and one per expanded level.
+            passes: shape.steps,
         })
     }
 
@@ -378,6 +380,7 @@ impl Drafter for Eagle3Drafter<'_> {
         };
         let mut tokens = Vec::with_capacity(k);
         let mut distributions = Vec::with_capacity(k);
+        let mut passes = 1;
         for i in 0..k {
             let (token, dist) = self.choose(&logits, sampling);
             tokens.push(token);
@@ -386,6 +389,7 @@ impl Drafter for Eagle3Drafter<'_> {
                 let last = out[out.len() - h..].to_vec();
                 let e = self.embeddings(&[token])?;
                 (out, logits) = self.head.forward(&e, &last, 1, &mut self.cache)?;
+                passes += 1;
             }
         }
         // Draft-step rows leave the head's cache: verified positions get rows from the target's features.
@@ -394,6 +398,7 @@ impl Drafter for Eagle3Drafter<'_> {
             tokens,
             distributions: (!sampling.is_greedy()).then_some(distributions),
             parents: None,
+            passes,
         })
     }
 }
