@@ -158,6 +158,9 @@ pub struct DraftBudget {
     /// token overstates it when drafts stop early by confidence (their passes ran, few tokens came out).
     draft_pass_s: Option<f64>,
     catch_up_token_s: Option<f64>,
+    /// Recent samples behind the four prices above (each price is its window's median: drafting can be rare,
+    /// and an average of few samples kept an early outlier for a whole run).
+    samples: [VecDeque<f64>; 4],
     requests: HashMap<u64, PositionCounts>,
     pooled: PositionCounts,
 }
@@ -191,19 +194,27 @@ impl DraftBudget {
         other_s: f64,
     ) {
         self.forward.observe(rows, forward_s);
-        let ema = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| 0.9 * o + 0.1 * new));
+        let samples = &mut self.samples;
+        let mut median_with = |which: usize, v: f64| {
+            let w = &mut samples[which];
+            if w.len() == StepCostTable::WINDOW {
+                w.pop_front();
+            }
+            w.push_back(v);
+            Some(StepCostTable::median(w))
+        };
         if other_s.is_finite() && other_s >= 0.0 {
-            self.overhead_s = ema(self.overhead_s, other_s);
+            self.overhead_s = median_with(0, other_s);
         }
         if !draft_s.is_finite() || draft_s < 0.0 {
             return;
         }
         if catch_up == 0 {
             if drafted > 0 {
-                self.draft_token_s = ema(self.draft_token_s, draft_s / drafted as f64);
+                self.draft_token_s = median_with(1, draft_s / drafted as f64);
             }
             if passes > 0 {
-                self.draft_pass_s = ema(self.draft_pass_s, draft_s / passes as f64);
+                self.draft_pass_s = median_with(2, draft_s / passes as f64);
             }
             return;
         }
@@ -217,7 +228,7 @@ impl DraftBudget {
             // numbers says little (and a catch-up priced near zero would stall a whole batch for real).
             let fed = draft_s - usual;
             if fed >= 0.5 * draft_s {
-                self.catch_up_token_s = ema(self.catch_up_token_s, fed / catch_up as f64);
+                self.catch_up_token_s = median_with(3, fed / catch_up as f64);
             }
         }
     }
@@ -620,5 +631,18 @@ mod tests {
         per_token.draft_pass_s = None;
         assert_eq!(per_token.draft_token_s, Some(0.030));
         assert_eq!(per_token.choose(&c, 1, 1), vec![0]);
+    }
+
+    /// Prices are medians of recent samples: one slow first draft (a cold cache, a page fault) does not price
+    /// drafting out for the rest of the run.
+    #[test]
+    fn an_early_outlier_does_not_set_the_price() {
+        let mut b = DraftBudget::new();
+        b.observe_step(1, 0.030, 1, 1, 0, 0.200, 0.0005);
+        assert_eq!(b.draft_pass_s, Some(0.200));
+        b.observe_step(1, 0.030, 1, 1, 0, 0.010, 0.0005);
+        b.observe_step(1, 0.030, 1, 1, 0, 0.011, 0.0005);
+        assert_eq!(b.draft_pass_s, Some(0.011));
+        assert_eq!(b.draft_token_s, Some(0.011));
     }
 }
