@@ -324,12 +324,11 @@ impl DraftBudget {
         // The drafter time position j of candidate c adds: its expected rows, plus at its first position this
         // step's share of the catch-up.
         let draft_cost = |c: &DraftCandidate, j: usize, extra: f64| {
-            // Shared over later steps only when no other request waits through this one's catch-up.
-            let shared_by = if alone { c.shared_by } else { 1 };
-            // A drafter that drafted last step lags by that step's tokens (up to max_tokens + 1); feeding them is
+            // A lagging drafter reaches here only alone (skipped below otherwise), so nobody else waits through
+            // its catch-up. A drafter that drafted last step lags by that step's tokens (up to max_tokens + 1); feeding them is
             // part of every draft and already in the per-token cost. Only lag beyond that is a catch-up.
             let catch_up = if j == 0 {
-                catch_up_tokens(c) as f64 / shared_by.max(1) as f64
+                catch_up_tokens(c) as f64 / c.shared_by.max(1) as f64
             } else {
                 0.0
             };
