@@ -3,13 +3,21 @@
 # finds it. One command, resumable: run it again after an interruption and it continues from the checkpoint.
 #
 #   scripts/train-head.sh smollm2-135m-eagle3
+#   scripts/train-head.sh qwen2.5-coder-1.5b-eagle3            # needs a GPU: see below
+#
+# Extra arguments go to `specula train-eagle3` (e.g. --max-minutes 9 to stop with a usable head, then rerun to
+# resume). SPECULA_BIN names a prebuilt binary (no cargo build), e.g. on a GPU machine without Rust.
+# The qwen2.5-coder-1.5b head trains on the GPU: its target answers thousands of prompts and the head's MLP is
+# 1536 x 4096, hours on 2 CPU cores. Build with scripts/build-train-cuda.sh (dist/specula-train-cuda), then on the
+# GPU machine: SPECULA_BIN=dist/specula-train-cuda scripts/train-head.sh qwen2.5-coder-1.5b-eagle3.
 #
 # Data: coding requests made from the Python standard library's docstrings (scripts/eagle3_prompts.py), answered
 # by the target itself (self-distillation), plus chunks of the standard library's source. Never shared/prompts,
 # the evaluation set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-name=${1:?usage: scripts/train-head.sh NAME   (smollm2-135m-eagle3)}
+name=${1:?usage: scripts/train-head.sh NAME [train-eagle3 args]   (smollm2-135m-eagle3, qwen2.5-coder-1.5b-eagle3)}
+shift
 cache=${SPECULA_CACHE:-$HOME/.cache/specula/models}
 out=$cache/heads/$name
 case "$name" in
@@ -19,18 +27,29 @@ case "$name" in
     train_args=(--answer-tokens 256 --corpus-tokens 120000 --seq-len 384 --draft-vocab 8192 --ttt-steps 4
                 --epochs 3 --batch 4 --lr 5e-4 --seed 0)
     ;;
+  qwen2.5-coder-1.5b-eagle3)
+    target=qwen2.5-coder-1.5b
+    prompts=3000
+    train_args=(--device cuda --answer-batch 32 --answer-tokens 256 --corpus-tokens 300000 --seq-len 384
+                --draft-vocab 8192 --intermediate-size 4096 --ttt-steps 4 --epochs ${EPOCHS:-4} --batch 4
+                --lr 5e-4 --cache-gb 40 --seed 0)
+    ;;
   *)
-    echo "unknown head $name (known: smollm2-135m-eagle3)" >&2
+    echo "unknown head $name (known: smollm2-135m-eagle3, qwen2.5-coder-1.5b-eagle3)" >&2
     exit 2
     ;;
 esac
-cargo build --release -p specula-cli
-bin=target/release/specula
+if [ -n "${SPECULA_BIN:-}" ]; then
+  bin=$SPECULA_BIN
+else
+  cargo build --release -p specula-cli
+  bin=target/release/specula
+fi
 mkdir -p "$out"
 stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 [ -s "$out/prompts.jsonl" ] || python3 scripts/eagle3_prompts.py --count "$prompts" --out "$out/prompts.jsonl"
 resume=()
 [ -e "$out/data.jsonl" ] && resume=(--resume)
 "$bin" train-eagle3 -m "$target" --out "$out" --prompts "$out/prompts.jsonl" --corpus "$stdlib" \
-  "${train_args[@]}" "${resume[@]}" --json "$out/training-report.json"
+  "${train_args[@]}" "${resume[@]}" --json "$out/training-report.json" "$@"
 echo "head $name: $out"

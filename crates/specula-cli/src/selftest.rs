@@ -204,11 +204,35 @@ fn bitwise(name: &str, a: &[f32], b: &[f32]) -> Check {
     }
 }
 
-/// A verify pass equals single steps; a tree equals its branches; a batch equals each sequence alone.
+/// A verify pass equals single steps; a tree equals its branches; a batch equals each sequence alone; columns
+/// gathered where the logits live (EAGLE-3 training) equal the same columns copied whole.
 fn batch_invariance_checks(model: &dyn Model, tokens: &[u32]) -> anyhow::Result<Vec<Check>> {
     let split = tokens.len() - 3;
     let (prefix, rest) = tokens.split_at(split);
     let mut checks = Vec::new();
+    let mut cache = model.new_cache(tokens.len() + 8)?;
+    let out = model.forward_one(
+        tokens,
+        cache.as_mut(),
+        &ForwardOptions::default(),
+        LogitsFor::All,
+        &Profiler::disabled(),
+    )?;
+    let width = out.logits.cols();
+    // Scattered, descending, repeated and last columns.
+    let mut cols: Vec<u32> = (0..width as u32).rev().step_by(7).collect();
+    cols.extend([0, 0, width as u32 - 1]);
+    let gathered = out.logits.gather_columns(&cols)?;
+    let whole = out.logits.to_host()?;
+    let expected: Vec<f32> = (0..out.logits.rows())
+        .flat_map(|r| cols.iter().map(move |&c| (r, c as usize)))
+        .map(|(r, c)| whole[r * width + c])
+        .collect();
+    checks.push(bitwise(
+        "logit columns gathered on the device = copied whole",
+        &gathered,
+        &expected,
+    ));
     // Verify pass of 3 rows vs 3 single steps.
     let mut a = model.new_cache(tokens.len() + 8)?;
     forward(model, prefix, Some(a.as_mut()), LogitsFor::None)?;

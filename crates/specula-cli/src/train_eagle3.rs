@@ -71,6 +71,13 @@ pub struct TrainEagle3Args {
     /// a later run with --resume trains on it.
     #[arg(long)]
     pub data_only: bool,
+    /// Where the head trains: cpu, cuda or cuda:N (default: where the target runs, --device). The GPU needs a
+    /// build with the train-cuda feature (scripts/build-train-cuda.sh).
+    #[arg(long)]
+    pub train_device: Option<String>,
+    /// Prompts the target answers at once during self-distillation (one batched forward pass a token).
+    #[arg(long, default_value_t = 16)]
+    pub answer_batch: usize,
     /// Write the training report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -88,6 +95,17 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
             anyhow::bail!("--max-minutes must be a positive number of minutes, got {m}");
         }
     }
+    if args.answer_batch == 0 || args.answer_batch > 1024 {
+        anyhow::bail!(
+            "--answer-batch must be between 1 and 1024, got {}",
+            args.answer_batch
+        );
+    }
+    let train_device: specula::backend::Device = match &args.train_device {
+        Some(d) => d.parse()?,
+        None => args.model.device()?,
+    };
+    let device = train::training_device(train_device)?;
     let opts = TrainOptions {
         out: args.out.clone(),
         draft_vocab: args.draft_vocab,
@@ -102,6 +120,7 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
         resume: args.resume,
         top_k: args.top_k,
         cache_bytes: (args.cache_gb.clamp(0.0, 1e6) * 1e9) as usize,
+        device,
         ..Default::default()
     };
     opts.validate()?;
@@ -127,7 +146,11 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
     let (target, _, _) = load(&args.model)?;
     // Checked before any data is gathered (self-distillation takes minutes).
     let layers = train::target_layers(target.model.config(), args.aux_layers.as_deref())?;
-    eprintln!("target {}: the head reads layers {layers:?}", target.spec);
+    eprintln!(
+        "target {} on {}: the head reads layers {layers:?} and trains on {train_device}",
+        target.spec,
+        target.model.device()
+    );
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let texts: Vec<TrainingText> = if args.resume && data_path.exists() {
@@ -144,6 +167,7 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
             &prompts,
             args.answer_tokens,
             args.seq_len,
+            args.answer_batch,
             &mut |i, n, id| {
                 eprint!("\rself-distillation: {i}/{n} answers {id:<24}");
                 let _ = std::io::stderr().flush();
@@ -182,7 +206,8 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
         let width = 24;
         let filled = (done * width as f64).round() as usize;
         eprint!(
-            "\r[{}{}] step {}/{} epoch {} loss {:.3} acc/step % [{}] {:.0} tok/s lr {:.1e} {:.0}s ",
+            "\r[{}{}] step {}/{} epoch {} loss {:.3} acc/step % [{}] {:.0} tok/s lr {:.1e} {:.0}s \
+             (target {:.0}s fwd {:.0}s bwd {:.0}s opt {:.0}s) ",
             "#".repeat(filled.min(width)),
             "-".repeat(width - filled.min(width)),
             p.step,
@@ -193,6 +218,10 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
             p.tokens_per_s,
             p.lr,
             started.elapsed().as_secs_f64(),
+            p.phase_s[0],
+            p.phase_s[1],
+            p.phase_s[2],
+            p.phase_s[3],
         );
         let _ = std::io::stderr().flush();
     })?;

@@ -172,6 +172,18 @@ mod tests {
             "{}",
             s.reason
         );
+        // Qwen's head measured faster than its draft model and prompt lookup on the CPU: picked when built, not
+        // on a GPU (the head runs on the CPU there).
+        let q = choose("qwen2.5-coder-1.5b", false, &|_| true, &built);
+        assert_eq!(q.method, "eagle3");
+        assert_eq!(
+            q.draft_model.as_deref(),
+            Some("/heads/qwen2.5-coder-1.5b-eagle3")
+        );
+        assert_eq!(q.draft_tokens, 1);
+        let q = choose("qwen2.5-coder-1.5b", true, &|_| true, &built);
+        assert_eq!(q.method, "ngram");
+        assert!(q.reason.contains("CPU targets only"), "{}", q.reason);
         // Anything else: prompt lookup.
         assert_eq!(
             choose("/some/model.gguf", false, &|_| true, &built).method,

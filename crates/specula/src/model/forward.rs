@@ -311,6 +311,28 @@ pub trait RowMatrix: Send {
     fn row(&self, i: usize) -> Result<Cow<'_, [f32]>>;
     /// The whole matrix in host memory, row-major.
     fn to_host(&self) -> Result<Cow<'_, [f32]>>;
+    /// Columns `cols` of every row in host memory, row-major (`rows x cols.len()`), gathered where the matrix
+    /// lives: a caller that needs a few columns of a wide matrix (EAGLE-3 training reads the draft vocabulary's
+    /// logits, 8k of 152k columns) copies only those.
+    fn gather_columns(&self, cols: &[u32]) -> Result<Vec<f32>> {
+        check_columns(self.cols(), cols)?;
+        let all = self.to_host()?;
+        let width = self.cols();
+        Ok((0..self.rows())
+            .flat_map(|r| cols.iter().map(move |&c| (r, c)))
+            .map(|(r, c)| all[r * width + c as usize])
+            .collect())
+    }
+}
+
+/// Every column index within a matrix `width` wide.
+pub fn check_columns(width: usize, cols: &[u32]) -> Result<()> {
+    match cols.iter().find(|&&c| c as usize >= width) {
+        Some(c) => Err(Error::InvalidArgument(format!(
+            "column {c} of a matrix {width} columns wide"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// A matrix in host memory.

@@ -24,6 +24,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gather_rows",
     "argmax_partial",
     "argmax_final",
+    "gather_columns",
     "fill_random_bf16",
     "kv_keep_rows",
 ];
@@ -43,6 +44,7 @@ pub struct Kernels {
     pub gather_rows: CudaFunction,
     pub argmax_partial: CudaFunction,
     pub argmax_final: CudaFunction,
+    pub gather_columns: CudaFunction,
     pub fill_random_bf16: CudaFunction,
     pub kv_keep_rows: CudaFunction,
 }
@@ -167,6 +169,7 @@ impl Gpu {
             gather_rows: f("gather_rows")?,
             argmax_partial: f("argmax_partial")?,
             argmax_final: f("argmax_final")?,
+            gather_columns: f("gather_columns")?,
             fill_random_bf16: f("fill_random_bf16")?,
             kv_keep_rows: f("kv_keep_rows")?,
             _module: module,

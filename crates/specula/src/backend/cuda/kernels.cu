@@ -609,6 +609,15 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part_val, cons
     if (threadIdx.x == 0) best[r] = idx;
 }
 
+// y[r][j] = x[r][cols[j]]: the columns a caller needs of a wide matrix (the draft vocabulary's logits).
+extern "C" __global__ void gather_columns(const float* __restrict__ x, const u32* __restrict__ cols,
+                                          float* __restrict__ y, int n_cols, int x_cols) {
+    PDL_ENTER();
+    const size_t r = blockIdx.y;
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n_cols; j += gridDim.x * blockDim.x)
+        y[r * n_cols + j] = x[r * x_cols + cols[j]];
+}
+
 // Fills a bf16 buffer with seeded uniform values in [-scale, scale) (random weights of real shapes for speed
 // work, made on the device). A counter-based hash, so any element's value depends only on (seed, index).
 extern "C" __global__ void fill_random_bf16(bf16_t* __restrict__ out, size_t n, u64 seed, float scale) {

@@ -1164,6 +1164,36 @@ impl RowMatrix for DeviceRows {
             .map_err(|e| cuda_err("reading a matrix", e))?;
         Ok(Cow::Owned(host))
     }
+
+    fn gather_columns(&self, cols: &[u32]) -> Result<Vec<f32>> {
+        crate::model::forward::check_columns(self.cols, cols)?;
+        if self.rows == 0 || cols.is_empty() {
+            return Ok(Vec::new());
+        }
+        let gpu = &self.gpu;
+        let index = gpu
+            .stream
+            .clone_htod(cols)
+            .map_err(|e| cuda_err("uploading column indices", e))?;
+        // SAFETY: every element is written by gather_columns below before it is read.
+        let out = unsafe { gpu.stream.alloc::<f32>(self.rows * cols.len()) }
+            .map_err(|e| cuda_err("allocating gathered columns", e))?;
+        let blocks = cols.len().div_ceil(256).min(1024) as u32;
+        launch!(
+            gpu,
+            gather_columns,
+            (blocks, self.rows as u32, 1),
+            256,
+            ptr(&self.data, gpu),
+            ptr(&index, gpu),
+            ptr(&out, gpu),
+            cols.len() as i32,
+            self.cols as i32
+        );
+        gpu.stream
+            .clone_dtoh(&out)
+            .map_err(|e| cuda_err("reading gathered columns", e))
+    }
 }
 
 impl Model for CudaModel {

@@ -6,11 +6,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-use crate::decode::{self, GenerateRequest};
 use crate::error::{Error, Result};
-use crate::model::{ForwardOptions, LoadedModel, LogitsFor, Model};
+use crate::model::{ForwardOptions, LoadedModel, LogitsFor, Model, SequenceCache, SequenceInput};
 use crate::profile::Profiler;
-use crate::sampling::SamplingParams;
 
 use super::net::TrainingSequence;
 
@@ -103,51 +101,125 @@ pub fn corpus_texts(
 }
 
 /// The target's own greedy answers to `prompts` (self-distillation: the head learns what this target says, in
-/// its chat format), each at most `answer_tokens` long and the whole sequence at most `seq_len`.
+/// its chat format), each at most `answer_tokens` long and the whole sequence at most `seq_len`. Up to `batch`
+/// prompts are answered at once, one batched forward pass a token (each sequence with its own cache); a greedy
+/// answer does not depend on its batch (the backends' kernels are row-independent), so the texts equal one
+/// prompt at a time through `decode::generate`, in prompt order.
 pub fn self_distilled_texts(
     model: &LoadedModel,
     prompts: &[(String, String)],
     answer_tokens: usize,
     seq_len: usize,
+    batch: usize,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<Vec<TrainingText>> {
-    let seq_len = seq_len.min(model.model.config().context_length);
-    let mut out = Vec::new();
-    for (i, (id, prompt)) in prompts.iter().enumerate() {
-        progress(i, prompts.len(), id);
-        let text = model.format_prompt(prompt, false, None)?;
-        let prompt_tokens = model.tokenizer.encode(&text)?;
-        if prompt_tokens.len() + 2 > seq_len {
-            continue;
+    struct Answering {
+        index: usize,
+        tokens: Vec<u32>,
+        loss_from: usize,
+        max_new: usize,
+        cache: Box<dyn SequenceCache>,
+    }
+    let target = model.model.as_ref();
+    let seq_len = seq_len.min(target.config().context_length);
+    let batch = batch.max(1);
+    let mut answered: Vec<Option<TrainingText>> = Vec::new();
+    answered.resize_with(prompts.len(), || None);
+    let mut done = 0usize;
+    let mut next_prompt = 0usize;
+    let mut live: Vec<Answering> = Vec::new();
+    let opts = ForwardOptions::default();
+    let prof = Profiler::disabled();
+    // Appends the greedy token; true when the answer goes on.
+    let commit = |a: &mut Answering, token: u32| -> bool {
+        if model.tokenizer.is_stop(token) {
+            return false;
         }
-        let req = GenerateRequest {
-            prompt_tokens: prompt_tokens.clone(),
-            max_new_tokens: answer_tokens.min(seq_len - prompt_tokens.len()),
-            sampling: SamplingParams::default(),
-            stop_at_eos: true,
-            cancel: None,
-        };
-        let answer = decode::generate(
-            model.model.as_ref(),
-            &model.tokenizer,
-            &req,
-            None,
-            &Profiler::disabled(),
-            &mut |_| {},
-        )?;
-        let mut tokens = prompt_tokens;
-        let loss_from = tokens.len();
-        tokens.extend(&answer.tokens);
-        if tokens.len() > loss_from {
-            out.push(TrainingText {
-                tokens,
-                loss_from,
-                source: format!("answer:{id}"),
+        a.tokens.push(token);
+        a.tokens.len() - a.loss_from < a.max_new
+    };
+    let finish = |a: Answering, answered: &mut [Option<TrainingText>]| {
+        if a.tokens.len() > a.loss_from {
+            answered[a.index] = Some(TrainingText {
+                tokens: a.tokens,
+                loss_from: a.loss_from,
+                source: format!("answer:{}", prompts[a.index].0),
             });
         }
+    };
+    loop {
+        // Fill free slots: each new prompt is prefilled alone, then decodes with the others.
+        while live.len() < batch && next_prompt < prompts.len() {
+            let index = next_prompt;
+            next_prompt += 1;
+            let (id, prompt) = &prompts[index];
+            progress(done, prompts.len(), id);
+            let text = model.format_prompt(prompt, false, None)?;
+            let prompt_tokens = model.tokenizer.encode(&text)?;
+            if prompt_tokens.len() + 2 > seq_len {
+                done += 1;
+                continue;
+            }
+            let max_new = answer_tokens.min(seq_len - prompt_tokens.len());
+            let mut cache = target.new_cache_for(prompt_tokens.len(), max_new, 0)?;
+            let out = target.forward_one(
+                &prompt_tokens,
+                cache.as_mut(),
+                &opts,
+                LogitsFor::Last,
+                &prof,
+            )?;
+            let first = out.logits.argmax_rows()?[0];
+            let mut a = Answering {
+                index,
+                loss_from: prompt_tokens.len(),
+                tokens: prompt_tokens,
+                max_new,
+                cache,
+            };
+            if max_new > 0 && commit(&mut a, first) {
+                live.push(a);
+            } else {
+                finish(a, &mut answered);
+                done += 1;
+            }
+        }
+        if live.is_empty() {
+            break;
+        }
+        let last: Vec<[u32; 1]> = live
+            .iter()
+            .map(|a| [*a.tokens.last().unwrap_or(&0)])
+            .collect();
+        let mut inputs: Vec<SequenceInput<'_>> = live
+            .iter_mut()
+            .zip(&last)
+            .map(|(a, t)| SequenceInput {
+                tokens: t,
+                cache: a.cache.as_mut(),
+                logits: LogitsFor::Last,
+                tree: None,
+            })
+            .collect();
+        let outs = target.forward(&mut inputs, &opts, &prof)?;
+        drop(inputs);
+        let next: Vec<u32> = outs
+            .iter()
+            .map(|o| Ok(o.logits.argmax_rows()?[0]))
+            .collect::<Result<_>>()?;
+        let mut still = Vec::with_capacity(live.len());
+        for (mut a, token) in live.drain(..).zip(next) {
+            if commit(&mut a, token) {
+                still.push(a);
+            } else {
+                finish(a, &mut answered);
+                done += 1;
+            }
+        }
+        live = still;
     }
     progress(prompts.len(), prompts.len(), "");
-    Ok(out)
+    Ok(answered.into_iter().flatten().collect())
 }
 
 /// The draft vocabulary: the target ids the head can propose, increasing.
@@ -250,6 +322,7 @@ impl TargetOutputs {
         text: &TrainingText,
         steps: usize,
         draft_vocab: usize,
+        dev: &Device,
     ) -> Result<TrainingSequence> {
         let t = self.len;
         let h = target.config().hidden_size;
@@ -262,12 +335,11 @@ impl TargetOutputs {
             }
         }
         let features: Vec<f32> = self.features.iter().map(|v| v.to_f32()).collect();
-        let dev = Device::Cpu;
         Ok(TrainingSequence {
             len: t,
-            features: Tensor::from_vec(features, (t, 3 * h), &dev)?,
-            embeds: Tensor::from_vec(embeds, (t + steps, h), &dev)?,
-            target_probs: Tensor::from_vec(probs, (t, draft_vocab), &dev)?,
+            features: Tensor::from_vec(features, (t, 3 * h), dev)?,
+            embeds: Tensor::from_vec(embeds, (t + steps, h), dev)?,
+            target_probs: Tensor::from_vec(probs, (t, draft_vocab), dev)?,
             target_ids: self.target_ids.clone(),
         })
     }
@@ -296,64 +368,72 @@ pub fn target_outputs(
         capture_layers: layers,
         vocab_limit: None,
     };
-    let out = target
-        .forward_one(
-            tokens,
-            cache.as_mut(),
-            &opts,
-            LogitsFor::All,
-            &Profiler::disabled(),
-        )?
-        .to_host()?;
+    let out = target.forward_one(
+        tokens,
+        cache.as_mut(),
+        &opts,
+        LogitsFor::All,
+        &Profiler::disabled(),
+    )?;
     let big_h = c.hidden_size;
     let mut features = vec![half::f16::ZERO; t * 3 * big_h];
     for (k, (_, rows)) in out.hidden.iter().enumerate() {
+        let rows = rows.to_host()?;
         for r in 0..t {
             let dst = &mut features[r * 3 * big_h + k * big_h..r * 3 * big_h + (k + 1) * big_h];
-            for (d, &v) in dst.iter_mut().zip(rows.row(r)) {
+            for (d, &v) in dst.iter_mut().zip(&rows[r * big_h..(r + 1) * big_h]) {
                 *d = half::f16::from_f32(v);
             }
         }
     }
     let dv = vocab.len();
     let top_k = top_k.clamp(1, dv);
-    let mut top = Vec::with_capacity(t * top_k);
-    let mut target_ids = vec![None; t];
-    let mut scratch: Vec<(u32, f32)> = Vec::with_capacity(dv);
-    for (r, id) in target_ids.iter_mut().enumerate() {
-        let row = out.logits.row(r);
-        scratch.clear();
-        scratch.extend(
-            vocab
-                .ids
+    // Only the draft vocabulary's logits leave the device (a GPU's whole-vocabulary logits of a 384-token
+    // sequence are 233 MB, whose copy cost 4x the forward pass), and the argmax is taken where they live.
+    let draft_logits = out.logits.gather_columns(&vocab.ids)?;
+    let best = out.logits.argmax_rows()?;
+    // Per row: the top k draft tokens with their renormalized probabilities. Rows are independent, so they
+    // split across the thread pool.
+    let mut top = vec![(0u32, 0f32); t * top_k];
+    let rows_per_chunk = 8;
+    crate::parallel::for_each_chunk_mut(&mut top, rows_per_chunk * top_k, |start, top| {
+        let first = start / top_k;
+        let mut scratch: Vec<(u32, f32)> = Vec::with_capacity(dv);
+        for (i, out_row) in top.chunks_mut(top_k).enumerate() {
+            let row = &draft_logits[(first + i) * dv..(first + i + 1) * dv];
+            scratch.clear();
+            scratch.extend(row.iter().enumerate().map(|(d, &v)| (d as u32, v)));
+            let max = scratch
                 .iter()
-                .enumerate()
-                .map(|(d, &tok)| (d as u32, row[tok as usize])),
-        );
-        let max = scratch
-            .iter()
-            .map(|x| x.1)
-            .fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = scratch.iter().map(|x| ((x.1 - max) as f64).exp()).sum();
-        scratch.select_nth_unstable_by(top_k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let kept = &mut scratch[..top_k];
-        kept.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let probs: Vec<f64> = kept
-            .iter()
-            .map(|x| ((x.1 - max) as f64).exp() / sum)
-            .collect();
-        let kept_mass: f64 = probs.iter().sum();
-        top.extend(
-            kept.iter()
-                .zip(&probs)
-                .map(|(x, &p)| (x.0, (p / kept_mass) as f32)),
-        );
-        // The row is trained on when it predicts an answer token and the target's choice is draftable.
-        if r + 1 >= text.loss_from {
-            let best = crate::sampling::argmax(row);
-            *id = vocab.draft_of.get(best as usize).copied().flatten();
+                .map(|x| x.1)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = scratch.iter().map(|x| ((x.1 - max) as f64).exp()).sum();
+            scratch
+                .select_nth_unstable_by(top_k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let kept = &mut scratch[..top_k];
+            kept.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let probs: Vec<f64> = kept
+                .iter()
+                .map(|x| ((x.1 - max) as f64).exp() / sum)
+                .collect();
+            let kept_mass: f64 = probs.iter().sum();
+            for (slot, (x, &p)) in out_row.iter_mut().zip(kept.iter().zip(&probs)) {
+                *slot = (x.0, (p / kept_mass) as f32);
+            }
         }
-    }
+    });
+    // A row is trained on when it predicts an answer token and the target's choice is draftable.
+    let target_ids: Vec<Option<u32>> = best
+        .iter()
+        .enumerate()
+        .map(|(r, &b)| {
+            if r + 1 >= text.loss_from {
+                vocab.draft_of.get(b as usize).copied().flatten()
+            } else {
+                None
+            }
+        })
+        .collect();
     Ok(TargetOutputs {
         len: t,
         features,
@@ -372,7 +452,13 @@ pub fn prepare(
     steps: usize,
     top_k: usize,
 ) -> Result<TrainingSequence> {
-    target_outputs(target, layers, vocab, text, top_k)?.sequence(target, text, steps, vocab.len())
+    target_outputs(target, layers, vocab, text, top_k)?.sequence(
+        target,
+        text,
+        steps,
+        vocab.len(),
+        &Device::Cpu,
+    )
 }
 
 /// Reads training texts written by [`write_texts`].

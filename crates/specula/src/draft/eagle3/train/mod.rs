@@ -3,8 +3,8 @@
 //! AdamW with warmup and cosine decay, gradient clipping; checkpoints resume; the result is written in the
 //! published layout (config.json + model.safetensors with d2t) that specula, SGLang and vLLM load.
 //!
-//! Autograd: candle-core's (already a dependency for its quantized block types), on the CPU. docs/eagle3.md says
-//! why it over the alternatives.
+//! Autograd: candle-core's (already a dependency for its quantized block types), on the CPU or, in a build with
+//! the `train-cuda` feature, on the GPU. docs/eagle3.md says why it over the alternatives.
 
 pub mod data;
 pub mod net;
@@ -62,6 +62,8 @@ pub struct TrainOptions {
     pub top_k: usize,
     /// Memory for the target's outputs kept between epochs (beyond it they are recomputed).
     pub cache_bytes: usize,
+    /// Where the head trains (candle's device; the target runs wherever it was loaded).
+    pub device: Device,
 }
 
 impl Default for TrainOptions {
@@ -85,6 +87,7 @@ impl Default for TrainOptions {
             resume: false,
             top_k: 32,
             cache_bytes: 4 << 30,
+            device: Device::Cpu,
         }
     }
 }
@@ -129,6 +132,9 @@ pub struct TrainProgress {
     pub step_accuracy: Vec<f64>,
     pub tokens_per_s: f64,
     pub lr: f64,
+    /// Seconds spent so far in this run on: the target's outputs and the sequence's tensors, the head's forward,
+    /// its backward, the optimizer (on a GPU each part ends with a synchronization, so these are device times).
+    pub phase_s: [f64; 4],
 }
 
 /// What training produced.
@@ -198,6 +204,27 @@ pub fn target_layers(target: &Config, aux: Option<&[usize]>) -> Result<Vec<usize
     hc.target_layers(target.num_layers)
 }
 
+/// candle's device for training on `device`. The GPU needs a build with the `train-cuda` feature (candle's CUDA
+/// kernels are compiled with nvcc at build time: scripts/build-train-cuda.sh); there matrix products run in TF32
+/// (SpecForge trains in bf16; the head's weights and Adam's moments stay f32).
+pub fn training_device(device: crate::backend::Device) -> Result<Device> {
+    match device {
+        crate::backend::Device::Cpu => Ok(Device::Cpu),
+        #[cfg(feature = "train-cuda")]
+        crate::backend::Device::Cuda(index) => {
+            let dev = Device::new_cuda(index)
+                .map_err(|e| Error::InvalidArgument(format!("training on cuda:{index}: {e}")))?;
+            candle_core::cuda::set_gemm_reduced_precision_f32(true);
+            Ok(dev)
+        }
+        #[cfg(not(feature = "train-cuda"))]
+        crate::backend::Device::Cuda(index) => Err(Error::InvalidArgument(format!(
+            "training on cuda:{index} needs a specula built with the train-cuda feature \
+             (scripts/build-train-cuda.sh); --train-device cpu trains the head on the CPU"
+        ))),
+    }
+}
+
 /// Adam moments of one parameter.
 struct Moments {
     m: Tensor,
@@ -237,9 +264,10 @@ fn save_checkpoint(
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     for ((name, var), m) in params.vars.iter().zip(moments) {
-        tensors.insert(format!("param.{name}"), var.as_tensor().clone());
-        tensors.insert(format!("adam_m.{name}"), m.m.clone());
-        tensors.insert(format!("adam_v.{name}"), m.v.clone());
+        let host = |t: &Tensor| t.to_device(&Device::Cpu);
+        tensors.insert(format!("param.{name}"), host(var.as_tensor())?);
+        tensors.insert(format!("adam_m.{name}"), host(&m.m)?);
+        tensors.insert(format!("adam_v.{name}"), host(&m.v)?);
     }
     let ids: Vec<i64> = vocab.ids.iter().map(|&i| i64::from(i)).collect();
     tensors.insert(
@@ -261,6 +289,7 @@ fn load_checkpoint(
     out: &Path,
     target: &Config,
     shape_of: &dyn Fn(&CheckpointState) -> Result<HeadShape>,
+    device: &Device,
 ) -> Result<(HeadParams, Vec<Moments>, DraftVocab, CheckpointState)> {
     let dir = checkpoint_dir(out);
     let json = dir.join("state.json");
@@ -282,12 +311,13 @@ fn load_checkpoint(
         .collect::<Result<_>>()?;
     let vocab = DraftVocab::from_ids(ids, target.vocab_size)?;
     let shape = shape_of(&state)?;
-    let params = HeadParams::from_tensors(shape.clone(), |name| take(format!("param.{name}")))?;
+    let params =
+        HeadParams::from_tensors(shape.clone(), device, |name| take(format!("param.{name}")))?;
     let mut moments = Vec::new();
     for (name, _) in shape.tensors() {
         moments.push(Moments {
-            m: take(format!("adam_m.{name}"))?,
-            v: take(format!("adam_v.{name}"))?,
+            m: take(format!("adam_m.{name}"))?.to_device(device)?,
+            v: take(format!("adam_v.{name}"))?.to_device(device)?,
         });
     }
     Ok((params, moments, vocab, state))
@@ -305,7 +335,10 @@ pub fn export_head(
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     for (name, var) in &params.vars {
-        tensors.insert(name.to_string(), var.as_tensor().to_dtype(dtype)?);
+        tensors.insert(
+            name.to_string(),
+            var.as_tensor().to_dtype(dtype)?.to_device(&Device::Cpu)?,
+        );
     }
     tensors.insert(
         "d2t".into(),
@@ -322,6 +355,7 @@ pub fn export_head(
 /// The target's outputs per training text, computed once and kept within a memory budget.
 struct TargetCache<'a> {
     target: &'a dyn Model,
+    device: Device,
     layers: Vec<usize>,
     top_k: usize,
     entries: Vec<Option<TargetOutputs>>,
@@ -339,10 +373,10 @@ impl TargetCache<'_> {
     ) -> Result<TrainingSequence> {
         let text = &texts[i];
         if let Some(outputs) = &self.entries[i] {
-            return outputs.sequence(self.target, text, steps, vocab.len());
+            return outputs.sequence(self.target, text, steps, vocab.len(), &self.device);
         }
         let outputs = data::target_outputs(self.target, &self.layers, vocab, text, self.top_k)?;
-        let seq = outputs.sequence(self.target, text, steps, vocab.len())?;
+        let seq = outputs.sequence(self.target, text, steps, vocab.len(), &self.device)?;
         if self.bytes + outputs.bytes() <= self.budget {
             self.bytes += outputs.bytes();
             self.entries[i] = Some(outputs);
@@ -428,6 +462,7 @@ pub fn train(
     let layers = target_layers(&tc, opts.aux_layers.as_deref())?;
     let mut cache = TargetCache {
         target: model,
+        device: opts.device.clone(),
         layers: layers.clone(),
         top_k: opts.top_k,
         entries: Vec::new(),
@@ -443,9 +478,12 @@ pub fn train(
         )));
     }
     let (params, mut moments, vocab, mut state) = if opts.resume && ckpt_exists {
-        let (params, moments, vocab, state) = load_checkpoint(&opts.out, &tc, &|s| {
-            shape_of(&s.target_layers, s.draft_vocab, s.intermediate)
-        })?;
+        let (params, moments, vocab, state) = load_checkpoint(
+            &opts.out,
+            &tc,
+            &|s| shape_of(&s.target_layers, s.draft_vocab, s.intermediate),
+            &opts.device,
+        )?;
         if state.target_layers != layers || state.ttt_steps != opts.ttt_steps {
             return Err(Error::InvalidArgument(format!(
                 "the checkpoint in {} was trained with target layers {:?} and {} unrolled steps; this run asks \
@@ -467,7 +505,7 @@ pub fn train(
         } else {
             None
         };
-        let params = HeadParams::init(shape, opts.seed, lm_init)?;
+        let params = HeadParams::init(shape, opts.seed, lm_init, &opts.device)?;
         let moments = params
             .vars
             .iter()
@@ -503,6 +541,14 @@ pub fn train(
     let mut stopped_early = false;
     let mut window_tokens = 0usize;
     let mut window_start = Instant::now();
+    let mut phase_s = [0f64; 4];
+    // Closes phase `i`: waits for the device (a GPU runs asynchronously) and adds the time since `lap`.
+    let mark = |i: usize, lap: &mut Instant, phase_s: &mut [f64; 4]| -> Result<()> {
+        opts.device.synchronize()?;
+        phase_s[i] += lap.elapsed().as_secs_f64();
+        *lap = Instant::now();
+        Ok(())
+    };
     'epochs: while state.epoch < opts.epochs {
         let mut order: Vec<usize> = (0..train_set.len()).collect();
         order.shuffle(&mut ChaCha20Rng::seed_from_u64(
@@ -516,10 +562,13 @@ pub fn train(
             let batch = &order[state.position..(state.position + opts.batch).min(order.len())];
             let mut grads: Vec<Option<Tensor>> = vec![None; params.vars.len()];
             let mut batch_loss = 0f32;
+            let mut lap = Instant::now();
             for &i in batch {
                 let seq = cache.sequence(texts, train_set[i], &vocab, opts.ttt_steps)?;
+                mark(0, &mut lap, &mut phase_s)?;
                 let out = params.forward_ttt(&seq, opts.ttt_steps)?;
                 batch_loss += out.loss.to_scalar::<f32>()?;
+                mark(1, &mut lap, &mut phase_s)?;
                 for (r, (&c, &n)) in recent.iter_mut().zip(out.correct.iter().zip(&out.counted)) {
                     r.0 += c;
                     r.1 += n;
@@ -535,6 +584,7 @@ pub fn train(
                 }
                 state.tokens_trained += seq.len;
                 window_tokens += seq.len;
+                mark(2, &mut lap, &mut phase_s)?;
             }
             // Mean over the batch, clipped by global norm.
             let scale = 1.0 / batch.len() as f64;
@@ -562,6 +612,7 @@ pub fn train(
                 let decayed = (p * (1.0 - lr * opts.weight_decay))?;
                 var.set(&(decayed - (update * lr)?)?)?;
             }
+            mark(3, &mut lap, &mut phase_s)?;
             state.position += batch.len();
             state.step += 1;
             let elapsed = window_start.elapsed().as_secs_f64();
@@ -576,6 +627,7 @@ pub fn train(
                     .collect(),
                 tokens_per_s: window_tokens as f64 / elapsed.max(1e-9),
                 lr,
+                phase_s,
             });
             if elapsed > 30.0 {
                 window_tokens = 0;

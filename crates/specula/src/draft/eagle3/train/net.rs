@@ -140,7 +140,12 @@ impl HeadParams {
     /// Random initialization (Llama's: normal, std 0.02; norms at one), from `seed`. `lm_head_init`, when given,
     /// is the draft vocabulary's rows of the target's output embedding (a head starts in the target's output
     /// space and trains much faster from there).
-    pub fn init(shape: HeadShape, seed: u64, lm_head_init: Option<Vec<f32>>) -> Result<Self> {
+    pub fn init(
+        shape: HeadShape,
+        seed: u64,
+        lm_head_init: Option<Vec<f32>>,
+        device: &Device,
+    ) -> Result<Self> {
         let mut rng = ChaCha20Rng::seed_from_u64(seed);
         let mut vars = Vec::new();
         for (name, dims) in shape.tensors() {
@@ -166,7 +171,7 @@ impl HeadParams {
                     })
                     .collect()
             };
-            let t = Tensor::from_vec(data, dims, &Device::Cpu)?;
+            let t = Tensor::from_vec(data, dims, device)?;
             vars.push((name, Var::from_tensor(&t)?));
         }
         Ok(HeadParams { shape, vars })
@@ -175,6 +180,7 @@ impl HeadParams {
     /// Parameters from saved tensors (a checkpoint), each checked against the shape.
     pub fn from_tensors(
         shape: HeadShape,
+        device: &Device,
         mut get: impl FnMut(&str) -> Result<Tensor>,
     ) -> Result<Self> {
         let mut vars = Vec::new();
@@ -186,7 +192,10 @@ impl HeadParams {
                     t.dims()
                 )));
             }
-            vars.push((name, Var::from_tensor(&t.to_dtype(DType::F32)?)?));
+            vars.push((
+                name,
+                Var::from_tensor(&t.to_dtype(DType::F32)?.to_device(device)?)?,
+            ));
         }
         Ok(HeadParams { shape, vars })
     }
@@ -214,7 +223,7 @@ impl HeadParams {
         let scale = 1.0 / (hd as f64).sqrt();
         let [fc, hidden_norm, input_norm, wq, wk, wv, wo, post_norm, w_gate, w_up, w_down, final_norm, lm_head] =
             std::array::from_fn(|i| self.get(i));
-        let dev = Device::Cpu;
+        let dev = seq.features.device().clone();
         // Causal mask for the step-0 keys: row t sees keys 0..=t.
         let mask: Vec<f32> = (0..t * t)
             .map(|i| {
@@ -304,7 +313,7 @@ impl HeadParams {
     /// step j, soft cross-entropy against the target's distribution, over the rows with a target.
     pub fn forward_ttt(&self, seq: &TrainingSequence, steps: usize) -> Result<TttOutput> {
         let t = seq.len;
-        let dev = Device::Cpu;
+        let dev = seq.features.device().clone();
         let mut total: Option<Tensor> = None;
         let mut out = TttOutput {
             loss: Tensor::zeros((), DType::F32, &dev)?,

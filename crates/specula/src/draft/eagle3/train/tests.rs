@@ -48,7 +48,7 @@ fn unrolled_steps_compute_what_the_inference_head_computes() {
     let hc = HeadConfig::from_json(&json.to_string(), Path::new("config.json")).unwrap();
     let shape = HeadShape::new(&hc.layer, h, vocab.len());
     // Norm weights away from one, so a misplaced norm shows.
-    let params = HeadParams::init(shape, 3, None).unwrap();
+    let params = HeadParams::init(shape, 3, None, &Device::Cpu).unwrap();
     for (i, (name, var)) in params.vars.iter().enumerate() {
         if var.as_tensor().dims().len() == 1 {
             let n = var.elem_count();
@@ -155,20 +155,25 @@ fn training_lowers_the_loss_and_checkpoints_resume() {
     // KL divergence from the target on the training sequences (cross-entropy minus the target's entropy: the
     // part training can remove), step 0.
     let train_loss = |dir: &Path| -> f32 {
-        let (params, _, vocab, _) = load_checkpoint(dir, t.model.config(), &|s| {
-            let json = head_config_json(
-                t.model.config(),
-                &s.target_layers,
-                s.draft_vocab,
-                s.intermediate,
-            );
-            let hc = HeadConfig::from_json(&json.to_string(), Path::new("c")).unwrap();
-            Ok(HeadShape::new(
-                &hc.layer,
-                t.model.config().hidden_size,
-                s.draft_vocab,
-            ))
-        })
+        let (params, _, vocab, _) = load_checkpoint(
+            dir,
+            t.model.config(),
+            &|s| {
+                let json = head_config_json(
+                    t.model.config(),
+                    &s.target_layers,
+                    s.draft_vocab,
+                    s.intermediate,
+                );
+                let hc = HeadConfig::from_json(&json.to_string(), Path::new("c")).unwrap();
+                Ok(HeadShape::new(
+                    &hc.layer,
+                    t.model.config().hidden_size,
+                    s.draft_vocab,
+                ))
+            },
+            &Device::Cpu,
+        )
         .unwrap();
         let mut total = 0.0;
         for (i, text) in data.iter().enumerate() {
@@ -317,7 +322,7 @@ fn training_sequences_fit_the_targets_context() {
     )];
     // Longer answers and sequences than the context holds: capped, not an error.
     let answers =
-        data::self_distilled_texts(&t, &prompts, 10 * ctx, 10 * ctx, &mut |_, _, _| {}).unwrap();
+        data::self_distilled_texts(&t, &prompts, 10 * ctx, 10 * ctx, 4, &mut |_, _, _| {}).unwrap();
     assert_eq!(answers.len(), 1);
     assert!(
         answers[0].tokens.len() <= ctx,
@@ -329,4 +334,53 @@ fn training_sequences_fit_the_targets_context() {
     std::fs::write(&corpus, "x = 1\n".repeat(2000)).unwrap();
     let chunks = data::corpus_texts(&t, &[corpus], 10 * ctx, 100_000).unwrap();
     assert!(chunks.len() > 1 && chunks.iter().all(|c| c.tokens.len() <= ctx));
+}
+
+#[test]
+fn batched_self_distillation_equals_one_prompt_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let prompts: Vec<(String, String)> = [
+        "write a function that adds two numbers",
+        "sort a list",
+        "explain recursion with an example in python please",
+        "hi",
+        "reverse a string without using slicing, and test it",
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, p)| (format!("p{i}"), p.to_string()))
+    .collect();
+    // Batches of 3 over 5 prompts: slots free and refill while others decode.
+    let batched = data::self_distilled_texts(&t, &prompts, 12, 96, 3, &mut |_, _, _| {}).unwrap();
+    let mut alone = Vec::new();
+    for (id, prompt) in &prompts {
+        let text = t.format_prompt(prompt, false, None).unwrap();
+        let prompt_tokens = t.tokenizer.encode(&text).unwrap();
+        let req = crate::decode::GenerateRequest {
+            prompt_tokens: prompt_tokens.clone(),
+            max_new_tokens: 12,
+            sampling: crate::sampling::SamplingParams::default(),
+            stop_at_eos: true,
+            cancel: None,
+        };
+        let answer = crate::decode::generate(
+            t.model.as_ref(),
+            &t.tokenizer,
+            &req,
+            None,
+            &crate::profile::Profiler::disabled(),
+            &mut |_| {},
+        )
+        .unwrap();
+        let mut tokens = prompt_tokens.clone();
+        tokens.extend(&answer.tokens);
+        alone.push(TrainingText {
+            tokens,
+            loss_from: prompt_tokens.len(),
+            source: format!("answer:{id}"),
+        });
+    }
+    assert_eq!(batched.len(), prompts.len());
+    assert_eq!(batched, alone);
 }

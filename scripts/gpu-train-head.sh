@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Trains the qwen2.5-coder-1.5b EAGLE-3 head on the H200 device machine, in device calls of at most 10 minutes
+# (docs/eagle3.md, "Heads"). BIN is dist/specula-train-cuda (scripts/build-train-cuda.sh), MODELS a directory
+# holding qwen2.5-coder-1.5b.gguf (reassembled from chunks: docs/gpu.md), OUT the call's $OUT.
+#   scripts/gpu-train-head.sh data  BIN MODELS OUT [PROBE_MINUTES]  # prompts, answers, corpus -> data.jsonl; then
+#                                                                  # a short training probe in a scratch directory
+#   scripts/gpu-train-head.sh train BIN MODELS OUT [train-eagle3 args]   # the head; copied to OUT in 15 MiB pieces
+# Reassemble the pieces with `cat model.safetensors.part* > model.safetensors` (sha256 in OUT/head.sha256).
+set -uo pipefail
+mode=$1; bin=$2; models=$3; out=$4; shift 4
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export SPECULA_CACHE="$models" SPECULA_BIN="$bin"
+name=qwen2.5-coder-1.5b-eagle3
+head="$models/heads/$name"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+case "$mode" in
+  data)
+    probe=${1:-0}
+    scripts/train-head.sh "$name" --data-only > "$out/data.log" 2> "$out/data.err"
+    tail -c 3000 "$out/data.err" | tr '\r' '\n' | tail -8
+    echo "data: ${SECONDS} s"
+    wc -l "$head/data.jsonl"
+    if [ "$probe" != 0 ]; then
+      rm -rf /tmp/probe && mkdir -p /tmp/probe && cp "$head/data.jsonl" /tmp/probe/
+      # The same settings as the real run (scripts/train-head.sh), stopped after PROBE_MINUTES.
+      "$bin" train-eagle3 -m qwen2.5-coder-1.5b --out /tmp/probe --resume --prompts "$head/prompts.jsonl" \
+        --device cuda --seq-len 384 --draft-vocab 8192 --intermediate-size 4096 --ttt-steps 4 --epochs 4 \
+        --batch 4 --lr 5e-4 --cache-gb 40 --max-minutes "$probe" --json "$out/probe.json" \
+        > "$out/probe.log" 2> "$out/probe.err"
+      tail -c 3000 "$out/probe.err" | tr '\r' '\n' | tail -4
+      cat "$out/probe.log"
+    fi
+    ;;
+  train)
+    scripts/train-head.sh "$name" "$@" > "$out/train.log" 2> "$out/train.err"
+    tr '\r' '\n' < "$out/train.err" | grep -E "^\[" | awk 'NR % 20 == 0' > "$out/progress.txt"
+    tail -c 3000 "$out/train.err" | tr '\r' '\n' | tail -6
+    echo "train: ${SECONDS} s"
+    cat "$out/train.log"
+    if [ -s "$head/model.safetensors" ]; then
+      (cd "$head" && sha256sum model.safetensors) | tee "$out/head.sha256"
+      split -b 15M -d "$head/model.safetensors" "$out/model.safetensors.part"
+      cp "$head/config.json" "$out/"
+      cp "$head/training-report.json" "$out/" 2>/dev/null
+    fi
+    ;;
+  *)
+    echo "mode must be data or train" >&2; exit 2 ;;
+esac
