@@ -98,9 +98,20 @@ fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
             }
             out
         }
-        DraftChoice::Eagle3(_) => vec![DraftMethod::Eagle3 {
-            tree: d.eagle_tree()?,
-        }],
+        DraftChoice::Eagle3(_) => match d.eagle_tree()? {
+            Some(tree) => vec![DraftMethod::Eagle3 {
+                tree: Some(tree),
+                min_confidence: 0.0,
+            }],
+            None => d
+                .eagle3_confidences()?
+                .into_iter()
+                .map(|min_confidence| DraftMethod::Eagle3 {
+                    tree: None,
+                    min_confidence,
+                })
+                .collect(),
+        },
         DraftChoice::Ngram { min_n, max_n, .. } => d
             .ngram_confidences()?
             .into_iter()

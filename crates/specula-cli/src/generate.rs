@@ -183,10 +183,10 @@ pub struct DrafterArgs {
         allow_negative_numbers = true
     )]
     pub draft_vocab: Vec<String>,
-    /// Draft model only: stop drafting when the draft's own estimate that the target accepts its whole draft
-    /// (the product of its top-token probabilities) falls below C (default 0.6; 0 always drafts
-    /// --draft-tokens). Lossless for any C. bench takes a comma-separated list to compare; see
-    /// docs/benchmarks.md for measurements.
+    /// Draft model and EAGLE-3 chains: stop drafting when the drafter's own estimate that the target accepts
+    /// its whole draft (the product of its top-token probabilities) falls below C (default 0.6 for a draft
+    /// model, EAGLE-3's measured default for a head; 0 always drafts --draft-tokens). Lossless for any C. bench
+    /// takes a comma-separated list to compare; see docs/benchmarks.md for measurements.
     #[arg(
         long,
         value_name = "C",
@@ -327,10 +327,18 @@ impl DrafterArgs {
             anyhow::bail!("--draft-vocab applies to a draft model; add --draft-model PATH|NAME");
         }
         self.draft_confidences()?;
-        if !self.draft_confidence.is_empty() && !matches!(choice, DraftChoice::Model(_)) {
+        if !self.draft_confidence.is_empty()
+            && !matches!(choice, DraftChoice::Model(_) | DraftChoice::Eagle3(_))
+        {
             anyhow::bail!(
-                "--draft-confidence applies to a draft model; add --draft-model PATH|NAME \
+                "--draft-confidence applies to a draft model or an EAGLE-3 head; add --draft-model PATH|NAME \
                  (prompt lookup has --ngram-confidence)"
+            );
+        }
+        if !self.draft_confidence.is_empty() && self.eagle_tree()?.is_some() {
+            anyhow::bail!(
+                "--draft-confidence stops EAGLE-3 chains; trees are shaped by --eagle-topk / --num-steps / \
+                 --num-draft-tokens"
             );
         }
         if !self.ngram_confidence.is_empty() && !matches!(choice, DraftChoice::Ngram { .. }) {
@@ -405,6 +413,18 @@ impl DrafterArgs {
             specula::draft::model::check_min_confidence(*c)?;
         }
         Ok(values)
+    }
+
+    /// `--draft-confidence` values for an EAGLE-3 head (default [`specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE`]).
+    pub fn eagle3_confidences(&self) -> anyhow::Result<Vec<f64>> {
+        if self.draft_confidence.is_empty() {
+            return Ok(vec![specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE]);
+        }
+        Ok(self
+            .draft_confidences()?
+            .into_iter()
+            .map(|c| c.unwrap_or(specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE))
+            .collect())
     }
 
     /// `--ngram-confidence` values: None is cost-aware stopping (`auto`).
@@ -522,6 +542,12 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
         "--draft-confidence",
     )?
     .unwrap_or(0.0);
+    let eagle3_confidence = match args.draft.drafter.eagle3_confidences()?.as_slice() {
+        [c] => *c,
+        _ => {
+            anyhow::bail!("--draft-confidence takes one value here (lists are for bench and tune)")
+        }
+    };
     if matches!(choice, DraftChoice::None) && args.draft.draft_tokens.is_some() {
         anyhow::bail!(
             "--draft-tokens needs a drafter: add --draft-model PATH|NAME or --draft ngram"
@@ -591,7 +617,7 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
                 )?;
                 Some(Box::new(match tree {
                     Some(shape) => d.with_tree(shape),
-                    None => d,
+                    None => d.with_min_confidence(eagle3_confidence)?,
                 }) as Box<dyn specula::draft::Drafter>)
             }
             None => None,
@@ -710,7 +736,15 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
                     d
                 }
                 DraftChoice::Eagle3(dir) => {
-                    let mut d = DraftMethod::Eagle3 { tree }.settings_json();
+                    let mut d = DraftMethod::Eagle3 {
+                        tree,
+                        min_confidence: if tree.is_some() {
+                            0.0
+                        } else {
+                            eagle3_confidence
+                        },
+                    }
+                    .settings_json();
                     d["draft_model"] = dir.clone().into();
                     d["draft_tokens"] = draft_tokens.into();
                     if let Some(h) = eagle3_head.as_ref() {

@@ -662,6 +662,25 @@ fn conflicting_or_bad_draft_flags() {
         ],
         &["--draft-confidence applies to a draft model"],
     );
+    // EAGLE-3 takes the bar for chains; trees are shaped by their own flags.
+    fails_with(
+        &[
+            "generate",
+            "-m",
+            m,
+            "-p",
+            "hi",
+            "--draft",
+            "eagle3",
+            "--draft-model",
+            "/nonexistent-head",
+            "--eagle-topk",
+            "2",
+            "--draft-confidence",
+            "0.5",
+        ],
+        &["--draft-confidence stops EAGLE-3 chains"],
+    );
     fails_with(
         &[
             "generate",

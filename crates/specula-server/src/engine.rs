@@ -643,7 +643,9 @@ impl<'a> EngineLoop<'a> {
                 )?;
                 Some(Box::new(match tree {
                     Some(shape) => d.with_tree(*shape),
-                    None => d,
+                    None => {
+                        d.with_min_confidence(specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE)?
+                    }
                 }))
             }
             DraftSetup::Model(d, vocab_limit) => Some(Box::new(

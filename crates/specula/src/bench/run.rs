@@ -34,9 +34,11 @@ pub enum DraftMethod {
         min_confidence: Option<f64>,
     },
     /// An EAGLE-3 head ([`crate::draft::eagle3::Eagle3Drafter`]) fed by the target's hidden states, drafting
-    /// chains or trees of a shape.
+    /// chains (stopping where the head's confidence falls below `min_confidence`; 0: always k) or trees of a
+    /// shape.
     Eagle3 {
         tree: Option<crate::draft::eagle3::TreeShape>,
+        min_confidence: f64,
     },
 }
 
@@ -75,8 +77,17 @@ impl DraftMethod {
                 min_confidence: None,
                 ..
             } => "cost-aware".into(),
-            DraftMethod::Eagle3 { tree: None } => "chain".into(),
-            DraftMethod::Eagle3 { tree: Some(t) } => {
+            DraftMethod::Eagle3 {
+                tree: None,
+                min_confidence,
+            } => {
+                if *min_confidence > 0.0 {
+                    format!("chain conf>={min_confidence}")
+                } else {
+                    "chain".into()
+                }
+            }
+            DraftMethod::Eagle3 { tree: Some(t), .. } => {
                 format!(
                     "tree topk {} steps {} nodes {}",
                     t.topk,
@@ -108,10 +119,13 @@ impl DraftMethod {
                 "ngram_max": max_n,
                 "ngram_confidence": min_confidence,
             }),
-            DraftMethod::Eagle3 { tree: None } => {
-                serde_json::json!({"method": "eagle3", "tree": null})
+            DraftMethod::Eagle3 {
+                tree: None,
+                min_confidence,
+            } => {
+                serde_json::json!({"method": "eagle3", "tree": null, "draft_confidence": min_confidence})
             }
-            DraftMethod::Eagle3 { tree: Some(t) } => serde_json::json!({
+            DraftMethod::Eagle3 { tree: Some(t), .. } => serde_json::json!({
                 "method": "eagle3",
                 "tree": {"eagle_topk": t.topk, "num_steps": t.steps, "num_draft_tokens": t.draft_tokens + 1},
             }),
@@ -542,12 +556,19 @@ pub fn run_bench(
                         max_n,
                         min_confidence,
                     )?)),
-                    (_, Some(DraftMethod::Eagle3 { tree })) => {
+                    (
+                        _,
+                        Some(DraftMethod::Eagle3 {
+                            tree,
+                            min_confidence,
+                        }),
+                    ) => {
                         let d = crate::draft::eagle3::Eagle3Drafter::new(
                             spec.eagle3.expect("validated"),
                             spec.target,
                             spec.sampling.seed,
-                        )?;
+                        )?
+                        .with_min_confidence(min_confidence)?;
                         Some(Box::new(match tree {
                             Some(shape) => d.with_tree(shape),
                             None => d,

@@ -180,7 +180,7 @@ mod tests {
             q.draft_model.as_deref(),
             Some("/heads/qwen2.5-coder-1.5b-eagle3")
         );
-        assert_eq!(q.draft_tokens, 1);
+        assert_eq!(q.draft_tokens, 4);
         let q = choose("qwen2.5-coder-1.5b", true, &|_| true, &built);
         assert_eq!(q.method, "ngram");
         assert!(q.reason.contains("CPU targets only"), "{}", q.reason);

@@ -640,3 +640,58 @@ fn acceptance_far_below_the_training_record_is_flagged() {
     assert!(other.config.trained_accuracy.is_none());
     assert!(check::acceptance_warning(&other, &stats(40, 0)).is_none());
 }
+
+#[test]
+fn confidence_bar_shortens_chains_and_keeps_greedy_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let plain = run(&t, 40, 0.0, None);
+    // The draft the head proposes from the prompt, with its per-token confidences measured from its logits.
+    let propose = |c: f64| {
+        let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+            .unwrap()
+            .with_min_confidence(c)
+            .unwrap();
+        let hidden = capture(&t, &PROMPT[..9], drafter.target_layers());
+        drafter
+            .observe_target(0, &hidden, &(0..9).collect::<Vec<_>>())
+            .unwrap();
+        drafter
+            .propose(&PROMPT, 6, &SamplingParams::default())
+            .unwrap()
+    };
+    let full = propose(0.0);
+    assert_eq!(full.tokens.len(), 6);
+    // A random tiny head is unsure of everything: a bar of 1 stops before the first token, a bar at 0 never.
+    let none = propose(1.0);
+    assert!(none.tokens.is_empty(), "{:?}", none.tokens);
+    assert_eq!(none.passes, 1, "the feed pass ran; no draft step did");
+    // Any bar keeps a prefix of the unstopped draft (stopping never changes which tokens are drafted).
+    for c in [1e-6, 1e-3, 0.05] {
+        let d = propose(c);
+        assert_eq!(d.tokens[..], full.tokens[..d.tokens.len()], "c = {c}");
+    }
+    // And speculation stays lossless.
+    for c in [0.01, 0.3] {
+        let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+            .unwrap()
+            .with_min_confidence(c)
+            .unwrap();
+        let out = run(
+            &t,
+            40,
+            0.0,
+            Some(Speculation {
+                drafter: &mut drafter,
+                draft_tokens: 4,
+                simulate_acceptance: None,
+            }),
+        );
+        assert_eq!(out.tokens, plain.tokens, "c = {c}");
+    }
+    assert!(Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+        .unwrap()
+        .with_min_confidence(1.5)
+        .is_err());
+}
