@@ -292,32 +292,37 @@ impl<'a> Eagle3Drafter<'a> {
         }
     }
 
-    /// The draft token from the head's logits over its vocabulary (as a target id), the distribution it was
-    /// drawn from when sampling, and the head's probability of its most likely token (computed only when
-    /// `confidence` asks; 1 otherwise). The draw comes last, so stopping on that probability cannot bias which
-    /// tokens are drafted.
-    fn choose(
+    /// The next draft token from the head's logits over its vocabulary: the greedy token (as a target id), or
+    /// the distribution (over target ids) to draw it from; and the head's probability of its most likely token
+    /// (computed only when `confidence` asks; 1 otherwise). Nothing is drawn here: the caller decides whether to
+    /// stop first, so stopping cannot depend on the draw.
+    fn candidate(
         &mut self,
         logits: &[f32],
         sampling: &SamplingParams,
         confidence: bool,
-    ) -> (u32, Option<Distribution>, f32) {
+    ) -> (NextDraft, f32) {
         if sampling.is_greedy() {
             let (best, p) = if confidence {
                 sampling::top_probability(logits, &mut self.scratch)
             } else {
                 (sampling::argmax(logits), 1.0)
             };
-            return (self.head.target_id(best as usize), None, p);
+            return (NextDraft::Greedy(self.head.target_id(best as usize)), p);
         }
         let mut dist = sampling::distribution(logits, sampling);
         for id in &mut dist.ids {
             *id = self.head.target_id(*id as usize);
         }
         let p = dist.probs.iter().copied().fold(0.0f32, f32::max);
-        let token = sampling::draw(&dist, &mut self.rng);
-        (token, Some(dist), p)
+        (NextDraft::Sampled(dist), p)
     }
+}
+
+/// What a chain's next draft position holds before any draw: the greedy token, or the distribution to draw from.
+enum NextDraft {
+    Greedy(u32),
+    Sampled(Distribution),
 }
 
 impl Drafter for Eagle3Drafter<'_> {
@@ -415,13 +420,20 @@ impl Drafter for Eagle3Drafter<'_> {
         let mut passes = 1;
         let mut all_accepted = 1.0f64;
         for i in 0..k {
-            let (token, dist, p) = self.choose(&logits, sampling, self.min_confidence > 0.0);
+            let (candidate, p) = self.candidate(&logits, sampling, self.min_confidence > 0.0);
             all_accepted *= p as f64;
             if all_accepted < self.min_confidence {
                 break;
             }
+            let token = match candidate {
+                NextDraft::Greedy(token) => token,
+                NextDraft::Sampled(dist) => {
+                    let token = sampling::draw(&dist, &mut self.rng);
+                    distributions.push(dist);
+                    token
+                }
+            };
             tokens.push(token);
-            distributions.extend(dist);
             if i + 1 < k {
                 let last = out[out.len() - h..].to_vec();
                 let e = self.embeddings(&[token])?;
