@@ -74,17 +74,23 @@ def main() -> None:
     rng = random.Random(args.seed)
     rng.shuffle(found)
     seen = set()
-    lines = []
+    unique = []
     for name, task, rel in found:
-        if len(lines) >= args.count:
-            break
-        if task in seen:
-            continue
-        seen.add(task)
-        prompt = rng.choice(TEMPLATES).format(lang=rng.choice(LANGUAGES), name=name, task=task)
-        lines.append(json.dumps({"id": f"{rel}:{name}", "prompt": prompt}))
+        if task not in seen:
+            seen.add(task)
+            unique.append((name, task, rel))
+    # Round 1 takes each task once; past that (a --count above the tasks found) each task comes again in another
+    # language and phrasing (the target's answer differs), as many rounds as needed.
+    lines = []
+    for round_ in range(1, 1 + -(-args.count // max(1, len(unique)))):
+        for name, task, rel in unique:
+            if len(lines) >= args.count:
+                break
+            prompt = rng.choice(TEMPLATES).format(lang=rng.choice(LANGUAGES), name=name, task=task)
+            pid = f"{rel}:{name}" + ("" if round_ == 1 else f"#{round_}")
+            lines.append(json.dumps({"id": pid, "prompt": prompt}))
     args.out.write_text("\n".join(lines) + "\n")
-    print(f"{len(lines)} prompts from {len(found)} documented functions under {root} -> {args.out}")
+    print(f"{len(lines)} prompts from {len(unique)} tasks ({len(found)} documented functions) under {root} -> {args.out}")
 
 
 if __name__ == "__main__":

@@ -32,17 +32,20 @@ case "$mode" in
     fi
     ;;
   train)
-    scripts/train-head.sh "$name" "$@" > "$out/train.log" 2> "$out/train.err"
-    tr '\r' '\n' < "$out/train.err" | grep -E "^\[" | awk 'NR % 20 == 0' > "$out/progress.txt"
-    tail -c 3000 "$out/train.err" | tr '\r' '\n' | tail -6
+    # A device call returns at most 8 files: the head's 15 MiB pieces, and everything else in one tarball.
+    logs=/tmp/train-logs; mkdir -p "$logs"
+    scripts/train-head.sh "$name" "$@" > "$logs/train.log" 2> "$logs/train.err"
+    tr '\r' '\n' < "$logs/train.err" | grep -E "^\[" | awk 'NR % 20 == 0' > "$logs/progress.txt"
+    tail -c 3000 "$logs/train.err" | tr '\r' '\n' | tail -6
     echo "train: ${SECONDS} s"
-    cat "$out/train.log"
+    cat "$logs/train.log"
     if [ -s "$head/model.safetensors" ]; then
-      (cd "$head" && sha256sum model.safetensors) | tee "$out/head.sha256"
+      (cd "$head" && sha256sum model.safetensors) | tee "$logs/head.sha256"
       split -b 15M -d "$head/model.safetensors" "$out/model.safetensors.part"
-      cp "$head/config.json" "$out/"
-      cp "$head/training-report.json" "$out/" 2>/dev/null
+      cp "$head/config.json" "$logs/"
+      cp "$head/training-report.json" "$logs/" 2>/dev/null
     fi
+    tar -C "$logs" -cf "$out/head-meta.tar" .
     ;;
   *)
     echo "mode must be data or train" >&2; exit 2 ;;

@@ -29,9 +29,9 @@ case "$name" in
     ;;
   qwen2.5-coder-1.5b-eagle3)
     target=qwen2.5-coder-1.5b
-    prompts=3000
+    prompts=${PROMPTS:-6000}
     train_args=(--device cuda --answer-batch 32 --answer-tokens 256 --corpus-tokens 300000 --seq-len 384
-                --draft-vocab 8192 --intermediate-size 4096 --ttt-steps 4 --epochs ${EPOCHS:-4} --batch 4
+                --draft-vocab 8192 --intermediate-size 4096 --ttt-steps 4 --epochs ${EPOCHS:-1} --batch 4
                 --lr 5e-4 --cache-gb 40 --seed 0)
     ;;
   *)

@@ -308,6 +308,11 @@ impl DrafterArgs {
                 self.draft_vocab = vec![v.to_string()];
             }
         }
+        if let Some(c) = pick.min_confidence {
+            if self.draft_confidence.is_empty() {
+                self.draft_confidence = vec![c.to_string()];
+            }
+        }
         Ok(Some(pick.draft_tokens))
     }
 
@@ -478,21 +483,42 @@ pub fn load_eagle3(
     target: &specula::model::LoadedModel,
 ) -> anyhow::Result<specula::draft::eagle3::Eagle3Head> {
     let path = specula::registry::locate_head(dir)?;
+    // A head runs where its target runs (SPECULA_EAGLE3_DEVICE=cpu keeps it on the CPU beside a GPU target, to
+    // compare). On the CPU its matrices are requantized to Q8_0 (cheaper steps, same acceptance); a device twin
+    // uploads the checkpoint's own values.
+    let on_device = target.model.device() != "cpu"
+        && match std::env::var("SPECULA_EAGLE3_DEVICE").as_deref() {
+            Ok("cpu") => false,
+            Ok("target") | Err(_) => true,
+            Ok(other) => {
+                anyhow::bail!("SPECULA_EAGLE3_DEVICE={other:?}: use target (default) or cpu")
+            }
+        };
     let precision = match std::env::var("SPECULA_EAGLE3_WEIGHTS").as_deref() {
         Ok("stored") => specula::draft::eagle3::HeadPrecision::Stored,
-        Ok("q8_0") | Err(_) => specula::draft::eagle3::HeadPrecision::Q8_0,
+        Ok("q8_0") => specula::draft::eagle3::HeadPrecision::Q8_0,
+        Err(_) if on_device => specula::draft::eagle3::HeadPrecision::Stored,
+        Err(_) => specula::draft::eagle3::HeadPrecision::Q8_0,
         Ok(other) => {
-            anyhow::bail!("SPECULA_EAGLE3_WEIGHTS={other:?}: use q8_0 (default) or stored")
+            anyhow::bail!(
+                "SPECULA_EAGLE3_WEIGHTS={other:?}: use q8_0 (default on the CPU) or stored"
+            )
         }
     };
-    let head = specula::draft::eagle3::Eagle3Head::load_as(&path, precision)
+    let mut head = specula::draft::eagle3::Eagle3Head::load_as(&path, precision)
         .with_context(|| format!("loading EAGLE-3 head {dir}"))?;
     head.check_target(target.model.config())?;
+    let runs_on = if on_device {
+        head.place_on(target.model.as_ref())
+            .with_context(|| format!("placing EAGLE-3 head {dir} on {}", target.model.device()))?
+    } else {
+        "cpu".to_string()
+    };
     let layers = head
         .config
         .target_layers(target.model.config().num_layers)?;
     eprintln!(
-        "eagle3 head {dir}: draft vocabulary {}, reads target layers {layers:?} ({})",
+        "eagle3 head {dir}: draft vocabulary {}, runs on {runs_on}, reads target layers {layers:?} ({})",
         head.draft_vocab(),
         if head.config.aux_layers.is_some() {
             "from its config"

@@ -147,7 +147,17 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
             DraftSetup::Model(Box::new(d), vocab_limit)
         }
         DraftChoice::Eagle3(dir) => {
-            DraftSetup::Eagle3(Box::new(crate::generate::load_eagle3(dir, &target)?), tree)
+            let bar = args
+                .drafter
+                .eagle3_confidences()?
+                .first()
+                .copied()
+                .unwrap_or(specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE);
+            DraftSetup::Eagle3(
+                Box::new(crate::generate::load_eagle3(dir, &target)?),
+                tree,
+                bar,
+            )
         }
     };
     let name = target.spec.clone();

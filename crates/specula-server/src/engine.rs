@@ -105,10 +105,12 @@ pub enum DraftSetup {
     /// A draft model sharing the target's tokenizer, drafting from the first token ids only when limited
     /// (`--draft-vocab`).
     Model(Box<LoadedModel>, Option<usize>),
-    /// An EAGLE-3 head fed by the target's hidden states (chains, or trees of a shape).
+    /// An EAGLE-3 head fed by the target's hidden states (chains, or trees of a shape), and the chains'
+    /// confidence bar (`--draft-confidence`; trees ignore it).
     Eagle3(
         Box<specula::draft::eagle3::Eagle3Head>,
         Option<specula::draft::eagle3::TreeShape>,
+        f64,
     ),
 }
 
@@ -635,7 +637,7 @@ impl<'a> EngineLoop<'a> {
                 4,
                 Some(specula::draft::ngram::DEFAULT_MIN_CONFIDENCE),
             )?)),
-            DraftSetup::Eagle3(head, tree) => {
+            DraftSetup::Eagle3(head, tree, min_confidence) => {
                 let d = specula::draft::eagle3::Eagle3Drafter::new(
                     head,
                     self.model.model.as_ref(),
@@ -643,9 +645,7 @@ impl<'a> EngineLoop<'a> {
                 )?;
                 Some(Box::new(match tree {
                     Some(shape) => d.with_tree(*shape),
-                    None => {
-                        d.with_min_confidence(specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE)?
-                    }
+                    None => d.with_min_confidence(*min_confidence)?,
                 }))
             }
             DraftSetup::Model(d, vocab_limit) => Some(Box::new(

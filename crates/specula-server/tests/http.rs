@@ -589,7 +589,11 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
         let head = Eagle3Head::load(&head_dir).unwrap();
         let addr = start(
             load_gguf(&p, "t").unwrap(),
-            DraftSetup::Eagle3(Box::new(head), tree),
+            DraftSetup::Eagle3(
+                Box::new(head),
+                tree,
+                specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE,
+            ),
             None,
             queue(8),
         );

@@ -103,7 +103,7 @@ pub fn known_names() -> String {
 /// An EAGLE-3 head specula trains for a registry target. Heads are tens of MB (too large for the repository) and
 /// published nowhere this machine reaches, so one command builds each into the cache
 /// (`scripts/train-head.sh NAME`, docs/eagle3.md "Heads"), and `--draft-model NAME` finds it there.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq)]
 pub struct RegistryHead {
     pub name: &'static str,
     /// The registry target it drafts for.
@@ -117,6 +117,17 @@ pub struct RegistryHead {
     /// Whether it measured faster than prompt lookup on the CPU (docs/eagle3.md): `--speculate` picks only a
     /// head that wins.
     pub wins_on_cpu: bool,
+    /// The settings measured best with the head on a GPU beside its target, when it wins there.
+    pub on_gpu: Option<GpuSettings>,
+}
+
+/// Draft settings measured best with a head on a GPU (where a head pass costs a few percent of a verify, so
+/// longer drafts cost less than on the CPU and a confidence bar can cost more than it saves).
+#[derive(Debug, PartialEq)]
+pub struct GpuSettings {
+    pub draft_tokens: usize,
+    /// `--draft-confidence` (0: always draft `draft_tokens`).
+    pub min_confidence: f64,
 }
 
 pub static HEADS: &[RegistryHead] = &[
@@ -129,6 +140,7 @@ pub static HEADS: &[RegistryHead] = &[
         draft_tokens: 1,
         // Measured 1.01x plain at k = 1 on unseen code prompts (prompt lookup: 1.18x in the same minutes).
         wins_on_cpu: false,
+        on_gpu: None,
     },
     RegistryHead {
         name: "qwen2.5-coder-1.5b-eagle3",
@@ -143,6 +155,12 @@ pub static HEADS: &[RegistryHead] = &[
         // 1.01x in the same hour.
         draft_tokens: 4,
         wins_on_cpu: true,
+        // On an H200 (docs/benchmarks.md, "EAGLE-3 on the GPU"): chains of 2 without a bar 1.44x plain, 3: 1.41x;
+        // with the 0.4 bar 1.34-1.35x at k = 2-6.
+        on_gpu: Some(GpuSettings {
+            draft_tokens: 2,
+            min_confidence: 0.0,
+        }),
     },
 ];
 

@@ -1,7 +1,7 @@
 //! `--speculate`: the drafter that wins for a target without tuning, from what has been measured (docs/eagle3.md,
 //! "Defaults that win"; docs/benchmarks.md has each measurement). In order of preference:
 //! 1. the target's registry EAGLE-3 head, when it has been built here and measured faster than the alternatives
-//!    (heads run with CPU targets only for now);
+//!    on this kind of device (on a GPU the head runs there too, with its own measured settings);
 //! 2. on the CPU, the target's registry draft model with the settings measured best on this project's CPU (on a
 //!    GPU a draft model of many layers costs nearly a target step at batch 1 and loses: measured 0.90-0.95x);
 //! 3. prompt lookup, which costs nothing and stops by itself when its matches get unreliable.
@@ -38,6 +38,8 @@ pub struct AutoDrafter {
     pub draft_model: Option<String>,
     pub draft_vocab: Option<usize>,
     pub draft_tokens: usize,
+    /// `--draft-confidence`, when the pick measured best with a value other than the drafter's default.
+    pub min_confidence: Option<f64>,
     /// Why, for the user.
     pub reason: String,
 }
@@ -55,27 +57,41 @@ pub fn choose(
     built_head: &dyn Fn(&registry::RegistryHead) -> Option<std::path::PathBuf>,
 ) -> AutoDrafter {
     let head = registry::HEADS.iter().find(|h| h.target == target_spec);
-    if let Some(h) = head.filter(|h| h.wins_on_cpu && !on_gpu) {
-        if let Some(dir) = built_head(h) {
+    if let Some(h) = head {
+        let settings = match (on_gpu, &h.on_gpu) {
+            (false, _) if h.wins_on_cpu => Some((h.draft_tokens, None)),
+            (true, Some(g)) => Some((g.draft_tokens, Some(g.min_confidence))),
+            _ => None,
+        };
+        if let (Some((draft_tokens, min_confidence)), Some(dir)) = (settings, built_head(h)) {
             return AutoDrafter {
                 method: "eagle3",
                 draft_model: Some(dir.display().to_string()),
                 draft_vocab: None,
-                draft_tokens: h.draft_tokens,
-                reason: format!("the registry EAGLE-3 head {} (built)", h.name),
+                draft_tokens,
+                min_confidence,
+                reason: format!(
+                    "the registry EAGLE-3 head {} (built) at k = {draft_tokens}{}",
+                    h.name,
+                    if on_gpu {
+                        ", measured best on a GPU"
+                    } else {
+                        ""
+                    }
+                ),
             };
         }
     }
     let mut notes = Vec::new();
     if let Some(h) = head {
-        notes.push(if !h.wins_on_cpu {
+        notes.push(if !on_gpu && !h.wins_on_cpu {
             format!(
                 "its EAGLE-3 head {} does not beat prompt lookup yet (measured)",
                 h.name
             )
-        } else if on_gpu {
+        } else if on_gpu && h.on_gpu.is_none() {
             format!(
-                "its EAGLE-3 head {} runs with CPU targets only for now",
+                "its EAGLE-3 head {} has not been measured to win on a GPU",
                 h.name
             )
         } else {
@@ -97,6 +113,7 @@ pub fn choose(
                 draft_model: Some(p.draft.to_string()),
                 draft_vocab: p.draft_vocab,
                 draft_tokens: p.draft_tokens,
+                min_confidence: None,
                 reason: format!(
                     "the draft model {}{} at k = {} (measured best on the CPU){}",
                     p.draft,
@@ -123,6 +140,7 @@ pub fn choose(
         draft_model: None,
         draft_vocab: None,
         draft_tokens: NGRAM_DRAFT_TOKENS,
+        min_confidence: None,
         reason: format!(
             "prompt lookup (free to draft){}",
             if notes.is_empty() {
@@ -172,18 +190,23 @@ mod tests {
             "{}",
             s.reason
         );
-        // Qwen's head measured faster than its draft model and prompt lookup on the CPU: picked when built, not
-        // on a GPU (the head runs on the CPU there).
+        // Qwen's head measured faster than its draft model and prompt lookup on the CPU and on a GPU: picked when
+        // built, with each device's measured settings.
         let q = choose("qwen2.5-coder-1.5b", false, &|_| true, &built);
         assert_eq!(q.method, "eagle3");
         assert_eq!(
             q.draft_model.as_deref(),
             Some("/heads/qwen2.5-coder-1.5b-eagle3")
         );
-        assert_eq!(q.draft_tokens, 4);
+        assert_eq!((q.draft_tokens, q.min_confidence), (4, None));
         let q = choose("qwen2.5-coder-1.5b", true, &|_| true, &built);
-        assert_eq!(q.method, "ngram");
-        assert!(q.reason.contains("CPU targets only"), "{}", q.reason);
+        assert_eq!(q.method, "eagle3");
+        assert_eq!((q.draft_tokens, q.min_confidence), (2, Some(0.0)));
+        assert!(q.reason.contains("GPU"), "{}", q.reason);
+        // SmolLM2's head has no GPU measurement: prompt lookup there, saying so.
+        let s = choose("smollm2-135m", true, &|_| true, &built);
+        assert_eq!(s.method, "ngram");
+        assert!(s.reason.contains("on a GPU"), "{}", s.reason);
         // Anything else: prompt lookup.
         assert_eq!(
             choose("/some/model.gguf", false, &|_| true, &built).method,

@@ -54,6 +54,16 @@ pub trait Model: Send + Sync {
         )))
     }
 
+    /// A twin of EAGLE-3 `head` that runs on this model's device and reads its embedding there; None when the
+    /// head should run on the CPU beside it (the CPU backend, or a backend without head kernels).
+    fn place_eagle3_head(
+        &self,
+        head: &crate::draft::eagle3::Eagle3Head,
+    ) -> Result<Option<Box<dyn crate::draft::eagle3::HeadCompute>>> {
+        let _ = head;
+        Ok(None)
+    }
+
     /// The clock the profiler should time this model's steps with: on an asynchronous device, one that reads
     /// the device's own time; `exact` synchronizes at every phase edge instead (to cross-check). The host's
     /// monotonic clock by default.

@@ -25,6 +25,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "argmax_partial",
     "argmax_final",
     "gather_columns",
+    "top_token",
     "fill_random_bf16",
     "kv_keep_rows",
 ];
@@ -45,6 +46,7 @@ pub struct Kernels {
     pub argmax_partial: CudaFunction,
     pub argmax_final: CudaFunction,
     pub gather_columns: CudaFunction,
+    pub top_token: CudaFunction,
     pub fill_random_bf16: CudaFunction,
     pub kv_keep_rows: CudaFunction,
 }
@@ -170,6 +172,7 @@ impl Gpu {
             argmax_partial: f("argmax_partial")?,
             argmax_final: f("argmax_final")?,
             gather_columns: f("gather_columns")?,
+            top_token: f("top_token")?,
             fill_random_bf16: f("fill_random_bf16")?,
             kv_keep_rows: f("kv_keep_rows")?,
             _module: module,

@@ -609,6 +609,36 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part_val, cons
     if (threadIdx.x == 0) best[r] = idx;
 }
 
+// Each row's largest element (the first on ties) and its softmax probability, packed as out[2r] = index bits,
+// out[2r + 1] = 1 / sum(exp(x - max)): what a greedy drafter needs of a row, 8 bytes instead of the whole row.
+// grid (rows), block 256.
+extern "C" __global__ void top_token(const float* __restrict__ x, float* __restrict__ out, int n) {
+    PDL_ENTER();
+    __shared__ float s_val[256];
+    __shared__ u32 s_idx[256];
+    const float* row = x + (size_t)blockIdx.x * n;
+    float v = NEG_INF;
+    u32 idx = 0xffffffffu;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const float e = row[c];
+        if (idx == 0xffffffffu || e > v) { v = e; idx = c; }
+    }
+    argmax_block(v, idx, s_val, s_idx);
+    __syncthreads();
+    float sum = 0.f;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) sum += expf(row[c] - v);
+    s_val[threadIdx.x] = sum;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) s_val[threadIdx.x] += s_val[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        out[2 * blockIdx.x] = __uint_as_float(idx);
+        out[2 * blockIdx.x + 1] = 1.f / s_val[0];
+    }
+}
+
 // y[r][j] = x[r][cols[j]]: the columns a caller needs of a wide matrix (the draft vocabulary's logits).
 extern "C" __global__ void gather_columns(const float* __restrict__ x, const u32* __restrict__ cols,
                                           float* __restrict__ y, int n_cols, int x_cols) {

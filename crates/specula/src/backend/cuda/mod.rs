@@ -12,12 +12,18 @@
 //! `layout` (how the GEMV tiles weights and splits its work) is plain Rust, compiled and tested without the
 //! feature.
 
+// Declared first: its launch macros are used by the modules below.
+#[cfg(feature = "cuda")]
+#[macro_use]
+mod ops;
 #[cfg(feature = "cuda")]
 mod cache;
 #[cfg(feature = "cuda")]
 pub mod clock;
 #[cfg(feature = "cuda")]
 pub mod context;
+#[cfg(feature = "cuda")]
+mod head;
 pub mod layout;
 #[cfg(feature = "cuda")]
 mod model;
@@ -26,6 +32,8 @@ mod model;
 pub use cache::CudaKvCache;
 #[cfg(feature = "cuda")]
 pub use context::Gpu;
+#[cfg(feature = "cuda")]
+pub use head::CudaHead;
 #[cfg(feature = "cuda")]
 pub use model::CudaModel;
 

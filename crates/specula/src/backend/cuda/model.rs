@@ -4,9 +4,10 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::CudaSlice;
 
 use super::layout::{self, MAX_SPLITS};
+use super::ops::{gemv, ptr, Matrix};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::error::{Error, Result};
 use crate::model::config::{Config, RopeStyle};
@@ -17,15 +18,6 @@ use crate::model::forward::{
 };
 use crate::model::tensors::{LayerTensor, RawTensor, TensorNames, WeightSource};
 use crate::profile::Profiler;
-
-/// A bf16 matrix on the device, `rows` outputs of `cols` inputs, in the tensor-core GEMV's tiled layout
-/// (layout.rs; `chunks` 32-input chunks per 16-row block).
-struct Matrix {
-    data: CudaSlice<u16>,
-    rows: usize,
-    cols: usize,
-    chunks: usize,
-}
 
 /// One layer, with its matrices fused so that a step launches few, large kernels: Q, K and V stacked into one
 /// matrix (and their biases into one vector), gate and up stacked 8 rows of each per 16-row block
@@ -46,7 +38,8 @@ const ARGMAX_PARTS: usize = 64;
 pub struct CudaModel {
     pub config: Config,
     gpu: Arc<Gpu>,
-    embed: Matrix,
+    /// Shared with EAGLE-3 heads placed on this GPU (they read the target's embedding).
+    embed: Arc<Matrix>,
     layers: Vec<Layer>,
     final_norm: CudaSlice<f32>,
     /// None when the LM head is tied to the embedding.
@@ -55,40 +48,6 @@ pub struct CudaModel {
     /// The checkpoint's storage types, e.g. "Q4_K x 169 (as bf16)".
     source_types: String,
     workspace: std::sync::Mutex<Workspace>,
-}
-
-/// The device address of a buffer (event tracking is off: nothing to synchronize).
-fn ptr<T>(s: &CudaSlice<T>, gpu: &Gpu) -> u64 {
-    let (p, _sync) = s.device_ptr(&gpu.stream);
-    p
-}
-
-/// Launches kernel `$kernel` with `$grid` blocks of `$block` threads; every argument is a value (device pointers
-/// as u64), kept alive until the launch is queued.
-macro_rules! launch {
-    ($gpu:expr, $kernel:ident, $grid:expr, $block:expr, $($arg:expr),* $(,)?) => {{
-        let gpu: &Gpu = &$gpu;
-        launch_fn!(gpu, &gpu.kernels.$kernel, stringify!($kernel), $grid, $block, $($arg),*)
-    }};
-}
-
-/// Launches a kernel function with its arguments (each boxed, so the parameter pointers stay valid).
-macro_rules! launch_fn {
-    ($gpu:expr, $func:expr, $name:expr, $grid:expr, $block:expr, $($arg:expr),* $(,)?) => {{
-        let gpu: &Gpu = $gpu;
-        let mut keep: Vec<Box<dyn std::any::Any>> = Vec::new();
-        let mut params: Vec<*mut std::ffi::c_void> = Vec::new();
-        $(
-            let mut value = Box::new($arg);
-            params.push(&mut *value as *mut _ as *mut std::ffi::c_void);
-            keep.push(value);
-        )*
-        let grid: (u32, u32, u32) = $grid;
-        // SAFETY: the arguments match the kernel's signature in kernels.cu, and every pointer is a live
-        // allocation of the size the kernel indexes (checked by the callers' shapes).
-        unsafe { gpu.launch($func, $name, grid, $block, &mut params) }?;
-        drop(keep);
-    }};
 }
 
 /// A tensor's values as bf16 (the GGUF quant types are dequantized on the host first).
@@ -143,7 +102,7 @@ fn to_f32(t: &RawTensor<'_>) -> Result<Vec<f32>> {
 
 /// What the kernels assume of a shape: head dimension up to 256 (attention keeps 8 values a lane), and rows of a
 /// multiple of 8 values (16-byte weight loads).
-fn check_shape(c: &Config) -> Result<()> {
+pub(crate) fn check_shape(c: &Config) -> Result<()> {
     if c.hidden_size > 16384 {
         return Err(Error::Cuda(format!(
             "hidden size {} is above the 16384 the GPU RMSNorm kernel holds in registers",
@@ -212,17 +171,7 @@ impl CudaModel {
             to_bf16(&t)
         };
         let upload = |data: &[u16], rows: usize, cols: usize, what: &str| -> Result<Matrix> {
-            let tiled = layout::tile_matrix(data, rows, cols);
-            let data = gpu
-                .stream
-                .clone_htod(&tiled)
-                .map_err(|e| cuda_err(&format!("uploading {what}"), e))?;
-            Ok(Matrix {
-                data,
-                rows,
-                cols,
-                chunks: layout::tiles(rows, cols).1,
-            })
+            Matrix::upload(&gpu, data, rows, cols, what)
         };
         let vector_host =
             |name: &str, len: usize| -> Result<Vec<f32>> { to_f32(&src.tensor(name, 1, len)?) };
@@ -317,7 +266,7 @@ impl CudaModel {
         Ok(CudaModel {
             config,
             gpu,
-            embed,
+            embed: Arc::new(embed),
             layers,
             final_norm,
             lm_head,
@@ -398,7 +347,7 @@ impl CudaModel {
         Ok(CudaModel {
             config,
             gpu,
-            embed,
+            embed: Arc::new(embed),
             layers,
             final_norm,
             lm_head,
@@ -412,10 +361,6 @@ impl CudaModel {
         &self.gpu
     }
 
-    /// `y[m x n] (+)= x[m x w.cols] . w^T` for the first `n` rows of `w` (split-K through `scratch` when the
-    /// shape asks for it); with `silu_pairs`, `y[m x n/2]` = SiLU(gate) * up of the interleaved rows.
-    /// With `defer`, split-K partial sums are left in `scratch` for the next kernel to add up (qkv_post, rms_norm)
-    /// and their count is returned (0 when `y` already holds the result): that saves a reduction launch.
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
@@ -429,60 +374,9 @@ impl CudaModel {
         scratch: u64,
         defer: bool,
     ) -> Result<usize> {
-        let splits = if silu_pairs {
-            1
-        } else {
-            layout::splits_for(n, w.cols, self.gpu.sm_count)
-        };
-        let blocks = n.div_ceil(layout::ROW_BLOCK);
-        // 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices, 2 for split
-        // ones: the faster of each on an H200), 16 up to 16 rows (long verifies, trees), 32 past that (prefill).
-        // The same arithmetic per output whichever runs.
-        let (variant, tokens) = match (m.div_ceil(layout::TOKENS), splits > 1) {
-            (0 | 1, false) => (0, layout::TOKENS),
-            (0 | 1, true) => (1, layout::TOKENS),
-            (2, _) => (2, 2 * layout::TOKENS),
-            _ => (3, 4 * layout::TOKENS),
-        };
-        let gpu = &*self.gpu;
-        launch_fn!(
-            gpu,
-            &gpu.kernels.gemv_mma[variant],
-            "gemv_mma",
-            (blocks as u32, m.div_ceil(tokens) as u32, splits as u32),
-            (layout::WARPS * 32) as u32,
-            ptr(&w.data, gpu),
-            x,
-            y,
-            n as i32,
-            w.cols as i32,
-            w.chunks as i32,
-            m as i32,
-            accumulate as i32,
-            splits as i32,
-            scratch,
-            silu_pairs as i32
-        );
-        if splits > 1 && defer {
-            return Ok(splits);
-        }
-        if splits > 1 {
-            let total = m * n;
-            let blocks = total.div_ceil(256).min(65_535) as u32;
-            launch!(
-                self.gpu,
-                splitk_reduce,
-                (blocks, 1, 1),
-                256,
-                scratch,
-                y,
-                n as i32,
-                m as i32,
-                splits as i32,
-                accumulate as i32
-            );
-        }
-        Ok(0)
+        gemv(
+            &self.gpu, w, n, x, y, m, accumulate, silu_pairs, scratch, defer,
+        )
     }
 
     fn alloc(&self, n: usize, what: &str) -> Result<CudaSlice<f32>> {
@@ -844,7 +738,7 @@ impl CudaModel {
         }
         let nw = tables.wanted.len();
         if nw > 0 {
-            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+            let head = self.lm_head.as_ref().unwrap_or(&*self.embed);
             launch!(
                 gpu,
                 gather_rows,
@@ -911,7 +805,7 @@ impl CudaModel {
 }
 
 /// Whether steps run as CUDA graphs (default; `SPECULA_CUDA_GRAPHS=0` launches each kernel directly, to compare).
-fn graphs_enabled() -> bool {
+pub(crate) fn graphs_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GRAPHS").map_or(true, |v| v != "0"))
 }
@@ -1264,11 +1158,22 @@ impl Model for CudaModel {
             .iter()
             .map(|l| m(&l.wqkv) + m(&l.wo) + m(&l.w_gate_up) + m(&l.w_down))
             .sum::<usize>()
-            + m(self.lm_head.as_ref().unwrap_or(&self.embed))
+            + m(self.lm_head.as_ref().unwrap_or(&*self.embed))
     }
 
     fn weight_types(&self) -> String {
         self.source_types.clone()
+    }
+
+    fn place_eagle3_head(
+        &self,
+        head: &crate::draft::eagle3::Eagle3Head,
+    ) -> Result<Option<Box<dyn crate::draft::eagle3::HeadCompute>>> {
+        Ok(Some(Box::new(super::CudaHead::new(
+            self.gpu.clone(),
+            self.embed.clone(),
+            head,
+        )?)))
     }
 
     fn clock(&self, exact: bool) -> Box<dyn crate::profile::Clock> {

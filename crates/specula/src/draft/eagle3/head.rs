@@ -203,6 +203,26 @@ pub struct Eagle3Head {
     /// The head's own embedding, when the checkpoint carries one (else the target's is used).
     embed: Option<Weight>,
     rope_inv_freqs: Vec<f32>,
+    /// The head's twin on the target's device (`place_on`); None runs it on the CPU.
+    device: Option<Box<dyn super::compute::HeadCompute>>,
+}
+
+/// A head's weights as f32 on the host, row-major (what a device twin uploads).
+pub struct HostWeights {
+    pub fc: Vec<f32>,
+    pub hidden_norm: Vec<f32>,
+    pub input_norm: Vec<f32>,
+    pub post_attention_norm: Vec<f32>,
+    pub wq: Vec<f32>,
+    pub wk: Vec<f32>,
+    pub wv: Vec<f32>,
+    pub wo: Vec<f32>,
+    pub w_gate: Vec<f32>,
+    pub w_up: Vec<f32>,
+    pub w_down: Vec<f32>,
+    pub final_norm: Vec<f32>,
+    pub lm_head: Vec<f32>,
+    pub embed: Option<Vec<f32>>,
 }
 
 /// The tensor `name`, or `model.` + name (some exports prefix the head's tensors).
@@ -367,7 +387,50 @@ impl Eagle3Head {
             rope_inv_freqs,
             config,
             path: dir.to_path_buf(),
+            device: None,
         })
+    }
+
+    /// Runs the head where `target` runs when its backend can (the CUDA backend uploads the head next to the
+    /// target's weights); on the CPU otherwise. Returns where it runs.
+    pub fn place_on(&mut self, target: &dyn crate::model::Model) -> Result<String> {
+        self.check_target(target.config())?;
+        self.device = target.place_eagle3_head(self)?;
+        Ok(self.compute().device())
+    }
+
+    /// Where the head's passes run: its device twin, or the CPU.
+    pub fn compute(&self) -> &dyn super::compute::HeadCompute {
+        match &self.device {
+            Some(d) => d.as_ref(),
+            None => self,
+        }
+    }
+
+    /// The weights as f32 (dequantized when held as Q8_0: load with `HeadPrecision::Stored` before placing a head
+    /// on a device, so it gets the checkpoint's values).
+    pub fn host_weights(&self) -> HostWeights {
+        HostWeights {
+            fc: self.fc.to_f32(),
+            hidden_norm: self.hidden_norm.clone(),
+            input_norm: self.input_norm.clone(),
+            post_attention_norm: self.post_attention_norm.clone(),
+            wq: self.wq.to_f32(),
+            wk: self.wk.to_f32(),
+            wv: self.wv.to_f32(),
+            wo: self.wo.to_f32(),
+            w_gate: self.w_gate.to_f32(),
+            w_up: self.w_up.to_f32(),
+            w_down: self.w_down.to_f32(),
+            final_norm: self.final_norm.clone(),
+            lm_head: self.lm_head.to_f32(),
+            embed: self.embed.as_ref().map(|e| e.to_f32()),
+        }
+    }
+
+    /// The draft-to-target id map.
+    pub fn draft_to_target(&self) -> &[u32] {
+        &self.draft_to_target
     }
 
     /// Refuses, naming the mismatch, a head made for another target.

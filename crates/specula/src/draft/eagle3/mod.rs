@@ -11,19 +11,21 @@
 //! target's real features (as SGLang does after verify).
 
 pub mod check;
+pub mod compute;
 pub mod head;
 pub mod train;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
 
-use crate::backend::cpu::KvCache;
 use crate::draft::{Draft, Drafter};
 use crate::error::{Error, Result};
+use crate::model::forward::SequenceCache;
 use crate::model::{Model, RowMatrix};
 use crate::sampling::{self, Distribution, SamplingParams};
 
-pub use head::{Eagle3Head, HeadConfig, HeadPrecision, TreeRow};
+pub use compute::{HeadCompute, HeadInput, HeadOutput, HeadRows, HeadWant};
+pub use head::{Eagle3Head, HeadConfig, HeadPrecision, HostWeights, TreeRow};
 
 /// Tree drafting (SGLang's knobs): `topk` branches a node, `steps` levels, `draft_tokens` nodes kept in all (the
 /// pending token not counted; SGLang's num_draft_tokens - 1).
@@ -84,10 +86,21 @@ fn top_log_probs(logits: &[f32], k: usize) -> Vec<(f32, usize)> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
     let log_z = max as f64 + sum.ln();
-    let mut idx: Vec<usize> = (0..logits.len()).collect();
-    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx.into_iter()
+    // One pass keeping the k best so far (k is a handful; sorting the whole vocabulary cost ~0.4 ms a row).
+    let better = |a: usize, b: usize| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)).is_gt();
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    for i in 0..logits.len() {
+        if best.len() == k && !better(i, best[k - 1]) {
+            continue;
+        }
+        let at = best
+            .iter()
+            .position(|&b| better(i, b))
+            .unwrap_or(best.len());
+        best.insert(at, i);
+        best.truncate(k);
+    }
+    best.into_iter()
         .map(|i| ((logits[i] as f64 - log_z) as f32, i))
         .collect()
 }
@@ -99,12 +112,14 @@ pub const DEFAULT_MIN_CONFIDENCE: f64 = 0.4;
 
 pub struct Eagle3Drafter<'a> {
     head: &'a Eagle3Head,
+    /// Where the head's passes run (the CPU, or the target's device).
+    compute: &'a dyn HeadCompute,
     target: &'a dyn Model,
     /// Target layers captured for the head, low to high.
     layers: Vec<usize>,
     /// The head's KV cache: one row per target position `0..cache.len()`, each computed from the target's
     /// features.
-    cache: KvCache,
+    cache: Box<dyn SequenceCache>,
     /// Target features (3H a row) of positions `cache.len()..`, not yet run through the head.
     features: Vec<f32>,
     rng: ChaCha20Rng,
@@ -122,11 +137,13 @@ impl<'a> Eagle3Drafter<'a> {
         let c = target.config();
         head.check_target(c)?;
         let layers = head.config.target_layers(c.num_layers)?;
+        let compute = head.compute();
         Ok(Eagle3Drafter {
             head,
+            compute,
             target,
             layers,
-            cache: head.new_cache(c.context_length),
+            cache: compute.new_cache(c.context_length)?,
             features: Vec::new(),
             rng: ChaCha20Rng::seed_from_u64(seed ^ 0xea91_e3d2),
             tree: None,
@@ -203,16 +220,25 @@ impl<'a> Eagle3Drafter<'a> {
                 tokens.push(c.token);
             }
             let first_slot = self.cache.len();
-            let embeds = self.embeddings(&tokens)?;
-            let (outs, row_logits) =
-                self.head
-                    .forward_tree(&embeds, &xs, &rows, &mut self.cache)?;
+            let pass = self.compute.run(
+                self.target,
+                &tokens,
+                HeadInput::Hidden(&xs),
+                HeadRows::Tree(&rows),
+                &mut *self.cache,
+                HeadWant {
+                    outputs: true,
+                    top_only: false,
+                },
+            )?;
+            let (outs, row_logits) = (pass.outputs, pass.logits);
             let h = self.head.config.layer.hidden_size;
+            let dv = self.head.draft_vocab();
             let mut children = Vec::new();
             for (j, &b) in beams.iter().enumerate() {
                 cands[b].slot = Some(first_slot + j);
                 cands[b].out = Some(outs[j * h..(j + 1) * h].to_vec());
-                for (lp, id) in top_log_probs(&row_logits[j], shape.topk) {
+                for (lp, id) in top_log_probs(&row_logits[j * dv..(j + 1) * dv], shape.topk) {
                     children.push(Candidate {
                         token: self.head.target_id(id),
                         parent: Some(b),
@@ -285,23 +311,21 @@ impl<'a> Eagle3Drafter<'a> {
         3 * self.head.config.target_hidden
     }
 
-    fn embeddings(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        match self.head.own_embedding(tokens) {
-            Some(e) => Ok(e),
-            None => self.target.embed_tokens(tokens),
-        }
-    }
-
-    /// The next draft token from the head's logits over its vocabulary: the greedy token (as a target id), or
-    /// the distribution (over target ids) to draw it from; and the head's probability of its most likely token
-    /// (computed only when `confidence` asks; 1 otherwise). Nothing is drawn here: the caller decides whether to
-    /// stop first, so stopping cannot depend on the draw.
+    /// The next draft token from a head pass: the greedy token (as a target id), or the distribution (over
+    /// target ids) to draw it from; and the head's probability of its most likely token (computed only when
+    /// `confidence` asks; 1 otherwise). Nothing is drawn here: the caller decides whether to stop first, so
+    /// stopping cannot depend on the draw.
     fn candidate(
         &mut self,
-        logits: &[f32],
+        pass: &HeadOutput,
         sampling: &SamplingParams,
         confidence: bool,
     ) -> (NextDraft, f32) {
+        if let Some(&(best, p)) = pass.top.first() {
+            // The pass returned only its top token (greedy chains).
+            return (NextDraft::Greedy(self.head.target_id(best as usize)), p);
+        }
+        let logits = &pass.logits;
         if sampling.is_greedy() {
             let (best, p) = if confidence {
                 sampling::top_probability(logits, &mut self.scratch)
@@ -360,6 +384,7 @@ impl Drafter for Eagle3Drafter<'_> {
             self.features
                 .truncate((first_position - self.cache.len()) * width);
         }
+        // Each captured layer comes to the host once (one copy from a device, not one a row).
         let mut mats = Vec::with_capacity(3);
         for &layer in &self.layers {
             let m = hidden
@@ -371,11 +396,18 @@ impl Drafter for Eagle3Drafter<'_> {
                         "EAGLE-3 drafter: the target forward did not capture layer {layer}"
                     ))
                 })?;
-            mats.push(m);
+            if let Some(&bad) = kept.iter().find(|&&r| r >= m.rows()) {
+                return Err(Error::InvalidArgument(format!(
+                    "EAGLE-3 drafter: kept row {bad} of a {}-row target forward",
+                    m.rows()
+                )));
+            }
+            mats.push((m.cols(), m.to_host()?));
         }
         for &r in kept {
-            for m in &mats {
-                self.features.extend_from_slice(&m.row(r)?);
+            for (cols, m) in &mats {
+                self.features
+                    .extend_from_slice(&m[r * cols..(r + 1) * cols]);
             }
         }
         Ok(())
@@ -402,16 +434,34 @@ impl Drafter for Eagle3Drafter<'_> {
         if rows == 0 || k == 0 {
             return Ok(Draft::default());
         }
-        let x = self.head.fc(&self.features, rows);
-        let embeds = self.embeddings(&context[from + 1..=base])?;
-        let (mut out, mut logits) = self.head.forward(&embeds, &x, rows, &mut self.cache)?;
+        // Greedy chains need only each pass's top token and its probability (a device head sends back 8 bytes
+        // instead of the draft vocabulary's logits).
+        let top_only = sampling.is_greedy() && self.tree.is_none();
+        let mut pass = self.compute.run(
+            self.target,
+            &context[from + 1..=base],
+            HeadInput::Features(&self.features),
+            HeadRows::Chain,
+            &mut *self.cache,
+            HeadWant {
+                outputs: self.tree.is_some(),
+                top_only,
+            },
+        )?;
         self.features.clear();
         let fed = self.cache.len();
         let h = self.head.config.layer.hidden_size;
         let k = match self.tree {
             Some(shape) => {
+                let out = &pass.outputs;
                 let last = out[out.len() - h..].to_vec();
-                return self.draft_tree(shape, k.min(shape.draft_tokens), &last, &logits, base);
+                return self.draft_tree(
+                    shape,
+                    k.min(shape.draft_tokens),
+                    &last,
+                    &pass.logits,
+                    base,
+                );
             }
             None => k,
         };
@@ -420,7 +470,7 @@ impl Drafter for Eagle3Drafter<'_> {
         let mut passes = 1;
         let mut all_accepted = 1.0f64;
         for i in 0..k {
-            let (candidate, p) = self.candidate(&logits, sampling, self.min_confidence > 0.0);
+            let (candidate, p) = self.candidate(&pass, sampling, self.min_confidence > 0.0);
             all_accepted *= p as f64;
             if all_accepted < self.min_confidence {
                 break;
@@ -435,9 +485,17 @@ impl Drafter for Eagle3Drafter<'_> {
             };
             tokens.push(token);
             if i + 1 < k {
-                let last = out[out.len() - h..].to_vec();
-                let e = self.embeddings(&[token])?;
-                (out, logits) = self.head.forward(&e, &last, 1, &mut self.cache)?;
+                pass = self.compute.run(
+                    self.target,
+                    &[token],
+                    HeadInput::Last,
+                    HeadRows::Chain,
+                    &mut *self.cache,
+                    HeadWant {
+                        outputs: false,
+                        top_only,
+                    },
+                )?;
                 passes += 1;
             }
         }

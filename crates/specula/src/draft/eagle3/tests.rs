@@ -606,6 +606,24 @@ fn top_log_probs_are_normalized_and_ordered() {
 }
 
 #[test]
+fn top_log_probs_equal_a_full_sort_with_ties() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    for round in 0..50 {
+        // Few distinct values, so ties are common.
+        let logits: Vec<f32> = (0..200 + round)
+            .map(|_| rng.random_range(0..12) as f32 * 0.5)
+            .collect();
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        for k in [1, 2, 4, 7] {
+            let got: Vec<usize> = top_log_probs(&logits, k).iter().map(|x| x.1).collect();
+            assert_eq!(got, order[..k].to_vec(), "round {round}, k {k}");
+        }
+    }
+}
+
+#[test]
 fn acceptance_far_below_the_training_record_is_flagged() {
     let dir = tempfile::tempdir().unwrap();
     let t = target(dir.path());

@@ -1,0 +1,768 @@
+//! An EAGLE-3 head on the GPU, next to its target (draft/eagle3/head.rs has the formula and the CPU version).
+//!
+//! The head's decoder layer runs on the target's kernels: its Q/K/V projections read 2h inputs
+//! ([input_layernorm(embed), hidden_norm(x)]), which here are two GEMVs into the same output (the embedding half,
+//! then the hidden half added), so no kernel needs a concatenated row; the residual stream starts at x instead of
+//! the embedding. The head embeds tokens from the target's embedding on the device and keeps its last output there
+//! (`HeadInput::Last`), so a chain step uploads one token id and reads back only the draft-vocabulary logits.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaSlice;
+
+use super::layout::{self, MAX_SPLITS};
+use super::ops::{gemv, ptr, Matrix};
+use super::{cuda_err, CudaKvCache, Gpu};
+use crate::draft::eagle3::compute::check_pass;
+use crate::draft::eagle3::{Eagle3Head, HeadCompute, HeadInput, HeadOutput, HeadRows, HeadWant};
+use crate::error::{Error, Result};
+use crate::model::config::Config;
+use crate::model::forward::SequenceCache;
+use crate::model::Model;
+
+/// Rows a head pass runs at once (longer feeds, e.g. a prompt's features, go in pieces): bounds the workspace.
+const CHUNK_ROWS: usize = 64;
+
+/// Passes of at most this many rows run as CUDA graphs (chain steps, fed rows after a verify, tree levels); a
+/// prompt's features are fed once, not worth capturing.
+const MAX_GRAPH_ROWS: usize = 8;
+
+/// Where each table lives in the pass's one upload of u32 words (kernels.cu layouts).
+mod words {
+    use super::CHUNK_ROWS as R;
+    pub const TOKENS: usize = 0;
+    pub const POSITIONS: usize = R;
+    /// RowInfo, 6 words a row (8-byte aligned: its mask is a u64).
+    pub const ROWS: usize = 2 * R;
+    pub const WANTED: usize = 8 * R;
+    /// SeqCache of the head's cache, 4 words.
+    pub const SEQ: usize = 9 * R;
+    pub const TOTAL: usize = 9 * R + 4;
+}
+
+/// What a captured pass depends on besides the uploaded values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct PassShape {
+    rows: usize,
+    features: bool,
+    wanted: usize,
+    top_only: bool,
+}
+
+/// A captured pass; used only under the workspace lock.
+struct PassGraph(cudarc::driver::CudaGraph);
+// SAFETY: only used under the workspace lock.
+unsafe impl Send for PassGraph {}
+
+pub struct CudaHead {
+    gpu: Arc<Gpu>,
+    layer: Config,
+    target_hidden: usize,
+    draft_vocab: usize,
+    /// The target's embedding (shared with it), or the head's own.
+    embed: Arc<Matrix>,
+    fc: Matrix,
+    input_norm: CudaSlice<f32>,
+    hidden_norm: CudaSlice<f32>,
+    post_attention_norm: CudaSlice<f32>,
+    final_norm: CudaSlice<f32>,
+    /// Q, K and V stacked, the columns that read the normed embedding.
+    wqkv_embed: Matrix,
+    /// The same rows, the columns that read the normed hidden input.
+    wqkv_hidden: Matrix,
+    wo: Matrix,
+    /// Gate and up stacked for the GEMV that ends in SiLU(gate) * up (layout::stack_gate_up).
+    w_gate_up: Matrix,
+    w_down: Matrix,
+    lm_head: Matrix,
+    rope_inv_freqs: CudaSlice<f32>,
+    workspace: Mutex<Buffers>,
+}
+
+/// Device buffers every pass reuses (fixed addresses, so captured passes stay valid), sized for CHUNK_ROWS rows.
+struct Buffers {
+    graphs: std::collections::HashMap<PassShape, PassGraph>,
+    features: CudaSlice<f32>,
+    x: CudaSlice<f32>,
+    embeds: CudaSlice<f32>,
+    normed_embeds: CudaSlice<f32>,
+    normed_x: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    normed: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    scratch: CudaSlice<f32>,
+    angles: CudaSlice<f32>,
+    picked: CudaSlice<f32>,
+    picked_normed: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    /// Each wanted row's top draft token and probability (kernels.cu top_token).
+    top: CudaSlice<f32>,
+    /// The pass's tables (`words`).
+    ints: CudaSlice<u32>,
+}
+
+/// The head's cache on the GPU: its one layer's keys and values, and its last output row.
+pub struct CudaHeadCache {
+    kv: CudaKvCache,
+    last: CudaSlice<f32>,
+    has_last: bool,
+}
+
+impl SequenceCache for CudaHeadCache {
+    fn len(&self) -> usize {
+        self.kv.len()
+    }
+
+    fn capacity(&self) -> usize {
+        self.kv.capacity()
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.kv.truncate(len);
+    }
+
+    fn keep_new_rows(&mut self, base: usize, rows: &[usize]) -> Result<()> {
+        self.kv.keep_new_rows(base, rows)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+fn bf16(values: &[f32]) -> Vec<u16> {
+    values
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect()
+}
+
+/// Columns `from..from + width` of a row-major `rows x cols` matrix.
+fn columns(m: &[f32], cols: usize, from: usize, width: usize) -> Vec<f32> {
+    m.chunks_exact(cols)
+        .flat_map(|row| row[from..from + width].iter().copied())
+        .collect()
+}
+
+impl CudaHead {
+    /// Uploads `head` to `gpu`, reading tokens' embeddings from `target_embed` (the target's table) unless the head
+    /// has its own. The head must already be checked against its target (`Eagle3Head::check_target`).
+    pub(crate) fn new(gpu: Arc<Gpu>, target_embed: Arc<Matrix>, head: &Eagle3Head) -> Result<Self> {
+        let hc = &head.config;
+        let c = hc.layer.clone();
+        super::model::check_shape(&c)?;
+        let (h, q_dim, kv_dim, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        if !(3 * hc.target_hidden).is_multiple_of(8) {
+            return Err(Error::Cuda(format!(
+                "the EAGLE-3 head's fc reads {} inputs, not a multiple of 8, which the GPU matmul kernel needs",
+                3 * hc.target_hidden
+            )));
+        }
+        let elements = h * 3 * hc.target_hidden
+            + (q_dim + 2 * kv_dim) * 2 * h
+            + h * q_dim
+            + 3 * ff * h
+            + hc.draft_vocab * h;
+        let (free, _) = gpu.memory()?;
+        if elements * 2 > free {
+            return Err(Error::Cuda(format!(
+                "the EAGLE-3 head needs {:.2} GB of GPU memory as bf16, but {} has {:.2} GB free",
+                elements as f64 * 2e-9,
+                gpu.name,
+                free as f64 * 1e-9
+            )));
+        }
+        let w = head.host_weights();
+        let upload = |data: &[f32], rows: usize, cols: usize, what: &str| {
+            Matrix::upload(&gpu, &bf16(data), rows, cols, what)
+        };
+        let vector = |data: &[f32], what: &str| {
+            gpu.stream
+                .clone_htod(data)
+                .map_err(|e| cuda_err(&format!("uploading the head's {what}"), e))
+        };
+        let mut qkv = w.wq.clone();
+        qkv.extend_from_slice(&w.wk);
+        qkv.extend_from_slice(&w.wv);
+        let qkv_rows = q_dim + 2 * kv_dim;
+        let embed = match &w.embed {
+            Some(e) => Arc::new(upload(e, c.vocab_size, h, "the head's embedding")?),
+            None => target_embed,
+        };
+        let gate_up = layout::stack_gate_up(&bf16(&w.w_gate), &bf16(&w.w_up), ff, h);
+        let rope_inv_freqs = vector(&c.rope_inv_freqs(None), "RoPE frequencies")?;
+        let head = CudaHead {
+            embed,
+            fc: upload(&w.fc, h, 3 * hc.target_hidden, "the head's fc")?,
+            input_norm: vector(&w.input_norm, "input norm")?,
+            hidden_norm: vector(&w.hidden_norm, "hidden norm")?,
+            post_attention_norm: vector(&w.post_attention_norm, "post-attention norm")?,
+            final_norm: vector(&w.final_norm, "final norm")?,
+            wqkv_embed: upload(&columns(&qkv, 2 * h, 0, h), qkv_rows, h, "the head's QKV")?,
+            wqkv_hidden: upload(&columns(&qkv, 2 * h, h, h), qkv_rows, h, "the head's QKV")?,
+            wo: upload(&w.wo, h, q_dim, "the head's output projection")?,
+            w_gate_up: Matrix::upload(&gpu, &gate_up, 2 * ff, h, "the head's gate/up")?,
+            w_down: upload(&w.w_down, h, ff, "the head's down projection")?,
+            lm_head: upload(&w.lm_head, hc.draft_vocab, h, "the head's LM head")?,
+            rope_inv_freqs,
+            workspace: Mutex::new(Self::buffers(&gpu, &c, hc.target_hidden, hc.draft_vocab)?),
+            target_hidden: hc.target_hidden,
+            draft_vocab: hc.draft_vocab,
+            layer: c,
+            gpu,
+        };
+        head.gpu
+            .stream
+            .synchronize()
+            .map_err(|e| cuda_err("uploading the EAGLE-3 head", e))?;
+        Ok(head)
+    }
+
+    fn buffers(gpu: &Arc<Gpu>, c: &Config, target_hidden: usize, dv: usize) -> Result<Buffers> {
+        let r = CHUNK_ROWS;
+        let (h, q_dim, kv_dim, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        // Split-K partial sums of the widest GEMV that splits (the split count depends on the shape only).
+        let splits = |n: usize, k: usize| layout::splits_for(n, k, gpu.sm_count);
+        let scratch = [
+            (h, 3 * target_hidden),
+            (q_dim + 2 * kv_dim, h),
+            (h, q_dim),
+            (h, ff),
+            (dv, h),
+        ]
+        .iter()
+        .map(|&(n, k)| {
+            if splits(n, k) > 1 {
+                splits(n, k) * n
+            } else {
+                0
+            }
+        })
+        .max()
+        .unwrap_or(0)
+        .max(1)
+            * r;
+        debug_assert!(scratch <= MAX_SPLITS * r * (q_dim + 2 * kv_dim).max(h).max(dv));
+        let f = |n: usize, what: &str| {
+            // SAFETY: every buffer is written by a kernel or a copy before it is read.
+            unsafe { gpu.stream.alloc::<f32>(n.max(1)) }
+                .map_err(|e| cuda_err(&format!("allocating the head's {what}"), e))
+        };
+        let u = |n: usize, what: &str| {
+            gpu.stream
+                .alloc_zeros::<u32>(n.max(1))
+                .map_err(|e| cuda_err(&format!("allocating the head's {what}"), e))
+        };
+        Ok(Buffers {
+            graphs: Default::default(),
+            features: f(r * 3 * target_hidden, "features")?,
+            x: f(r * h, "activations")?,
+            embeds: f(r * h, "embeddings")?,
+            normed_embeds: f(r * h, "activations")?,
+            normed_x: f(r * h, "activations")?,
+            qkv: f(r * (q_dim + 2 * kv_dim), "QKV")?,
+            q: f(r * q_dim, "queries")?,
+            attn: f(r * q_dim, "attention output")?,
+            normed: f(r * h, "activations")?,
+            act: f(r * ff, "MLP activations")?,
+            scratch: f(scratch, "split-K scratch")?,
+            angles: f(r * c.head_dim, "rotary angles")?,
+            picked: f(r * h, "final rows")?,
+            picked_normed: f(r * h, "final rows")?,
+            logits: f(r * dv, "logits")?,
+            top: f(2 * r, "top tokens")?,
+            ints: u(words::TOTAL, "tables")?,
+        })
+    }
+
+    fn upload_f32(&self, host: &[f32], dev: &mut CudaSlice<f32>, what: &str) -> Result<()> {
+        let mut view = dev.slice_mut(0..host.len());
+        self.gpu
+            .stream
+            .memcpy_htod(host, &mut view)
+            .map_err(|e| cuda_err(&format!("uploading the head's {what}"), e))
+    }
+
+    /// The decoder layer over the `m` rows whose tables and x are in the workspace; leaves the outputs in `x`.
+    fn record_layer(&self, ws: &Buffers, m: usize) -> Result<()> {
+        let c = &self.layer;
+        let gpu = &*self.gpu;
+        let (h, q_dim, kv_dim, hd, ff) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.head_dim,
+            c.intermediate_size,
+        );
+        let (heads, kv_heads) = (c.num_heads, c.num_kv_heads);
+        let p = |s: &CudaSlice<f32>| ptr(s, gpu);
+        let eps = c.rms_norm_eps as f32;
+        let (px, pscratch) = (p(&ws.x), p(&ws.scratch));
+        let ints = ptr(&ws.ints, gpu);
+        let r32 = m as u32;
+        launch!(
+            gpu,
+            embed_rows,
+            (r32, 1, 1),
+            256,
+            ptr(&self.embed.data, gpu),
+            ints + 4 * words::TOKENS as u64,
+            p(&ws.embeds),
+            h as i32,
+            self.embed.chunks as i32
+        );
+        launch!(
+            gpu,
+            rope_angles,
+            (r32, 1, 1),
+            64,
+            ints + 4 * words::POSITIONS as u64,
+            p(&self.rope_inv_freqs),
+            p(&ws.angles),
+            (hd / 2) as i32
+        );
+        for (input, weight, out) in [
+            (&ws.embeds, &self.input_norm, &ws.normed_embeds),
+            (&ws.x, &self.hidden_norm, &ws.normed_x),
+        ] {
+            launch!(
+                gpu,
+                rms_norm,
+                (r32, 1, 1),
+                1024,
+                p(input),
+                p(weight),
+                p(out),
+                h as i32,
+                eps,
+                0u64,
+                0i32,
+                0u64
+            );
+        }
+        let qkv_width = q_dim + 2 * kv_dim;
+        let pqkv = p(&ws.qkv);
+        gemv(
+            gpu,
+            &self.wqkv_embed,
+            qkv_width,
+            p(&ws.normed_embeds),
+            pqkv,
+            m,
+            false,
+            false,
+            pscratch,
+            false,
+        )?;
+        gemv(
+            gpu,
+            &self.wqkv_hidden,
+            qkv_width,
+            p(&ws.normed_x),
+            pqkv,
+            m,
+            true,
+            false,
+            pscratch,
+            false,
+        )?;
+        let (p_rows, p_seqs) = (ints + 4 * words::ROWS as u64, ints + 4 * words::SEQ as u64);
+        launch!(
+            gpu,
+            qkv_post,
+            (r32, (heads + 2 * kv_heads) as u32, 1),
+            64,
+            pqkv,
+            0i32,
+            (m * qkv_width) as u64,
+            0u64,
+            0i32,
+            p(&ws.angles),
+            p_rows,
+            p_seqs,
+            0i32,
+            heads as i32,
+            kv_heads as i32,
+            hd as i32,
+            1i32,
+            p(&ws.q)
+        );
+        launch_fn!(
+            gpu,
+            &gpu.kernels.attention[usize::from(hd > 128)],
+            "attention",
+            (r32, heads as u32, 1),
+            256,
+            p(&ws.q),
+            p(&ws.attn),
+            p_rows,
+            p_seqs,
+            0i32,
+            heads as i32,
+            kv_heads as i32,
+            hd as i32,
+            1.0f32 / (hd as f32).sqrt()
+        );
+        // r1 = x + o_proj(attention); the post-attention norm adds the projection's split-K sums into x.
+        let o_splits = gemv(
+            gpu,
+            &self.wo,
+            h,
+            p(&ws.attn),
+            px,
+            m,
+            true,
+            false,
+            pscratch,
+            true,
+        )?;
+        launch!(
+            gpu,
+            rms_norm,
+            (r32, 1, 1),
+            1024,
+            px,
+            p(&self.post_attention_norm),
+            p(&ws.normed),
+            h as i32,
+            eps,
+            pscratch,
+            o_splits as i32,
+            (m * h) as u64
+        );
+        gemv(
+            gpu,
+            &self.w_gate_up,
+            2 * ff,
+            p(&ws.normed),
+            p(&ws.act),
+            m,
+            false,
+            true,
+            pscratch,
+            false,
+        )?;
+        gemv(
+            gpu,
+            &self.w_down,
+            h,
+            p(&ws.act),
+            px,
+            m,
+            true,
+            false,
+            pscratch,
+            false,
+        )?;
+        Ok(())
+    }
+
+    /// Draft-vocabulary logits of the workspace rows listed in the tables' `wanted` (and, with `top_only`, each
+    /// row's top token and probability).
+    fn record_logits(&self, ws: &Buffers, wanted: usize, top_only: bool) -> Result<()> {
+        let gpu = &*self.gpu;
+        let c = &self.layer;
+        let p = |s: &CudaSlice<f32>| ptr(s, gpu);
+        launch!(
+            gpu,
+            gather_rows,
+            (wanted as u32, 1, 1),
+            256,
+            p(&ws.x),
+            ptr(&ws.ints, gpu) + 4 * words::WANTED as u64,
+            p(&ws.picked),
+            c.hidden_size as i32
+        );
+        launch!(
+            gpu,
+            rms_norm,
+            (wanted as u32, 1, 1),
+            1024,
+            p(&ws.picked),
+            p(&self.final_norm),
+            p(&ws.picked_normed),
+            c.hidden_size as i32,
+            c.rms_norm_eps as f32,
+            0u64,
+            0i32,
+            0u64
+        );
+        gemv(
+            gpu,
+            &self.lm_head,
+            self.draft_vocab,
+            p(&ws.picked_normed),
+            p(&ws.logits),
+            wanted,
+            false,
+            false,
+            p(&ws.scratch),
+            false,
+        )?;
+        if top_only {
+            launch!(
+                gpu,
+                top_token,
+                (wanted as u32, 1, 1),
+                256,
+                p(&ws.logits),
+                p(&ws.top),
+                self.draft_vocab as i32
+            );
+        }
+        Ok(())
+    }
+
+    /// A whole pass over the tables and inputs already in the workspace: fc (when fed features), the layer, the
+    /// logits.
+    fn record_pass(&self, ws: &Buffers, shape: PassShape) -> Result<()> {
+        if shape.features {
+            let gpu = &*self.gpu;
+            gemv(
+                gpu,
+                &self.fc,
+                self.layer.hidden_size,
+                ptr(&ws.features, gpu),
+                ptr(&ws.x, gpu),
+                shape.rows,
+                false,
+                false,
+                ptr(&ws.scratch, gpu),
+                false,
+            )?;
+        }
+        self.record_layer(ws, shape.rows)?;
+        if shape.wanted > 0 {
+            self.record_logits(ws, shape.wanted, shape.top_only)?;
+        }
+        Ok(())
+    }
+
+    /// Runs a pass, as a captured graph when it is short (captured the first time its shape is seen).
+    fn launch_pass(&self, ws: &mut Buffers, shape: PassShape) -> Result<()> {
+        if shape.rows > MAX_GRAPH_ROWS || !super::model::graphs_enabled() {
+            return self.record_pass(ws, shape);
+        }
+        if !ws.graphs.contains_key(&shape) {
+            let stream = &self.gpu.stream;
+            stream
+                .begin_capture(
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+                .map_err(|e| cuda_err("starting the head's CUDA graph capture", e))?;
+            let recorded = self.record_pass(ws, shape);
+            let captured = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            recorded?;
+            let graph = captured
+                .map_err(|e| cuda_err("capturing the head's CUDA graph", e))?
+                .ok_or_else(|| {
+                    Error::Cuda("capturing the head's pass: nothing was captured".into())
+                })?;
+            ws.graphs.insert(shape, PassGraph(graph));
+        }
+        ws.graphs[&shape]
+            .0
+            .launch()
+            .map_err(|e| cuda_err("launching the head's CUDA graph", e))
+    }
+}
+
+impl HeadCompute for CudaHead {
+    fn device(&self) -> String {
+        self.gpu.name.clone()
+    }
+
+    fn new_cache(&self, capacity: usize) -> Result<Box<dyn SequenceCache>> {
+        let last = self
+            .gpu
+            .stream
+            .alloc_zeros::<f32>(self.layer.hidden_size)
+            .map_err(|e| cuda_err("allocating the head's last output", e))?;
+        Ok(Box::new(CudaHeadCache {
+            kv: CudaKvCache::new(self.gpu.clone(), &self.layer, capacity)?,
+            last,
+            has_last: false,
+        }))
+    }
+
+    fn run(
+        &self,
+        _target: &dyn Model,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        rows: HeadRows<'_>,
+        cache: &mut dyn SequenceCache,
+        want: HeadWant,
+    ) -> Result<HeadOutput> {
+        let c = &self.layer;
+        let h = c.hidden_size;
+        check_pass(tokens, input, rows, self.target_hidden, h)?;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::InvalidArgument(format!(
+                "token {bad} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        let cache = cache
+            .as_any_mut()
+            .downcast_mut::<CudaHeadCache>()
+            .ok_or_else(|| {
+                Error::InvalidArgument("the EAGLE-3 head's cache belongs to another device".into())
+            })?;
+        if !Arc::ptr_eq(&cache.kv.gpu, &self.gpu) {
+            return Err(Error::InvalidArgument(
+                "the EAGLE-3 head's cache was made on another GPU".into(),
+            ));
+        }
+        if matches!(input, HeadInput::Last) && !cache.has_last {
+            return Err(Error::InvalidArgument(
+                "EAGLE-3 head pass fed from the last output before any pass".into(),
+            ));
+        }
+        let n = tokens.len();
+        let start = cache.kv.len();
+        if start + n > cache.kv.capacity() {
+            return Err(Error::InvalidArgument(format!(
+                "the EAGLE-3 head's KV cache holds {} positions; {} needed",
+                cache.kv.capacity(),
+                start + n
+            )));
+        }
+        // kernels.cu RowInfo per row: sequence, slot, first slot of the visible new rows, tree flag, mask.
+        let mut positions = Vec::with_capacity(n);
+        let mut table = Vec::with_capacity(n * 6);
+        match rows {
+            HeadRows::Chain => {
+                for i in 0..n {
+                    let slot = (start + i) as u32;
+                    positions.push(slot);
+                    table.extend_from_slice(&[0, slot, start as u32, 0, u32::MAX, u32::MAX]);
+                }
+            }
+            HeadRows::Tree(tree) => {
+                if n > CHUNK_ROWS {
+                    return Err(Error::InvalidArgument(format!(
+                        "an EAGLE-3 tree pass of {n} rows; the GPU head takes up to {CHUNK_ROWS}"
+                    )));
+                }
+                for (i, r) in tree.iter().enumerate() {
+                    let slot = start + i;
+                    let mut mask = 0u64;
+                    for &s in r.ancestors.iter().chain(std::iter::once(&slot)) {
+                        if r.prefix > start || s < r.prefix || s > slot || s - r.prefix >= 64 {
+                            return Err(Error::InvalidArgument(format!(
+                                "EAGLE-3 tree row {i} (slot {slot}) sees slot {s} past its prefix of {}: the GPU \
+                                 attention masks up to 64 slots after the prefix",
+                                r.prefix
+                            )));
+                        }
+                        mask |= 1 << (s - r.prefix);
+                    }
+                    positions.push(r.position as u32);
+                    table.extend_from_slice(&[
+                        0,
+                        slot as u32,
+                        r.prefix as u32,
+                        1,
+                        mask as u32,
+                        (mask >> 32) as u32,
+                    ]);
+                }
+            }
+        }
+        let mut guard = self
+            .workspace
+            .lock()
+            .map_err(|_| Error::Cuda("the EAGLE-3 head's workspace lock is poisoned".into()))?;
+        let ws = &mut *guard;
+        let base = cache.kv.device_ptr();
+        let mut ints = vec![0u32; words::TOTAL];
+        ints[words::SEQ..words::SEQ + 4].copy_from_slice(&[
+            base as u32,
+            (base >> 32) as u32,
+            cache.kv.capacity() as u32,
+            0,
+        ]);
+        let stream = &self.gpu.stream;
+        let mut out = HeadOutput::default();
+        let mut r0 = 0;
+        while r0 < n {
+            let m = (n - r0).min(CHUNK_ROWS);
+            let r1 = r0 + m;
+            let last_chunk = r1 == n;
+            let wanted = match (last_chunk, rows) {
+                (false, _) => 0,
+                (true, HeadRows::Chain) => 1,
+                (true, HeadRows::Tree(_)) => m,
+            };
+            // One upload of every table.
+            ints[words::TOKENS..words::TOKENS + m].copy_from_slice(&tokens[r0..r1]);
+            ints[words::POSITIONS..words::POSITIONS + m].copy_from_slice(&positions[r0..r1]);
+            ints[words::ROWS..words::ROWS + 6 * m].copy_from_slice(&table[r0 * 6..r1 * 6]);
+            for j in 0..wanted {
+                ints[words::WANTED + j] = (m - wanted + j) as u32;
+            }
+            stream
+                .memcpy_htod(&ints, &mut ws.ints)
+                .map_err(|e| cuda_err("uploading the head's tables", e))?;
+            match input {
+                HeadInput::Features(f) => {
+                    let w = 3 * self.target_hidden;
+                    self.upload_f32(&f[r0 * w..r1 * w], &mut ws.features, "features")?;
+                }
+                HeadInput::Hidden(x) => self.upload_f32(&x[r0 * h..r1 * h], &mut ws.x, "inputs")?,
+                HeadInput::Last => {
+                    let mut dst = ws.x.slice_mut(0..h);
+                    stream
+                        .memcpy_dtod(&cache.last, &mut dst)
+                        .map_err(|e| cuda_err("feeding the head's last output", e))?;
+                }
+            }
+            let shape = PassShape {
+                rows: m,
+                features: matches!(input, HeadInput::Features(_)),
+                wanted,
+                top_only: want.top_only,
+            };
+            self.launch_pass(ws, shape)?;
+            cache.kv.len = start + r1;
+            if want.outputs {
+                out.outputs.extend(
+                    stream
+                        .clone_dtoh(&ws.x.slice(0..m * h))
+                        .map_err(|e| cuda_err("reading the head's outputs", e))?,
+                );
+            }
+            if last_chunk {
+                {
+                    let src = ws.x.slice((m - 1) * h..m * h);
+                    stream
+                        .memcpy_dtod(&src, &mut cache.last)
+                        .map_err(|e| cuda_err("keeping the head's last output", e))?;
+                }
+                cache.has_last = true;
+                if want.top_only {
+                    let top = stream
+                        .clone_dtoh(&ws.top.slice(0..2 * wanted))
+                        .map_err(|e| cuda_err("reading the head's top tokens", e))?;
+                    out.top = top
+                        .chunks_exact(2)
+                        .map(|t| (t[0].to_bits(), t[1]))
+                        .collect();
+                } else {
+                    out.logits = stream
+                        .clone_dtoh(&ws.logits.slice(0..wanted * self.draft_vocab))
+                        .map_err(|e| cuda_err("reading the head's logits", e))?;
+                }
+            }
+            r0 = r1;
+        }
+        Ok(out)
+    }
+}

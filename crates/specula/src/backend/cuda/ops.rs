@@ -1,0 +1,145 @@
+//! What every CUDA forward pass shares: kernel launches, the tiled bf16 matrix and its GEMV.
+
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+use super::layout;
+use super::{cuda_err, Gpu};
+use crate::error::Result;
+
+/// The device address of a buffer (event tracking is off: nothing to synchronize).
+pub(crate) fn ptr<T>(s: &CudaSlice<T>, gpu: &Gpu) -> u64 {
+    let (p, _sync) = s.device_ptr(&gpu.stream);
+    p
+}
+
+/// Launches kernel `$kernel` with `$grid` blocks of `$block` threads; every argument is a value (device pointers
+/// as u64), kept alive until the launch is queued.
+macro_rules! launch {
+    ($gpu:expr, $kernel:ident, $grid:expr, $block:expr, $($arg:expr),* $(,)?) => {{
+        let gpu: &Gpu = &$gpu;
+        launch_fn!(gpu, &gpu.kernels.$kernel, stringify!($kernel), $grid, $block, $($arg),*)
+    }};
+}
+
+/// Launches a kernel function with its arguments (each boxed, so the parameter pointers stay valid).
+macro_rules! launch_fn {
+    ($gpu:expr, $func:expr, $name:expr, $grid:expr, $block:expr, $($arg:expr),* $(,)?) => {{
+        let gpu: &Gpu = $gpu;
+        let mut keep: Vec<Box<dyn std::any::Any>> = Vec::new();
+        let mut params: Vec<*mut std::ffi::c_void> = Vec::new();
+        $(
+            let mut value = Box::new($arg);
+            params.push(&mut *value as *mut _ as *mut std::ffi::c_void);
+            keep.push(value);
+        )*
+        let grid: (u32, u32, u32) = $grid;
+        // SAFETY: the arguments match the kernel's signature in kernels.cu, and every pointer is a live
+        // allocation of the size the kernel indexes (checked by the callers' shapes).
+        unsafe { gpu.launch($func, $name, grid, $block, &mut params) }?;
+        drop(keep);
+    }};
+}
+
+/// A bf16 matrix on the device, `rows` outputs of `cols` inputs, in the tensor-core GEMV's tiled layout
+/// (layout.rs; `chunks` 32-input chunks per 16-row block).
+pub(crate) struct Matrix {
+    pub(crate) data: CudaSlice<u16>,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) chunks: usize,
+}
+
+impl Matrix {
+    /// Uploads a row-major `rows x cols` bf16 matrix in the GEMV's tiled layout.
+    pub(crate) fn upload(
+        gpu: &Gpu,
+        data: &[u16],
+        rows: usize,
+        cols: usize,
+        what: &str,
+    ) -> Result<Self> {
+        let tiled = layout::tile_matrix(data, rows, cols);
+        let data = gpu
+            .stream
+            .clone_htod(&tiled)
+            .map_err(|e| cuda_err(&format!("uploading {what}"), e))?;
+        Ok(Matrix {
+            data,
+            rows,
+            cols,
+            chunks: layout::tiles(rows, cols).1,
+        })
+    }
+}
+
+/// `y[m x n] (+)= x[m x w.cols] . w^T` for the first `n` rows of `w` (split-K through `scratch` when the
+/// shape asks for it); with `silu_pairs`, `y[m x n/2]` = SiLU(gate) * up of the interleaved rows.
+/// With `defer`, split-K partial sums are left in `scratch` for the next kernel to add up (qkv_post, rms_norm)
+/// and their count is returned (0 when `y` already holds the result): that saves a reduction launch.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemv(
+    gpu: &Gpu,
+    w: &Matrix,
+    n: usize,
+    x: u64,
+    y: u64,
+    m: usize,
+    accumulate: bool,
+    silu_pairs: bool,
+    scratch: u64,
+    defer: bool,
+) -> Result<usize> {
+    let splits = if silu_pairs {
+        1
+    } else {
+        layout::splits_for(n, w.cols, gpu.sm_count)
+    };
+    let blocks = n.div_ceil(layout::ROW_BLOCK);
+    // 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices, 2 for split
+    // ones: the faster of each on an H200), 16 up to 16 rows (long verifies, trees), 32 past that (prefill).
+    // The same arithmetic per output whichever runs.
+    let (variant, tokens) = match (m.div_ceil(layout::TOKENS), splits > 1) {
+        (0 | 1, false) => (0, layout::TOKENS),
+        (0 | 1, true) => (1, layout::TOKENS),
+        (2, _) => (2, 2 * layout::TOKENS),
+        _ => (3, 4 * layout::TOKENS),
+    };
+    launch_fn!(
+        gpu,
+        &gpu.kernels.gemv_mma[variant],
+        "gemv_mma",
+        (blocks as u32, m.div_ceil(tokens) as u32, splits as u32),
+        (layout::WARPS * 32) as u32,
+        ptr(&w.data, gpu),
+        x,
+        y,
+        n as i32,
+        w.cols as i32,
+        w.chunks as i32,
+        m as i32,
+        accumulate as i32,
+        splits as i32,
+        scratch,
+        silu_pairs as i32
+    );
+    if splits > 1 && defer {
+        return Ok(splits);
+    }
+    if splits > 1 {
+        let total = m * n;
+        let blocks = total.div_ceil(256).min(65_535) as u32;
+        launch!(
+            gpu,
+            splitk_reduce,
+            (blocks, 1, 1),
+            256,
+            scratch,
+            y,
+            n as i32,
+            m as i32,
+            splits as i32,
+            accumulate as i32
+        );
+    }
+    Ok(0)
+}

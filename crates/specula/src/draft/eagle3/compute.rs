@@ -1,0 +1,227 @@
+//! Where an EAGLE-3 head's forward pass runs: on the CPU ([`Eagle3Head`] itself) or on the target's device (a
+//! twin the target's backend makes, e.g. backend/cuda/head.rs), behind one interface the drafter uses.
+//!
+//! The interface is shaped so a device head moves little across the bus: the drafter hands it token ids (the
+//! device embeds them from the target's own table), target features for the rows they feed, and for each further
+//! chain step only the new token (the previous step's output stays in the head's cache object, `HeadInput::Last`).
+//! Back come the draft-vocabulary logits of the rows that need them, and the rows' outputs only when asked (trees).
+
+use crate::backend::cpu::KvCache;
+use crate::error::{Error, Result};
+use crate::model::forward::SequenceCache;
+use crate::model::Model;
+
+use super::head::{Eagle3Head, TreeRow};
+
+/// The hidden input (x) of the rows of a head pass.
+#[derive(Debug, Clone, Copy)]
+pub enum HeadInput<'a> {
+    /// Target features (3H a row, low ++ mid ++ high), run through fc first.
+    Features(&'a [f32]),
+    /// Head outputs of earlier passes (h a row), fed back.
+    Hidden(&'a [f32]),
+    /// One row: the last row's output of the previous pass on the same cache.
+    Last,
+}
+
+/// Where the rows of a head pass go and what they see.
+#[derive(Debug, Clone, Copy)]
+pub enum HeadRows<'a> {
+    /// Positions `cache.len()..` in order, each seeing every slot up to its own; logits of the last row only.
+    Chain,
+    /// One row per `TreeRow` (written at slots `cache.len()..`); logits of every row.
+    Tree(&'a [TreeRow]),
+}
+
+/// What a head pass should return besides its effect on the cache.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HeadWant {
+    /// Each row's output (trees feed them back).
+    pub outputs: bool,
+    /// Only each logits row's top draft token and its probability (a greedy chain's needs), not the row.
+    pub top_only: bool,
+}
+
+/// What a head pass returns.
+#[derive(Debug, Clone, Default)]
+pub struct HeadOutput {
+    /// Each row's output (n x h; the next pass's x), when asked for; else empty.
+    pub outputs: Vec<f32>,
+    /// Draft-vocabulary logits, rows x draft_vocab: the last row of a chain, every row of a tree (empty with
+    /// `top_only`).
+    pub logits: Vec<f32>,
+    /// With `top_only`: each logits row's largest logit's draft id (the first on ties) and its softmax
+    /// probability.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// A head's forward pass on some device.
+pub trait HeadCompute: Send + Sync {
+    /// Where it runs, e.g. "cpu" or "cuda:0 (NVIDIA H200)".
+    fn device(&self) -> String;
+
+    /// An empty cache of up to `capacity` positions (the head's keys and values, and its last output).
+    fn new_cache(&self, capacity: usize) -> Result<Box<dyn SequenceCache>>;
+
+    /// Runs `tokens.len()` rows (row i: the embedding of `tokens[i]` and the i-th row of `input`) through the
+    /// head's decoder layer, appending them to `cache`. `target` is the model the head drafts for (a CPU head
+    /// reads its embedding through it).
+    fn run(
+        &self,
+        target: &dyn Model,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        rows: HeadRows<'_>,
+        cache: &mut dyn SequenceCache,
+        want: HeadWant,
+    ) -> Result<HeadOutput>;
+}
+
+/// Checks a pass's inputs against each other (shared by every implementation).
+pub fn check_pass(
+    tokens: &[u32],
+    input: HeadInput<'_>,
+    rows: HeadRows<'_>,
+    target_hidden: usize,
+    hidden: usize,
+) -> Result<()> {
+    let n = tokens.len();
+    if n == 0 {
+        return Err(Error::InvalidArgument(
+            "an EAGLE-3 head pass over no rows".into(),
+        ));
+    }
+    let (have, width, what) = match input {
+        HeadInput::Features(f) => (f.len(), 3 * target_hidden, "target features"),
+        HeadInput::Hidden(x) => (x.len(), hidden, "hidden inputs"),
+        HeadInput::Last => (n, 1, "rows fed from the last output"),
+    };
+    if have != n * width || (matches!(input, HeadInput::Last) && n != 1) {
+        return Err(Error::InvalidArgument(format!(
+            "EAGLE-3 head pass: {n} tokens but {have} values of {what} ({width} a row{})",
+            if matches!(input, HeadInput::Last) {
+                "; the last output feeds one row"
+            } else {
+                ""
+            }
+        )));
+    }
+    if let HeadRows::Tree(tree) = rows {
+        if tree.len() != n {
+            return Err(Error::InvalidArgument(format!(
+                "EAGLE-3 head pass: {n} tokens but {} tree rows",
+                tree.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The CPU head's cache: its KV cache and the last output row.
+pub struct CpuHeadCache {
+    pub kv: KvCache,
+    last: Vec<f32>,
+}
+
+impl SequenceCache for CpuHeadCache {
+    fn len(&self) -> usize {
+        self.kv.len()
+    }
+
+    fn capacity(&self) -> usize {
+        SequenceCache::capacity(&self.kv)
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.kv.truncate(len);
+    }
+
+    fn keep_new_rows(&mut self, base: usize, rows: &[usize]) -> Result<()> {
+        self.kv.keep_new_rows(base, rows)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+impl HeadCompute for Eagle3Head {
+    fn device(&self) -> String {
+        "cpu".into()
+    }
+
+    fn new_cache(&self, capacity: usize) -> Result<Box<dyn SequenceCache>> {
+        Ok(Box::new(CpuHeadCache {
+            kv: Eagle3Head::new_cache(self, capacity),
+            last: Vec::new(),
+        }))
+    }
+
+    fn run(
+        &self,
+        target: &dyn Model,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        rows: HeadRows<'_>,
+        cache: &mut dyn SequenceCache,
+        want: HeadWant,
+    ) -> Result<HeadOutput> {
+        let h = self.config.layer.hidden_size;
+        check_pass(tokens, input, rows, self.config.target_hidden, h)?;
+        let cache = cache
+            .as_any_mut()
+            .downcast_mut::<CpuHeadCache>()
+            .ok_or_else(|| {
+                Error::InvalidArgument("the EAGLE-3 head's cache belongs to another device".into())
+            })?;
+        let n = tokens.len();
+        let fed;
+        let x: &[f32] = match input {
+            HeadInput::Features(f) => {
+                fed = self.fc(f, n);
+                &fed
+            }
+            HeadInput::Hidden(x) => x,
+            HeadInput::Last => {
+                if cache.last.len() != h {
+                    return Err(Error::InvalidArgument(
+                        "EAGLE-3 head pass fed from the last output before any pass".into(),
+                    ));
+                }
+                fed = cache.last.clone();
+                &fed
+            }
+        };
+        let embeds = match self.own_embedding(tokens) {
+            Some(e) => e,
+            None => target.embed_tokens(tokens)?,
+        };
+        let (outputs, logits) = match rows {
+            HeadRows::Chain => self.forward(&embeds, x, n, &mut cache.kv)?,
+            HeadRows::Tree(tree) => {
+                let (out, logits) = self.forward_tree(&embeds, x, tree, &mut cache.kv)?;
+                (out, logits.concat())
+            }
+        };
+        cache.last.clear();
+        cache.last.extend_from_slice(&outputs[(n - 1) * h..]);
+        let mut out = HeadOutput {
+            outputs: if want.outputs { outputs } else { Vec::new() },
+            ..Default::default()
+        };
+        if want.top_only {
+            let mut scratch = Vec::new();
+            out.top = logits
+                .chunks_exact(self.config.draft_vocab)
+                .map(|row| crate::sampling::top_probability(row, &mut scratch))
+                .collect();
+        } else {
+            out.logits = logits;
+        }
+        Ok(out)
+    }
+}
