@@ -91,10 +91,13 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     let mut cpu_tokens = None;
     // Quantized checkpoints: the CPU's quantized kernels round activations to 8 bits, so they are not a
     // reference for the GPU's bf16 path; an f32 CPU model of the same weights is (4 bytes a parameter).
+    // weight_types reads "Q4_K x 169, Q6_K x 29" (and ", as bf16" on the GPU): the storage types are the
+    // "TYPE x COUNT" parts.
     let quantized = !model
         .weight_types()
         .split(", ")
-        .all(|t| ["F32", "F16", "BF16"].iter().any(|f| t.starts_with(f)));
+        .filter(|t| t.contains(" x "))
+        .all(|t| ["F32 ", "F16 ", "BF16 "].iter().any(|f| t.starts_with(f)));
     if on_gpu && loaded.format != specula::model::Format::Random {
         let cpu = specula::model::load_path(&loaded.path, &loaded.spec)?;
         let (c, agreement) = against_cpu(&loaded, &cpu, &tokens, !quantized)?;
