@@ -228,7 +228,7 @@ fn relative_error(reference: &[f32], other: &[f32]) -> (f32, bool) {
 /// target's features, a chain step from the last output, a two-row tree.
 fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::Result<Vec<Check>> {
     use specula::draft::eagle3::{
-        Eagle3Head, HeadCompute, HeadInput, HeadPrecision, HeadRows, HeadWant, TreeRow,
+        Eagle3Head, HeadCompute, HeadInput, HeadPass, HeadPrecision, HeadRows, HeadWant, TreeRow,
     };
     let path = specula::registry::locate_head(dir)?;
     let cpu = Eagle3Head::load_as(&path, HeadPrecision::Stored)?;
@@ -330,20 +330,97 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
     };
     let (reference, top_ref) = passes(&cpu)?;
     let (other, top_other) = passes(placed.compute())?;
+    // Three sequences' passes at once (a server's requests drafting together) against each alone: fed rows of
+    // different lengths, then one chain step each.
+    let lens = [n, n - 1, 1];
+    let width = 3 * cpu.config.target_hidden;
+    let batched = |compute: &dyn HeadCompute| -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
+        let want = HeadWant::default();
+        let mut alone = Vec::new();
+        for &len in &lens {
+            let mut c = compute.new_cache(n + 16)?;
+            let f = &features[..len * width];
+            let fed = compute.run(
+                model,
+                &tokens[1..=len],
+                HeadInput::Features(f),
+                HeadRows::Chain,
+                c.as_mut(),
+                want,
+            )?;
+            let step = compute.run(
+                model,
+                &tokens[..1],
+                HeadInput::Last,
+                HeadRows::Chain,
+                c.as_mut(),
+                want,
+            )?;
+            alone.extend(fed.logits);
+            alone.extend(step.logits);
+        }
+        let mut caches = lens
+            .iter()
+            .map(|_| compute.new_cache(n + 16))
+            .collect::<specula::error::Result<Vec<_>>>()?;
+        let mut fed_passes: Vec<HeadPass<'_>> = caches
+            .iter_mut()
+            .zip(&lens)
+            .map(|(c, &len)| HeadPass {
+                tokens: &tokens[1..=len],
+                input: HeadInput::Features(&features[..len * width]),
+                cache: c.as_mut(),
+                want,
+            })
+            .collect();
+        let fed = compute.run_many(model, &mut fed_passes)?;
+        drop(fed_passes);
+        let mut step_passes: Vec<HeadPass<'_>> = caches
+            .iter_mut()
+            .map(|c| HeadPass {
+                tokens: &tokens[..1],
+                input: HeadInput::Last,
+                cache: c.as_mut(),
+                want,
+            })
+            .collect();
+        let steps = compute.run_many(model, &mut step_passes)?;
+        let together = fed
+            .into_iter()
+            .zip(steps)
+            .flat_map(|(a, b)| a.logits.into_iter().chain(b.logits))
+            .collect();
+        Ok((alone, together))
+    };
+    // On a GPU the batched pass runs only with SPECULA_CUDA_HEAD_BATCH=1 (else run_many is the loop, nothing
+    // to check).
+    let batching =
+        device == "cpu" || std::env::var("SPECULA_CUDA_HEAD_BATCH").is_ok_and(|v| v == "1");
+    let batched_check = if batching {
+        let (alone, together) = batched(placed.compute())?;
+        Some(bitwise(
+            &format!("eagle3 head on {device}: 3 sequences' passes batched = each alone"),
+            &together,
+            &alone,
+        ))
+    } else {
+        None
+    };
     let names = [
         "outputs of fed rows",
         "logits of fed rows",
         "logits of a chain step",
         "logits of tree rows",
     ];
-    let mut checks = vec![Check {
+    let mut checks: Vec<Check> = batched_check.into_iter().collect();
+    checks.push(Check {
         name: format!("eagle3 head on {device}: top token of a chain step"),
         passed: top_ref.0 == top_other.0 && (top_ref.1 - top_other.1).abs() <= 2e-2,
         detail: format!(
             "CPU token {} p {:.4}, {device} token {} p {:.4}",
             top_ref.0, top_ref.1, top_other.0, top_other.1
         ),
-    }];
+    });
     for ((name, a), b) in names.iter().zip(&reference).zip(&other) {
         let (err, same_top) = relative_error(a, b);
         checks.push(Check {

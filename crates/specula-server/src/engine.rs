@@ -97,6 +97,12 @@ impl Default for EngineOptions {
     }
 }
 
+/// Whether requests drafting with one EAGLE-3 head share its passes (default; `SPECULA_SHARED_HEAD=0` turns it off).
+fn shared_head_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_SHARED_HEAD").map_or(true, |v| v != "0"))
+}
+
 /// What the server speculates with.
 pub enum DraftSetup {
     None,
@@ -731,6 +737,14 @@ impl<'a> EngineLoop<'a> {
                 &mut batch,
                 StepLimits {
                     prefill_tokens: self.options.prefill_chunk,
+                    // EAGLE-3 chains share the head: one batched head pass per round for every request
+                    // (`SPECULA_SHARED_HEAD=0` drafts one request after the other, to compare).
+                    shared_head: match self.draft {
+                        DraftSetup::Eagle3(head, None, _) if shared_head_enabled() => {
+                            Some(head.compute())
+                        }
+                        _ => None,
+                    },
                 },
                 &prof,
                 &mut |i, t| texts.push((i, t.to_string())),

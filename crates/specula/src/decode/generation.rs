@@ -15,7 +15,8 @@
 
 use std::time::Instant;
 
-use crate::draft::{Draft, Drafter};
+use crate::draft::eagle3::{HeadCompute, HeadInput, HeadPass};
+use crate::draft::{BatchedPass, BatchedStart, Draft, Drafter};
 use crate::error::{Error, Result};
 use crate::model::forward::check_batch;
 use crate::model::{
@@ -57,6 +58,8 @@ pub struct Generation<'d> {
     decode_started: Option<Instant>,
     /// The rows of the step in flight (between planning and finishing).
     planned: Option<Planned>,
+    /// This step's draft when it was drafted in a batch with other generations' (taken by `plan`).
+    prepared_draft: Option<Draft>,
 }
 
 struct Planned {
@@ -106,6 +109,7 @@ impl<'d> Generation<'d> {
             started: None,
             decode_started: None,
             planned: None,
+            prepared_draft: None,
         }
     }
 
@@ -232,23 +236,20 @@ impl<'d> Generation<'d> {
             });
             return Ok(true);
         }
-        let ctx = self.cache.capacity();
         let pending = *self.context.last().unwrap_or(&0);
         let base = self.cache.len();
-        let remaining = self.req.max_new_tokens - self.tokens.len();
+        let k = self.draft_k();
+        let prepared = self.prepared_draft.take();
         let draft = match self.drafter.as_mut() {
             Some(drafter) => {
                 let _s = prof.span(Phase::Draft);
-                // Never draft past the token budget or the context: every accepted token must fit.
-                let k = self
-                    .draft_tokens
-                    .min(self.draft_limit.unwrap_or(usize::MAX))
-                    .min(remaining - 1)
-                    .min(ctx.saturating_sub(base + 1));
                 if k == 0 {
                     Draft::default()
                 } else {
-                    let mut d = drafter.propose(&self.context, k, &self.req.sampling)?;
+                    let mut d = match prepared {
+                        Some(d) => d,
+                        None => drafter.propose(&self.context, k, &self.req.sampling)?,
+                    };
                     d.tokens.truncate(k);
                     // A tree's nodes come after their parents, so its first k nodes are a tree.
                     if let Some(parents) = d.parents.as_mut() {
@@ -289,6 +290,16 @@ impl<'d> Generation<'d> {
             work: Work::Cycle { draft, tree, base },
         });
         Ok(true)
+    }
+
+    /// Tokens this generation's next cycle may draft: never past the token budget or the context (every
+    /// accepted token must fit), nor past the scheduler's limit.
+    fn draft_k(&self) -> usize {
+        let remaining = self.req.max_new_tokens - self.tokens.len();
+        self.draft_tokens
+            .min(self.draft_limit.unwrap_or(usize::MAX))
+            .min(remaining.saturating_sub(1))
+            .min(self.cache.capacity().saturating_sub(self.cache.len() + 1))
     }
 
     /// The planned rows as one sequence of a forward pass.
@@ -482,18 +493,136 @@ impl<'d> Generation<'d> {
 }
 
 /// Limits of one step.
-#[derive(Debug, Clone, Copy)]
-pub struct StepLimits {
+#[derive(Clone, Copy)]
+pub struct StepLimits<'h> {
     /// Prompt tokens prefilled in one step, over all generations (chunked prefill keeps running streams flowing
     /// while a long prompt enters); `usize::MAX`: whole prompts.
     pub prefill_tokens: usize,
+    /// The EAGLE-3 head every generation's drafter shares, when they share one: their chain passes then run as
+    /// one batched head pass per round ([`HeadCompute::run_many`]) instead of one request after the other.
+    pub shared_head: Option<&'h dyn HeadCompute>,
 }
 
-impl Default for StepLimits {
+impl std::fmt::Debug for StepLimits<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepLimits")
+            .field("prefill_tokens", &self.prefill_tokens)
+            .field("shared_head", &self.shared_head.map(|h| h.device()))
+            .finish()
+    }
+}
+
+impl Default for StepLimits<'_> {
     fn default() -> Self {
         StepLimits {
             prefill_tokens: usize::MAX,
+            shared_head: None,
         }
+    }
+}
+
+/// Drafts for the decoding generations of `live` whose drafters draft in batches, all rounds of their passes
+/// run by `head` as one batched pass each; the drafts wait in `prepared_draft` for `plan`. A generation whose
+/// drafter fails gets the error in `results`; a failed batched pass fails every generation in it.
+fn draft_in_batches(
+    model: &dyn Model,
+    head: &dyn HeadCompute,
+    batch: &mut [&mut Generation<'_>],
+    live: &[usize],
+    results: &mut [Result<()>],
+) {
+    // Each generation's pass of this round, by index in `batch`.
+    let mut pending: Vec<(usize, BatchedPass)> = Vec::new();
+    for &i in live {
+        let g = &mut *batch[i];
+        if g.is_prefilling() || g.stop.is_some() || g.simulated.is_some() {
+            continue;
+        }
+        let k = g.draft_k();
+        let Some(drafter) = g.drafter.as_mut() else {
+            continue;
+        };
+        if k == 0 {
+            continue;
+        }
+        match drafter.batched_begin(&g.context, k, &g.req.sampling) {
+            Ok(BatchedStart::Alone) => {}
+            Ok(BatchedStart::Nothing) => g.prepared_draft = Some(Draft::default()),
+            Ok(BatchedStart::Pass(p)) => pending.push((i, p)),
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    while !pending.is_empty() {
+        let outputs = {
+            let mut passes = Vec::with_capacity(pending.len());
+            let mut rest: &mut [&mut Generation<'_>] = batch;
+            let mut offset = 0;
+            let mut missing = None;
+            for (i, p) in &pending {
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - offset);
+                let (g, tail) = tail.split_first_mut().expect("pending index in range");
+                rest = tail;
+                offset = i + 1;
+                let Some(cache) = g.drafter.as_mut().and_then(|d| d.batched_cache()) else {
+                    missing = Some(*i);
+                    break;
+                };
+                passes.push(HeadPass {
+                    tokens: &p.tokens,
+                    input: match &p.features {
+                        Some(f) => HeadInput::Features(f),
+                        None => HeadInput::Last,
+                    },
+                    cache,
+                    want: p.want,
+                });
+            }
+            match missing {
+                Some(i) => Err(Error::InvalidArgument(format!(
+                    "generation {i}'s drafter drafts in batches but has no cache"
+                ))),
+                None => head.run_many(model, &mut passes),
+            }
+        };
+        let outputs = match outputs {
+            Ok(o) if o.len() == pending.len() => o,
+            failed => {
+                let message = match failed {
+                    Err(e) => e.to_string(),
+                    Ok(o) => format!("{} outputs for {} passes", o.len(), pending.len()),
+                };
+                for (i, _) in pending.drain(..) {
+                    if let Some(d) = batch[i].drafter.as_mut() {
+                        let _ = d.batched_finish();
+                    }
+                    results[i] = Err(Error::InvalidArgument(format!(
+                        "the batched EAGLE-3 head pass failed: {message}"
+                    )));
+                }
+                return;
+            }
+        };
+        let mut next = Vec::with_capacity(pending.len());
+        for ((i, _), output) in pending.drain(..).zip(outputs) {
+            let g = &mut *batch[i];
+            let sampling = g.req.sampling;
+            let drafter = g
+                .drafter
+                .as_mut()
+                .expect("batched generations have drafters");
+            match drafter.batched_after(output, &sampling) {
+                Ok(Some(p)) => next.push((i, p)),
+                Ok(None) => match drafter.batched_finish() {
+                    Ok(d) => g.prepared_draft = Some(d),
+                    Err(e) => results[i] = Err(e),
+                },
+                Err(e) => {
+                    let _ = drafter.batched_finish();
+                    results[i] = Err(e);
+                }
+            }
+        }
+        pending = next;
     }
 }
 
@@ -519,7 +648,7 @@ pub fn step(
     model: &dyn Model,
     tokenizer: &Tokenizer,
     batch: &mut [&mut Generation<'_>],
-    limits: StepLimits,
+    limits: StepLimits<'_>,
     prof: &Profiler,
     on_text: &mut dyn FnMut(usize, &str),
 ) -> (Vec<Result<()>>, StepReport) {
@@ -541,9 +670,16 @@ pub fn step(
         StepKind::Decode
     });
 
+    // Drafters sharing one head draft together: each round of passes is one batched head pass.
+    if let Some(head) = limits.shared_head {
+        let _s = prof.span(Phase::Draft);
+        draft_in_batches(model, head, batch, &live, &mut results);
+    }
+
     // Plan: decoding generations first, then prompt chunks within the budget.
     let mut budget = limits.prefill_tokens.max(1);
     let mut order: Vec<usize> = live.clone();
+    order.retain(|&i| results[i].is_ok());
     order.sort_by_key(|&i| batch[i].is_prefilling());
     let mut members = Vec::with_capacity(order.len());
     for &i in &order {

@@ -949,7 +949,10 @@ fn run_batched<'a>(
                 target.model.as_ref(),
                 &target.tokenizer,
                 &mut refs,
-                StepLimits { prefill_tokens },
+                StepLimits {
+                    prefill_tokens,
+                    ..Default::default()
+                },
                 &prof,
                 &mut |i, t| texts.push((i, t.to_string())),
             );

@@ -108,7 +108,9 @@ impl PositionCounts {
     }
 
     fn record(&mut self, limit: usize, drafted: usize, accepted: usize) {
-        self.ensure(limit.max(drafted));
+        // Position 0 is always tracked: a request cut from its first step on must still count the steps it was
+        // cut, or it is never probed (a server started under load never drafted at all).
+        self.ensure(limit.max(drafted).max(1));
         for j in 0..self.allowed.len() {
             if j < limit {
                 self.allowed[j] += 1.0;
@@ -524,6 +526,18 @@ mod tests {
         assert_eq!(limits.iter().sum::<usize>(), 1, "{limits:?}");
         b.remove(5);
         assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
+        // A request cut from its first cycle on (a server started under load) is probed too.
+        let fresh_request = DraftCandidate {
+            id: 9,
+            max_tokens: 1,
+            lag: 0,
+            shared_by: 1,
+        };
+        for _ in 0..DraftBudget::PROBE_EVERY {
+            assert_eq!(b.choose(&[fresh_request], 8, 8), vec![0]);
+            b.observe_cycle(9, 0, 0, 0);
+        }
+        assert_eq!(b.choose(&[fresh_request], 8, 8), vec![1]);
     }
 
     /// A draft model behind the context must first feed what it missed: the prompt's catch-up is shared by the

@@ -51,6 +51,27 @@ impl Draft {
     }
 }
 
+/// A head pass a drafter asks for when it drafts together with others of its kind (EAGLE-3 chains sharing one
+/// head: [`crate::decode::step`] runs every request's pass of a round as one batched head pass).
+#[derive(Debug, Clone)]
+pub struct BatchedPass {
+    pub tokens: Vec<u32>,
+    /// Target features of the rows the pass feeds (3H a row); None: one row fed from the last output.
+    pub features: Option<Vec<f32>>,
+    pub want: eagle3::HeadWant,
+}
+
+/// How a drafter starts a batched draft.
+#[derive(Debug)]
+pub enum BatchedStart {
+    /// It drafts alone ([`Drafter::propose`]).
+    Alone,
+    /// No draft this cycle.
+    Nothing,
+    /// Its first pass.
+    Pass(BatchedPass),
+}
+
 pub trait Drafter {
     /// Short name for reports ("model", "ngram").
     fn method(&self) -> &'static str;
@@ -87,6 +108,45 @@ pub trait Drafter {
     /// Told after each verify pass how long the target took over `tokens` tokens (the pending token plus the
     /// drafts), so a drafter can weigh what one more drafted token costs on this hardware. Ignored by default.
     fn observe_verify(&mut self, _tokens: usize, _seconds: f64) {}
+
+    /// Batched drafting, the alternative to [`Self::propose`] for drafters whose passes can run together with
+    /// other requests' (EAGLE-3 chains): the caller runs each pass asked for (with [`Self::batched_cache`]),
+    /// hands its output to [`Self::batched_after`] until that asks for no more, then takes the draft from
+    /// [`Self::batched_finish`]. The draft equals what `propose` would return. Drafters that cannot answer
+    /// `Alone` (the default).
+    fn batched_begin(
+        &mut self,
+        _context: &[u32],
+        _k: usize,
+        _sampling: &SamplingParams,
+    ) -> Result<BatchedStart> {
+        Ok(BatchedStart::Alone)
+    }
+
+    /// The cache the batched passes run on.
+    fn batched_cache(&mut self) -> Option<&mut dyn crate::model::forward::SequenceCache> {
+        None
+    }
+
+    /// The output of the last pass asked for; returns the next pass, or None when the draft is complete.
+    fn batched_after(
+        &mut self,
+        _output: eagle3::HeadOutput,
+        _sampling: &SamplingParams,
+    ) -> Result<Option<BatchedPass>> {
+        Err(crate::error::Error::InvalidArgument(format!(
+            "drafter {} does not draft in batches",
+            self.method()
+        )))
+    }
+
+    /// The completed draft (and the drafter back in its state between drafts).
+    fn batched_finish(&mut self) -> Result<Draft> {
+        Err(crate::error::Error::InvalidArgument(format!(
+            "drafter {} does not draft in batches",
+            self.method()
+        )))
+    }
 }
 
 /// A borrowed drafter drafts as itself (a [`crate::decode::Generation`] owns its drafter; a caller that keeps
@@ -115,6 +175,31 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
         kept: &[usize],
     ) -> Result<()> {
         (**self).observe_target(first_position, hidden, kept)
+    }
+
+    fn batched_begin(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        sampling: &SamplingParams,
+    ) -> Result<BatchedStart> {
+        (**self).batched_begin(context, k, sampling)
+    }
+
+    fn batched_cache(&mut self) -> Option<&mut dyn crate::model::forward::SequenceCache> {
+        (**self).batched_cache()
+    }
+
+    fn batched_after(
+        &mut self,
+        output: eagle3::HeadOutput,
+        sampling: &SamplingParams,
+    ) -> Result<Option<BatchedPass>> {
+        (**self).batched_after(output, sampling)
+    }
+
+    fn batched_finish(&mut self) -> Result<Draft> {
+        (**self).batched_finish()
     }
 
     fn observe_verify(&mut self, tokens: usize, seconds: f64) {

@@ -14,7 +14,9 @@ use super::layout::{self, MAX_SPLITS};
 use super::ops::{gemv, ptr, Matrix};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::draft::eagle3::compute::check_pass;
-use crate::draft::eagle3::{Eagle3Head, HeadCompute, HeadInput, HeadOutput, HeadRows, HeadWant};
+use crate::draft::eagle3::{
+    Eagle3Head, HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant,
+};
 use crate::error::{Error, Result};
 use crate::model::config::Config;
 use crate::model::forward::SequenceCache;
@@ -23,9 +25,9 @@ use crate::model::Model;
 /// Rows a head pass runs at once (longer feeds, e.g. a prompt's features, go in pieces): bounds the workspace.
 const CHUNK_ROWS: usize = 64;
 
-/// Passes of at most this many rows run as CUDA graphs (chain steps, fed rows after a verify, tree levels); a
-/// prompt's features are fed once, not worth capturing.
-const MAX_GRAPH_ROWS: usize = 8;
+/// Passes of at most this many rows run as CUDA graphs (chain steps, fed rows after a verify, tree levels, a
+/// batch of requests' steps); a prompt's features are fed once, not worth capturing.
+const MAX_GRAPH_ROWS: usize = 16;
 
 /// Where each table lives in the pass's one upload of u32 words (kernels.cu layouts).
 mod words {
@@ -35,9 +37,9 @@ mod words {
     /// RowInfo, 6 words a row (8-byte aligned: its mask is a u64).
     pub const ROWS: usize = 2 * R;
     pub const WANTED: usize = 8 * R;
-    /// SeqCache of the head's cache, 4 words.
+    /// SeqCache of each sequence's head cache, 4 words each (a batched pass has up to R sequences).
     pub const SEQ: usize = 9 * R;
-    pub const TOTAL: usize = 9 * R + 4;
+    pub const TOTAL: usize = 13 * R;
 }
 
 /// What a captured pass depends on besides the uploaded values.
@@ -573,9 +575,199 @@ impl CudaHead {
     }
 }
 
+/// Whether `run_many` runs several sequences' passes as one (`SPECULA_CUDA_HEAD_BATCH=1`). Off by default until
+/// `specula selftest --device cuda --eagle3-head H` (which checks it bitwise against each pass alone when the
+/// variable is set) has passed on a GPU: written in a session whose device time had run out.
+pub fn batched_passes_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_HEAD_BATCH").is_ok_and(|v| v == "1"))
+}
+
 impl HeadCompute for CudaHead {
     fn device(&self) -> String {
         self.gpu.name.clone()
+    }
+
+    /// Every sequence's rows in one pass (rows name their sequence's cache in the row table), when the passes
+    /// feed the same kind of input and fit one chunk; else one after the other.
+    fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
+        let rows: usize = passes.iter().map(|p| p.tokens.len()).sum();
+        let kind = |p: &HeadPass<'_>| match p.input {
+            HeadInput::Features(_) => 0,
+            HeadInput::Hidden(_) => 1,
+            HeadInput::Last => 2,
+        };
+        let same_kind = passes.windows(2).all(|w| kind(&w[0]) == kind(&w[1]));
+        if !batched_passes_enabled()
+            || passes.len() < 2
+            || rows > CHUNK_ROWS
+            || !same_kind
+            || matches!(passes[0].input, HeadInput::Hidden(_))
+        {
+            return passes
+                .iter_mut()
+                .map(|p| {
+                    self.run(
+                        target,
+                        p.tokens,
+                        p.input,
+                        HeadRows::Chain,
+                        &mut *p.cache,
+                        p.want,
+                    )
+                })
+                .collect();
+        }
+        let c = &self.layer;
+        let h = c.hidden_size;
+        let top_only = passes[0].want.top_only;
+        let count = passes.len();
+        let meta: Vec<(usize, HeadWant)> =
+            passes.iter().map(|p| (p.tokens.len(), p.want)).collect();
+        let mut ints = vec![0u32; words::TOTAL];
+        let mut caches: Vec<&mut CudaHeadCache> = Vec::with_capacity(passes.len());
+        let mut features = Vec::new();
+        let mut row = 0;
+        for (s, p) in passes.iter_mut().enumerate() {
+            check_pass(p.tokens, p.input, HeadRows::Chain, self.target_hidden, h)?;
+            if p.want.top_only != top_only {
+                return Err(Error::InvalidArgument(
+                    "a batched EAGLE-3 head pass mixes top-token and logits passes".into(),
+                ));
+            }
+            if let Some(&bad) = p.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(Error::InvalidArgument(format!(
+                    "token {bad} is outside the vocabulary of {}",
+                    c.vocab_size
+                )));
+            }
+            let cache = p
+                .cache
+                .as_any_mut()
+                .downcast_mut::<CudaHeadCache>()
+                .ok_or_else(|| {
+                    Error::InvalidArgument(
+                        "the EAGLE-3 head's cache belongs to another device".into(),
+                    )
+                })?;
+            if !Arc::ptr_eq(&cache.kv.gpu, &self.gpu) {
+                return Err(Error::InvalidArgument(
+                    "the EAGLE-3 head's cache was made on another GPU".into(),
+                ));
+            }
+            if matches!(p.input, HeadInput::Last) && !cache.has_last {
+                return Err(Error::InvalidArgument(
+                    "EAGLE-3 head pass fed from the last output before any pass".into(),
+                ));
+            }
+            let (start, n) = (cache.kv.len(), p.tokens.len());
+            if start + n > cache.kv.capacity() {
+                return Err(Error::InvalidArgument(format!(
+                    "the EAGLE-3 head's KV cache holds {} positions; {} needed",
+                    cache.kv.capacity(),
+                    start + n
+                )));
+            }
+            let base = cache.kv.device_ptr();
+            ints[words::SEQ + 4 * s..words::SEQ + 4 * s + 4].copy_from_slice(&[
+                base as u32,
+                (base >> 32) as u32,
+                cache.kv.capacity() as u32,
+                0,
+            ]);
+            for i in 0..n {
+                let slot = (start + i) as u32;
+                ints[words::TOKENS + row] = p.tokens[i];
+                ints[words::POSITIONS + row] = slot;
+                ints[words::ROWS + 6 * row..words::ROWS + 6 * row + 6].copy_from_slice(&[
+                    s as u32,
+                    slot,
+                    start as u32,
+                    0,
+                    u32::MAX,
+                    u32::MAX,
+                ]);
+                row += 1;
+            }
+            ints[words::WANTED + s] = (row - 1) as u32;
+            if let HeadInput::Features(f) = p.input {
+                features.extend_from_slice(f);
+            }
+            caches.push(cache);
+        }
+        let mut guard = self
+            .workspace
+            .lock()
+            .map_err(|_| Error::Cuda("the EAGLE-3 head's workspace lock is poisoned".into()))?;
+        let ws = &mut *guard;
+        let stream = &self.gpu.stream;
+        stream
+            .memcpy_htod(&ints, &mut ws.ints)
+            .map_err(|e| cuda_err("uploading the head's tables", e))?;
+        let fed_features = !features.is_empty();
+        if fed_features {
+            self.upload_f32(&features, &mut ws.features, "features")?;
+        } else {
+            // One row a sequence, each from its own last output.
+            for (s, cache) in caches.iter().enumerate() {
+                let mut dst = ws.x.slice_mut(s * h..(s + 1) * h);
+                stream
+                    .memcpy_dtod(&cache.last, &mut dst)
+                    .map_err(|e| cuda_err("feeding the head's last outputs", e))?;
+            }
+        }
+        self.launch_pass(
+            ws,
+            PassShape {
+                rows,
+                features: fed_features,
+                wanted: count,
+                top_only,
+            },
+        )?;
+        let all_outputs = if meta.iter().any(|m| m.1.outputs) {
+            stream
+                .clone_dtoh(&ws.x.slice(0..rows * h))
+                .map_err(|e| cuda_err("reading the head's outputs", e))?
+        } else {
+            Vec::new()
+        };
+        let (top, logits) = if top_only {
+            let t = stream
+                .clone_dtoh(&ws.top.slice(0..2 * count))
+                .map_err(|e| cuda_err("reading the head's top tokens", e))?;
+            (t, Vec::new())
+        } else {
+            let l = stream
+                .clone_dtoh(&ws.logits.slice(0..count * self.draft_vocab))
+                .map_err(|e| cuda_err("reading the head's logits", e))?;
+            (Vec::new(), l)
+        };
+        let mut outs = Vec::with_capacity(count);
+        let mut row0 = 0;
+        for (s, (cache, &(n, want))) in caches.iter_mut().zip(&meta).enumerate() {
+            let last = row0 + n - 1;
+            {
+                let src = ws.x.slice(last * h..(last + 1) * h);
+                stream
+                    .memcpy_dtod(&src, &mut cache.last)
+                    .map_err(|e| cuda_err("keeping the head's last output", e))?;
+            }
+            cache.has_last = true;
+            cache.kv.len += n;
+            let mut out = HeadOutput::default();
+            if want.outputs {
+                out.outputs = all_outputs[row0 * h..(row0 + n) * h].to_vec();
+            }
+            if top_only {
+                out.top = vec![(top[2 * s].to_bits(), top[2 * s + 1])];
+            } else {
+                out.logits = logits[s * self.draft_vocab..(s + 1) * self.draft_vocab].to_vec();
+            }
+            outs.push(out);
+            row0 += n;
+        }
+        Ok(outs)
     }
 
     fn new_cache(&self, capacity: usize) -> Result<Box<dyn SequenceCache>> {

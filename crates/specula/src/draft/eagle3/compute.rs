@@ -55,6 +55,14 @@ pub struct HeadOutput {
     pub top: Vec<(u32, f32)>,
 }
 
+/// One sequence's chain rows in a batched head pass ([`HeadCompute::run_many`]).
+pub struct HeadPass<'a> {
+    pub tokens: &'a [u32],
+    pub input: HeadInput<'a>,
+    pub cache: &'a mut dyn SequenceCache,
+    pub want: HeadWant,
+}
+
 /// A head's forward pass on some device.
 pub trait HeadCompute: Send + Sync {
     /// Where it runs, e.g. "cpu" or "cuda:0 (NVIDIA H200)".
@@ -75,6 +83,25 @@ pub trait HeadCompute: Send + Sync {
         cache: &mut dyn SequenceCache,
         want: HeadWant,
     ) -> Result<HeadOutput>;
+
+    /// Chain passes of several sequences (each with its own cache) at once: what a server's requests drafting
+    /// with one head share. Each output is what `run` would return for that pass alone. By default one pass
+    /// after the other.
+    fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
+        passes
+            .iter_mut()
+            .map(|p| {
+                self.run(
+                    target,
+                    p.tokens,
+                    p.input,
+                    HeadRows::Chain,
+                    &mut *p.cache,
+                    p.want,
+                )
+            })
+            .collect()
+    }
 }
 
 /// Checks a pass's inputs against each other (shared by every implementation).
@@ -149,9 +176,119 @@ impl SequenceCache for CpuHeadCache {
     }
 }
 
+impl Eagle3Head {
+    /// What a pass returns from its rows' outputs and its logits rows.
+    fn pass_output(&self, outputs: Vec<f32>, logits: Vec<f32>, want: HeadWant) -> HeadOutput {
+        let mut out = HeadOutput {
+            outputs: if want.outputs { outputs } else { Vec::new() },
+            ..Default::default()
+        };
+        if want.top_only {
+            let mut scratch = Vec::new();
+            out.top = logits
+                .chunks_exact(self.config.draft_vocab)
+                .map(|row| crate::sampling::top_probability(row, &mut scratch))
+                .collect();
+        } else {
+            out.logits = logits;
+        }
+        out
+    }
+}
+
 impl HeadCompute for Eagle3Head {
     fn device(&self) -> String {
         "cpu".into()
+    }
+
+    /// One layer pass over every sequence's rows: the matrix products read the head's weights once for all
+    /// (each row's result is bitwise what it would be alone: the CPU kernels are row-independent).
+    fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
+        if passes.len() == 1 {
+            let p = &mut passes[0];
+            return Ok(vec![self.run(
+                target,
+                p.tokens,
+                p.input,
+                HeadRows::Chain,
+                &mut *p.cache,
+                p.want,
+            )?]);
+        }
+        let h = self.config.layer.hidden_size;
+        let meta: Vec<(usize, HeadWant)> =
+            passes.iter().map(|p| (p.tokens.len(), p.want)).collect();
+        let mut tokens = Vec::new();
+        let mut x = Vec::new();
+        let mut caches = Vec::with_capacity(passes.len());
+        for p in passes.iter_mut() {
+            check_pass(
+                p.tokens,
+                p.input,
+                HeadRows::Chain,
+                self.config.target_hidden,
+                h,
+            )?;
+            let n = p.tokens.len();
+            tokens.extend_from_slice(p.tokens);
+            let cache = p
+                .cache
+                .as_any_mut()
+                .downcast_mut::<CpuHeadCache>()
+                .ok_or_else(|| {
+                    Error::InvalidArgument(
+                        "the EAGLE-3 head's cache belongs to another device".into(),
+                    )
+                })?;
+            match p.input {
+                HeadInput::Features(f) => x.extend(self.fc(f, n)),
+                HeadInput::Hidden(rows) => x.extend_from_slice(rows),
+                HeadInput::Last => {
+                    if cache.last.len() != h {
+                        return Err(Error::InvalidArgument(
+                            "EAGLE-3 head pass fed from the last output before any pass".into(),
+                        ));
+                    }
+                    x.extend_from_slice(&cache.last);
+                }
+            }
+            caches.push((cache, n));
+        }
+        let embeds = match self.own_embedding(&tokens) {
+            Some(e) => e,
+            None => target.embed_tokens(&tokens)?,
+        };
+        let mut groups: Vec<super::head::LayerGroup<'_>> = caches
+            .iter_mut()
+            .map(|(c, n)| super::head::LayerGroup::chain(&mut c.kv, *n))
+            .collect();
+        let outputs = self.layer_groups(&embeds, &x, &mut groups)?;
+        drop(groups);
+        let mut lasts = Vec::with_capacity(meta.len() * h);
+        let mut row0 = 0;
+        for (cache, n) in caches.iter_mut() {
+            let last = &outputs[(row0 + *n - 1) * h..(row0 + *n) * h];
+            cache.last.clear();
+            cache.last.extend_from_slice(last);
+            lasts.extend_from_slice(last);
+            row0 += *n;
+        }
+        let logits = self.logits_of_rows(&lasts, meta.len());
+        let dv = self.config.draft_vocab;
+        let mut row0 = 0;
+        Ok(meta
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, want))| {
+                let out = self.pass_output(
+                    outputs[row0 * h..(row0 + n) * h].to_vec(),
+                    logits[i * dv..(i + 1) * dv].to_vec(),
+                    want,
+                );
+                row0 += n;
+                out
+            })
+            .collect())
     }
 
     fn new_cache(&self, capacity: usize) -> Result<Box<dyn SequenceCache>> {
@@ -209,19 +346,6 @@ impl HeadCompute for Eagle3Head {
         };
         cache.last.clear();
         cache.last.extend_from_slice(&outputs[(n - 1) * h..]);
-        let mut out = HeadOutput {
-            outputs: if want.outputs { outputs } else { Vec::new() },
-            ..Default::default()
-        };
-        if want.top_only {
-            let mut scratch = Vec::new();
-            out.top = logits
-                .chunks_exact(self.config.draft_vocab)
-                .map(|row| crate::sampling::top_probability(row, &mut scratch))
-                .collect();
-        } else {
-            out.logits = logits;
-        }
-        Ok(out)
+        Ok(self.pass_output(outputs, logits, want))
     }
 }

@@ -171,6 +171,29 @@ impl HeadConfig {
     }
 }
 
+/// One sequence's rows in a layer pass over several sequences ([`Eagle3Head::layer_groups`]).
+pub(crate) struct LayerGroup<'c> {
+    pub cache: &'c mut KvCache,
+    pub n: usize,
+    /// Each row's RoPE position.
+    pub positions: Vec<usize>,
+    /// Each row's visible slots (trees); None: causal.
+    pub visible: Option<Vec<Vec<usize>>>,
+}
+
+impl<'c> LayerGroup<'c> {
+    /// `n` chain rows at positions `cache.len()..`.
+    pub fn chain(cache: &'c mut KvCache, n: usize) -> Self {
+        let start = cache.len();
+        LayerGroup {
+            cache,
+            n,
+            positions: (start..start + n).collect(),
+            visible: None,
+        }
+    }
+}
+
 /// A tree row of [`Eagle3Head::forward_tree`].
 #[derive(Debug, Clone)]
 pub struct TreeRow {
@@ -522,6 +545,23 @@ impl Eagle3Head {
         Ok((out, logits))
     }
 
+    /// Draft-vocabulary logits of `n` output rows, one matrix product for all.
+    pub(crate) fn logits_of_rows(&self, rows: &[f32], n: usize) -> Vec<f32> {
+        let h = self.config.layer.hidden_size;
+        let mut normed = vec![0f32; n * h];
+        for (o, r) in normed.chunks_exact_mut(h).zip(rows.chunks_exact(h)) {
+            ops::rms_norm(
+                r,
+                &self.final_norm,
+                self.config.layer.rms_norm_eps as f32,
+                o,
+            );
+        }
+        let mut logits = vec![0f32; n * self.config.draft_vocab];
+        self.lm_head.matmul(&normed, n, &mut logits);
+        logits
+    }
+
     /// Draft-vocabulary logits of one output row.
     fn logits(&self, out_row: &[f32]) -> Vec<f32> {
         let h = self.config.layer.hidden_size;
@@ -567,6 +607,23 @@ impl Eagle3Head {
         positions: &[usize],
         visible: Option<&[Vec<usize>]>,
     ) -> Result<Vec<f32>> {
+        let mut group = [LayerGroup {
+            cache,
+            n,
+            positions: positions.to_vec(),
+            visible: visible.map(|v| v.to_vec()),
+        }];
+        self.layer_groups(embeds, x, &mut group)
+    }
+
+    /// The decoder layer over the rows of several sequences at once (`groups` in row order, each with its own
+    /// cache): the matrix products run over every row, attention over each row's own cache.
+    pub(crate) fn layer_groups(
+        &self,
+        embeds: &[f32],
+        x: &[f32],
+        groups: &mut [LayerGroup<'_>],
+    ) -> Result<Vec<f32>> {
         let c = &self.config.layer;
         let (h, q_dim, kv_dim, hd, ff) = (
             c.hidden_size,
@@ -576,15 +633,18 @@ impl Eagle3Head {
             c.intermediate_size,
         );
         let eps = c.rms_norm_eps as f32;
-        let start = cache.len();
-        if start + n > cache.capacity() {
-            return Err(Error::InvalidArgument(format!(
-                "the EAGLE-3 head's KV cache holds {} positions; {} needed",
-                cache.capacity(),
-                start + n
-            )));
+        let n: usize = groups.iter().map(|g| g.n).sum();
+        for g in groups.iter_mut() {
+            let start = g.cache.len();
+            if start + g.n > g.cache.capacity() {
+                return Err(Error::InvalidArgument(format!(
+                    "the EAGLE-3 head's KV cache holds {} positions; {} needed",
+                    g.cache.capacity(),
+                    start + g.n
+                )));
+            }
+            g.cache.reserve(start + g.n);
         }
-        cache.reserve(start + n);
         // a = [input_layernorm(embed), hidden_norm(x)] per row.
         let mut normed_e = vec![0f32; n * h];
         let mut normed_x = vec![0f32; n * h];
@@ -608,58 +668,66 @@ impl Eagle3Head {
         );
         let half = (hd / 2).min(self.rope_inv_freqs.len());
         let mut angles = Vec::with_capacity(half);
-        for r in 0..n {
-            angles.clear();
-            ops::rope_angles(positions[r], &self.rope_inv_freqs[..half], &mut angles);
-            for head in q[r * q_dim..(r + 1) * q_dim].chunks_exact_mut(hd) {
-                ops::rope_apply(head, &angles, true);
-            }
-            for head in k[r * kv_dim..(r + 1) * kv_dim].chunks_exact_mut(hd) {
-                ops::rope_apply(head, &angles, true);
-            }
-            cache.write(
-                0,
-                start + r,
-                &k[r * kv_dim..(r + 1) * kv_dim],
-                &v[r * kv_dim..(r + 1) * kv_dim],
-            );
-        }
-        // Causal attention over the head's cache (GQA).
-        let group = c.num_heads / c.num_kv_heads;
+        let group_heads = c.num_heads / c.num_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let mut attn = vec![0f32; n * q_dim];
         let mut scores = Vec::new();
-        for r in 0..n {
-            let slot = start + r;
-            for head in 0..c.num_heads {
-                let (keys, values) = cache.head(0, head / group, slot + 1);
-                let qh = &q[r * q_dim + head * hd..r * q_dim + (head + 1) * hd];
-                let out = &mut attn[r * q_dim + head * hd..r * q_dim + (head + 1) * hd];
-                scores.clear();
-                match visible {
-                    None => {
-                        scores.extend(keys.chunks_exact(hd).map(|key| ops::dot(qh, key) * scale));
-                        ops::softmax(&mut scores);
-                        for (&w, value) in scores.iter().zip(values.chunks_exact(hd)) {
-                            ops::axpy(out, w, value);
+        let mut row0 = 0;
+        for g in groups.iter_mut() {
+            let start = g.cache.len();
+            for i in 0..g.n {
+                let r = row0 + i;
+                angles.clear();
+                ops::rope_angles(g.positions[i], &self.rope_inv_freqs[..half], &mut angles);
+                for head in q[r * q_dim..(r + 1) * q_dim].chunks_exact_mut(hd) {
+                    ops::rope_apply(head, &angles, true);
+                }
+                for head in k[r * kv_dim..(r + 1) * kv_dim].chunks_exact_mut(hd) {
+                    ops::rope_apply(head, &angles, true);
+                }
+                g.cache.write(
+                    0,
+                    start + i,
+                    &k[r * kv_dim..(r + 1) * kv_dim],
+                    &v[r * kv_dim..(r + 1) * kv_dim],
+                );
+            }
+            // Causal attention over this sequence's cache (GQA).
+            for i in 0..g.n {
+                let r = row0 + i;
+                let slot = start + i;
+                for head in 0..c.num_heads {
+                    let (keys, values) = g.cache.head(0, head / group_heads, slot + 1);
+                    let qh = &q[r * q_dim + head * hd..r * q_dim + (head + 1) * hd];
+                    let out = &mut attn[r * q_dim + head * hd..r * q_dim + (head + 1) * hd];
+                    scores.clear();
+                    match &g.visible {
+                        None => {
+                            scores
+                                .extend(keys.chunks_exact(hd).map(|key| ops::dot(qh, key) * scale));
+                            ops::softmax(&mut scores);
+                            for (&w, value) in scores.iter().zip(values.chunks_exact(hd)) {
+                                ops::axpy(out, w, value);
+                            }
                         }
-                    }
-                    Some(v) => {
-                        let slots = &v[r];
-                        scores.extend(
-                            slots
-                                .iter()
-                                .map(|&s| ops::dot(qh, &keys[s * hd..(s + 1) * hd]) * scale),
-                        );
-                        ops::softmax(&mut scores);
-                        for (&w, &s) in scores.iter().zip(slots) {
-                            ops::axpy(out, w, &values[s * hd..(s + 1) * hd]);
+                        Some(v) => {
+                            let slots = &v[i];
+                            scores.extend(
+                                slots
+                                    .iter()
+                                    .map(|&s| ops::dot(qh, &keys[s * hd..(s + 1) * hd]) * scale),
+                            );
+                            ops::softmax(&mut scores);
+                            for (&w, &s) in scores.iter().zip(slots) {
+                                ops::axpy(out, w, &values[s * hd..(s + 1) * hd]);
+                            }
                         }
                     }
                 }
             }
+            g.cache.set_len(start + g.n);
+            row0 += g.n;
         }
-        cache.set_len(start + n);
         let mut r1 = vec![0f32; n * h];
         self.wo.matmul(&attn, n, &mut r1);
         for (o, &xi) in r1.iter_mut().zip(x) {

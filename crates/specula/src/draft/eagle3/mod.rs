@@ -18,13 +18,13 @@ pub mod train;
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
 
-use crate::draft::{Draft, Drafter};
+use crate::draft::{BatchedPass, BatchedStart, Draft, Drafter};
 use crate::error::{Error, Result};
 use crate::model::forward::SequenceCache;
 use crate::model::{Model, RowMatrix};
 use crate::sampling::{self, Distribution, SamplingParams};
 
-pub use compute::{HeadCompute, HeadInput, HeadOutput, HeadRows, HeadWant};
+pub use compute::{HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant};
 pub use head::{Eagle3Head, HeadConfig, HeadPrecision, HostWeights, TreeRow};
 
 /// Tree drafting (SGLang's knobs): `topk` branches a node, `steps` levels, `draft_tokens` nodes kept in all (the
@@ -129,6 +129,8 @@ pub struct Eagle3Drafter<'a> {
     /// probabilities) falls below this; 0 drafts k tokens.
     min_confidence: f64,
     scratch: Vec<f32>,
+    /// The chain being drafted (between the passes of a batched draft).
+    chain: Option<ChainState>,
 }
 
 impl<'a> Eagle3Drafter<'a> {
@@ -149,6 +151,7 @@ impl<'a> Eagle3Drafter<'a> {
             tree: None,
             min_confidence: 0.0,
             scratch: Vec::new(),
+            chain: None,
         })
     }
 
@@ -343,6 +346,70 @@ impl<'a> Eagle3Drafter<'a> {
     }
 }
 
+/// A chain between head passes (batched drafting keeps it across the passes of a round).
+struct ChainState {
+    /// The most tokens it drafts (lowered to what it has when the confidence bar stops it).
+    k: usize,
+    /// The head cache's length after the first pass (the target-fed rows).
+    fed: Option<usize>,
+    top_only: bool,
+    greedy: bool,
+    tokens: Vec<u32>,
+    distributions: Vec<Distribution>,
+    passes: usize,
+    all_accepted: f64,
+}
+
+impl Eagle3Drafter<'_> {
+    /// Drops a chain left unfinished (a failed pass): its draft rows leave the head's cache.
+    fn abandon_chain(&mut self) {
+        if let Some(fed) = self.chain.take().and_then(|st| st.fed) {
+            self.cache.truncate(fed);
+        }
+    }
+
+    /// A tree draft: the first pass feeds the target's rows and keeps its outputs for the tree's roots.
+    fn propose_tree(&mut self, context: &[u32], k: usize) -> Result<Draft> {
+        let Some(shape) = self.tree else {
+            return Err(Error::InvalidArgument(
+                "EAGLE-3 drafter: no tree shape".into(),
+            ));
+        };
+        if k == 0 || context.len() < 2 {
+            return Ok(Draft::default());
+        }
+        let base = context.len() - 1;
+        let from = self.cache.len();
+        let rows = self.features.len() / self.feature_width();
+        if from + rows != base {
+            return Err(Error::InvalidArgument(format!(
+                "EAGLE-3 drafter: target features cover positions up to {} but the context has {base} before \
+                 the pending token (was observe_target called after every target forward?)",
+                from + rows
+            )));
+        }
+        let k = k.min(self.cache.capacity().saturating_sub(base));
+        if rows == 0 || k == 0 {
+            return Ok(Draft::default());
+        }
+        let pass = self.compute.run(
+            self.target,
+            &context[from + 1..=base],
+            HeadInput::Features(&self.features),
+            HeadRows::Chain,
+            &mut *self.cache,
+            HeadWant {
+                outputs: true,
+                top_only: false,
+            },
+        )?;
+        self.features.clear();
+        let h = self.head.config.layer.hidden_size;
+        let last = pass.outputs[pass.outputs.len() - h..].to_vec();
+        self.draft_tree(shape, k.min(shape.draft_tokens), &last, &pass.logits, base)
+    }
+}
+
 /// What a chain's next draft position holds before any draw: the greedy token, or the distribution to draw from.
 enum NextDraft {
     Greedy(u32),
@@ -414,14 +481,58 @@ impl Drafter for Eagle3Drafter<'_> {
     }
 
     fn propose(&mut self, context: &[u32], k: usize, sampling: &SamplingParams) -> Result<Draft> {
+        if self.tree.is_some() {
+            return self.propose_tree(context, k);
+        }
+        // A chain alone: the batched protocol with a batch of one, so both give the same drafts.
+        let mut pass = match self.batched_begin(context, k, sampling)? {
+            BatchedStart::Pass(p) => p,
+            BatchedStart::Nothing | BatchedStart::Alone => return Ok(Draft::default()),
+        };
+        loop {
+            let input = match &pass.features {
+                Some(f) => HeadInput::Features(f),
+                None => HeadInput::Last,
+            };
+            let ran = self.compute.run(
+                self.target,
+                &pass.tokens,
+                input,
+                HeadRows::Chain,
+                &mut *self.cache,
+                pass.want,
+            );
+            let output = match ran {
+                Ok(o) => o,
+                Err(e) => {
+                    self.abandon_chain();
+                    return Err(e);
+                }
+            };
+            match self.batched_after(output, sampling)? {
+                Some(next) => pass = next,
+                None => return self.batched_finish(),
+            }
+        }
+    }
+
+    fn batched_begin(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        sampling: &SamplingParams,
+    ) -> Result<BatchedStart> {
+        if self.tree.is_some() {
+            return Ok(BatchedStart::Alone);
+        }
+        self.abandon_chain();
         if k == 0 || context.len() < 2 {
-            return Ok(Draft::default());
+            return Ok(BatchedStart::Nothing);
         }
         // The pending token sits at position `base`; rows cache.len()..base still need the head.
         let base = context.len() - 1;
-        let width = self.feature_width();
         let from = self.cache.len();
-        let rows = self.features.len() / width;
+        let rows = self.features.len() / self.feature_width();
         if from + rows != base {
             return Err(Error::InvalidArgument(format!(
                 "EAGLE-3 drafter: target features cover positions up to {} but the context has {base} before \
@@ -429,83 +540,93 @@ impl Drafter for Eagle3Drafter<'_> {
                 from + rows
             )));
         }
-        let room = self.cache.capacity().saturating_sub(base);
-        let k = k.min(room);
+        let k = k.min(self.cache.capacity().saturating_sub(base));
         if rows == 0 || k == 0 {
-            return Ok(Draft::default());
+            return Ok(BatchedStart::Nothing);
         }
         // Greedy chains need only each pass's top token and its probability (a device head sends back 8 bytes
         // instead of the draft vocabulary's logits).
-        let top_only = sampling.is_greedy() && self.tree.is_none();
-        let mut pass = self.compute.run(
-            self.target,
-            &context[from + 1..=base],
-            HeadInput::Features(&self.features),
-            HeadRows::Chain,
-            &mut *self.cache,
-            HeadWant {
-                outputs: self.tree.is_some(),
+        let top_only = sampling.is_greedy();
+        self.chain = Some(ChainState {
+            k,
+            fed: None,
+            top_only,
+            greedy: sampling.is_greedy(),
+            tokens: Vec::with_capacity(k),
+            distributions: Vec::new(),
+            passes: 1,
+            all_accepted: 1.0,
+        });
+        Ok(BatchedStart::Pass(BatchedPass {
+            tokens: context[from + 1..=base].to_vec(),
+            features: Some(std::mem::take(&mut self.features)),
+            want: HeadWant {
+                outputs: false,
                 top_only,
             },
-        )?;
-        self.features.clear();
-        let fed = self.cache.len();
-        let h = self.head.config.layer.hidden_size;
-        let k = match self.tree {
-            Some(shape) => {
-                let out = &pass.outputs;
-                let last = out[out.len() - h..].to_vec();
-                return self.draft_tree(
-                    shape,
-                    k.min(shape.draft_tokens),
-                    &last,
-                    &pass.logits,
-                    base,
-                );
-            }
-            None => k,
-        };
-        let mut tokens = Vec::with_capacity(k);
-        let mut distributions = Vec::with_capacity(k);
-        let mut passes = 1;
-        let mut all_accepted = 1.0f64;
-        for i in 0..k {
-            let (candidate, p) = self.candidate(&pass, sampling, self.min_confidence > 0.0);
-            all_accepted *= p as f64;
-            if all_accepted < self.min_confidence {
-                break;
-            }
+        }))
+    }
+
+    fn batched_cache(&mut self) -> Option<&mut dyn SequenceCache> {
+        Some(&mut *self.cache)
+    }
+
+    fn batched_after(
+        &mut self,
+        output: HeadOutput,
+        sampling: &SamplingParams,
+    ) -> Result<Option<BatchedPass>> {
+        let mut st = self.chain.take().ok_or_else(|| {
+            Error::InvalidArgument("EAGLE-3 drafter: a head pass arrived outside a draft".into())
+        })?;
+        // The first pass fed the target's rows: draft rows after them leave the cache when the draft is done.
+        st.fed.get_or_insert(self.cache.len());
+        let (candidate, p) = self.candidate(&output, sampling, self.min_confidence > 0.0);
+        st.all_accepted *= p as f64;
+        let mut next = None;
+        if st.all_accepted >= self.min_confidence {
             let token = match candidate {
                 NextDraft::Greedy(token) => token,
                 NextDraft::Sampled(dist) => {
                     let token = sampling::draw(&dist, &mut self.rng);
-                    distributions.push(dist);
+                    st.distributions.push(dist);
                     token
                 }
             };
-            tokens.push(token);
-            if i + 1 < k {
-                pass = self.compute.run(
-                    self.target,
-                    &[token],
-                    HeadInput::Last,
-                    HeadRows::Chain,
-                    &mut *self.cache,
-                    HeadWant {
+            st.tokens.push(token);
+            if st.tokens.len() < st.k {
+                st.passes += 1;
+                next = Some(BatchedPass {
+                    tokens: vec![token],
+                    features: None,
+                    want: HeadWant {
                         outputs: false,
-                        top_only,
+                        top_only: st.top_only,
                     },
-                )?;
-                passes += 1;
+                });
             }
+        } else {
+            // Stopped by the confidence bar before any draw: nothing more this draft.
+            st.k = st.tokens.len();
         }
+        self.chain = Some(st);
+        Ok(next)
+    }
+
+    fn batched_finish(&mut self) -> Result<Draft> {
+        let st = self
+            .chain
+            .take()
+            .ok_or_else(|| Error::InvalidArgument("EAGLE-3 drafter: no draft to finish".into()))?;
         // Draft-step rows leave the head's cache: verified positions get rows from the target's features.
-        self.cache.truncate(fed);
+        if let Some(fed) = st.fed {
+            self.cache.truncate(fed);
+        }
         Ok(Draft {
-            tokens,
-            distributions: (!sampling.is_greedy()).then_some(distributions),
+            tokens: st.tokens,
+            distributions: (!st.greedy).then_some(st.distributions),
             parents: None,
-            passes,
+            passes: st.passes,
         })
     }
 }

@@ -713,3 +713,94 @@ fn confidence_bar_shortens_chains_and_keeps_greedy_output() {
         .with_min_confidence(1.5)
         .is_err());
 }
+
+/// Several generations drafting with one head in batched passes (what a server does) draft exactly what each
+/// drafts alone: the same outputs, the same drafted and accepted counts, greedy and sampled, with and without a
+/// confidence bar; greedy output equals plain decoding.
+#[test]
+fn batched_head_passes_draft_what_each_request_drafts_alone() {
+    use crate::decode::{step, Generation, StepLimits};
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let prompts: [&[u32]; 3] = [&PROMPT, &PROMPT[2..], &[72, 101, 108, 32, 111, 114]];
+    for (temperature, bar) in [(0.0, 0.0), (0.0, 0.3), (0.8, 0.0)] {
+        let run_all = |shared: bool| {
+            let mut gens: Vec<Generation<'_>> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let req = GenerateRequest {
+                        prompt_tokens: p.to_vec(),
+                        max_new_tokens: 24 + 3 * i,
+                        sampling: SamplingParams {
+                            temperature,
+                            seed: 11 + i as u64,
+                            ..Default::default()
+                        },
+                        stop_at_eos: false,
+                        cancel: None,
+                    };
+                    let d = Eagle3Drafter::new(&h, t.model.as_ref(), 7 + i as u64)
+                        .unwrap()
+                        .with_min_confidence(bar)
+                        .unwrap();
+                    Generation::with_drafter(t.model.as_ref(), req, Box::new(d), 3).unwrap()
+                })
+                .collect();
+            let limits = StepLimits {
+                shared_head: shared.then_some(h.compute()),
+                ..Default::default()
+            };
+            for _ in 0..200 {
+                let mut refs: Vec<&mut Generation<'_>> = gens.iter_mut().collect();
+                let (results, _) = step(
+                    t.model.as_ref(),
+                    &t.tokenizer,
+                    &mut refs,
+                    limits,
+                    &Profiler::disabled(),
+                    &mut |_, _| {},
+                );
+                for r in results {
+                    r.unwrap();
+                }
+                if gens.iter().all(|g| g.is_done()) {
+                    break;
+                }
+            }
+            gens.into_iter()
+                .map(|g| {
+                    let out = g.finish(&t.tokenizer, &mut |_| {}).unwrap();
+                    let st = out.speculation.clone().unwrap();
+                    (out.tokens, st.drafted, st.accepted, st.draft_passes)
+                })
+                .collect::<Vec<_>>()
+        };
+        let alone = run_all(false);
+        let batched = run_all(true);
+        assert_eq!(batched, alone, "temperature {temperature}, bar {bar}");
+        assert!(alone.iter().all(|a| a.1 > 0), "every generation drafted");
+        if temperature == 0.0 {
+            for (i, p) in prompts.iter().enumerate() {
+                let req = GenerateRequest {
+                    prompt_tokens: p.to_vec(),
+                    max_new_tokens: 24 + 3 * i,
+                    sampling: SamplingParams::default(),
+                    stop_at_eos: false,
+                    cancel: None,
+                };
+                let plain = generate(
+                    t.model.as_ref(),
+                    &t.tokenizer,
+                    &req,
+                    None,
+                    &Profiler::disabled(),
+                    &mut |_| {},
+                )
+                .unwrap();
+                assert_eq!(batched[i].0, plain.tokens, "prompt {i}");
+            }
+        }
+    }
+}
