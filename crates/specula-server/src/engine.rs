@@ -830,6 +830,7 @@ impl<'a> EngineLoop<'a> {
                         } else {
                             1
                         },
+                        cheap_catch_up: r.generation.draft_catch_up_is_cheap(),
                     },
                 )
             })

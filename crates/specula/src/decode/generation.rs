@@ -161,6 +161,12 @@ impl<'d> Generation<'d> {
         self.req.max_new_tokens.saturating_sub(self.tokens.len())
     }
 
+    /// Whether its drafter's catch-up is a small pass that may run beside other requests
+    /// ([`Drafter::cheap_catch_up`]).
+    pub fn draft_catch_up_is_cheap(&self) -> bool {
+        self.drafter.as_ref().is_some_and(|d| d.cheap_catch_up())
+    }
+
     /// Tokens the drafter must process before its next draft ([`Drafter::lag`]); 0 without a drafter.
     pub fn draft_lag(&self) -> usize {
         self.drafter.as_ref().map_or(0, |d| d.lag(&self.context))
@@ -533,6 +539,10 @@ fn draft_in_batches(
 ) {
     // Each generation's pass of this round, by index in `batch`.
     let mut pending: Vec<(usize, BatchedPass)> = Vec::new();
+    let decoding = live
+        .iter()
+        .filter(|&&i| !batch[i].is_prefilling() && batch[i].stop.is_none())
+        .count();
     for &i in live {
         let g = &mut *batch[i];
         if g.is_prefilling() || g.stop.is_some() || g.simulated.is_some() {
@@ -545,7 +555,7 @@ fn draft_in_batches(
         if k == 0 {
             continue;
         }
-        match drafter.batched_begin(&g.context, k, &g.req.sampling) {
+        match drafter.batched_begin(&g.context, k, &g.req.sampling, decoding > 1) {
             Ok(BatchedStart::Alone) => {}
             Ok(BatchedStart::Nothing) => g.prepared_draft = Some(Draft::default()),
             Ok(BatchedStart::Pass(p)) => pending.push((i, p)),

@@ -143,6 +143,10 @@ pub struct DraftCandidate {
     /// steps the request has left. One that fell behind while cut pays in full (1): were that shared too, a
     /// request would resume and be cut again as the batch changes, paying a catch-up each time.
     pub shared_by: usize,
+    /// Its catch-up is a small pass of its own that may run beside other requests (an EAGLE-3 head feeding the
+    /// target's features: ~1/30 of a target pass a row), not a model's steps that stall the batch (a draft
+    /// model): it may resume beside others, its catch-up priced by what it costs.
+    pub cheap_catch_up: bool,
 }
 
 /// The engine's draft-length chooser: a step cost table, per-request acceptance by position, and the pooled
@@ -308,7 +312,7 @@ impl DraftBudget {
             return candidates
                 .iter()
                 .map(|c| {
-                    if alone || catch_up_tokens(c) == 0 {
+                    if alone || catch_up_tokens(c) == 0 || c.cheap_catch_up {
                         c.max_tokens
                     } else {
                         0
@@ -327,7 +331,8 @@ impl DraftBudget {
         // step's share of the catch-up.
         let draft_cost = |c: &DraftCandidate, j: usize, extra: f64| {
             // A lagging drafter reaches here only alone (skipped below otherwise), so nobody else waits through
-            // its catch-up. A drafter that drafted last step lags by that step's tokens (up to max_tokens + 1); feeding them is
+            // its catch-up, or when its catch-up is cheap (a head's batched pass), priced here like any cost. A
+            // drafter that drafted last step lags by that step's tokens (up to max_tokens + 1); feeding them is
             // part of every draft and already in the per-token cost. Only lag beyond that is a catch-up.
             let catch_up = if j == 0 {
                 catch_up_tokens(c) as f64 / c.shared_by.max(1) as f64
@@ -354,13 +359,15 @@ impl DraftBudget {
                 // A lagging draft model resumes only alone: beside others its catch-up stalls every request
                 // in the batch (measured in the server: ITL p99 0.5-1.4 s at 8 streams when the cost rule
                 // allowed it there), and on these machines a draft model does not pay in a batch anyway.
-                if j >= c.max_tokens || (j == 0 && !alone && catch_up_tokens(c) > 0) {
+                if j >= c.max_tokens
+                    || (j == 0 && !alone && catch_up_tokens(c) > 0 && !c.cheap_catch_up)
+                {
                     continue;
                 }
                 let (gain, extra) = self.estimate(c.id, j);
                 // A long-cut position is probed, unless that means a long catch-up (a draft model cut while
                 // the batch was large resumes only when the cost rule says so, catch-up included).
-                let lagging = catch_up_tokens(c) > 0;
+                let lagging = catch_up_tokens(c) > 0 && !c.cheap_catch_up;
                 // (Probing lagging draft models too, when alone and their catch-up cost less than the step,
                 // or even beside others, was measured in the server and lost: docs/benchmarks.md.)
                 let probe = ((j > 0 || !lagging)
@@ -454,6 +461,7 @@ mod tests {
             max_tokens: 3,
             lag: 0,
             shared_by: 1,
+            cheap_catch_up: false,
         }];
         // Alone: a second row costs 3.6 ms of 30, and is accepted 40% of the time: worth it.
         assert!(b.choose(&one, 1, 1)[0] >= 1);
@@ -467,6 +475,7 @@ mod tests {
                 max_tokens: 3,
                 lag: 0,
                 shared_by: 1,
+                cheap_catch_up: false,
             })
             .collect();
         assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
@@ -484,6 +493,7 @@ mod tests {
                 max_tokens: 2,
                 lag: 0,
                 shared_by: 1,
+                cheap_catch_up: false,
             })
             .collect();
         let limits = b.choose(&eight, 8, 8);
@@ -499,11 +509,18 @@ mod tests {
             max_tokens: 4,
             lag: 0,
             shared_by: 1,
+            cheap_catch_up: false,
         }];
         assert_eq!(fresh.choose(&c, 1, 1), vec![4]);
         // ... but a fresh draft model that must first feed its prompt waits while others are in the step.
         let lagging = DraftCandidate { lag: 50, ..c[0] };
         assert_eq!(fresh.choose(&[lagging, c[0]], 2, 2), vec![0, 4]);
+        // An EAGLE-3 head's catch-up is a small pass of its own: it resumes beside others.
+        let lagging_head = DraftCandidate {
+            cheap_catch_up: true,
+            ..lagging
+        };
+        assert_eq!(fresh.choose(&[lagging_head, c[0]], 2, 2), vec![4, 4]);
         assert_eq!(fresh.choose(&[lagging], 1, 1), vec![4]);
         let mut b = cpu_like();
         for id in 1..=8 {
@@ -515,6 +532,7 @@ mod tests {
                 max_tokens: 1,
                 lag: 0,
                 shared_by: 1,
+                cheap_catch_up: false,
             })
             .collect();
         assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
@@ -532,6 +550,7 @@ mod tests {
             max_tokens: 1,
             lag: 0,
             shared_by: 1,
+            cheap_catch_up: false,
         };
         for _ in 0..DraftBudget::PROBE_EVERY {
             assert_eq!(b.choose(&[fresh_request], 8, 8), vec![0]);
@@ -556,6 +575,7 @@ mod tests {
                 max_tokens: 3,
                 lag,
                 shared_by,
+                cheap_catch_up: false,
             }]
         };
         // Caught up, alone, 90% right: draft.
@@ -564,6 +584,13 @@ mod tests {
         assert!(b.choose(&alone(60, 60), 1, 1)[0] >= 1);
         // Not while another request decodes beside it: the whole batch would wait through the catch-up.
         assert_eq!(b.choose(&alone(60, 60), 2, 2), vec![0]);
+        // An EAGLE-3 head's catch-up is priced, not forbidden, beside others: at a draft model's 5 ms a token, 60
+        // tokens missed (charged whole) do not pay this step.
+        let head_cut = [DraftCandidate {
+            cheap_catch_up: true,
+            ..alone(60, 1)[0]
+        }];
+        assert_eq!(b.choose(&head_cut, 2, 2), vec![0]);
         // The same prompt with 2 steps left, or 60 tokens missed while cut (charged whole): not this step.
         assert_eq!(b.choose(&alone(60, 2), 1, 1), vec![0]);
         assert_eq!(b.choose(&alone(60, 1), 1, 1), vec![0]);
@@ -575,6 +602,7 @@ mod tests {
                 max_tokens: 1,
                 lag,
                 shared_by: 1,
+                cheap_catch_up: false,
             }]
         };
         assert_eq!(b.choose(&weak(0), 1, 1), vec![0]);
@@ -584,6 +612,32 @@ mod tests {
         assert_eq!(b.choose(&weak(0), 1, 1), vec![1]);
         assert_eq!(b.choose(&weak(40), 1, 1), vec![0]);
         assert_eq!(b.choose(&weak(6), 1, 1), vec![0]);
+    }
+
+    /// An EAGLE-3 head (a cheap pass a token) whose prompt features still wait resumes beside other requests
+    /// when the measured costs say so; a draft model with the same lag and the same prices does not.
+    #[test]
+    fn a_lagging_head_resumes_beside_others_when_it_pays() {
+        let mut b = cpu_like();
+        // A head: 1 ms a drafted token, catch-up 0.1 ms a token (measured: 20 tokens fed beside 2 drafted).
+        b.observe_step(1, 0.030, 4, 4, 0, 0.004, 0.0005);
+        b.observe_step(1, 0.030, 2, 2, 20, 0.004, 0.0005);
+        history(&mut b, 1, 3, 40, 0.9);
+        let c = |cheap_catch_up| {
+            [DraftCandidate {
+                id: 1,
+                max_tokens: 3,
+                lag: 60,
+                shared_by: 60,
+                cheap_catch_up,
+            }]
+        };
+        assert!(
+            b.choose(&c(true), 2, 2)[0] >= 1,
+            "{:?}",
+            b.choose(&c(true), 2, 2)
+        );
+        assert_eq!(b.choose(&c(false), 2, 2), vec![0]);
     }
 
     /// The first catch-up is allowed once while the request is alone and measured; afterwards a cheap one (a
@@ -599,6 +653,7 @@ mod tests {
                 max_tokens: 3,
                 lag,
                 shared_by,
+                cheap_catch_up: false,
             }]
         };
         // Unmeasured: alone it is allowed (to measure it), beside another request it is not.
@@ -638,6 +693,7 @@ mod tests {
             max_tokens: 3,
             lag: 1,
             shared_by: 1,
+            cheap_catch_up: false,
         }];
         assert!(b.choose(&c, 1, 1)[0] >= 1);
         let mut per_token = b.clone();

@@ -87,6 +87,13 @@ pub trait Drafter {
         0
     }
 
+    /// Whether what it lags ([`Self::lag`]) is fed by a small pass of its own that can run beside other
+    /// requests (an EAGLE-3 head), rather than a model's steps that would stall a batch (a draft model, the
+    /// default): a scheduler may then resume it beside others.
+    fn cheap_catch_up(&self) -> bool {
+        false
+    }
+
     /// Layers of the target whose hidden states this drafter needs (EAGLE-3); none by default.
     fn target_layers(&self) -> &[usize] {
         &[]
@@ -114,11 +121,14 @@ pub trait Drafter {
     /// hands its output to [`Self::batched_after`] until that asks for no more, then takes the draft from
     /// [`Self::batched_finish`]. The draft equals what `propose` would return. Drafters that cannot answer
     /// `Alone` (the default).
+    /// `beside_others`: other requests draft in the same step (a drafter may then spread a long catch-up over
+    /// several cycles rather than stall them all).
     fn batched_begin(
         &mut self,
         _context: &[u32],
         _k: usize,
         _sampling: &SamplingParams,
+        _beside_others: bool,
     ) -> Result<BatchedStart> {
         Ok(BatchedStart::Alone)
     }
@@ -164,6 +174,10 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
         (**self).lag(context)
     }
 
+    fn cheap_catch_up(&self) -> bool {
+        (**self).cheap_catch_up()
+    }
+
     fn target_layers(&self) -> &[usize] {
         (**self).target_layers()
     }
@@ -182,8 +196,9 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
         context: &[u32],
         k: usize,
         sampling: &SamplingParams,
+        beside_others: bool,
     ) -> Result<BatchedStart> {
-        (**self).batched_begin(context, k, sampling)
+        (**self).batched_begin(context, k, sampling, beside_others)
     }
 
     fn batched_cache(&mut self) -> Option<&mut dyn crate::model::forward::SequenceCache> {

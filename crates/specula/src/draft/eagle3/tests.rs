@@ -723,7 +723,8 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
     let dir = tempfile::tempdir().unwrap();
     let t = target(dir.path());
     let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
-    let prompts: [&[u32]; 3] = [&PROMPT, &PROMPT[2..], &[72, 101, 108, 32, 111, 114]];
+    // Prompts of at most MAX_FEED_ROWS_IN_BATCH tokens: longer ones are fed in pieces in a batch (below).
+    let prompts: [&[u32]; 3] = [&PROMPT[2..], &PROMPT[3..], &[72, 101, 108, 32, 111, 114]];
     for (temperature, bar) in [(0.0, 0.0), (0.0, 0.3), (0.8, 0.0)] {
         let run_all = |shared: bool| {
             let mut gens: Vec<Generation<'_>> = prompts
@@ -803,4 +804,68 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
             }
         }
     }
+    // A long prompt beside another request is fed to the head in pieces of MAX_FEED_ROWS_IN_BATCH rows, with no
+    // draft until it is in; greedy output still equals plain decoding.
+    let long: Vec<u32> = PROMPT
+        .iter()
+        .chain(&PROMPT)
+        .chain(&PROMPT)
+        .copied()
+        .collect();
+    let req = |p: &[u32]| GenerateRequest {
+        prompt_tokens: p.to_vec(),
+        max_new_tokens: 30,
+        sampling: SamplingParams::default(),
+        stop_at_eos: false,
+        cancel: None,
+    };
+    let mut gens: Vec<Generation<'_>> = [&long[..], &PROMPT[2..]]
+        .iter()
+        .map(|p| {
+            let d = Eagle3Drafter::new(&h, t.model.as_ref(), 3).unwrap();
+            Generation::with_drafter(t.model.as_ref(), req(p), Box::new(d), 3).unwrap()
+        })
+        .collect();
+    let limits = StepLimits {
+        shared_head: Some(h.compute()),
+        ..Default::default()
+    };
+    let mut first_draft_cycle = None;
+    for step_no in 0..200 {
+        let mut refs: Vec<&mut Generation<'_>> = gens.iter_mut().collect();
+        for r in step(
+            t.model.as_ref(),
+            &t.tokenizer,
+            &mut refs,
+            limits,
+            &Profiler::disabled(),
+            &mut |_, _| {},
+        )
+        .0
+        {
+            r.unwrap();
+        }
+        if first_draft_cycle.is_none() && gens[0].speculation().is_some_and(|s| s.drafted > 0) {
+            first_draft_cycle = Some(step_no);
+        }
+        if gens.iter().all(|g| g.is_done()) {
+            break;
+        }
+    }
+    // 30 rows of features (and one more a cycle): four feeding-only cycles of 8 after the prefill, then drafts.
+    assert!(
+        first_draft_cycle.is_some_and(|c| c >= 4),
+        "{first_draft_cycle:?}"
+    );
+    let out = gens.remove(0).finish(&t.tokenizer, &mut |_| {}).unwrap();
+    let plain = generate(
+        t.model.as_ref(),
+        &t.tokenizer,
+        &req(&long),
+        None,
+        &Profiler::disabled(),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(out.tokens, plain.tokens);
 }
