@@ -25,9 +25,9 @@ use crate::model::Model;
 /// Rows a head pass runs at once (longer feeds, e.g. a prompt's features, go in pieces): bounds the workspace.
 const CHUNK_ROWS: usize = 64;
 
-/// Passes of at most this many rows run as CUDA graphs (chain steps, fed rows after a verify, tree levels, a
-/// batch of requests' steps); a prompt's features are fed once, not worth capturing.
-const MAX_GRAPH_ROWS: usize = 16;
+/// Passes of at most this many rows run as CUDA graphs (chain steps, fed rows after a verify, tree levels); a
+/// prompt's features are fed once, not worth capturing.
+const MAX_GRAPH_ROWS: usize = 8;
 
 /// Where each table lives in the pass's one upload of u32 words (kernels.cu layouts).
 mod words {
@@ -583,6 +583,51 @@ pub fn batched_passes_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_HEAD_BATCH").is_ok_and(|v| v == "1"))
 }
 
+impl CudaHead {
+    /// A pass's inputs checked against each other, the head and its cache (on this GPU, with room, with a last
+    /// output when fed from it); the cache as the GPU head's.
+    fn checked_pass<'c>(
+        &self,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        rows: HeadRows<'_>,
+        cache: &'c mut dyn SequenceCache,
+    ) -> Result<&'c mut CudaHeadCache> {
+        let c = &self.layer;
+        check_pass(tokens, input, rows, self.target_hidden, c.hidden_size)?;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::InvalidArgument(format!(
+                "token {bad} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        let cache = cache
+            .as_any_mut()
+            .downcast_mut::<CudaHeadCache>()
+            .ok_or_else(|| {
+                Error::InvalidArgument("the EAGLE-3 head's cache belongs to another device".into())
+            })?;
+        if !Arc::ptr_eq(&cache.kv.gpu, &self.gpu) {
+            return Err(Error::InvalidArgument(
+                "the EAGLE-3 head's cache was made on another GPU".into(),
+            ));
+        }
+        if matches!(input, HeadInput::Last) && !cache.has_last {
+            return Err(Error::InvalidArgument(
+                "EAGLE-3 head pass fed from the last output before any pass".into(),
+            ));
+        }
+        let needed = cache.kv.len() + tokens.len();
+        if needed > cache.kv.capacity() {
+            return Err(Error::InvalidArgument(format!(
+                "the EAGLE-3 head's KV cache holds {} positions; {needed} needed",
+                cache.kv.capacity()
+            )));
+        }
+        Ok(cache)
+    }
+}
+
 impl HeadCompute for CudaHead {
     fn device(&self) -> String {
         self.gpu.name.clone()
@@ -629,45 +674,13 @@ impl HeadCompute for CudaHead {
         let mut features = Vec::new();
         let mut row = 0;
         for (s, p) in passes.iter_mut().enumerate() {
-            check_pass(p.tokens, p.input, HeadRows::Chain, self.target_hidden, h)?;
             if p.want.top_only != top_only {
                 return Err(Error::InvalidArgument(
                     "a batched EAGLE-3 head pass mixes top-token and logits passes".into(),
                 ));
             }
-            if let Some(&bad) = p.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-                return Err(Error::InvalidArgument(format!(
-                    "token {bad} is outside the vocabulary of {}",
-                    c.vocab_size
-                )));
-            }
-            let cache = p
-                .cache
-                .as_any_mut()
-                .downcast_mut::<CudaHeadCache>()
-                .ok_or_else(|| {
-                    Error::InvalidArgument(
-                        "the EAGLE-3 head's cache belongs to another device".into(),
-                    )
-                })?;
-            if !Arc::ptr_eq(&cache.kv.gpu, &self.gpu) {
-                return Err(Error::InvalidArgument(
-                    "the EAGLE-3 head's cache was made on another GPU".into(),
-                ));
-            }
-            if matches!(p.input, HeadInput::Last) && !cache.has_last {
-                return Err(Error::InvalidArgument(
-                    "EAGLE-3 head pass fed from the last output before any pass".into(),
-                ));
-            }
+            let cache = self.checked_pass(p.tokens, p.input, HeadRows::Chain, &mut *p.cache)?;
             let (start, n) = (cache.kv.len(), p.tokens.len());
-            if start + n > cache.kv.capacity() {
-                return Err(Error::InvalidArgument(format!(
-                    "the EAGLE-3 head's KV cache holds {} positions; {} needed",
-                    cache.kv.capacity(),
-                    start + n
-                )));
-            }
             let base = cache.kv.device_ptr();
             ints[words::SEQ + 4 * s..words::SEQ + 4 * s + 4].copy_from_slice(&[
                 base as u32,
@@ -792,40 +805,10 @@ impl HeadCompute for CudaHead {
         cache: &mut dyn SequenceCache,
         want: HeadWant,
     ) -> Result<HeadOutput> {
-        let c = &self.layer;
-        let h = c.hidden_size;
-        check_pass(tokens, input, rows, self.target_hidden, h)?;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(Error::InvalidArgument(format!(
-                "token {bad} is outside the vocabulary of {}",
-                c.vocab_size
-            )));
-        }
-        let cache = cache
-            .as_any_mut()
-            .downcast_mut::<CudaHeadCache>()
-            .ok_or_else(|| {
-                Error::InvalidArgument("the EAGLE-3 head's cache belongs to another device".into())
-            })?;
-        if !Arc::ptr_eq(&cache.kv.gpu, &self.gpu) {
-            return Err(Error::InvalidArgument(
-                "the EAGLE-3 head's cache was made on another GPU".into(),
-            ));
-        }
-        if matches!(input, HeadInput::Last) && !cache.has_last {
-            return Err(Error::InvalidArgument(
-                "EAGLE-3 head pass fed from the last output before any pass".into(),
-            ));
-        }
+        let h = self.layer.hidden_size;
+        let cache = self.checked_pass(tokens, input, rows, cache)?;
         let n = tokens.len();
         let start = cache.kv.len();
-        if start + n > cache.kv.capacity() {
-            return Err(Error::InvalidArgument(format!(
-                "the EAGLE-3 head's KV cache holds {} positions; {} needed",
-                cache.kv.capacity(),
-                start + n
-            )));
-        }
         // kernels.cu RowInfo per row: sequence, slot, first slot of the visible new rows, tree flag, mask.
         let mut positions = Vec::with_capacity(n);
         let mut table = Vec::with_capacity(n * 6);

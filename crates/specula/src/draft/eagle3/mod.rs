@@ -379,24 +379,9 @@ impl Eagle3Drafter<'_> {
             return Ok(BatchedStart::Alone);
         }
         self.abandon_chain();
-        if k == 0 || context.len() < 2 {
+        let Some((from, rows, k)) = self.waiting_rows(context, k)? else {
             return Ok(BatchedStart::Nothing);
-        }
-        // The pending token sits at position `base`; rows cache.len()..base still need the head.
-        let base = context.len() - 1;
-        let from = self.cache.len();
-        let rows = self.features.len() / self.feature_width();
-        if from + rows != base {
-            return Err(Error::InvalidArgument(format!(
-                "EAGLE-3 drafter: target features cover positions up to {} but the context has {base} before \
-                 the pending token (was observe_target called after every target forward?)",
-                from + rows
-            )));
-        }
-        let k = k.min(self.cache.capacity().saturating_sub(base));
-        if rows == 0 || k == 0 {
-            return Ok(BatchedStart::Nothing);
-        }
+        };
         // Greedy chains need only each pass's top token and its probability (a device head sends back 8 bytes
         // instead of the draft vocabulary's logits).
         let top_only = sampling.is_greedy();
@@ -431,6 +416,27 @@ impl Eagle3Drafter<'_> {
         }))
     }
 
+    /// Where a draft for `context` starts: the head's cache length, the target-fed rows waiting for the head
+    /// (positions `from..base`, the pending token at `base`) and the draft length that fits; None when there is
+    /// nothing to draft.
+    fn waiting_rows(&self, context: &[u32], k: usize) -> Result<Option<(usize, usize, usize)>> {
+        if k == 0 || context.len() < 2 {
+            return Ok(None);
+        }
+        let base = context.len() - 1;
+        let from = self.cache.len();
+        let rows = self.features.len() / self.feature_width();
+        if from + rows != base {
+            return Err(Error::InvalidArgument(format!(
+                "EAGLE-3 drafter: target features cover positions up to {} but the context has {base} before \
+                 the pending token (was observe_target called after every target forward?)",
+                from + rows
+            )));
+        }
+        let k = k.min(self.cache.capacity().saturating_sub(base));
+        Ok((rows > 0 && k > 0).then_some((from, rows, k)))
+    }
+
     /// Drops a chain left unfinished (a failed pass): its draft rows leave the head's cache.
     fn abandon_chain(&mut self) {
         if let Some(fed) = self.chain.take().and_then(|st| st.fed) {
@@ -445,23 +451,10 @@ impl Eagle3Drafter<'_> {
                 "EAGLE-3 drafter: no tree shape".into(),
             ));
         };
-        if k == 0 || context.len() < 2 {
+        let Some((from, _, k)) = self.waiting_rows(context, k)? else {
             return Ok(Draft::default());
-        }
+        };
         let base = context.len() - 1;
-        let from = self.cache.len();
-        let rows = self.features.len() / self.feature_width();
-        if from + rows != base {
-            return Err(Error::InvalidArgument(format!(
-                "EAGLE-3 drafter: target features cover positions up to {} but the context has {base} before \
-                 the pending token (was observe_target called after every target forward?)",
-                from + rows
-            )));
-        }
-        let k = k.min(self.cache.capacity().saturating_sub(base));
-        if rows == 0 || k == 0 {
-            return Ok(Draft::default());
-        }
         let pass = self.compute.run(
             self.target,
             &context[from + 1..=base],
