@@ -6,6 +6,7 @@ Each public function or method with a docstring becomes a coding request ("Write
 request a code assistant gets. Public material only: never shared/prompts (the evaluation set).
 
     python3 scripts/eagle3_prompts.py --count 400 --out train-prompts.jsonl
+    python3 scripts/eagle3_prompts.py --count 800 --skip 400 --out more-prompts.jsonl   # the next 400
 """
 
 import argparse
@@ -67,6 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--count", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first N prompts (made by an earlier stage)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -89,6 +91,7 @@ def main() -> None:
             prompt = rng.choice(TEMPLATES).format(lang=rng.choice(LANGUAGES), name=name, task=task)
             pid = f"{rel}:{name}" + ("" if round_ == 1 else f"#{round_}")
             lines.append(json.dumps({"id": pid, "prompt": prompt}))
+    lines = lines[args.skip :]
     args.out.write_text("\n".join(lines) + "\n")
     print(f"{len(lines)} prompts from {len(unique)} tasks ({len(found)} documented functions) under {root} -> {args.out}")
 

@@ -14,12 +14,14 @@ m=fuzz/seeds/gguf/tiny-qwen2-f32.gguf
 for d in cuda cpu; do
   "$bin" generate -m $m --device $d -p "Write a function" -n 48 --ignore-eos --quiet --report-json $out/plain-$d.json 2>&1 | grep -E "^prompt"
   "$bin" generate -m $m --device $d -p "Write a function" -n 48 --ignore-eos --quiet --draft eagle3 --draft-model "$head" --draft-tokens 2 --report-json $out/eagle-$d.json 2>&1 | grep -E "^prompt|speculation \(|error"
+  "$bin" generate -m $m --device $d -p "Write a function" -n 48 --ignore-eos --quiet --draft eagle3 --draft-model "$head" --eagle-topk 2 --num-steps 3 --num-draft-tokens 5 --report-json $out/tree-$d.json 2>&1 | grep -E "speculation \(|error"
 done
 python3 - "$out" <<'PY'
 import json, sys
 o = sys.argv[1]
-t = {k: json.load(open(f"{o}/{k}.json"))["token_ids"] for k in ["plain-cuda", "eagle-cuda", "plain-cpu", "eagle-cpu"]}
-print("GPU: eagle3 == plain:", t["eagle-cuda"] == t["plain-cuda"], "| CPU: eagle3 == plain:", t["eagle-cpu"] == t["plain-cpu"])
+t = {k: json.load(open(f"{o}/{k}.json"))["token_ids"] for k in ["plain-cuda", "eagle-cuda", "tree-cuda", "plain-cpu", "eagle-cpu", "tree-cpu"]}
+print("GPU: eagle3 == plain:", t["eagle-cuda"] == t["plain-cuda"], "tree == plain:", t["tree-cuda"] == t["plain-cuda"],
+      "| CPU: eagle3 == plain:", t["eagle-cpu"] == t["plain-cpu"], "tree == plain:", t["tree-cpu"] == t["plain-cpu"])
 PY
 for m in tiny-qwen2-f32 tiny-qwen2-q8_0 tiny-llama-q4_0 tiny-qwen2-q4_k tiny-llama-spm; do
   "$bin" selftest -m fuzz/seeds/gguf/$m.gguf --device cuda 2>&1 | grep -E "embedding rows|verdict"

@@ -2,7 +2,7 @@
 # Serving the real Qwen2.5-Coder-1.5B on the GPU, in one device call (after the models reached MODELDIR, see
 # docs/gpu.md "Real models"):
 #   scripts/gpu-serve-real.sh BINARY OUTDIR MODELDIR PROMPTS.jsonl
-# `specula serve` plain, with prompt lookup and with the 0.5B draft model (adaptive draft lengths), each driven by
+# `specula serve` plain, with prompt lookup, the 0.5B draft model or the EAGLE-3 head (adaptive draft lengths), each driven by
 # `specula bench-serve` (chat completions, ignore_eos, 128 tokens, 32 requests per level, 1-32 streams).
 set -uo pipefail
 bin="$1"; out="$2"; models="$3"; prompts="$4"
@@ -10,11 +10,21 @@ export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PAT
 export SPECULA_CACHE="$models"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 port=8600
-for cfg in "plain:" "ngram:--draft ngram" "model:--draft-model qwen2.5-coder-0.5b"; do
+# CONFIGS picks the servers (default: plain ngram model); eagle3 serves with the head in HEAD (default: the
+# registry's, under MODELDIR/heads), head passes shared across requests; eagle3-alone drafts each request's
+# passes one after the other (SPECULA_SHARED_HEAD=0).
+head=${HEAD:-qwen2.5-coder-1.5b-eagle3}
+e3="--draft eagle3 --draft-model $head --draft-tokens 3 --draft-confidence 0"
+declare -A flags_of=([plain]="" [ngram]="--draft ngram" [model]="--draft-model qwen2.5-coder-0.5b"
+                     [eagle3]="$e3" [eagle3-alone]="$e3")
+for name in ${CONFIGS:-plain ngram model}; do
+    cfg="$name:${flags_of[$name]}"
     name=${cfg%%:*}; flags=${cfg#*:}
     port=$((port + 1))
     # shellcheck disable=SC2086
-    "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags > "$out/serve-$name.log" 2>&1 &
+    shared=1; [ "$name" = eagle3-alone ] && shared=0
+    SPECULA_SHARED_HEAD=$shared "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags \
+        > "$out/serve-$name.log" 2>&1 &
     pid=$!
     for _ in $(seq 120); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 1; done
     echo "== serve $name ($flags)"

@@ -3,7 +3,7 @@
 # finds it. One command, resumable: run it again after an interruption and it continues from the checkpoint.
 #
 #   scripts/train-head.sh smollm2-135m-eagle3
-#   scripts/train-head.sh qwen2.5-coder-1.5b-eagle3            # needs a GPU: see below
+#   scripts/train-head.sh qwen2.5-coder-1.5b-eagle3            # needs a GPU: see below (two stages)
 #
 # Extra arguments go to `specula train-eagle3` (e.g. --max-minutes 9 to stop with a usable head, then rerun to
 # resume). SPECULA_BIN names a prebuilt binary (no cargo build), e.g. on a GPU machine without Rust.
@@ -28,11 +28,23 @@ case "$name" in
                 --epochs 3 --batch 4 --lr 5e-4 --seed 0)
     ;;
   qwen2.5-coder-1.5b-eagle3)
+    # Two stages, each one epoch (the device's calls are 10 minutes): stage 1 trains from random weights on
+    # 6000 prompts and the standard library's source; stage 2 starts from stage 1's head (--init-head) and trains
+    # on the next 6000 prompts (the same tasks in other languages and phrasings) at a lower learning rate.
+    # STAGE=1 or STAGE=2 runs one stage (and its data); without STAGE both run, one after the other.
     target=qwen2.5-coder-1.5b
-    prompts=${PROMPTS:-6000}
-    train_args=(--device cuda --answer-batch 32 --answer-tokens 256 --corpus-tokens 300000 --seq-len 384
-                --draft-vocab 8192 --intermediate-size 4096 --ttt-steps 4 --epochs ${EPOCHS:-1} --batch 4
-                --lr 5e-4 --cache-gb 40 --seed 0)
+    common=(--device cuda --answer-batch 32 --answer-tokens 256 --seq-len 384 --draft-vocab 8192
+            --intermediate-size 4096 --ttt-steps 4 --epochs ${EPOCHS:-1} --batch 4 --cache-gb 40 --seed 0)
+    if [ -z "${STAGE:-}" ]; then
+      STAGE=1 "$0" "$name" "$@" && STAGE=2 exec "$0" "$name" "$@"
+    fi
+    case "$STAGE" in
+      1) out=$out.stage1; prompts=6000; skip=0
+         train_args=("${common[@]}" --corpus-tokens 300000 --lr 5e-4) ;;
+      2) prompts=12000; skip=6000
+         train_args=("${common[@]}" --corpus-tokens 0 --lr 2e-4 --init-head "$out.stage1") ;;
+      *) echo "STAGE must be 1 or 2" >&2; exit 2 ;;
+    esac
     ;;
   *)
     echo "unknown head $name (known: smollm2-135m-eagle3, qwen2.5-coder-1.5b-eagle3)" >&2
@@ -47,7 +59,8 @@ else
 fi
 mkdir -p "$out"
 stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
-[ -s "$out/prompts.jsonl" ] || python3 scripts/eagle3_prompts.py --count "$prompts" --out "$out/prompts.jsonl"
+[ -s "$out/prompts.jsonl" ] ||
+  python3 scripts/eagle3_prompts.py --count "$prompts" --skip "${skip:-0}" --out "$out/prompts.jsonl"
 resume=()
 [ -e "$out/data.jsonl" ] && resume=(--resume)
 "$bin" train-eagle3 -m "$target" --out "$out" --prompts "$out/prompts.jsonl" --corpus "$stdlib" \

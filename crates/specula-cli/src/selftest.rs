@@ -228,7 +228,8 @@ fn relative_error(reference: &[f32], other: &[f32]) -> (f32, bool) {
 /// target's features, a chain step from the last output, a two-row tree.
 fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::Result<Vec<Check>> {
     use specula::draft::eagle3::{
-        Eagle3Head, HeadCompute, HeadInput, HeadPass, HeadPrecision, HeadRows, HeadWant, TreeRow,
+        top_log_probs, Eagle3Head, HeadCompute, HeadInput, HeadPass, HeadPrecision, HeadRows, HeadWant,
+        TreeRow,
     };
     let path = specula::registry::locate_head(dir)?;
     let cpu = Eagle3Head::load_as(&path, HeadPrecision::Stored)?;
@@ -267,8 +268,9 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
     let hh = cpu.config.layer.hidden_size;
     // The same passes on both; each returns its logits per pass, and a greedy chain step's top token.
     let full = HeadWant::default();
-    // Each pass's values, and the top-only step's (token, probability).
-    type Passes = (Vec<Vec<f32>>, (u32, f32));
+    // Each pass's values, the top-only step's (token, probability), and the tree rows' logits and top-k (as a
+    // tree expands its nodes).
+    type Passes = (Vec<Vec<f32>>, (u32, f32), Vec<Vec<(f32, usize)>>);
     let passes = |compute: &dyn HeadCompute| -> anyhow::Result<Passes> {
         let mut c = compute.new_cache(n + 16)?;
         let fed = compute.run(
@@ -279,7 +281,7 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
             c.as_mut(),
             HeadWant {
                 outputs: true,
-                top_only: false,
+                ..Default::default()
             },
         )?;
         let step = compute.run(
@@ -299,8 +301,8 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
             HeadRows::Chain,
             c.as_mut(),
             HeadWant {
-                outputs: false,
                 top_only: true,
+                ..Default::default()
             },
         )?;
         c.truncate(n);
@@ -325,11 +327,28 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
             c.as_mut(),
             full,
         )?;
+        c.truncate(n);
+        let ranked = compute.run(
+            model,
+            &tokens[..2],
+            HeadInput::Hidden(x),
+            HeadRows::Tree(&tree),
+            c.as_mut(),
+            HeadWant {
+                top_k: TREE_TOP_K,
+                ..Default::default()
+            },
+        )?;
         let top = top.top.first().copied().unwrap_or((u32::MAX, 0.0));
-        Ok((vec![fed.outputs, fed.logits, step.logits, t.logits], top))
+        Ok((
+            vec![fed.outputs, fed.logits, step.logits, t.logits],
+            top,
+            ranked.ranked,
+        ))
     };
-    let (reference, top_ref) = passes(&cpu)?;
-    let (other, top_other) = passes(placed.compute())?;
+    const TREE_TOP_K: usize = 4;
+    let (reference, top_ref, _) = passes(&cpu)?;
+    let (other, top_other, ranked_other) = passes(placed.compute())?;
     // Three sequences' passes at once (a server's requests drafting together) against each alone: fed rows of
     // different lengths, then one chain step each.
     let lens = [n, n - 1, 1];
@@ -419,6 +438,30 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
         detail: format!(
             "CPU token {} p {:.4}, {device} token {} p {:.4}",
             top_ref.0, top_ref.1, top_other.0, top_other.1
+        ),
+    });
+    // The device's top-k of tree rows against the host's ranking of the same device logits.
+    let dv = cpu.draft_vocab();
+    let host_ranked: Vec<Vec<(f32, usize)>> = other[3]
+        .chunks_exact(dv)
+        .map(|row| top_log_probs(row, TREE_TOP_K))
+        .collect();
+    let same_ids = ranked_other.len() == host_ranked.len()
+        && ranked_other.iter().zip(&host_ranked).all(|(a, b)| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.1 == y.1)
+        });
+    let lp_err = ranked_other
+        .iter()
+        .flatten()
+        .zip(host_ranked.iter().flatten())
+        .map(|(a, b)| (a.0 - b.0).abs())
+        .fold(0.0f32, f32::max);
+    checks.push(Check {
+        name: format!("eagle3 head on {device}: top-{TREE_TOP_K} of tree rows"),
+        passed: same_ids && lp_err <= 1e-3,
+        detail: format!(
+            "ids {} the host's ranking of the same logits, log-probabilities within {lp_err:.1e} (tolerance 1e-3)",
+            if same_ids { "equal" } else { "differ from" }
         ),
     });
     for ((name, a), b) in names.iter().zip(&reference).zip(&other) {

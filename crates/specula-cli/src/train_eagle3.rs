@@ -65,6 +65,10 @@ pub struct TrainEagle3Args {
     /// Continue the checkpoint and data in --out.
     #[arg(long)]
     pub resume: bool,
+    /// Start from this head's weights and draft vocabulary (a head specula trained, e.g. on other data; the
+    /// same target layers and MLP width) instead of random ones: more data for a head without starting over.
+    #[arg(long)]
+    pub init_head: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Only gather the training data (self-distilled answers, corpus chunks) into --out/data.jsonl and stop;
@@ -118,6 +122,7 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
         intermediate_size: args.intermediate_size,
         max_time: args.max_minutes.map(|m| Duration::from_secs_f64(m * 60.0)),
         resume: args.resume,
+        init_head: args.init_head.clone(),
         top_k: args.top_k,
         cache_bytes: (args.cache_gb.clamp(0.0, 1e6) * 1e9) as usize,
         device,

@@ -313,6 +313,62 @@ fn holdback(text: &str, stop: &[String]) -> usize {
 }
 
 /// A request the engine is running.
+/// A request's speculation counters, read before and after a step.
+#[derive(Debug, Clone, Copy, Default)]
+struct SpecCounts {
+    drafted: u64,
+    accepted: u64,
+    draft_passes: u64,
+    catch_up_cycles: u64,
+}
+
+impl SpecCounts {
+    fn of(generation: &Generation<'_>) -> Option<Self> {
+        generation.speculation().map(|s| SpecCounts {
+            drafted: s.drafted,
+            accepted: s.accepted,
+            draft_passes: s.draft_passes,
+            catch_up_cycles: s.catch_up_cycles,
+        })
+    }
+
+    /// What changed since `before`.
+    fn since(self, before: &SpecCounts) -> SpecCounts {
+        SpecCounts {
+            drafted: self.drafted - before.drafted,
+            accepted: self.accepted - before.accepted,
+            draft_passes: self.draft_passes - before.draft_passes,
+            catch_up_cycles: self.catch_up_cycles - before.catch_up_cycles,
+        }
+    }
+}
+
+/// What one request's step tells the draft budget: the catch-up rows its drafter fed (priced apart from
+/// drafting), and its cycle (allowed, drafted, accepted) for the acceptance counts, None when the cycle only fed
+/// part of a long catch-up (beside other requests): counted, such cycles read as allowed-and-undrafted positions
+/// and the budget stopped drafting in servers started under load.
+fn cycle_evidence(
+    limit: usize,
+    step: &SpecCounts,
+    lag_before: usize,
+    lag_after: usize,
+    draft_room: usize,
+) -> (usize, Option<(usize, usize, usize)>) {
+    if step.catch_up_cycles > 0 {
+        return (lag_before.saturating_sub(lag_after), None);
+    }
+    // A draft first feeds what it lagged by beyond the draft's own tokens (as DraftBudget::choose counts it).
+    let fed = if step.drafted > 0 {
+        lag_before.saturating_sub(limit.max(draft_room) + 1)
+    } else {
+        0
+    };
+    (
+        fed,
+        Some((limit, step.drafted as usize, step.accepted as usize)),
+    )
+}
+
 struct Running<'a> {
     /// Unique while the engine runs (the draft budget's key).
     id: u64,
@@ -719,13 +775,9 @@ impl<'a> EngineLoop<'a> {
         // Tokens each drafter must catch up on before drafting (a draft model cut in earlier steps).
         let lags: Vec<usize> = running.iter().map(|r| r.generation.draft_lag()).collect();
         let limits = self.choose_draft_limits(running, &lags);
-        let spec_before: Vec<(u64, u64, u64)> = running
+        let spec_before: Vec<SpecCounts> = running
             .iter()
-            .map(|r| {
-                r.generation
-                    .speculation()
-                    .map_or((0, 0, 0), |s| (s.drafted, s.accepted, s.draft_passes))
-            })
+            .map(|r| SpecCounts::of(&r.generation).unwrap_or_default())
             .collect();
         let mut texts: Vec<(usize, String)> = Vec::new();
         let (results, report) = {
@@ -869,7 +921,7 @@ impl<'a> EngineLoop<'a> {
         running: &[Running<'a>],
         limits: &[Option<usize>],
         lags: &[usize],
-        spec_before: &[(u64, u64, u64)],
+        spec_before: &[SpecCounts],
         phases: &[specula::profile::StepPhases],
         report: decode::StepReport,
     ) {
@@ -892,19 +944,24 @@ impl<'a> EngineLoop<'a> {
         let mut drafted_total = 0;
         let mut passes = 0;
         let mut catch_up = 0;
-        for (((r, limit), &(d0, a0, p0)), &lag) in
-            running.iter().zip(limits).zip(spec_before).zip(lags)
-        {
-            let (Some(limit), Some(s)) = (limit, r.generation.speculation()) else {
+        for (((r, limit), before), &lag) in running.iter().zip(limits).zip(spec_before).zip(lags) {
+            let (Some(limit), Some(now)) = (limit, SpecCounts::of(&r.generation)) else {
                 continue;
             };
-            let drafted = (s.drafted - d0) as usize;
-            drafted_total += drafted;
-            passes += (s.draft_passes - p0) as usize;
-            if drafted > 0 {
-                catch_up += lag.saturating_sub((*limit).max(r.generation.draft_room()) + 1);
+            let d = now.since(before);
+            drafted_total += d.drafted as usize;
+            passes += d.draft_passes as usize;
+            let (fed, cycle) = cycle_evidence(
+                *limit,
+                &d,
+                lag,
+                r.generation.draft_lag(),
+                r.generation.draft_room(),
+            );
+            catch_up += fed;
+            if let Some((limit, drafted, accepted)) = cycle {
+                budget.observe_cycle(r.id, limit, drafted, accepted);
             }
-            budget.observe_cycle(r.id, *limit, drafted, (s.accepted - a0) as usize);
         }
         if report.rows > 0 {
             budget.observe_step(
@@ -1094,7 +1151,32 @@ impl<'a> EngineLoop<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::holdback;
+    use super::{cycle_evidence, holdback, SpecCounts};
+
+    #[test]
+    fn feeding_only_cycles_price_their_rows_and_leave_acceptance_alone() {
+        // Fed 8 of 30 lagging rows, drafted nothing by design: rows priced, no cycle recorded.
+        let feeding = SpecCounts {
+            draft_passes: 1,
+            catch_up_cycles: 1,
+            ..Default::default()
+        };
+        assert_eq!(cycle_evidence(4, &feeding, 30, 22, 4), (8, None));
+        // A draft after a catch-up: the rows beyond the draft's own are priced, the cycle recorded.
+        let drafted = SpecCounts {
+            drafted: 4,
+            accepted: 2,
+            draft_passes: 4,
+            ..Default::default()
+        };
+        assert_eq!(cycle_evidence(4, &drafted, 12, 0, 4), (7, Some((4, 4, 2))));
+        // A draft the confidence bar stopped before its first token is a decision: recorded as undrafted.
+        let stopped = SpecCounts {
+            draft_passes: 1,
+            ..Default::default()
+        };
+        assert_eq!(cycle_evidence(4, &stopped, 1, 0, 4), (0, Some((4, 0, 0))));
+    }
 
     #[test]
     fn holdback_keeps_what_could_start_a_stop_sequence() {

@@ -46,6 +46,7 @@ impl Drafter for LatestMatch {
                             distributions: None,
                             parents: None,
                             passes: 0,
+                            catching_up: false,
                         });
                     }
                 }

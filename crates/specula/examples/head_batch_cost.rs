@@ -32,8 +32,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let tokens: Vec<u32> = (0..fed as u32).map(|t| 100 + t).collect();
     let want = HeadWant {
-        outputs: false,
         top_only: true,
+        ..Default::default()
     };
     let sizes = [1usize, 2, 4, 8];
     let mut alone = vec![Vec::new(); sizes.len()];

@@ -189,6 +189,9 @@ pub struct SpeculationStats {
     pub accepted: u64,
     /// Forward passes the drafter ran ([`crate::draft::Draft::passes`]).
     pub draft_passes: u64,
+    /// Cycles the drafter spent only catching up ([`crate::draft::Draft::catching_up`]; also counted in
+    /// `empty_drafts`).
+    pub catch_up_cycles: u64,
     /// Per draft position 1..=k: how many cycles drafted / accepted a token there.
     pub drafted_per_position: Vec<u64>,
     pub accepted_per_position: Vec<u64>,
@@ -208,6 +211,7 @@ impl SpeculationStats {
             drafted: 0,
             accepted: 0,
             draft_passes: 0,
+            catch_up_cycles: 0,
             drafted_per_position: vec![0; k],
             accepted_per_position: vec![0; k],
             accept_len_histogram: vec![0; k + 1],
@@ -259,6 +263,7 @@ impl SpeculationStats {
         self.drafted += other.drafted;
         self.accepted += other.accepted;
         self.draft_passes += other.draft_passes;
+        self.catch_up_cycles += other.catch_up_cycles;
         for (a, b) in self
             .drafted_per_position
             .iter_mut()

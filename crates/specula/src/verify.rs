@@ -225,6 +225,7 @@ mod tests {
             distributions: None,
             parents: None,
             passes: 0,
+            catching_up: false,
         }
     }
 

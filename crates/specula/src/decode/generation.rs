@@ -391,6 +391,7 @@ impl<'d> Generation<'d> {
                 };
                 if let Some(st) = self.stats.as_mut() {
                     st.draft_passes += draft.passes as u64;
+                    st.catch_up_cycles += u64::from(draft.catching_up);
                     match &tree {
                         Some(t) => st.record_tree(
                             draft.tokens.len(),

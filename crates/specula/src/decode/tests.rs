@@ -677,6 +677,7 @@ impl Drafter for FixedQDrafter {
             distributions: Some(vec![q; n]),
             parents: None,
             passes: 0,
+            catching_up: false,
         })
     }
 }
@@ -697,6 +698,7 @@ impl Drafter for TreeDrafter {
             distributions: None,
             parents: Some(self.parents.clone()),
             passes: 0,
+            catching_up: false,
         })
     }
 }
@@ -808,6 +810,7 @@ impl Drafter for OracleTreeDrafter {
             distributions: None,
             parents: Some(parents),
             passes: 0,
+            catching_up: false,
         })
     }
 }
@@ -1096,6 +1099,7 @@ impl Drafter for BrokenDrafter {
                 distributions: None,
                 parents: None,
                 passes: 0,
+                catching_up: false,
             });
         }
         Ok(Draft::default())

@@ -28,6 +28,9 @@ pub struct Draft {
     /// after each kept token but the last; 0 for drafters without a model). A draft the confidence bar stops
     /// early still paid for its passes: the server's draft budget prices drafts by passes.
     pub passes: usize,
+    /// The drafter spent the cycle feeding rows it had not seen (a long catch-up fed in pieces beside other
+    /// requests) and drafted nothing by design: not a drafting decision, so acceptance estimates leave it out.
+    pub catching_up: bool,
 }
 
 impl Draft {

@@ -161,6 +161,7 @@ impl Drafter for ModelDrafter<'_> {
             distributions: (!sampling.is_greedy()).then_some(distributions),
             parents: None,
             passes,
+            catching_up: false,
         })
     }
 }

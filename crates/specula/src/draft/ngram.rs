@@ -297,6 +297,7 @@ impl Drafter for NgramDrafter {
             distributions: None,
             parents: None,
             passes: 0,
+            catching_up: false,
         })
     }
 

@@ -26,6 +26,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "argmax_final",
     "gather_columns",
     "top_token",
+    "top_k_log_probs",
     "fill_random_bf16",
     "kv_keep_rows",
 ];
@@ -47,6 +48,7 @@ pub struct Kernels {
     pub argmax_final: CudaFunction,
     pub gather_columns: CudaFunction,
     pub top_token: CudaFunction,
+    pub top_k_log_probs: CudaFunction,
     pub fill_random_bf16: CudaFunction,
     pub kv_keep_rows: CudaFunction,
 }
@@ -173,6 +175,7 @@ impl Gpu {
             argmax_final: f("argmax_final")?,
             gather_columns: f("gather_columns")?,
             top_token: f("top_token")?,
+            top_k_log_probs: f("top_k_log_probs")?,
             fill_random_bf16: f("fill_random_bf16")?,
             kv_keep_rows: f("kv_keep_rows")?,
             _module: module,

@@ -13,7 +13,7 @@ use cudarc::driver::CudaSlice;
 use super::layout::{self, MAX_SPLITS};
 use super::ops::{gemv, ptr, Matrix};
 use super::{cuda_err, CudaKvCache, Gpu};
-use crate::draft::eagle3::compute::check_pass;
+use crate::draft::eagle3::compute::{check_pass, top_log_probs};
 use crate::draft::eagle3::{
     Eagle3Head, HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant,
 };
@@ -28,6 +28,10 @@ const CHUNK_ROWS: usize = 64;
 /// Passes of at most this many rows run as CUDA graphs (chain steps, fed rows after a verify, tree levels); a
 /// prompt's features are fed once, not worth capturing.
 const MAX_GRAPH_ROWS: usize = 8;
+
+/// The most best tokens a row's top-k is taken on the device for (kernels.cu top_k_log_probs; trees expand a
+/// node by its top-k); larger k reads the row's logits back and ranks them on the host.
+const MAX_DEVICE_TOP_K: usize = 16;
 
 /// Where each table lives in the pass's one upload of u32 words (kernels.cu layouts).
 mod words {
@@ -49,6 +53,8 @@ struct PassShape {
     features: bool,
     wanted: usize,
     top_only: bool,
+    /// Each wanted row's best `top_k` with log-probabilities on the device (0: none).
+    top_k: usize,
 }
 
 /// A captured pass; used only under the workspace lock.
@@ -99,7 +105,8 @@ struct Buffers {
     picked: CudaSlice<f32>,
     picked_normed: CudaSlice<f32>,
     logits: CudaSlice<f32>,
-    /// Each wanted row's top draft token and probability (kernels.cu top_token).
+    /// Each wanted row's top draft token and probability (kernels.cu top_token), or its best draft tokens and
+    /// log-probabilities (top_k_log_probs).
     top: CudaSlice<f32>,
     /// The pass's tables (`words`).
     ints: CudaSlice<u32>,
@@ -278,7 +285,7 @@ impl CudaHead {
             picked: f(r * h, "final rows")?,
             picked_normed: f(r * h, "final rows")?,
             logits: f(r * dv, "logits")?,
-            top: f(2 * r, "top tokens")?,
+            top: f(2 * r * MAX_DEVICE_TOP_K, "top tokens")?,
             ints: u(words::TOTAL, "tables")?,
         })
     }
@@ -467,7 +474,7 @@ impl CudaHead {
 
     /// Draft-vocabulary logits of the workspace rows listed in the tables' `wanted` (and, with `top_only`, each
     /// row's top token and probability).
-    fn record_logits(&self, ws: &Buffers, wanted: usize, top_only: bool) -> Result<()> {
+    fn record_logits(&self, ws: &Buffers, wanted: usize, top_only: bool, top_k: usize) -> Result<()> {
         let gpu = &*self.gpu;
         let c = &self.layer;
         let p = |s: &CudaSlice<f32>| ptr(s, gpu);
@@ -517,8 +524,61 @@ impl CudaHead {
                 p(&ws.top),
                 self.draft_vocab as i32
             );
+        } else if top_k > 0 {
+            launch!(
+                gpu,
+                top_k_log_probs,
+                (wanted as u32, 1, 1),
+                256,
+                p(&ws.logits),
+                p(&ws.top),
+                self.draft_vocab as i32,
+                top_k as i32
+            );
         }
         Ok(())
+    }
+
+    /// What a pass's wanted rows return, read back once the pass ran: top tokens, ranked tokens or logits.
+    fn read_wanted(&self, ws: &Buffers, wanted: usize, want: HeadWant) -> Result<HeadOutput> {
+        let stream = &self.gpu.stream;
+        let mut out = HeadOutput::default();
+        if want.top_only {
+            let top = stream
+                .clone_dtoh(&ws.top.slice(0..2 * wanted))
+                .map_err(|e| cuda_err("reading the head's top tokens", e))?;
+            out.top = top
+                .chunks_exact(2)
+                .map(|t| (t[0].to_bits(), t[1]))
+                .collect();
+        } else if device_top_k(want) > 0 {
+            let k = want.top_k;
+            let ranked = stream
+                .clone_dtoh(&ws.top.slice(0..2 * wanted * k))
+                .map_err(|e| cuda_err("reading the head's ranked tokens", e))?;
+            out.ranked = ranked
+                .chunks_exact(2 * k)
+                .map(|row| {
+                    row.chunks_exact(2)
+                        .filter(|t| t[0].to_bits() != u32::MAX)
+                        .map(|t| (t[1], t[0].to_bits() as usize))
+                        .collect()
+                })
+                .collect();
+        } else {
+            let logits = stream
+                .clone_dtoh(&ws.logits.slice(0..wanted * self.draft_vocab))
+                .map_err(|e| cuda_err("reading the head's logits", e))?;
+            if want.top_k > 0 {
+                out.ranked = logits
+                    .chunks_exact(self.draft_vocab)
+                    .map(|row| top_log_probs(row, want.top_k))
+                    .collect();
+            } else {
+                out.logits = logits;
+            }
+        }
+        Ok(out)
     }
 
     /// A whole pass over the tables and inputs already in the workspace: fc (when fed features), the layer, the
@@ -541,7 +601,7 @@ impl CudaHead {
         }
         self.record_layer(ws, shape.rows)?;
         if shape.wanted > 0 {
-            self.record_logits(ws, shape.wanted, shape.top_only)?;
+            self.record_logits(ws, shape.wanted, shape.top_only, shape.top_k)?;
         }
         Ok(())
     }
@@ -665,7 +725,7 @@ impl HeadCompute for CudaHead {
         }
         let c = &self.layer;
         let h = c.hidden_size;
-        let top_only = passes[0].want.top_only;
+        let first_want = passes[0].want;
         let count = passes.len();
         let meta: Vec<(usize, HeadWant)> =
             passes.iter().map(|p| (p.tokens.len(), p.want)).collect();
@@ -674,9 +734,11 @@ impl HeadCompute for CudaHead {
         let mut features = Vec::new();
         let mut row = 0;
         for (s, p) in passes.iter_mut().enumerate() {
-            if p.want.top_only != top_only {
+            if (p.want.top_only, p.want.top_k) != (first_want.top_only, first_want.top_k) {
                 return Err(Error::InvalidArgument(
-                    "a batched EAGLE-3 head pass mixes top-token and logits passes".into(),
+                    "a batched EAGLE-3 head pass mixes passes that want different results (top token, top-k, \
+                     logits)"
+                        .into(),
                 ));
             }
             let cache = self.checked_pass(p.tokens, p.input, HeadRows::Chain, &mut *p.cache)?;
@@ -735,7 +797,8 @@ impl HeadCompute for CudaHead {
                 rows,
                 features: fed_features,
                 wanted: count,
-                top_only,
+                top_only: first_want.top_only,
+                top_k: device_top_k(first_want),
             },
         )?;
         let all_outputs = if meta.iter().any(|m| m.1.outputs) {
@@ -745,17 +808,7 @@ impl HeadCompute for CudaHead {
         } else {
             Vec::new()
         };
-        let (top, logits) = if top_only {
-            let t = stream
-                .clone_dtoh(&ws.top.slice(0..2 * count))
-                .map_err(|e| cuda_err("reading the head's top tokens", e))?;
-            (t, Vec::new())
-        } else {
-            let l = stream
-                .clone_dtoh(&ws.logits.slice(0..count * self.draft_vocab))
-                .map_err(|e| cuda_err("reading the head's logits", e))?;
-            (Vec::new(), l)
-        };
+        let mut wanted = self.read_wanted(ws, count, first_want)?;
         let mut outs = Vec::with_capacity(count);
         let mut row0 = 0;
         for (s, (cache, &(n, want))) in caches.iter_mut().zip(&meta).enumerate() {
@@ -772,10 +825,12 @@ impl HeadCompute for CudaHead {
             if want.outputs {
                 out.outputs = all_outputs[row0 * h..(row0 + n) * h].to_vec();
             }
-            if top_only {
-                out.top = vec![(top[2 * s].to_bits(), top[2 * s + 1])];
+            if first_want.top_only {
+                out.top = vec![wanted.top[s]];
+            } else if first_want.top_k > 0 {
+                out.ranked = vec![std::mem::take(&mut wanted.ranked[s])];
             } else {
-                out.logits = logits[s * self.draft_vocab..(s + 1) * self.draft_vocab].to_vec();
+                out.logits = wanted.logits[s * self.draft_vocab..(s + 1) * self.draft_vocab].to_vec();
             }
             outs.push(out);
             row0 += n;
@@ -904,6 +959,7 @@ impl HeadCompute for CudaHead {
                 features: matches!(input, HeadInput::Features(_)),
                 wanted,
                 top_only: want.top_only,
+                top_k: device_top_k(want),
             };
             self.launch_pass(ws, shape)?;
             cache.kv.len = start + r1;
@@ -922,22 +978,20 @@ impl HeadCompute for CudaHead {
                         .map_err(|e| cuda_err("keeping the head's last output", e))?;
                 }
                 cache.has_last = true;
-                if want.top_only {
-                    let top = stream
-                        .clone_dtoh(&ws.top.slice(0..2 * wanted))
-                        .map_err(|e| cuda_err("reading the head's top tokens", e))?;
-                    out.top = top
-                        .chunks_exact(2)
-                        .map(|t| (t[0].to_bits(), t[1]))
-                        .collect();
-                } else {
-                    out.logits = stream
-                        .clone_dtoh(&ws.logits.slice(0..wanted * self.draft_vocab))
-                        .map_err(|e| cuda_err("reading the head's logits", e))?;
-                }
+                let got = self.read_wanted(ws, wanted, want)?;
+                (out.top, out.ranked, out.logits) = (got.top, got.ranked, got.logits);
             }
             r0 = r1;
         }
         Ok(out)
+    }
+}
+
+/// The top-k a pass takes on the device (0: none, or too many for the device's buffer: ranked on the host).
+fn device_top_k(want: HeadWant) -> usize {
+    if want.top_only || want.top_k > MAX_DEVICE_TOP_K {
+        0
+    } else {
+        want.top_k
     }
 }

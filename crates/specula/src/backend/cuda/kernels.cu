@@ -639,6 +639,57 @@ extern "C" __global__ void top_token(const float* __restrict__ x, float* __restr
     }
 }
 
+// Each row's k largest elements, best first (ties: the earlier column), with their log-softmax values, packed as
+// out[2(rk + i)] = index bits, out[2(rk + i) + 1] = x - max - log(sum(exp(x - max))): what a tree drafter needs to
+// expand a node (2k floats instead of the draft vocabulary's logits). k passes over the row, each taking the best
+// element ranked below the previous pick, so the result does not depend on the order of comparisons.
+// grid (rows), block 256.
+extern "C" __global__ void top_k_log_probs(const float* __restrict__ x, float* __restrict__ out, int n, int k) {
+    PDL_ENTER();
+    __shared__ float s_val[256];
+    __shared__ u32 s_idx[256];
+    __shared__ float s_max, s_log_z;
+    const float* row = x + (size_t)blockIdx.x * n;
+    float* dst = out + 2 * (size_t)blockIdx.x * k;
+    float prev_v = __int_as_float(0x7f800000);
+    u32 prev_i = 0xffffffffu;
+    for (int pick = 0; pick < k; ++pick) {
+        float v = NEG_INF;
+        u32 idx = 0xffffffffu;
+        for (int c = threadIdx.x; c < n; c += blockDim.x) {
+            const float e = row[c];
+            // Ranked below the previous pick: smaller, or equal at a later column.
+            const bool below = pick == 0 || e < prev_v || (e == prev_v && (u32)c > prev_i);
+            if (below && (idx == 0xffffffffu || e > v)) { v = e; idx = c; }
+        }
+        argmax_block(v, idx, s_val, s_idx);
+        __syncthreads();
+        if (pick == 0) {
+            // The row's log-normalizer, from its largest element.
+            float sum = 0.f;
+            for (int c = threadIdx.x; c < n; c += blockDim.x) sum += expf(row[c] - v);
+            s_val[threadIdx.x] = sum;
+            __syncthreads();
+            for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+                if (threadIdx.x < stride) s_val[threadIdx.x] += s_val[threadIdx.x + stride];
+                __syncthreads();
+            }
+            if (threadIdx.x == 0) {
+                s_max = v;
+                s_log_z = logf(s_val[0]);
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            dst[2 * pick] = __uint_as_float(idx);
+            dst[2 * pick + 1] = idx == 0xffffffffu ? NEG_INF : v - s_max - s_log_z;
+        }
+        prev_v = v;
+        prev_i = idx;
+        __syncthreads();
+    }
+}
+
 // y[r][j] = x[r][cols[j]]: the columns a caller needs of a wide matrix (the draft vocabulary's logits).
 extern "C" __global__ void gather_columns(const float* __restrict__ x, const u32* __restrict__ cols,
                                           float* __restrict__ y, int n_cols, int x_cols) {

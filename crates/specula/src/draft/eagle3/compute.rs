@@ -40,6 +40,9 @@ pub struct HeadWant {
     pub outputs: bool,
     /// Only each logits row's top draft token and its probability (a greedy chain's needs), not the row.
     pub top_only: bool,
+    /// When > 0 (and not `top_only`): only each logits row's `top_k` most probable draft tokens with their
+    /// log-probabilities (a tree expanding its nodes), not the row.
+    pub top_k: usize,
 }
 
 /// What a head pass returns.
@@ -53,6 +56,33 @@ pub struct HeadOutput {
     /// With `top_only`: each logits row's largest logit's draft id (the first on ties) and its softmax
     /// probability.
     pub top: Vec<(u32, f32)>,
+    /// With `top_k`: each logits row's best (log-probability, draft id), best first ([`top_log_probs`]).
+    pub ranked: Vec<Vec<(f32, usize)>>,
+}
+
+/// The `k` largest (log-probability, draft id) of `logits` (softmax over the draft vocabulary), best first; ties
+/// by the smaller id.
+pub fn top_log_probs(logits: &[f32], k: usize) -> Vec<(f32, usize)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    // One pass keeping the k best so far (k is a handful; sorting the whole vocabulary cost ~0.4 ms a row).
+    let better = |a: usize, b: usize| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)).is_gt();
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    for i in 0..logits.len() {
+        if best.len() == k && !better(i, best[k - 1]) {
+            continue;
+        }
+        let at = best
+            .iter()
+            .position(|&b| better(i, b))
+            .unwrap_or(best.len());
+        best.insert(at, i);
+        best.truncate(k);
+    }
+    best.into_iter()
+        .map(|i| ((logits[i] as f64 - log_z) as f32, i))
+        .collect()
 }
 
 /// One sequence's chain rows in a batched head pass ([`HeadCompute::run_many`]).
@@ -188,6 +218,11 @@ impl Eagle3Head {
             out.top = logits
                 .chunks_exact(self.config.draft_vocab)
                 .map(|row| crate::sampling::top_probability(row, &mut scratch))
+                .collect();
+        } else if want.top_k > 0 {
+            out.ranked = logits
+                .chunks_exact(self.config.draft_vocab)
+                .map(|row| top_log_probs(row, want.top_k))
                 .collect();
         } else {
             out.logits = logits;

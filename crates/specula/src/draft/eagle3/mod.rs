@@ -24,7 +24,9 @@ use crate::model::forward::SequenceCache;
 use crate::model::{Model, RowMatrix};
 use crate::sampling::{self, Distribution, SamplingParams};
 
-pub use compute::{HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant};
+pub use compute::{
+    top_log_probs, HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant,
+};
 pub use head::{Eagle3Head, HeadConfig, HeadPrecision, HostWeights, TreeRow};
 
 /// Tree drafting (SGLang's knobs): `topk` branches a node, `steps` levels, `draft_tokens` nodes kept in all (the
@@ -78,31 +80,6 @@ struct Candidate {
     /// Once expanded: its head cache slot and output row.
     slot: Option<usize>,
     out: Option<Vec<f32>>,
-}
-
-/// The `k` largest (log-probability, draft id) of `logits` (softmax over the draft vocabulary), best first; ties
-/// by the smaller id.
-fn top_log_probs(logits: &[f32], k: usize) -> Vec<(f32, usize)> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-    let log_z = max as f64 + sum.ln();
-    // One pass keeping the k best so far (k is a handful; sorting the whole vocabulary cost ~0.4 ms a row).
-    let better = |a: usize, b: usize| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)).is_gt();
-    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
-    for i in 0..logits.len() {
-        if best.len() == k && !better(i, best[k - 1]) {
-            continue;
-        }
-        let at = best
-            .iter()
-            .position(|&b| better(i, b))
-            .unwrap_or(best.len());
-        best.insert(at, i);
-        best.truncate(k);
-    }
-    best.into_iter()
-        .map(|i| ((logits[i] as f64 - log_z) as f32, i))
-        .collect()
 }
 
 /// Rows of target features a drafter feeds its head in one cycle when drafting beside other requests: a longer
@@ -174,7 +151,7 @@ impl<'a> Eagle3Drafter<'a> {
         self
     }
 
-    /// SGLang-style tree drafting from the last target-fed row (`out_last`, `logits`): the top-k tokens form
+    /// SGLang-style tree drafting from the last target-fed row (`out_last`, its best tokens `roots`): those form
     /// level 1; at each further level every kept node is expanded by its top-k and the k best candidates by
     /// path probability are kept for the next level; finally the `nodes` best candidates of all levels, by
     /// path probability, form the tree (parents always kept before children).
@@ -183,13 +160,13 @@ impl<'a> Eagle3Drafter<'a> {
         shape: TreeShape,
         nodes: usize,
         out_last: &[f32],
-        logits: &[f32],
+        roots: &[(f32, usize)],
         base: usize,
     ) -> Result<Draft> {
         let fed = self.cache.len();
-        let mut cands: Vec<Candidate> = top_log_probs(logits, shape.topk)
-            .into_iter()
-            .map(|(lp, id)| Candidate {
+        let mut cands: Vec<Candidate> = roots
+            .iter()
+            .map(|&(lp, id)| Candidate {
                 token: self.head.target_id(id),
                 parent: None,
                 depth: 1,
@@ -237,16 +214,16 @@ impl<'a> Eagle3Drafter<'a> {
                 HeadWant {
                     outputs: true,
                     top_only: false,
+                    top_k: shape.topk,
                 },
             )?;
-            let (outs, row_logits) = (pass.outputs, pass.logits);
+            let outs = pass.outputs;
             let h = self.head.config.layer.hidden_size;
-            let dv = self.head.draft_vocab();
             let mut children = Vec::new();
             for (j, &b) in beams.iter().enumerate() {
                 cands[b].slot = Some(first_slot + j);
                 cands[b].out = Some(outs[j * h..(j + 1) * h].to_vec());
-                for (lp, id) in top_log_probs(&row_logits[j * dv..(j + 1) * dv], shape.topk) {
+                for &(lp, id) in &pass.ranked[j] {
                     children.push(Candidate {
                         token: self.head.target_id(id),
                         parent: Some(b),
@@ -300,6 +277,7 @@ impl<'a> Eagle3Drafter<'a> {
             ),
             // The first head pass (in propose) and one per expanded level.
             passes: shape.steps,
+            catching_up: false,
         })
     }
 
@@ -363,6 +341,8 @@ struct ChainState {
     distributions: Vec<Distribution>,
     passes: usize,
     all_accepted: f64,
+    /// The first pass feeds only part of the waiting rows: this cycle catches up and drafts nothing.
+    catching_up: bool,
 }
 
 impl Eagle3Drafter<'_> {
@@ -399,6 +379,7 @@ impl Eagle3Drafter<'_> {
             distributions: Vec::new(),
             passes: 1,
             all_accepted: 1.0,
+            catching_up: feed < rows,
         });
         let width = self.feature_width();
         let features = if feed < rows {
@@ -412,6 +393,7 @@ impl Eagle3Drafter<'_> {
             want: HeadWant {
                 outputs: false,
                 top_only,
+                top_k: 0,
             },
         }))
     }
@@ -464,12 +446,13 @@ impl Eagle3Drafter<'_> {
             HeadWant {
                 outputs: true,
                 top_only: false,
+                top_k: shape.topk,
             },
         )?;
         self.features.clear();
         let h = self.head.config.layer.hidden_size;
         let last = pass.outputs[pass.outputs.len() - h..].to_vec();
-        self.draft_tree(shape, k.min(shape.draft_tokens), &last, &pass.logits, base)
+        self.draft_tree(shape, k.min(shape.draft_tokens), &last, &pass.ranked[0], base)
     }
 }
 
@@ -637,6 +620,7 @@ impl Drafter for Eagle3Drafter<'_> {
                     want: HeadWant {
                         outputs: false,
                         top_only: st.top_only,
+                        top_k: 0,
                     },
                 });
             }
@@ -662,6 +646,7 @@ impl Drafter for Eagle3Drafter<'_> {
             distributions: (!st.greedy).then_some(st.distributions),
             parents: None,
             passes: st.passes,
+            catching_up: st.catching_up,
         })
     }
 }

@@ -831,6 +831,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
         ..Default::default()
     };
     let mut first_draft_cycle = None;
+    let mut catch_up_before_first_draft = 0;
     for step_no in 0..200 {
         let mut refs: Vec<&mut Generation<'_>> = gens.iter_mut().collect();
         for r in step(
@@ -847,6 +848,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
         }
         if first_draft_cycle.is_none() && gens[0].speculation().is_some_and(|s| s.drafted > 0) {
             first_draft_cycle = Some(step_no);
+            catch_up_before_first_draft = gens[0].speculation().unwrap().catch_up_cycles;
         }
         if gens.iter().all(|g| g.is_done()) {
             break;
@@ -857,6 +859,15 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
         first_draft_cycle.is_some_and(|c| c >= 4),
         "{first_draft_cycle:?}"
     );
+    // Those cycles say they only caught up (the server's budget leaves them out of its acceptance counts), and
+    // none after the feed was in.
+    let stats = gens[0].speculation().unwrap().clone();
+    assert!(
+        catch_up_before_first_draft >= 3,
+        "{catch_up_before_first_draft}"
+    );
+    assert_eq!(stats.catch_up_cycles, catch_up_before_first_draft);
+    assert_eq!(gens[1].speculation().unwrap().catch_up_cycles, 0);
     let out = gens.remove(0).finish(&t.tokenizer, &mut |_| {}).unwrap();
     let plain = generate(
         t.model.as_ref(),

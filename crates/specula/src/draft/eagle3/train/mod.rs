@@ -58,6 +58,9 @@ pub struct TrainOptions {
     pub max_time: Option<Duration>,
     /// Continue from the checkpoint in `out`.
     pub resume: bool,
+    /// Start from this head's weights and draft vocabulary (a directory in the published layout, e.g. one
+    /// trained on other data) instead of random ones.
+    pub init_head: Option<PathBuf>,
     /// Draft tokens of the target's distribution kept per position (renormalized).
     pub top_k: usize,
     /// Memory for the target's outputs kept between epochs (beyond it they are recomputed).
@@ -85,6 +88,7 @@ impl Default for TrainOptions {
             checkpoint_every: 50,
             max_time: None,
             resume: false,
+            init_head: None,
             top_k: 32,
             cache_bytes: 4 << 30,
             device: Device::Cpu,
@@ -323,6 +327,60 @@ fn load_checkpoint(
     Ok((params, moments, vocab, state))
 }
 
+/// The weights and draft vocabulary of a head to start training from (`--init-head`), checked against the run's
+/// target layers and MLP width.
+fn initial_head(
+    dir: &Path,
+    target: &Config,
+    layers: &[usize],
+    intermediate: usize,
+    shape_of: &dyn Fn(&[usize], usize, usize) -> Result<HeadShape>,
+    device: &Device,
+) -> Result<(HeadParams, DraftVocab)> {
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+    let hc = HeadConfig::from_json(&text, &config_path)?;
+    let head_layers = hc.target_layers(target.num_layers)?;
+    if head_layers != layers || hc.layer.intermediate_size != intermediate {
+        return Err(Error::InvalidArgument(format!(
+            "--init-head {}: the head reads target layers {head_layers:?} with an MLP of {}; this run trains \
+             layers {layers:?} with {intermediate} (--aux-layers, --intermediate-size)",
+            dir.display(),
+            hc.layer.intermediate_size
+        )));
+    }
+    let path = dir.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)?;
+    let mut take = |name: &str| {
+        tensors.remove(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            hint: format!(" in the head {}", path.display()),
+        })
+    };
+    let d2t = take("d2t")?.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+    // d2t holds target id - draft id; the trainer keeps draft ids in target-id order.
+    let ids: Vec<u32> = d2t
+        .iter()
+        .enumerate()
+        .map(|(d, &off)| {
+            u32::try_from(d as i64 + off).map_err(|_| {
+                Error::InvalidArgument(format!("{}: d2t[{d}] = {off} is no target id", path.display()))
+            })
+        })
+        .collect::<Result<_>>()?;
+    if ids.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(Error::InvalidArgument(format!(
+            "{}: the draft vocabulary is not in target-id order (a head trained elsewhere; --init-head takes \
+             specula's)",
+            path.display()
+        )));
+    }
+    let vocab = DraftVocab::from_ids(ids, target.vocab_size)?;
+    let shape = shape_of(layers, vocab.len(), intermediate)?;
+    let params = HeadParams::from_tensors(shape, device, take)?;
+    Ok((params, vocab))
+}
+
 /// Writes the head in the published layout: config.json and model.safetensors (weights in `dtype`, bf16 for
 /// use; int64 d2t).
 pub fn export_head(
@@ -497,15 +555,27 @@ pub fn train(
         }
         (params, moments, vocab, state)
     } else {
-        let vocab = DraftVocab::by_frequency(texts, tc.vocab_size, opts.draft_vocab)?;
-        let shape = shape_of(&layers, vocab.len(), intermediate)?;
-        // Tied targets: their embedding is their output layer, a good start for the head's.
-        let lm_init = if tc.tie_word_embeddings {
-            Some(model.embed_tokens(&vocab.ids)?)
-        } else {
-            None
+        let (params, vocab) = match &opts.init_head {
+            Some(dir) => {
+                let (params, vocab) =
+                    initial_head(dir, &tc, &layers, intermediate, &shape_of, &opts.device)?;
+                (params, vocab)
+            }
+            None => {
+                let vocab = DraftVocab::by_frequency(texts, tc.vocab_size, opts.draft_vocab)?;
+                let shape = shape_of(&layers, vocab.len(), intermediate)?;
+                // Tied targets: their embedding is their output layer, a good start for the head's.
+                let lm_init = if tc.tie_word_embeddings {
+                    Some(model.embed_tokens(&vocab.ids)?)
+                } else {
+                    None
+                };
+                (
+                    HeadParams::init(shape, opts.seed, lm_init, &opts.device)?,
+                    vocab,
+                )
+            }
         };
-        let params = HeadParams::init(shape, opts.seed, lm_init, &opts.device)?;
         let moments = params
             .vars
             .iter()

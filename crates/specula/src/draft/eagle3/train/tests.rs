@@ -244,6 +244,49 @@ fn training_lowers_the_loss_and_checkpoints_resume() {
             .unwrap();
     assert_eq!(config["specula_training"]["steps"], 18);
     assert_eq!(resumed.eval_accuracy.len(), 2);
+    // A run started from that head (--init-head) begins where it ended (the exported weights, its draft
+    // vocabulary), not where a random head begins: stopped before its first step, its checkpoint's loss on the
+    // training sequences is the trained head's, well below a fresh run's.
+    let start_of = |name: &str, init_head: Option<PathBuf>| -> f32 {
+        let out = dir.path().join(name);
+        train(
+            &t,
+            &data,
+            &TrainOptions {
+                out: out.clone(),
+                init_head,
+                max_time: Some(std::time::Duration::ZERO),
+                ..opts.clone()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+        train_loss(&out)
+    };
+    let warm = start_of("warm", Some(opts.out.clone()));
+    let fresh = start_of("fresh", None);
+    assert!(
+        (warm - after_all).abs() <= 0.05 * after_all.abs(),
+        "warm start {warm}, the trained head {after_all}"
+    );
+    assert!(warm < 0.9 * fresh, "warm start {warm}, fresh {fresh}");
+    let warm_head = Eagle3Head::load(&dir.path().join("warm")).unwrap();
+    assert_eq!(warm_head.config.draft_vocab, head.config.draft_vocab);
+    // A head of another shape is refused, naming both.
+    let err = train(
+        &t,
+        &data,
+        &TrainOptions {
+            out: dir.path().join("other"),
+            intermediate_size: Some(64),
+            init_head: Some(opts.out.clone()),
+            ..opts.clone()
+        },
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("96") && err.contains("64"), "{err}");
 }
 
 #[test]
