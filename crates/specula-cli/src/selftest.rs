@@ -228,8 +228,8 @@ fn relative_error(reference: &[f32], other: &[f32]) -> (f32, bool) {
 /// target's features, a chain step from the last output, a two-row tree.
 fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::Result<Vec<Check>> {
     use specula::draft::eagle3::{
-        top_log_probs, Eagle3Head, HeadCompute, HeadInput, HeadPass, HeadPrecision, HeadRows, HeadWant,
-        TreeRow,
+        top_log_probs, Eagle3Head, HeadCompute, HeadInput, HeadPass, HeadPrecision, HeadRows,
+        HeadWant, TreeRow,
     };
     let path = specula::registry::locate_head(dir)?;
     let cpu = Eagle3Head::load_as(&path, HeadPrecision::Stored)?;
@@ -411,10 +411,9 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
             .collect();
         Ok((alone, together))
     };
-    // On a GPU the batched pass runs only with SPECULA_CUDA_HEAD_BATCH=1 (else run_many is the loop, nothing
-    // to check).
+    // With SPECULA_CUDA_HEAD_BATCH=0 a GPU's run_many is the loop: nothing to check.
     let batching =
-        device == "cpu" || std::env::var("SPECULA_CUDA_HEAD_BATCH").is_ok_and(|v| v == "1");
+        device == "cpu" || std::env::var("SPECULA_CUDA_HEAD_BATCH").map_or(true, |v| v != "0");
     let batched_check = if batching {
         let (alone, together) = batched(placed.compute())?;
         Some(bitwise(
@@ -447,9 +446,10 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
         .map(|row| top_log_probs(row, TREE_TOP_K))
         .collect();
     let same_ids = ranked_other.len() == host_ranked.len()
-        && ranked_other.iter().zip(&host_ranked).all(|(a, b)| {
-            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.1 == y.1)
-        });
+        && ranked_other
+            .iter()
+            .zip(&host_ranked)
+            .all(|(a, b)| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.1 == y.1));
     let lp_err = ranked_other
         .iter()
         .flatten()

@@ -148,17 +148,18 @@ pub static HEADS: &[RegistryHead] = &[
         description:
             "EAGLE-3 head for qwen2.5-coder-1.5b (self-distilled code answers + Python stdlib; \
                       trained on a GPU)",
-        build_minutes: 10,
+        // Two stages (scripts/train-head.sh): data and an epoch each, about 13 + 8 minutes on the H200.
+        build_minutes: 21,
         build_on: "one H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
         // Measured on unseen code prompts (docs/eagle3.md): with its default confidence bar (0.4) 1.33-1.41x plain
         // at k = 3-6 (1.24x at k = 1 without the bar), against the 0.5B draft model's 1.13x and prompt lookup's
         // 1.01x in the same hour.
         draft_tokens: 4,
         wins_on_cpu: true,
-        // On an H200 (docs/benchmarks.md, "EAGLE-3 on the GPU"): chains of 2 without a bar 1.44x plain, 3: 1.41x;
-        // with the 0.4 bar 1.34-1.35x at k = 2-6.
+        // On an H200 (docs/benchmarks.md, session 15): the two-stage head without a bar 1.61-1.62x plain at
+        // k = 2, 1.67x at k = 3, 1.65x at k = 4 (two rounds in one call).
         on_gpu: Some(GpuSettings {
-            draft_tokens: 2,
+            draft_tokens: 3,
             min_confidence: 0.0,
         }),
     },

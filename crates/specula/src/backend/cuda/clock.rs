@@ -40,16 +40,34 @@ impl EventClock {
     }
 }
 
+/// Events kept for reuse at most (a step's marks, a few times over).
+const POOLED_EVENTS: usize = 4096;
+
+impl Drop for EventClock {
+    fn drop(&mut self) {
+        // The events go back to the GPU's pool: recording one again replaces its earlier record, which nobody
+        // reads once this clock is gone.
+        let marks = std::mem::take(&mut self.state.get_mut().marks);
+        if let Ok(mut pool) = self.gpu.events.lock() {
+            let room = POOLED_EVENTS.saturating_sub(pool.len());
+            pool.extend(marks.into_iter().filter_map(|(e, _)| e).take(room));
+        }
+    }
+}
+
 impl Clock for EventClock {
     fn mark(&self) -> u64 {
         if self.exact {
             let _ = self.gpu.stream.synchronize();
         }
-        let event = self
-            .gpu
-            .ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .ok()
+        let pooled = self.gpu.events.lock().ok().and_then(|mut p| p.pop());
+        let event = pooled
+            .or_else(|| {
+                self.gpu
+                    .ctx
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .ok()
+            })
             .filter(|e| e.record(&self.gpu.stream).is_ok());
         let host = self.host_origin.elapsed().as_nanos() as u64;
         let mut st = self.state.borrow_mut();

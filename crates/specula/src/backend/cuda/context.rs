@@ -65,6 +65,9 @@ pub struct Gpu {
     pub name: String,
     /// Multiprocessors: how many blocks a launch needs to fill the GPU.
     pub sm_count: usize,
+    /// CUDA events the profiler's clocks reuse (a server step marks a few hundred phase edges: creating and
+    /// destroying an event for each cost more than recording it).
+    pub events: std::sync::Mutex<Vec<cudarc::driver::CudaEvent>>,
 }
 
 /// NVRTC's name for an architecture, e.g. "sm_90" (NVRTC wants a static string).
@@ -195,6 +198,7 @@ impl Gpu {
             ctx,
             stream,
             kernels,
+            events: Default::default(),
         })
     }
 

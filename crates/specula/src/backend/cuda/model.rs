@@ -2,7 +2,7 @@
 //! one kernel launch per step of it, for a batch of sequences with optional tree masks.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
 
@@ -454,8 +454,14 @@ impl CudaModel {
                 cache.len = *len;
             }
         }
-        // Each sequence's rows, copied out of the workspace (the next step overwrites it).
+        // The step's logits and captured rows, copied out of the workspace once (the next step overwrites it);
+        // each sequence gets views of its rows. Views share one argmax over all rows and one host copy, so a
+        // batch of 32 requests costs one readback, not one each (32 argmax syncs cost 0.85 ms a step).
         let h = c.hidden_size;
+        let logits_all = self.step_matrix(&ws.logits, tables.wanted.len(), vocab)?;
+        let hidden_all: Vec<Arc<StepMatrix>> = (0..shape.capture.len())
+            .map(|i| self.step_matrix(&ws.captured[i], shape.rows, h))
+            .collect::<Result<_>>()?;
         let mut outputs = Vec::with_capacity(batch.len());
         let mut row0 = 0usize;
         for (s, seq) in batch.iter().enumerate() {
@@ -465,10 +471,10 @@ impl CudaModel {
                 LogitsFor::Last => 1,
                 LogitsFor::None => 0,
             };
-            let logits = self.slice_rows(&ws.logits, tables.first_wanted[s], rows_wanted, vocab)?;
+            let logits = DeviceRows::view(&logits_all, tables.first_wanted[s], rows_wanted);
             let mut hidden = Vec::new();
-            for (i, &layer) in shape.capture.iter().enumerate() {
-                let rows = self.slice_rows(&ws.captured[i], row0, n, h)?;
+            for (all, &layer) in hidden_all.iter().zip(&shape.capture) {
+                let rows = DeviceRows::view(all, row0, n);
                 hidden.push((layer, Box::new(rows) as Box<dyn RowMatrix>));
             }
             outputs.push(ForwardOutput {
@@ -778,29 +784,30 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Rows `from..from + rows` of a `? x cols` device matrix, as its own matrix.
-    fn slice_rows(
+    /// The first `rows` rows of a `? x cols` workspace matrix, copied out as the step's own.
+    fn step_matrix(
         &self,
         all: &CudaSlice<f32>,
-        from: usize,
         rows: usize,
         cols: usize,
-    ) -> Result<DeviceRows> {
+    ) -> Result<Arc<StepMatrix>> {
         let mut data = self.alloc(rows * cols, "output rows")?;
         if rows > 0 {
-            let src = all.slice(from * cols..(from + rows) * cols);
+            let src = all.slice(0..rows * cols);
             let mut dst = data.slice_mut(0..rows * cols);
             self.gpu
                 .stream
                 .memcpy_dtod(&src, &mut dst)
                 .map_err(|e| cuda_err("copying output rows", e))?;
         }
-        Ok(DeviceRows {
+        Ok(Arc::new(StepMatrix {
             gpu: self.gpu.clone(),
             data,
             rows,
             cols,
-        })
+            argmax: Mutex::new(None),
+            host: Mutex::new(None),
+        }))
     }
 }
 
@@ -972,12 +979,121 @@ impl Workspace {
     }
 }
 
-/// A `rows x cols` f32 matrix in device memory.
-pub struct DeviceRows {
+/// A step's `rows x cols` output matrix in device memory (logits, or one captured layer), shared by the views
+/// each sequence gets; its row argmax and (for narrow matrices) its host copy are read back once, on first use.
+pub struct StepMatrix {
     gpu: Arc<Gpu>,
     data: CudaSlice<f32>,
     rows: usize,
     cols: usize,
+    argmax: Mutex<Option<Vec<u32>>>,
+    host: Mutex<Option<Vec<f32>>>,
+}
+
+/// Matrices at most this wide come back to the host whole on the first read of any view (hidden states: 6 KB a
+/// row); wider ones (logits: 600 KB a row) row by row.
+const HOST_COPY_MAX_COLS: usize = 16384;
+
+impl StepMatrix {
+    fn argmax(&self) -> Result<Vec<u32>> {
+        let mut cached = self
+            .argmax
+            .lock()
+            .map_err(|_| Error::Cuda("a step output's lock is poisoned".into()))?;
+        if cached.is_none() {
+            *cached = Some(device_argmax(&self.gpu, &self.data, self.rows, self.cols)?);
+        }
+        Ok(cached.clone().unwrap_or_default())
+    }
+
+    /// Runs `f` on the whole matrix on the host (read back on first use).
+    fn with_host<T>(&self, f: impl FnOnce(&[f32]) -> T) -> Result<T> {
+        let mut cached = self
+            .host
+            .lock()
+            .map_err(|_| Error::Cuda("a step output's lock is poisoned".into()))?;
+        if cached.is_none() {
+            *cached = Some(
+                self.gpu
+                    .stream
+                    .clone_dtoh(&self.data.slice(0..self.rows * self.cols))
+                    .map_err(|e| cuda_err("reading a step's outputs", e))?,
+            );
+        }
+        Ok(f(cached.as_deref().unwrap_or_default()))
+    }
+}
+
+/// Rows `from..from + rows` of a step's output matrix.
+pub struct DeviceRows {
+    all: Arc<StepMatrix>,
+    from: usize,
+    rows: usize,
+}
+
+impl DeviceRows {
+    fn view(all: &Arc<StepMatrix>, from: usize, rows: usize) -> Self {
+        DeviceRows {
+            all: all.clone(),
+            from,
+            rows,
+        }
+    }
+
+    fn range(&self) -> std::ops::Range<usize> {
+        let cols = self.all.cols;
+        self.from * cols..(self.from + self.rows) * cols
+    }
+}
+
+/// Each row's largest element (the first on ties) of a `rows x cols` device matrix.
+fn device_argmax(
+    gpu: &Arc<Gpu>,
+    data: &CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<u32>> {
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let gpu = &**gpu;
+    let parts = ARGMAX_PARTS;
+    // SAFETY: written by the kernels below before they are read.
+    let (part_val, part_idx, best) = unsafe {
+        (
+            gpu.stream.alloc::<f32>(rows * parts),
+            gpu.stream.alloc::<u32>(rows * parts),
+            gpu.stream.alloc::<u32>(rows),
+        )
+    };
+    let map = |e| cuda_err("allocating argmax", e);
+    let (part_val, part_idx, best) = (
+        part_val.map_err(map)?,
+        part_idx.map_err(map)?,
+        best.map_err(map)?,
+    );
+    launch!(
+        gpu,
+        argmax_partial,
+        (rows as u32, parts as u32, 1),
+        256,
+        ptr(data, gpu),
+        ptr(&part_val, gpu),
+        ptr(&part_idx, gpu),
+        cols as i32
+    );
+    launch!(
+        gpu,
+        argmax_final,
+        (rows as u32, 1, 1),
+        parts as u32,
+        ptr(&part_val, gpu),
+        ptr(&part_idx, gpu),
+        ptr(&best, gpu)
+    );
+    gpu.stream
+        .clone_dtoh(&best)
+        .map_err(|e| cuda_err("reading argmax", e))
 }
 
 impl RowMatrix for DeviceRows {
@@ -986,52 +1102,14 @@ impl RowMatrix for DeviceRows {
     }
 
     fn cols(&self) -> usize {
-        self.cols
+        self.all.cols
     }
 
     fn argmax_rows(&self) -> Result<Vec<u32>> {
         if self.rows == 0 {
             return Ok(Vec::new());
         }
-        let gpu = &self.gpu;
-        let rows = self.rows;
-        let parts = ARGMAX_PARTS;
-        // SAFETY: written by the kernels below before they are read.
-        let (part_val, part_idx, best) = unsafe {
-            (
-                gpu.stream.alloc::<f32>(rows * parts),
-                gpu.stream.alloc::<u32>(rows * parts),
-                gpu.stream.alloc::<u32>(rows),
-            )
-        };
-        let map = |e| cuda_err("allocating argmax", e);
-        let (part_val, part_idx, best) = (
-            part_val.map_err(map)?,
-            part_idx.map_err(map)?,
-            best.map_err(map)?,
-        );
-        launch!(
-            gpu,
-            argmax_partial,
-            (rows as u32, parts as u32, 1),
-            256,
-            ptr(&self.data, gpu),
-            ptr(&part_val, gpu),
-            ptr(&part_idx, gpu),
-            self.cols as i32
-        );
-        launch!(
-            gpu,
-            argmax_final,
-            (rows as u32, 1, 1),
-            parts as u32,
-            ptr(&part_val, gpu),
-            ptr(&part_idx, gpu),
-            ptr(&best, gpu)
-        );
-        gpu.stream
-            .clone_dtoh(&best)
-            .map_err(|e| cuda_err("reading argmax", e))
+        Ok(self.all.argmax()?[self.from..self.from + self.rows].to_vec())
     }
 
     fn row(&self, i: usize) -> Result<Cow<'_, [f32]>> {
@@ -1041,8 +1119,17 @@ impl RowMatrix for DeviceRows {
                 self.rows
             )));
         }
-        let view = self.data.slice(i * self.cols..(i + 1) * self.cols);
+        let cols = self.all.cols;
+        let r = self.from + i;
+        if cols <= HOST_COPY_MAX_COLS {
+            return Ok(Cow::Owned(
+                self.all
+                    .with_host(|m| m[r * cols..(r + 1) * cols].to_vec())?,
+            ));
+        }
+        let view = self.all.data.slice(r * cols..(r + 1) * cols);
         let host = self
+            .all
             .gpu
             .stream
             .clone_dtoh(&view)
@@ -1051,20 +1138,25 @@ impl RowMatrix for DeviceRows {
     }
 
     fn to_host(&self) -> Result<Cow<'_, [f32]>> {
+        if self.all.cols <= HOST_COPY_MAX_COLS {
+            let range = self.range();
+            return Ok(Cow::Owned(self.all.with_host(|m| m[range].to_vec())?));
+        }
         let host = self
+            .all
             .gpu
             .stream
-            .clone_dtoh(&self.data)
+            .clone_dtoh(&self.all.data.slice(self.range()))
             .map_err(|e| cuda_err("reading a matrix", e))?;
         Ok(Cow::Owned(host))
     }
 
     fn gather_columns(&self, cols: &[u32]) -> Result<Vec<f32>> {
-        crate::model::forward::check_columns(self.cols, cols)?;
+        crate::model::forward::check_columns(self.all.cols, cols)?;
         if self.rows == 0 || cols.is_empty() {
             return Ok(Vec::new());
         }
-        let gpu = &self.gpu;
+        let gpu = &self.all.gpu;
         let index = gpu
             .stream
             .clone_htod(cols)
@@ -1078,11 +1170,11 @@ impl RowMatrix for DeviceRows {
             gather_columns,
             (blocks, self.rows as u32, 1),
             256,
-            ptr(&self.data, gpu),
+            ptr(&self.all.data, gpu) + (4 * self.from * self.all.cols) as u64,
             ptr(&index, gpu),
             ptr(&out, gpu),
             cols.len() as i32,
-            self.cols as i32
+            self.all.cols as i32
         );
         gpu.stream
             .clone_dtoh(&out)

@@ -452,7 +452,13 @@ impl Eagle3Drafter<'_> {
         self.features.clear();
         let h = self.head.config.layer.hidden_size;
         let last = pass.outputs[pass.outputs.len() - h..].to_vec();
-        self.draft_tree(shape, k.min(shape.draft_tokens), &last, &pass.ranked[0], base)
+        self.draft_tree(
+            shape,
+            k.min(shape.draft_tokens),
+            &last,
+            &pass.ranked[0],
+            base,
+        )
     }
 }
 

@@ -327,6 +327,9 @@ fn load_checkpoint(
     Ok((params, moments, vocab, state))
 }
 
+/// A head's shape from its target layers, draft vocabulary size and MLP width.
+type ShapeOf<'a> = dyn Fn(&[usize], usize, usize) -> Result<HeadShape> + 'a;
+
 /// The weights and draft vocabulary of a head to start training from (`--init-head`), checked against the run's
 /// target layers and MLP width.
 fn initial_head(
@@ -334,7 +337,7 @@ fn initial_head(
     target: &Config,
     layers: &[usize],
     intermediate: usize,
-    shape_of: &dyn Fn(&[usize], usize, usize) -> Result<HeadShape>,
+    shape_of: &ShapeOf<'_>,
     device: &Device,
 ) -> Result<(HeadParams, DraftVocab)> {
     let config_path = dir.join("config.json");
@@ -364,7 +367,10 @@ fn initial_head(
         .enumerate()
         .map(|(d, &off)| {
             u32::try_from(d as i64 + off).map_err(|_| {
-                Error::InvalidArgument(format!("{}: d2t[{d}] = {off} is no target id", path.display()))
+                Error::InvalidArgument(format!(
+                    "{}: d2t[{d}] = {off} is no target id",
+                    path.display()
+                ))
             })
         })
         .collect::<Result<_>>()?;
