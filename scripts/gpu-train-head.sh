@@ -6,12 +6,16 @@
 #                                                                  # a short training probe in a scratch directory
 #   scripts/gpu-train-head.sh train BIN MODELS OUT [train-eagle3 args]   # the head; copied to OUT in 15 MiB pieces
 # Reassemble the pieces with `cat model.safetensors.part* > model.safetensors` (sha256 in OUT/head.sha256).
+# STAGE=k names the stage (1: from random weights; k > 1: from stage k-1's head, which must be in
+# MODELS/heads/NAME.stage<k-1>).
 set -uo pipefail
 mode=$1; bin=$2; models=$3; out=$4; shift 4
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SPECULA_CACHE="$models" SPECULA_BIN="$bin"
 name=qwen2.5-coder-1.5b-eagle3
-head="$models/heads/$name"
+: "${STAGE:?set STAGE=k, the stage to build (scripts/train-head.sh): one device call holds the data or the training of one stage}"
+export STAGE
+head="$models/heads/$name.stage$STAGE"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 case "$mode" in
   data)

@@ -28,23 +28,30 @@ case "$name" in
                 --epochs 3 --batch 4 --lr 5e-4 --seed 0)
     ;;
   qwen2.5-coder-1.5b-eagle3)
-    # Two stages, each one epoch (the device's calls are 10 minutes): stage 1 trains from random weights on
-    # 6000 prompts and the standard library's source; stage 2 starts from stage 1's head (--init-head) and trains
-    # on the next 6000 prompts (the same tasks in other languages and phrasings) at a lower learning rate.
-    # STAGE=1 or STAGE=2 runs one stage (and its data); without STAGE both run, one after the other.
+    # In stages of one epoch each (the device's calls are 10 minutes): stage 1 trains from random weights on 6000
+    # prompts and the standard library's source; stage k > 1 starts from stage k-1's head (--init-head) and trains
+    # on the next 6000 prompts (the same tasks in other languages and phrasings: answers the head has not seen) at
+    # a lower learning rate. Stage k lives in heads/NAME.stage<k>; the last stage's head is copied to heads/NAME.
+    # STAGES (default 2) sets how many; STAGE=k runs one stage (its data, then its training).
     target=qwen2.5-coder-1.5b
+    stages=${STAGES:-2}
     common=(--device cuda --answer-batch 32 --answer-tokens 256 --seq-len 384 --draft-vocab 8192
             --intermediate-size 4096 --ttt-steps 4 --epochs ${EPOCHS:-1} --batch 4 --cache-gb 40 --seed 0)
     if [ -z "${STAGE:-}" ]; then
-      STAGE=1 "$0" "$name" "$@" && STAGE=2 exec "$0" "$name" "$@"
+      for k in $(seq 1 "$stages"); do STAGE=$k "$0" "$name" "$@"; done
+      mkdir -p "$out"
+      cp "$out.stage$stages"/{config.json,model.safetensors,training-report.json} "$out/"
+      echo "head $name (stage $stages): $out"
+      exit 0
     fi
     case "$STAGE" in
-      1) out=$out.stage1; prompts=6000; skip=0
+      1) prompts=6000; skip=0
          train_args=("${common[@]}" --corpus-tokens 300000 --lr 5e-4) ;;
-      2) prompts=12000; skip=6000
-         train_args=("${common[@]}" --corpus-tokens 0 --lr 2e-4 --init-head "$out.stage1") ;;
-      *) echo "STAGE must be 1 or 2" >&2; exit 2 ;;
+      [2-9]) prompts=$((6000 * STAGE)); skip=$((6000 * (STAGE - 1)))
+         train_args=("${common[@]}" --corpus-tokens 0 --lr 2e-4 --init-head "$out.stage$((STAGE - 1))") ;;
+      *) echo "STAGE must be 1 to 9" >&2; exit 2 ;;
     esac
+    out=$out.stage$STAGE
     ;;
   *)
     echo "unknown head $name (known: smollm2-135m-eagle3, qwen2.5-coder-1.5b-eagle3)" >&2
