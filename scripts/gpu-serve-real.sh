@@ -30,7 +30,7 @@ for name in ${CONFIGS:-plain ngram model}; do
     echo "== serve $name ($flags)"
     grep -i -E "speculat|draft" "$out/serve-$name.log" | head -3
     timeout 240 "$bin" bench-serve --url "http://127.0.0.1:$port" --prompts "$prompts" --ignore-eos -n 128 \
-        --requests 32 --concurrency 1,2,4,8,16,32 --quiet --json "$out/bench-serve-$name.json" 2>&1
+        --requests 32 --concurrency "${LEVELS:-1,2,4,8,16,32}" --quiet --json "$out/bench-serve-$name.json" 2>&1
     curl -s "localhost:$port/metrics" > "$out/metrics-$name.txt"
     grep -E "^specula:spec_decode_num_(draft|accepted)_tokens |^specula:step_batch_size_(sum|count)" "$out/metrics-$name.txt"
     kill "$pid"; wait "$pid" 2>/dev/null

@@ -343,6 +343,40 @@ impl SpecCounts {
     }
 }
 
+/// A step's time as the draft budget prices it: the forward pass, the drafters, and the rest.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StepCosts {
+    forward: f64,
+    draft: f64,
+    other: f64,
+}
+
+/// Splits a step's time for the draft budget. The forward pass is priced by the model's clock (device time on a
+/// GPU: what its rows cost). With a device clock the drafters and the rest are priced by the host's clock
+/// (`host`): a head's passes wait on the device for their tokens and a request's host work lengthens the step,
+/// yet no device clock sees either (on an H200 at 32 streams the speculative server's steps took less device time
+/// than plain decoding's and longer on the wall). On the CPU both clocks are one.
+fn step_costs(
+    device: &specula::profile::StepPhases,
+    host: Option<&specula::profile::StepPhases>,
+) -> StepCosts {
+    let phase = |s: &specula::profile::StepPhases, p: Phase| {
+        s.phases
+            .iter()
+            .filter(|(q, _)| *q == p)
+            .map(|(_, t)| t)
+            .sum::<f64>()
+    };
+    let forward = phase(device, Phase::Verify) + phase(device, Phase::Prefill);
+    let timed = host.unwrap_or(device);
+    let draft = phase(timed, Phase::Draft);
+    StepCosts {
+        forward,
+        draft,
+        other: (timed.seconds - forward - draft).max(0.0),
+    }
+}
+
 /// What one request's step tells the draft budget: the catch-up rows its drafter fed (priced apart from
 /// drafting), and its cycle (allowed, drafted, accepted) for the acceptance counts, None when the cycle only fed
 /// part of a long catch-up (beside other requests): counted, such cycles read as allowed-and-undrafted positions
@@ -833,7 +867,11 @@ impl<'a> EngineLoop<'a> {
         }
         let phases = prof.step_phases();
         self.metrics.observe_steps(&phases);
-        self.observe_for_budget(running, &limits, &lags, &spec_before, &phases, report);
+        let host_phases = prof.step_phases_host();
+        let costs = phases
+            .first()
+            .map(|s| step_costs(s, host_phases.as_ref().and_then(|h| h.first())));
+        self.observe_for_budget(running, &limits, &lags, &spec_before, costs, report);
         for (r, _) in running.iter_mut().zip(&took_part).filter(|(_, &t)| t) {
             r.steps += 1;
             for step in &phases {
@@ -922,21 +960,17 @@ impl<'a> EngineLoop<'a> {
         limits: &[Option<usize>],
         lags: &[usize],
         spec_before: &[SpecCounts],
-        phases: &[specula::profile::StepPhases],
+        costs: Option<StepCosts>,
         report: decode::StepReport,
     ) {
-        let Some(step) = phases.first() else {
+        let Some(StepCosts {
+            forward,
+            draft,
+            other,
+        }) = costs
+        else {
             return;
         };
-        let phase = |p: Phase| {
-            step.phases
-                .iter()
-                .filter(|(q, _)| *q == p)
-                .map(|(_, s)| s)
-                .sum::<f64>()
-        };
-        let forward = phase(Phase::Verify) + phase(Phase::Prefill);
-        let draft = phase(Phase::Draft);
         let mut budget = self.budget.borrow_mut();
         // Drafted tokens (each draft first feeds the last step's tokens: part of the per-token cost) and the
         // tokens a drafter fed beyond those (the prompt, or what it missed while cut, as DraftBudget::choose
@@ -971,7 +1005,7 @@ impl<'a> EngineLoop<'a> {
                 passes,
                 catch_up,
                 draft,
-                (step.seconds - forward - draft).max(0.0),
+                other,
             );
             let (draft_token, draft_pass, catch_up_token, overhead) = budget.costs();
             for (name, value) in [
@@ -1151,7 +1185,44 @@ impl<'a> EngineLoop<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{cycle_evidence, holdback, SpecCounts};
+    use super::{cycle_evidence, holdback, step_costs, SpecCounts, StepCosts};
+    use specula::profile::{Phase, StepKind, StepPhases};
+
+    #[test]
+    fn a_device_clock_prices_drafting_and_the_rest_by_the_host() {
+        let step = |seconds: f64, phases: Vec<(Phase, f64)>| StepPhases {
+            kind: StepKind::Decode,
+            seconds,
+            phases,
+        };
+        // Device: verify 4 ms, draft 0.3 ms in a 5 ms step. Host: verify 0.1 ms (launches), draft 1.2 ms (the
+        // head's passes wait for their tokens), accept 4.5 ms (waits for the verify), 6.5 ms in all.
+        let device = step(5e-3, vec![(Phase::Verify, 4e-3), (Phase::Draft, 0.3e-3)]);
+        let host = step(
+            6.5e-3,
+            vec![
+                (Phase::Verify, 0.1e-3),
+                (Phase::Draft, 1.2e-3),
+                (Phase::Accept, 4.5e-3),
+            ],
+        );
+        let c = step_costs(&device, Some(&host));
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(
+            close(c.forward, 4e-3) && close(c.draft, 1.2e-3) && close(c.other, 1.3e-3),
+            "{c:?}"
+        );
+        // One clock (the CPU): everything by it.
+        let c = step_costs(&device, None);
+        assert_eq!(
+            c,
+            StepCosts {
+                forward: 4e-3,
+                draft: 0.3e-3,
+                other: 5e-3 - 4e-3 - 0.3e-3
+            }
+        );
+    }
 
     #[test]
     fn feeding_only_cycles_price_their_rows_and_leave_acceptance_alone() {

@@ -325,6 +325,20 @@ impl Profiler {
     /// a phase that ran several times in a step is summed). Empty when profiling is off.
     pub fn step_phases(&self) -> Vec<StepPhases> {
         let (steps, spans) = self.resolved();
+        Self::phases_of(&steps, &spans)
+    }
+
+    /// [`Self::step_phases`] by the host's clock, when this profiler's clock is a device's (None otherwise: the
+    /// host's view is the same). A phase's host time is what it held the host: launches, and waits on the device
+    /// where the phase reads results back.
+    pub fn step_phases_host(&self) -> Option<Vec<StepPhases>> {
+        self.clock.resolve_host(&[])?;
+        let (steps, spans) =
+            self.resolved_by(|marks| self.clock.resolve_host(marks).unwrap_or_default());
+        Some(Self::phases_of(&steps, &spans))
+    }
+
+    fn phases_of(steps: &[StepRecord], spans: &[SpanRecord]) -> Vec<StepPhases> {
         let mut out: Vec<StepPhases> = steps
             .iter()
             .map(|s| StepPhases {
@@ -333,7 +347,7 @@ impl Profiler {
                 phases: Vec::new(),
             })
             .collect();
-        for span in &spans {
+        for span in spans {
             let (SpanKind::Phase(phase), Some(step)) = (span.kind, out.get_mut(span.step as usize))
             else {
                 continue;
@@ -515,11 +529,26 @@ mod tests {
         assert!((host.decode_s - 5050e-9).abs() < 1e-15);
         let table = summary.table();
         assert!(table.contains("host ms/step"), "{table}");
+        // The same step's phases by each clock, as the server's draft budget reads them.
+        let device = &prof.step_phases()[0];
+        let host = &prof
+            .step_phases_host()
+            .expect("a device clock has a host view")[0];
+        assert!((device.seconds - 5000e-9).abs() < 1e-15 && (host.seconds - 5050e-9).abs() < 1e-15);
+        let sample = |s: &StepPhases| {
+            s.phases
+                .iter()
+                .find(|(p, _)| *p == Phase::Sample)
+                .unwrap()
+                .1
+        };
+        assert!((sample(device) - 1000e-9).abs() < 1e-15 && (sample(host) - 10e-9).abs() < 1e-15);
         // The monotonic clock has no separate host view.
         let plain = Profiler::new(Detail::Phases);
         plain.begin_step(StepKind::Decode);
         plain.end_step();
         assert!(plain.summary().host.is_none());
+        assert!(plain.step_phases_host().is_none());
     }
 
     #[test]
