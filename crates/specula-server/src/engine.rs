@@ -343,6 +343,15 @@ impl SpecCounts {
     }
 }
 
+/// What the engine decided for a step, and what the draft budget expected of it, for the profile.
+struct StepDecision {
+    drafts_allowed: usize,
+    /// (seconds, tokens) the budget expected; None without adaptive drafts or before it has measurements.
+    expected: Option<(f64, f64)>,
+    /// Tokens the step committed across requests.
+    committed: usize,
+}
+
 /// A step's time as the draft budget prices it: the forward pass, the drafters, and the rest.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct StepCosts {
@@ -808,7 +817,7 @@ impl<'a> EngineLoop<'a> {
         let took_part: Vec<bool> = running.iter().map(|r| !r.generation.is_done()).collect();
         // Tokens each drafter must catch up on before drafting (a draft model cut in earlier steps).
         let lags: Vec<usize> = running.iter().map(|r| r.generation.draft_lag()).collect();
-        let limits = self.choose_draft_limits(running, &lags);
+        let (limits, expected) = self.choose_draft_limits(running, &lags);
         let spec_before: Vec<SpecCounts> = running
             .iter()
             .map(|r| SpecCounts::of(&r.generation).unwrap_or_default())
@@ -885,17 +894,32 @@ impl<'a> EngineLoop<'a> {
             self.metrics.step_rows.observe(report.rows as f64);
         }
         let drafts_allowed: usize = limits.iter().flatten().sum();
-        self.record_step(&prof, step_start, report, drafts_allowed);
+        let committed: usize = running
+            .iter()
+            .zip(&before)
+            .map(|(r, &b)| r.generation.generated().len() - b)
+            .sum();
+        self.record_step(
+            &prof,
+            step_start,
+            report,
+            StepDecision {
+                drafts_allowed,
+                expected,
+                committed,
+            },
+        );
         results
     }
 
     /// Each decoding request's draft length for the next step (None where it is not drafting: prefilling, done,
     /// no drafter). With adaptive drafts, from the draft budget; else the configured length.
+    /// Also returns the budget's expectation of the step (seconds, tokens), when it has one.
     fn choose_draft_limits(
         &self,
         running: &mut [Running<'a>],
         lags: &[usize],
-    ) -> Vec<Option<usize>> {
+    ) -> (Vec<Option<usize>>, Option<(f64, f64)>) {
         let drafting = |r: &Running<'a>| {
             !r.generation.is_done()
                 && !r.generation.is_prefilling()
@@ -926,8 +950,9 @@ impl<'a> EngineLoop<'a> {
             })
             .collect();
         if candidates.is_empty() {
-            return limits;
+            return (limits, None);
         }
+        let mut expected = None;
         let chosen: Vec<usize> = if self.options.adaptive_drafts {
             let decoding = running
                 .iter()
@@ -940,7 +965,9 @@ impl<'a> EngineLoop<'a> {
                 .sum();
             let base_rows = decoding + prompt_left.min(self.options.prefill_chunk);
             let c: Vec<DraftCandidate> = candidates.iter().map(|(_, c)| *c).collect();
-            self.budget.borrow().choose(&c, base_rows, decoding)
+            let plan = self.budget.borrow().plan(&c, base_rows, decoding);
+            expected = plan.expected_s.map(|s| (s, plan.expected_tokens));
+            plan.limits
         } else {
             candidates.iter().map(|(_, c)| c.max_tokens).collect()
         };
@@ -949,7 +976,7 @@ impl<'a> EngineLoop<'a> {
             self.metrics.draft_limit.observe(k as f64);
             limits[*i] = Some(k);
         }
-        limits
+        (limits, expected)
     }
 
     /// Feeds the draft budget what the step measured: the forward pass's time for its rows, the drafters' time,
@@ -1028,7 +1055,7 @@ impl<'a> EngineLoop<'a> {
         prof: &Profiler,
         step_start: Instant,
         report: decode::StepReport,
-        drafts_allowed: usize,
+        decision: StepDecision,
     ) {
         let Ok(mut guard) = self.profiling.lock() else {
             return;
@@ -1062,7 +1089,20 @@ impl<'a> EngineLoop<'a> {
         events.push(serde_json::json!({
             "name": "batch", "ph": "C", "pid": 1, "ts": offset_us,
             "args": {"requests": report.sequences, "rows": report.rows, "prefill_rows": report.prefill_rows,
-                     "drafts_allowed": drafts_allowed},
+                     "drafts_allowed": decision.drafts_allowed},
+        }));
+        // What the draft budget expected of the step beside what it did (its wall time, by the host's clock,
+        // and the tokens it committed), so a profile shows where the cost model is wrong.
+        let mut args = serde_json::json!({
+            "wall_ms": step_start.elapsed().as_secs_f64() * 1e3,
+            "tokens": decision.committed,
+        });
+        if let Some((s, tokens)) = decision.expected {
+            args["expected_ms"] = serde_json::json!(s * 1e3);
+            args["expected_tokens"] = serde_json::json!(tokens);
+        }
+        events.push(serde_json::json!({
+            "name": "draft budget", "ph": "C", "pid": 1, "ts": offset_us, "args": args,
         }));
         if session.events.len() + events.len() > ProfileSession::MAX_EVENTS {
             session.dropped_events += events.len();

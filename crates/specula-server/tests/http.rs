@@ -547,6 +547,30 @@ fn speculative_requests_report_their_stats_and_stay_lossless() {
             .any(|e| e["name"] == "verify" && e["pid"] == 1),
         "{trace}"
     );
+    // Each step's draft-budget counter: its wall time and committed tokens (which add up to the completion), and
+    // what the budget expected of it where it had measurements.
+    let budget: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["name"] == "draft budget")
+        .collect();
+    assert!(
+        budget.iter().any(|e| e["args"]["expected_ms"].is_number()),
+        "the first request's steps measured two row counts: {trace}"
+    );
+    let committed: u64 = budget
+        .iter()
+        .map(|e| e["args"]["tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(committed, 12, "{trace}");
+    for e in &budget {
+        assert!(e["args"]["wall_ms"].as_f64().unwrap() > 0.0, "{e}");
+        if let Some(ms) = e["args"]["expected_ms"].as_f64() {
+            assert!(
+                ms > 0.0 && e["args"]["expected_tokens"].as_f64().unwrap() >= 1.0,
+                "{e}"
+            );
+        }
+    }
     let report: Value =
         serde_json::from_str(&std::fs::read_to_string(v["report"].as_str().unwrap()).unwrap())
             .unwrap();

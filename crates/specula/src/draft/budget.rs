@@ -12,7 +12,9 @@
 //! T comes from [`StepCostTable`]: the median time of recent forward passes of each row count, interpolated
 //! between measured counts. g_j and q_j come from each request's own cycles at position j (when the limit
 //! allowed j), pooled over all requests while a request has little history, with a weak prior; a position cut
-//! for [`DraftBudget::PROBE_EVERY`] steps is allowed once so that its estimate keeps tracking the request.
+//! for [`DraftBudget::PROBE_EVERY`] steps is allowed once so that its estimate keeps tracking the request (one
+//! position a request a step; a probe the cost rule cuts again doubles the wait, up to
+//! [`DraftBudget::MAX_PROBE_BACKOFF`] times).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -95,6 +97,11 @@ struct PositionCounts {
     accepted: Vec<f64>,
     /// Steps since the position was last allowed.
     cut_for: Vec<usize>,
+    /// Probes in a row after which the cost rule cut the position again: each doubles the wait before the
+    /// next probe (a probe costs a draft, and a head cut for a while first feeds what it missed).
+    failed_probes: Vec<u32>,
+    /// The position's last allowance was a probe, not yet judged.
+    probing: Vec<bool>,
 }
 
 impl PositionCounts {
@@ -104,7 +111,15 @@ impl PositionCounts {
             self.drafted.resize(k, 0.0);
             self.accepted.resize(k, 0.0);
             self.cut_for.resize(k, 0);
+            self.failed_probes.resize(k, 0);
+            self.probing.resize(k, false);
         }
+    }
+
+    /// Steps position `j` waits, cut, before it is probed again.
+    fn probe_wait(&self, j: usize) -> usize {
+        let failed = self.failed_probes.get(j).copied().unwrap_or(0);
+        DraftBudget::PROBE_EVERY << failed.min(DraftBudget::MAX_PROBE_BACKOFF)
     }
 
     fn record(&mut self, limit: usize, drafted: usize, accepted: usize) {
@@ -114,8 +129,19 @@ impl PositionCounts {
         for j in 0..self.allowed.len() {
             if j < limit {
                 self.allowed[j] += 1.0;
+                if self.probing[j] {
+                    // Allowed again right after a probe: the cost rule keeps it.
+                    self.failed_probes[j] = 0;
+                    self.probing[j] = false;
+                } else if self.cut_for[j] >= self.probe_wait(j) {
+                    self.probing[j] = true;
+                }
                 self.cut_for[j] = 0;
             } else {
+                if self.probing[j] {
+                    self.failed_probes[j] += 1;
+                    self.probing[j] = false;
+                }
                 self.cut_for[j] += 1;
             }
         }
@@ -174,6 +200,11 @@ pub struct DraftBudget {
 impl DraftBudget {
     /// A position cut this many steps in a row is allowed once, to keep measuring it.
     pub const PROBE_EVERY: usize = 32;
+    /// The longest catch-up a head (a cheap catch-up) resumes with beside other requests: a new request's prompt
+    /// (the drafter feeds 8 rows a step there: eagle3::MAX_FEED_ROWS_IN_BATCH), not a long cut's backlog.
+    pub const MAX_CHEAP_CATCH_UP_BESIDE_OTHERS: usize = 64;
+    /// Failed probes in a row double the wait up to this many times (32 steps -> 256).
+    pub const MAX_PROBE_BACKOFF: u32 = 3;
     /// Weight of the pooled estimate in a request's own (pseudo-cycles).
     const POOLED_WEIGHT: f64 = 4.0;
     /// Weight of the prior in the pooled estimate: acceptance 1/2, drafting 1.
@@ -299,6 +330,16 @@ impl DraftBudget {
         base_rows: usize,
         base_tokens: usize,
     ) -> Vec<usize> {
+        self.plan(candidates, base_rows, base_tokens).limits
+    }
+
+    /// [`Self::choose`], with the step the choice expects (for the profile, to hold the model to its measurements).
+    pub fn plan(
+        &self,
+        candidates: &[DraftCandidate],
+        base_rows: usize,
+        base_tokens: usize,
+    ) -> DraftPlan {
         let mut limits = vec![0usize; candidates.len()];
         let catch_up_tokens = |c: &DraftCandidate| c.lag.saturating_sub(c.max_tokens + 1);
         // Alone in the step: no other request decodes or prefills beside it, so nobody waits through its
@@ -309,16 +350,22 @@ impl DraftBudget {
             // Unmeasured: draft fully (the measurements come from those steps), except a lagging draft model
             // beside others (in a fresh server under load every request's prompt feed at once stalled a step
             // for a second).
-            return candidates
-                .iter()
-                .map(|c| {
-                    if alone || catch_up_tokens(c) == 0 || c.cheap_catch_up {
-                        c.max_tokens
-                    } else {
-                        0
-                    }
-                })
-                .collect();
+            return DraftPlan {
+                limits: candidates
+                    .iter()
+                    .map(|c| {
+                        let within_reach = c.cheap_catch_up
+                            && catch_up_tokens(c) <= Self::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS;
+                        if alone || catch_up_tokens(c) == 0 || within_reach {
+                            c.max_tokens
+                        } else {
+                            0
+                        }
+                    })
+                    .collect(),
+                expected_s: None,
+                expected_tokens: base_tokens as f64,
+            };
         };
         let overhead = self.overhead_s.unwrap_or(0.0);
         let per_draft = self.draft_token_s.unwrap_or(0.0);
@@ -351,6 +398,7 @@ impl DraftBudget {
         let mut rows = base_rows as f64;
         let mut draft_s = 0.0;
         let mut tokens = base_tokens as f64;
+        let mut probed = vec![false; candidates.len()];
         loop {
             // The best next position over all candidates: most expected tokens per expected row.
             let mut best: Option<(usize, f64, f64, bool)> = None;
@@ -359,8 +407,16 @@ impl DraftBudget {
                 // A lagging draft model resumes only alone: beside others its catch-up stalls every request
                 // in the batch (measured in the server: ITL p99 0.5-1.4 s at 8 streams when the cost rule
                 // allowed it there), and on these machines a draft model does not pay in a batch anyway.
+                // A head far behind (cut for many steps) resumes only alone too: beside others it feeds a few
+                // rows a step, drafting nothing for tens of steps while each is priced as a draft (a 4-stream CPU
+                // server spent 26 steps in a row so); a new request's prompt is within reach.
+                let too_far =
+                    c.cheap_catch_up && catch_up_tokens(c) > Self::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS;
                 if j >= c.max_tokens
-                    || (j == 0 && !alone && catch_up_tokens(c) > 0 && !c.cheap_catch_up)
+                    || (j == 0
+                        && !alone
+                        && catch_up_tokens(c) > 0
+                        && (!c.cheap_catch_up || too_far))
                 {
                     continue;
                 }
@@ -370,12 +426,14 @@ impl DraftBudget {
                 let lagging = catch_up_tokens(c) > 0 && !c.cheap_catch_up;
                 // (Probing lagging draft models too, when alone and their catch-up cost less than the step,
                 // or even beside others, was measured in the server and lost: docs/benchmarks.md.)
-                let probe = ((j > 0 || !lagging)
+                // One probed position a request a step: a probe that ran on through every cut position drafted
+                // the whole length each time (a 4-stream CPU server probed in 46% of its steps).
+                let probe = (!probed[i]
+                    && (j > 0 || !lagging)
                     && self
                         .requests
                         .get(&c.id)
-                        .and_then(|r| r.cut_for.get(j))
-                        .is_some_and(|&n| n >= Self::PROBE_EVERY))
+                        .is_some_and(|r| r.cut_for.get(j).is_some_and(|&n| n >= r.probe_wait(j))))
                     || (j == 0
                         && lagging
                         && alone
@@ -396,13 +454,28 @@ impl DraftBudget {
             if !(probe || with > now) {
                 break;
             }
+            probed[i] |= probe;
             limits[i] += 1;
             rows += extra;
             draft_s += cost;
             tokens += gain;
         }
-        limits
+        DraftPlan {
+            limits,
+            expected_s: Some(step_time(rows, draft_s)),
+            expected_tokens: tokens,
+        }
     }
+}
+
+/// A step's draft lengths as [`DraftBudget::plan`] chose them, and what it expects of the step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftPlan {
+    pub limits: Vec<usize>,
+    /// The step's expected time (forward pass, drafters, the rest); None while the cost table is unmeasured.
+    pub expected_s: Option<f64>,
+    /// Tokens it expects the step to commit (each decoding request's next token, plus expected accepted drafts).
+    pub expected_tokens: f64,
 }
 
 #[cfg(test)]
@@ -559,6 +632,54 @@ mod tests {
         assert_eq!(b.choose(&[fresh_request], 8, 8), vec![1]);
     }
 
+    /// A probe tries one position, not the whole draft, and probes the cost rule cuts again come less often.
+    #[test]
+    fn probes_take_one_position_and_back_off_when_they_fail() {
+        let mut b = cpu_like();
+        let eight: Vec<DraftCandidate> = (1..=8)
+            .map(|id| DraftCandidate {
+                id,
+                max_tokens: 4,
+                lag: 0,
+                shared_by: 1,
+                cheap_catch_up: false,
+            })
+            .collect();
+        for c in &eight {
+            history(&mut b, c.id, 4, 40, 0.1);
+        }
+        assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
+        let cut = |b: &mut DraftBudget, steps: usize| {
+            for _ in 0..steps {
+                b.observe_cycle(5, 0, 0, 0);
+            }
+        };
+        // Cut for PROBE_EVERY steps: one position probed (every position had been cut as long).
+        cut(&mut b, DraftBudget::PROBE_EVERY);
+        assert_eq!(b.choose(&eight, 8, 8)[4], 1);
+        // The probe drafted and missed; the cost rule cuts it again: the next probe waits twice as long.
+        b.observe_cycle(5, 1, 1, 0);
+        cut(&mut b, 2 * DraftBudget::PROBE_EVERY - 1);
+        assert_eq!(b.choose(&eight, 8, 8)[4], 0);
+        cut(&mut b, 1);
+        assert_eq!(b.choose(&eight, 8, 8)[4], 1);
+        // Failed again and again: the wait stops growing at PROBE_EVERY << MAX_PROBE_BACKOFF.
+        for _ in 0..6 {
+            b.observe_cycle(5, 1, 1, 0);
+            cut(&mut b, 1);
+            cut(
+                &mut b,
+                (DraftBudget::PROBE_EVERY << DraftBudget::MAX_PROBE_BACKOFF) - 1,
+            );
+        }
+        assert_eq!(b.choose(&eight, 8, 8)[4], 1);
+        // A probe the cost rule keeps (allowed the next step too) resets the wait.
+        b.observe_cycle(5, 1, 1, 1);
+        b.observe_cycle(5, 1, 1, 1);
+        cut(&mut b, DraftBudget::PROBE_EVERY);
+        assert_eq!(b.choose(&eight, 8, 8)[4], 1);
+    }
+
     /// A draft model behind the context must first feed what it missed: the prompt's catch-up is shared by the
     /// steps left, one after being cut is charged whole, and no probe forces a catch-up.
     #[test]
@@ -638,6 +759,18 @@ mod tests {
             b.choose(&c(true), 2, 2)
         );
         assert_eq!(b.choose(&c(false), 2, 2), vec![0]);
+        // Far behind (a long cut's backlog, fed 8 rows a step beside others): it resumes only alone.
+        let far = [DraftCandidate {
+            lag: 200,
+            ..c(true)[0]
+        }];
+        assert_eq!(b.choose(&far, 2, 2), vec![0]);
+        assert!(b.choose(&far, 1, 1)[0] >= 1);
+        // Nor is it probed beside others.
+        for _ in 0..DraftBudget::PROBE_EVERY {
+            b.observe_cycle(1, 0, 0, 0);
+        }
+        assert_eq!(b.choose(&far, 2, 2), vec![0]);
     }
 
     /// The first catch-up is allowed once while the request is alone and measured; afterwards a cheap one (a
