@@ -13,7 +13,7 @@ use cudarc::driver::CudaSlice;
 use super::layout::{self, MAX_SPLITS};
 use super::ops::{gemv, ptr, Matrix};
 use super::{cuda_err, CudaKvCache, Gpu};
-use crate::draft::eagle3::compute::{check_pass, top_log_probs};
+use crate::draft::eagle3::compute::{check_pass, run_one_by_one, top_log_probs};
 use crate::draft::eagle3::{
     Eagle3Head, HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant,
 };
@@ -715,19 +715,7 @@ impl HeadCompute for CudaHead {
             || !same_kind
             || matches!(passes[0].input, HeadInput::Hidden(_))
         {
-            return passes
-                .iter_mut()
-                .map(|p| {
-                    self.run(
-                        target,
-                        p.tokens,
-                        p.input,
-                        HeadRows::Chain,
-                        &mut *p.cache,
-                        p.want,
-                    )
-                })
-                .collect();
+            return run_one_by_one(self, target, passes);
         }
         let c = &self.layer;
         let h = c.hidden_size;

@@ -118,20 +118,30 @@ pub trait HeadCompute: Send + Sync {
     /// with one head share. Each output is what `run` would return for that pass alone. By default one pass
     /// after the other.
     fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
-        passes
-            .iter_mut()
-            .map(|p| {
-                self.run(
-                    target,
-                    p.tokens,
-                    p.input,
-                    HeadRows::Chain,
-                    &mut *p.cache,
-                    p.want,
-                )
-            })
-            .collect()
+        run_one_by_one(self, target, passes)
     }
+}
+
+/// Chain passes of several sequences, one `run` after the other (the default `run_many`, and a device's when a
+/// batch does not fit its batched pass).
+pub fn run_one_by_one<H: HeadCompute + ?Sized>(
+    head: &H,
+    target: &dyn Model,
+    passes: &mut [HeadPass<'_>],
+) -> Result<Vec<HeadOutput>> {
+    passes
+        .iter_mut()
+        .map(|p| {
+            head.run(
+                target,
+                p.tokens,
+                p.input,
+                HeadRows::Chain,
+                &mut *p.cache,
+                p.want,
+            )
+        })
+        .collect()
 }
 
 /// Checks a pass's inputs against each other (shared by every implementation).
