@@ -35,7 +35,7 @@ case "$name" in
     # STAGES (default 2) sets how many; STAGE=k runs one stage (its data, then its training).
     target=qwen2.5-coder-1.5b
     stages=${STAGES:-2}
-    common=(--device cuda --answer-batch 32 --answer-tokens 256 --seq-len 384 --draft-vocab 8192
+    common=(--device cuda --answer-batch ${ANSWER_BATCH:-128} --answer-tokens 256 --seq-len 384 --draft-vocab 8192
             --intermediate-size 4096 --ttt-steps 4 --epochs ${EPOCHS:-1} --batch 4 --cache-gb 40 --seed 0)
     if [ -z "${STAGE:-}" ]; then
       for k in $(seq 1 "$stages"); do STAGE=$k "$0" "$name" "$@"; done

@@ -41,6 +41,9 @@ pub struct SelftestArgs {
     /// same head on the CPU: logits of fed rows, chain steps and tree rows within bf16 tolerance.
     #[arg(long)]
     pub eagle3_head: Option<String>,
+    /// Time forward passes of 1 to this many rows (the verify(n) curve printed at the end).
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u64).range(1..=512))]
+    pub verify_rows: u64,
 }
 
 /// One check's outcome.
@@ -148,7 +151,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.eagle3_head {
         checks.extend(eagle3_head_checks(model, dir, &tokens)?);
     }
-    let timings = verify_timings(model, &tokens)?;
+    let timings = verify_timings(model, &tokens, args.verify_rows as usize)?;
     let paths = specula::backend::cpu::kernels::active_kernel_paths();
     if !on_gpu {
         println!("kernel paths {}", paths.join("+"));
@@ -582,6 +585,23 @@ fn batch_invariance_checks(model: &dyn Model, tokens: &[u32]) -> anyhow::Result<
         &verify.logits.data,
         &singles,
     ));
+    // A long pass (the GPU's GEMM tile, past 16 rows) against the same rows in 8-row passes (its GEMV).
+    let long: Vec<u32> = tokens.iter().copied().cycle().take(40).collect();
+    let whole_pass = forward(model, &long, None, LogitsFor::All)?;
+    let mut e = model.new_cache(long.len() + 8)?;
+    let mut pieces = Vec::new();
+    for piece in long.chunks(8) {
+        pieces.extend(
+            forward(model, piece, Some(e.as_mut()), LogitsFor::All)?
+                .logits
+                .data,
+        );
+    }
+    checks.push(bitwise(
+        "a 40-row pass = five 8-row passes",
+        &whole_pass.logits.data,
+        &pieces,
+    ));
     // A tree: root, two children, a grandchild under the first; each row equals its branch as a chain.
     let tree_tokens = [rest[0], rest[1], rest[2], rest[1]];
     let tree = TreeMask::new(vec![None, Some(0), Some(0), Some(1)])?;
@@ -763,6 +783,6 @@ fn against_cpu(
 }
 
 /// Median forward time over 1..=9 rows after the prompt (a verify pass of k = 0..8), as bench measures it.
-fn verify_timings(model: &dyn Model, tokens: &[u32]) -> anyhow::Result<Vec<f64>> {
-    Ok(specula::bench::measure_verify_cost(model, tokens, 9, 5)?.ms)
+fn verify_timings(model: &dyn Model, tokens: &[u32], rows: usize) -> anyhow::Result<Vec<f64>> {
+    Ok(specula::bench::measure_verify_cost(model, tokens, rows, 5)?.ms)
 }

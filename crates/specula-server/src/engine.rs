@@ -343,6 +343,14 @@ impl SpecCounts {
     }
 }
 
+/// Each request's draft limit for a step, what the budget expected of the step (seconds, tokens) and where its
+/// cost rule stopped.
+struct LimitChoice {
+    limits: Vec<Option<usize>>,
+    expected: Option<(f64, f64)>,
+    refused: Option<specula::draft::budget::Refusal>,
+}
+
 /// What the engine decided for a step, and what the draft budget expected of it, for the profile.
 struct StepDecision {
     drafts_allowed: usize,
@@ -350,6 +358,10 @@ struct StepDecision {
     expected: Option<(f64, f64)>,
     /// Tokens the step committed across requests.
     committed: usize,
+    /// Where the budget's cost rule stopped adding drafts, and the prices it used (drafter time per pass and
+    /// per catch-up token, the rest of a step), for the profile.
+    refused: Option<specula::draft::budget::Refusal>,
+    prices: (Option<f64>, Option<f64>, Option<f64>, Option<f64>),
 }
 
 /// A step's time as the draft budget prices it: the forward pass, the drafters, and the rest.
@@ -817,7 +829,12 @@ impl<'a> EngineLoop<'a> {
         let took_part: Vec<bool> = running.iter().map(|r| !r.generation.is_done()).collect();
         // Tokens each drafter must catch up on before drafting (a draft model cut in earlier steps).
         let lags: Vec<usize> = running.iter().map(|r| r.generation.draft_lag()).collect();
-        let (limits, expected) = self.choose_draft_limits(running, &lags);
+        let prices = self.budget.borrow().costs();
+        let LimitChoice {
+            limits,
+            expected,
+            refused,
+        } = self.choose_draft_limits(running, &lags);
         let spec_before: Vec<SpecCounts> = running
             .iter()
             .map(|r| SpecCounts::of(&r.generation).unwrap_or_default())
@@ -907,6 +924,8 @@ impl<'a> EngineLoop<'a> {
                 drafts_allowed,
                 expected,
                 committed,
+                refused,
+                prices,
             },
         );
         results
@@ -914,12 +933,9 @@ impl<'a> EngineLoop<'a> {
 
     /// Each decoding request's draft length for the next step (None where it is not drafting: prefilling, done,
     /// no drafter). With adaptive drafts, from the draft budget; else the configured length.
-    /// Also returns the budget's expectation of the step (seconds, tokens), when it has one.
-    fn choose_draft_limits(
-        &self,
-        running: &mut [Running<'a>],
-        lags: &[usize],
-    ) -> (Vec<Option<usize>>, Option<(f64, f64)>) {
+    /// Also returns the budget's expectation of the step (seconds, tokens), when it has one, and where its cost
+    /// rule stopped.
+    fn choose_draft_limits(&self, running: &mut [Running<'a>], lags: &[usize]) -> LimitChoice {
         let drafting = |r: &Running<'a>| {
             !r.generation.is_done()
                 && !r.generation.is_prefilling()
@@ -950,9 +966,14 @@ impl<'a> EngineLoop<'a> {
             })
             .collect();
         if candidates.is_empty() {
-            return (limits, None);
+            return LimitChoice {
+                limits,
+                expected: None,
+                refused: None,
+            };
         }
         let mut expected = None;
+        let mut refused = None;
         let chosen: Vec<usize> = if self.options.adaptive_drafts {
             let decoding = running
                 .iter()
@@ -967,6 +988,7 @@ impl<'a> EngineLoop<'a> {
             let c: Vec<DraftCandidate> = candidates.iter().map(|(_, c)| *c).collect();
             let plan = self.budget.borrow().plan(&c, base_rows, decoding);
             expected = plan.expected_s.map(|s| (s, plan.expected_tokens));
+            refused = plan.refused;
             plan.limits
         } else {
             candidates.iter().map(|(_, c)| c.max_tokens).collect()
@@ -976,7 +998,11 @@ impl<'a> EngineLoop<'a> {
             self.metrics.draft_limit.observe(k as f64);
             limits[*i] = Some(k);
         }
-        (limits, expected)
+        LimitChoice {
+            limits,
+            expected,
+            refused,
+        }
     }
 
     /// Feeds the draft budget what the step measured: the forward pass's time for its rows, the drafters' time,
@@ -1104,6 +1130,20 @@ impl<'a> EngineLoop<'a> {
         events.push(serde_json::json!({
             "name": "draft budget", "ph": "C", "pid": 1, "ts": offset_us, "args": args,
         }));
+        // Why the budget stopped adding drafts this step, with the prices it used (ms).
+        if let Some(r) = decision.refused {
+            let ms = |v: Option<f64>| v.map(|s| s * 1e3);
+            let (per_token, per_pass, per_catch_up, overhead) = decision.prices;
+            events.push(serde_json::json!({
+                "name": "draft refused", "ph": "i", "s": "g", "pid": 1, "ts": offset_us,
+                "args": {
+                    "position": r.position, "gain": r.gain, "rows": r.rows, "cost_ms": r.cost_s * 1e3,
+                    "tokens_per_s": r.tokens_per_s, "tokens_per_s_with": r.tokens_per_s_with,
+                    "draft_token_ms": ms(per_token), "draft_pass_ms": ms(per_pass),
+                    "catch_up_token_ms": ms(per_catch_up), "step_overhead_ms": ms(overhead),
+                },
+            }));
+        }
         if session.events.len() + events.len() > ProfileSession::MAX_EVENTS {
             session.dropped_events += events.len();
         } else {

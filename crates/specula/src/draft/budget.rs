@@ -365,6 +365,7 @@ impl DraftBudget {
                     .collect(),
                 expected_s: None,
                 expected_tokens: base_tokens as f64,
+                refused: None,
             };
         };
         let overhead = self.overhead_s.unwrap_or(0.0);
@@ -399,6 +400,7 @@ impl DraftBudget {
         let mut draft_s = 0.0;
         let mut tokens = base_tokens as f64;
         let mut probed = vec![false; candidates.len()];
+        let mut refused = None;
         loop {
             // The best next position over all candidates: most expected tokens per expected row.
             let mut best: Option<(usize, f64, f64, bool)> = None;
@@ -452,6 +454,14 @@ impl DraftBudget {
             let now = tokens / step_time(rows, draft_s);
             let with = (tokens + gain) / step_time(rows + extra, draft_s + cost);
             if !(probe || with > now) {
+                refused = Some(Refusal {
+                    position: limits[i],
+                    gain,
+                    rows: extra,
+                    cost_s: cost,
+                    tokens_per_s: now,
+                    tokens_per_s_with: with,
+                });
                 break;
             }
             probed[i] |= probe;
@@ -464,8 +474,25 @@ impl DraftBudget {
             limits,
             expected_s: Some(step_time(rows, draft_s)),
             expected_tokens: tokens,
+            refused,
         }
     }
+}
+
+/// The draft position the cost rule stopped at, with the numbers it compared (for the profile: when a server
+/// stops drafting, these say whether the gain, the rows or the price was what decided).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Refusal {
+    /// The candidate's position (0-based) that was refused.
+    pub position: usize,
+    /// Its expected accepted tokens and expected rows.
+    pub gain: f64,
+    pub rows: f64,
+    /// What it would have added to the drafters' time (catch-up included).
+    pub cost_s: f64,
+    /// The step's expected tokens per second without it and with it.
+    pub tokens_per_s: f64,
+    pub tokens_per_s_with: f64,
 }
 
 /// A step's draft lengths as [`DraftBudget::plan`] chose them, and what it expects of the step.
@@ -476,6 +503,8 @@ pub struct DraftPlan {
     pub expected_s: Option<f64>,
     /// Tokens it expects the step to commit (each decoding request's next token, plus expected accepted drafts).
     pub expected_tokens: f64,
+    /// Where the cost rule stopped adding drafts, if it did (not when every candidate got its maximum).
+    pub refused: Option<Refusal>,
 }
 
 #[cfg(test)]
@@ -552,6 +581,16 @@ mod tests {
             })
             .collect();
         assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
+        // The plan says where and why it stopped: the first request's first position, not worth its row.
+        let plan = b.plan(&eight, 8, 8);
+        let r = plan.refused.expect("a refusal");
+        assert_eq!(r.position, 0);
+        assert!(r.tokens_per_s_with <= r.tokens_per_s, "{r:?}");
+        assert!(r.gain > 0.0 && r.gain < 1.0 && r.rows > 0.0, "{r:?}");
+        // Alone, every position up to the maximum that pays is taken: what stops it (if anything) is a later
+        // position.
+        let alone = b.plan(&one, 1, 1);
+        assert!(alone.refused.is_none_or(|r| r.position >= 1), "{alone:?}");
     }
 
     #[test]

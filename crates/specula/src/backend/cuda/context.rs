@@ -16,6 +16,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_mma_8_d2",
     "gemv_mma_16",
     "gemv_mma_32",
+    "gemm_mma_32",
+    "gemm_mma_64",
     "splitk_reduce",
     "qkv_post",
     "rope_angles",
@@ -38,6 +40,8 @@ pub struct Kernels {
     pub rms_norm: CudaFunction,
     /// The tensor-core GEMV: 8 tokens a block with 4 or 2 chunks in flight a warp, 16 and 32 tokens a block.
     pub gemv_mma: [CudaFunction; 4],
+    /// The same sums for many tokens (activations split once into shared memory): 32 and 64 tokens a block.
+    pub gemm_mma: [CudaFunction; 2],
     pub splitk_reduce: CudaFunction,
     pub qkv_post: CudaFunction,
     pub rope_angles: CudaFunction,
@@ -169,6 +173,7 @@ impl Gpu {
                 f("gemv_mma_16")?,
                 f("gemv_mma_32")?,
             ],
+            gemm_mma: [f("gemm_mma_32")?, f("gemm_mma_64")?],
             splitk_reduce: f("splitk_reduce")?,
             qkv_post: f("qkv_post")?,
             rope_angles: f("rope_angles")?,

@@ -314,6 +314,137 @@ GEMV_MMA_KERNEL(gemv_mma_8_d2, 1, 2)
 GEMV_MMA_KERNEL(gemv_mma_16, 2, 2)
 GEMV_MMA_KERNEL(gemv_mma_32, 4, 2)
 
+// The GEMV's sums for many tokens at once (prefill, wide verifies and trees, batched serving), bit for bit: the
+// GEMV re-reads every activation from L2 once per 16-row block and splits it into bf16 hi + lo in every warp, which
+// made a 17-32-row pass cost 2.2 single steps. Here a block of GEMM_ROW_BLOCKS x GEMM_TOKEN_GROUPS warps owns
+// GEMM_ROW_BLOCKS row blocks and GEMM_TOKEN_GROUPS * NT token tiles; the block splits each activation once into
+// shared memory, already in the mma's B-fragment order, and every warp reads it from there.
+// Same arithmetic as gemv_mma_tile, which is what keeps a row's result independent of the number of tokens: in
+// the GEMV, warp w of a row block sums chunks c_begin + w, c_begin + w + 4, ... in order and warp 0 adds the four
+// warps' sums in warp order. Here one warp keeps those four sums itself (acc[j] takes the chunks with
+// (c - c_begin) % 4 == j, in order, with the same four mma's a chunk) and adds them in the same order at the end;
+// an mma's output element depends only on its own row's weights, its own token's inputs and its accumulator.
+#define GEMM_ROW_BLOCKS 4
+#define GEMM_TOKEN_GROUPS 2
+#define GEMM_WARPS (GEMM_ROW_BLOCKS * GEMM_TOKEN_GROUPS)
+
+template <int NT>
+__device__ __forceinline__ void gemm_mma_tile(const uint4* __restrict__ w, const float* __restrict__ x,
+                                              float* __restrict__ y, int n, int k, int chunks, int m, int accumulate,
+                                              int splits, float* __restrict__ scratch, int silu_pairs) {
+    constexpr int TILES = GEMM_TOKEN_GROUPS * NT;  // 8-token tiles a block owns
+    // One stage: MMA_WARPS chunks (one per accumulator), each token tile's B fragments, two 16-byte halves a lane
+    // (hi and lo of the chunk's first k16 step, then of its second).
+    __shared__ uint4 frag[MMA_WARPS][TILES][2][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wr = warp % GEMM_ROW_BLOCKS, wt = warp / GEMM_ROW_BLOCKS;
+    const int row_block = blockIdx.y * GEMM_ROW_BLOCKS + wr;
+    const bool has_rows = row_block * 16 < n;
+    const int per_split = (chunks + splits - 1) / splits;
+    const int c_begin = blockIdx.z * per_split, c_end = min(chunks, c_begin + per_split);
+    const uint4* tiles = w + (size_t)row_block * chunks * 64;
+    // Weights never depend on an earlier kernel: pull this warp's first stage into L2 while the previous one drains.
+    if (has_rows && blockIdx.x == 0) {
+        const int c = c_begin + (lane >> 3);
+        if (c < c_end) asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(tiles + (size_t)c * 64) + (lane & 7) * 128));
+    }
+    PDL_ENTER();
+    if (blockIdx.y * GEMM_ROW_BLOCKS * 16 >= n) return;
+    const int tok0 = blockIdx.x * TILES * 8;
+    const bool whole = (k & 31) == 0;
+    float acc[MMA_WARPS][NT][4];
+#pragma unroll
+    for (int j = 0; j < MMA_WARPS; j++)
+#pragma unroll
+        for (int u = 0; u < NT; u++) acc[j][u][0] = acc[j][u][1] = acc[j][u][2] = acc[j][u][3] = 0.f;
+    for (int c0 = c_begin; c0 < c_end; c0 += MMA_WARPS) {
+        // This stage's weights first, so they are in flight while the block fills the activations.
+        uint4 a[MMA_WARPS][2];
+        if (has_rows) {
+#pragma unroll
+            for (int j = 0; j < MMA_WARPS; j++) {
+                if (c0 + j < c_end) {
+                    a[j][0] = __ldg(tiles + (size_t)(c0 + j) * 64 + lane);
+                    a[j][1] = __ldg(tiles + (size_t)(c0 + j) * 64 + 32 + lane);
+                }
+            }
+        }
+        __syncthreads();  // the previous stage's fragments are read
+        // Fill: each (chunk, tile, lane) slot is what that lane of a GEMV warp would have computed for that chunk.
+        for (int s = threadIdx.x; s < MMA_WARPS * TILES * 32; s += GEMM_WARPS * 32) {
+            const int sl = s & 31, tile = (s >> 5) % TILES, j = s / (32 * TILES);
+            const int c = c0 + j;
+            if (c >= c_end) continue;
+            const int g = sl >> 2, t = sl & 3;
+            const int token = tok0 + tile * 8 + g;
+            const bool has_token = token < m;
+            const float* xr = x + (size_t)(has_token ? token : 0) * k;
+            u32 hi[4], lo[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int col = c * 32 + 2 * t + 8 * q;
+                const float2 v = has_token && (whole || col < k) ? *reinterpret_cast<const float2*>(xr + col)
+                                                                 : make_float2(0.f, 0.f);
+                split_pair(v, hi[q], lo[q]);
+            }
+            frag[j][tile][0][sl] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
+            frag[j][tile][1][sl] = make_uint4(hi[2], hi[3], lo[2], lo[3]);
+        }
+        __syncthreads();
+        if (!has_rows) continue;
+#pragma unroll
+        for (int j = 0; j < MMA_WARPS; j++) {
+            if (c0 + j < c_end) {
+#pragma unroll
+                for (int u = 0; u < NT; u++) {
+                    const uint4 b0 = frag[j][wt * NT + u][0][lane], b1 = frag[j][wt * NT + u][1][lane];
+                    mma_bf16_16x8x16(acc[j][u], a[j][0], b0.x, b0.y);
+                    mma_bf16_16x8x16(acc[j][u], a[j][0], b0.z, b0.w);
+                    mma_bf16_16x8x16(acc[j][u], a[j][1], b1.x, b1.y);
+                    mma_bf16_16x8x16(acc[j][u], a[j][1], b1.z, b1.w);
+                }
+            }
+        }
+    }
+    if (!has_rows) return;
+    const int g = lane >> 2, t = lane & 3;
+    const int row_a = row_block * 16 + g, row_b = row_a + 8;
+#pragma unroll
+    for (int u = 0; u < NT; u++) {
+        float d[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) d[e] = ((acc[0][u][e] + acc[1][u][e]) + acc[2][u][e]) + acc[3][u][e];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int token = tok0 + (wt * NT + u) * 8 + 2 * t + e;
+            if (token >= m) continue;
+            const float va = d[e], vb = d[2 + e];
+            if (splits > 1) {
+                float* dst = scratch + ((size_t)blockIdx.z * m + token) * n;
+                if (row_a < n) dst[row_a] = va;
+                if (row_b < n) dst[row_b] = vb;
+            } else if (silu_pairs) {
+                const int feature = row_block * 8 + g;
+                if (feature < n / 2) y[(size_t)token * (n / 2) + feature] = va / (1.f + expf(-va)) * vb;
+            } else {
+                float* dst = y + (size_t)token * n;
+                if (row_a < n) dst[row_a] = accumulate ? dst[row_a] + va : va;
+                if (row_b < n) dst[row_b] = accumulate ? dst[row_b] + vb : vb;
+            }
+        }
+    }
+}
+
+#define GEMM_MMA_KERNEL(name, NT)                                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 2)                                             \
+        name(const uint4* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n, int k,        \
+             int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {       \
+        gemm_mma_tile<NT>(w, x, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);                  \
+    }
+// 32 and 64 tokens a block.
+GEMM_MMA_KERNEL(gemm_mma_32, 2)
+GEMM_MMA_KERNEL(gemm_mma_64, 4)
+
 // y[r][c] (+)= sum over splits, in split order, of scratch[split][r][c]; grid-stride over m * n.
 extern "C" __global__ void splitk_reduce(const float* __restrict__ scratch, float* __restrict__ y, int n, int m,
                                          int splits, int accumulate) {

@@ -1273,7 +1273,117 @@ impl Model for CudaModel {
     }
 
     fn check_kernels(&self, _tokens: &[u32]) -> Result<Vec<KernelCheck>> {
-        // The GPU is checked against the CPU backend as a whole (`specula selftest --device cuda`).
-        Ok(Vec::new())
+        // The forward pass is checked against the CPU backend as a whole (`specula selftest --device cuda`); here
+        // the GEMM tile against the GEMV on this model's own matrices: the same bits for every row, or batch
+        // invariance (and greedy losslessness) would depend on how many rows a pass has.
+        self.check_gemm_tile()
+    }
+}
+
+impl CudaModel {
+    fn check_gemm_tile(&self) -> Result<Vec<KernelCheck>> {
+        use super::ops::{gemv_with, GemvPath};
+        let gpu = &self.gpu;
+        let layer = &self.layers[0];
+        let lm_head = self.lm_head.as_ref().unwrap_or(&*self.embed);
+        // (name, matrix, outputs, accumulate, silu_pairs): every mode the forward pass uses.
+        let cases: [(&str, &Matrix, usize, bool, bool); 5] = [
+            ("qkv", &layer.wqkv, layer.wqkv.rows, false, false),
+            (
+                "output projection (+=)",
+                &layer.wo,
+                layer.wo.rows,
+                true,
+                false,
+            ),
+            (
+                "gate/up (SiLU pairs)",
+                &layer.w_gate_up,
+                layer.w_gate_up.rows,
+                false,
+                true,
+            ),
+            (
+                "down projection",
+                &layer.w_down,
+                layer.w_down.rows,
+                false,
+                false,
+            ),
+            ("LM head", lm_head, self.config.vocab_size, false, false),
+        ];
+        let mut checks = Vec::new();
+        for m in [17usize, 40, 64, 100] {
+            for &(name, w, n, accumulate, silu) in &cases {
+                let k = w.cols;
+                let out_n = if silu { n / 2 } else { n };
+                // Activations with a wide spread of magnitudes (the hi/lo split matters for them).
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| {
+                        let h = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                        ((h as f32 / (1u64 << 24) as f32) - 0.5) * (1.0 + (i % 7) as f32)
+                    })
+                    .collect();
+                let start: Vec<f32> = (0..m * out_n).map(|i| (i % 13) as f32 * 0.25).collect();
+                let xd = gpu
+                    .stream
+                    .clone_htod(&x)
+                    .map_err(|e| cuda_err("uploading check activations", e))?;
+                let scratch = self.alloc(MAX_SPLITS * m * n, "check scratch")?;
+                let mut results = Vec::new();
+                for path in [GemvPath::Gemv, GemvPath::Gemm] {
+                    let y = gpu
+                        .stream
+                        .clone_htod(&start)
+                        .map_err(|e| cuda_err("uploading check outputs", e))?;
+                    gemv_with(
+                        gpu,
+                        w,
+                        n,
+                        ptr(&xd, gpu),
+                        ptr(&y, gpu),
+                        m,
+                        accumulate,
+                        silu,
+                        ptr(&scratch, gpu),
+                        false,
+                        path,
+                    )?;
+                    results.push(
+                        gpu.stream
+                            .clone_dtoh(&y)
+                            .map_err(|e| cuda_err("reading check outputs", e))?,
+                    );
+                }
+                let largest = results[0]
+                    .iter()
+                    .fold(0f32, |a, v| a.max(v.abs()))
+                    .max(1e-30);
+                let differ = results[0]
+                    .iter()
+                    .zip(&results[1])
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                let worst = results[0]
+                    .iter()
+                    .zip(&results[1])
+                    .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+                // Bitwise: any differing value fails, however small.
+                let error = if differ == 0 {
+                    0.0
+                } else {
+                    f64::from(worst / largest).max(f64::MIN_POSITIVE)
+                };
+                checks.push(KernelCheck {
+                    name: format!(
+                        "GEMM tile = GEMV bitwise, {name} {out_n}x{k}, {m} rows ({differ} values differ)"
+                    ),
+                    dtype: "bf16",
+                    max_relative_error: error,
+                    tolerance: 0.0,
+                });
+            }
+        }
+        Ok(checks)
     }
 }

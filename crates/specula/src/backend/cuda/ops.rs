@@ -72,6 +72,45 @@ impl Matrix {
     }
 }
 
+/// Which kernel computes a GEMV: both give the same bits for every row (kernels.cu), so the choice is speed only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GemvPath {
+    /// By the number of tokens: the GEMV up to `gemm_min_rows() - 1` tokens, the GEMM tile from there.
+    Auto,
+    Gemv,
+    Gemm,
+}
+
+/// Tokens from which a GEMV runs as the GEMM tile (`SPECULA_CUDA_GEMM_ROWS`; 0 never). Measured on an H200
+/// (docs/benchmarks.md, session 16): at the qwen2.5-1.5b shape the GEMV is faster up to ~60 tokens and the tile
+/// from 64 on (10.1 ms against 12.0 at 128 tokens; long prefills 13-16% faster); both are bound by the
+/// instructions around their mma's (the tile by splitting activations into shared memory), not by the weights.
+pub(crate) fn gemm_min_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("SPECULA_CUDA_GEMM_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_GEMM_MIN_ROWS)
+    })
+}
+
+const DEFAULT_GEMM_MIN_ROWS: usize = 64;
+
+/// Tokens a GEMM block takes (kernels.cu: GEMM_TOKEN_GROUPS x NT x 8) for `m` tokens, and its kernel's index.
+pub(crate) fn gemm_variant(m: usize) -> (usize, usize) {
+    if m <= 32 {
+        (0, 32)
+    } else {
+        (1, 64)
+    }
+}
+
+/// Row blocks (16 outputs each) a GEMM block owns (kernels.cu GEMM_ROW_BLOCKS).
+const GEMM_ROW_BLOCKS: usize = 4;
+/// Threads of a GEMM block (kernels.cu GEMM_WARPS x 32).
+const GEMM_THREADS: u32 = 8 * 32;
+
 /// `y[m x n] (+)= x[m x w.cols] . w^T` for the first `n` rows of `w` (split-K through `scratch` when the
 /// shape asks for it); with `silu_pairs`, `y[m x n/2]` = SiLU(gate) * up of the interleaved rows.
 /// With `defer`, split-K partial sums are left in `scratch` for the next kernel to add up (qkv_post, rms_norm)
@@ -89,12 +128,115 @@ pub(crate) fn gemv(
     scratch: u64,
     defer: bool,
 ) -> Result<usize> {
+    gemv_with(
+        gpu,
+        w,
+        n,
+        x,
+        y,
+        m,
+        accumulate,
+        silu_pairs,
+        scratch,
+        defer,
+        GemvPath::Auto,
+    )
+}
+
+/// `gemv` through a chosen kernel (selftest compares them).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemv_with(
+    gpu: &Gpu,
+    w: &Matrix,
+    n: usize,
+    x: u64,
+    y: u64,
+    m: usize,
+    accumulate: bool,
+    silu_pairs: bool,
+    scratch: u64,
+    defer: bool,
+    path: GemvPath,
+) -> Result<usize> {
     let splits = if silu_pairs {
         1
     } else {
         layout::splits_for(n, w.cols, gpu.sm_count)
     };
     let blocks = n.div_ceil(layout::ROW_BLOCK);
+    let min_rows = gemm_min_rows();
+    let use_gemm = match path {
+        GemvPath::Auto => min_rows > 0 && m >= min_rows,
+        GemvPath::Gemv => false,
+        GemvPath::Gemm => true,
+    };
+    if use_gemm {
+        let (variant, tokens) = gemm_variant(m);
+        // Token groups vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
+        launch_fn!(
+            gpu,
+            &gpu.kernels.gemm_mma[variant],
+            "gemm_mma",
+            (
+                m.div_ceil(tokens) as u32,
+                blocks.div_ceil(GEMM_ROW_BLOCKS) as u32,
+                splits as u32
+            ),
+            GEMM_THREADS,
+            ptr(&w.data, gpu),
+            x,
+            y,
+            n as i32,
+            w.cols as i32,
+            w.chunks as i32,
+            m as i32,
+            accumulate as i32,
+            splits as i32,
+            scratch,
+            silu_pairs as i32
+        );
+    } else {
+        launch_gemv_tile(
+            gpu, w, n, x, y, m, accumulate, silu_pairs, scratch, splits, blocks,
+        )?;
+    }
+    if splits > 1 && defer {
+        return Ok(splits);
+    }
+    if splits > 1 {
+        let total = m * n;
+        let blocks = total.div_ceil(256).min(65_535) as u32;
+        launch!(
+            gpu,
+            splitk_reduce,
+            (blocks, 1, 1),
+            256,
+            scratch,
+            y,
+            n as i32,
+            m as i32,
+            splits as i32,
+            accumulate as i32
+        );
+    }
+    Ok(0)
+}
+
+/// The GEMV's own launch: a block per row block and 8, 16 or 32 tokens.
+#[allow(clippy::too_many_arguments)]
+fn launch_gemv_tile(
+    gpu: &Gpu,
+    w: &Matrix,
+    n: usize,
+    x: u64,
+    y: u64,
+    m: usize,
+    accumulate: bool,
+    silu_pairs: bool,
+    scratch: u64,
+    splits: usize,
+    blocks: usize,
+) -> Result<()> {
     // 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices, 2 for split
     // ones: the faster of each on an H200), 16 up to 16 rows (long verifies, trees), 32 past that (prefill).
     // The same arithmetic per output whichever runs.
@@ -122,24 +264,5 @@ pub(crate) fn gemv(
         scratch,
         silu_pairs as i32
     );
-    if splits > 1 && defer {
-        return Ok(splits);
-    }
-    if splits > 1 {
-        let total = m * n;
-        let blocks = total.div_ceil(256).min(65_535) as u32;
-        launch!(
-            gpu,
-            splitk_reduce,
-            (blocks, 1, 1),
-            256,
-            scratch,
-            y,
-            n as i32,
-            m as i32,
-            splits as i32,
-            accumulate as i32
-        );
-    }
-    Ok(0)
+    Ok(())
 }
