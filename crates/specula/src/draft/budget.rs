@@ -221,6 +221,9 @@ impl DraftBudget {
     /// The longest catch-up a head (a cheap catch-up) resumes with beside other requests: a new request's prompt
     /// (the drafter feeds 8 rows a step there: eagle3::MAX_FEED_ROWS_IN_BATCH), not a long cut's backlog.
     pub const MAX_CHEAP_CATCH_UP_BESIDE_OTHERS: usize = 64;
+    /// The most a probe may slow a step it shares with other requests (alone, a probe only costs its own
+    /// request).
+    pub const MAX_PROBE_SLOWDOWN: f64 = 0.10;
     /// Failed probes in a row double the wait up to this many times (32 steps -> 256).
     pub const MAX_PROBE_BACKOFF: u32 = 3;
     /// Weight of the pooled estimate in a request's own (pseudo-cycles).
@@ -417,6 +420,7 @@ impl DraftBudget {
         let mut rows = base_rows as f64;
         let mut draft_s = 0.0;
         let mut tokens = base_tokens as f64;
+        let undrafted_time = step_time(rows, 0.0);
         let mut probed = vec![false; candidates.len()];
         let mut refused = None;
         loop {
@@ -459,6 +463,16 @@ impl DraftBudget {
                         && alone
                         && self.catch_up_token_s.is_none()
                         && self.draft_token_s.is_some());
+                // Beside other requests probes may slow the step by at most MAX_PROBE_SLOWDOWN of its undrafted
+                // time, all of them together: every request in it waits through their rows and catch-ups (on an
+                // 8-stream CPU server probes were the only drafting, 18% of the steps, each expected to halve its
+                // step's rate; with a cap per probe, several probes in one step still added 27%).
+                let probe = probe
+                    && (alone || {
+                        let cost = draft_cost(c, j, extra);
+                        step_time(rows + extra, draft_s + cost)
+                            <= undrafted_time * (1.0 + Self::MAX_PROBE_SLOWDOWN)
+                    });
                 let score = gain / extra.max(1e-6);
                 if best.is_none_or(|(_, s, _, p)| (probe && !p) || (probe == p && score > s)) {
                     best = Some((i, score, gain, probe));
@@ -820,6 +834,47 @@ mod tests {
         b.observe_cycle(5, 1, 1, 1);
         cut(&mut b, DraftBudget::PROBE_EVERY);
         assert_eq!(b.choose(&eight, 8, 8)[4], 1);
+    }
+
+    /// Beside others a probe whose catch-up would slow the whole step waits; alone it goes ahead.
+    #[test]
+    fn a_probe_that_would_stall_a_batch_waits() {
+        let mut b = cpu_like();
+        // Drafting measured at 0.5 ms a token (the catch-up, unmeasured, is priced the same).
+        for _ in 0..3 {
+            b.observe_step(8, 0.0734, 2, 2, 0, 0.001, 0.0005);
+        }
+        let head = |id, lag| DraftCandidate {
+            id,
+            max_tokens: 1,
+            lag,
+            shared_by: 1,
+            cheap_catch_up: true,
+        };
+        for id in 1..=8 {
+            history(&mut b, id, 1, 40, 0.1);
+        }
+        for _ in 0..DraftBudget::PROBE_EVERY {
+            b.observe_cycle(5, 0, 0, 0);
+        }
+        // Caught up, the probe adds a row (9% of the step) and a 0.5 ms pass: it goes ahead.
+        let caught_up: Vec<DraftCandidate> = (1..=8).map(|id| head(id, 0)).collect();
+        assert_eq!(b.choose(&caught_up, 8, 8)[4], 1);
+        // 40 positions behind, its catch-up (~19 ms) would slow the 8-request step by a third: it waits...
+        let behind: Vec<DraftCandidate> = (1..=8)
+            .map(|id| head(id, if id == 5 { 40 } else { 0 }))
+            .collect();
+        assert_eq!(b.choose(&behind, 8, 8), vec![0; 8]);
+        // ... and alone it is probed.
+        assert_eq!(b.choose(&[head(5, 40)], 1, 1), vec![1]);
+        // Several requests due for a probe in the same step: together they may add at most the cap, so one goes.
+        for id in [2, 7] {
+            for _ in 0..DraftBudget::PROBE_EVERY {
+                b.observe_cycle(id, 0, 0, 0);
+            }
+        }
+        let limits = b.choose(&caught_up, 8, 8);
+        assert_eq!(limits.iter().sum::<usize>(), 1, "{limits:?}");
     }
 
     /// A draft model behind the context must first feed what it missed: the prompt's catch-up is shared by the
