@@ -247,22 +247,21 @@ impl<'d> Generation<'d> {
         let k = self.draft_k();
         let prepared = self.prepared_draft.take();
         let draft = match self.drafter.as_mut() {
+            // A cycle the scheduler gave no drafts does no drafting work: no span (on a GPU every span's edges
+            // are events).
+            Some(_) if k == 0 => Draft::default(),
             Some(drafter) => {
                 let _s = prof.span(Phase::Draft);
-                if k == 0 {
-                    Draft::default()
-                } else {
-                    let mut d = match prepared {
-                        Some(d) => d,
-                        None => drafter.propose(&self.context, k, &self.req.sampling)?,
-                    };
-                    d.tokens.truncate(k);
-                    // A tree's nodes come after their parents, so its first k nodes are a tree.
-                    if let Some(parents) = d.parents.as_mut() {
-                        parents.truncate(k);
-                    }
-                    d
+                let mut d = match prepared {
+                    Some(d) => d,
+                    None => drafter.propose(&self.context, k, &self.req.sampling)?,
+                };
+                d.tokens.truncate(k);
+                // A tree's nodes come after their parents, so its first k nodes are a tree.
+                if let Some(parents) = d.parents.as_mut() {
+                    parents.truncate(k);
                 }
+                d
             }
             None => Draft::default(),
         };
@@ -682,7 +681,13 @@ pub fn step(
     });
 
     // Drafters sharing one head draft together: each round of passes is one batched head pass.
-    if let Some(head) = limits.shared_head {
+    let drafting = |g: &Generation<'_>| {
+        !g.is_prefilling() && g.stop.is_none() && g.drafter.is_some() && g.draft_k() > 0
+    };
+    if let Some(head) = limits
+        .shared_head
+        .filter(|_| live.iter().any(|&i| drafting(batch[i])))
+    {
         let _s = prof.span(Phase::Draft);
         draft_in_batches(model, head, batch, &live, &mut results);
     }

@@ -60,6 +60,11 @@ impl Phase {
     fn index(self) -> usize {
         self as usize
     }
+
+    /// A target forward pass (prefill or verify): on a GPU, work on the device rather than the host.
+    pub fn is_forward(self) -> bool {
+        matches!(self, Phase::Prefill | Phase::Verify)
+    }
 }
 
 /// Per-layer spans inside a forward pass (fine mode).
@@ -135,6 +140,9 @@ struct State {
     spans: Vec<SpanRecord>,
     open_step: Option<(StepKind, u64)>,
     open_phase: Option<Phase>,
+    /// The end mark of the last phase span, while it is the clock's latest mark: the next host-side phase
+    /// starts there (see [`Profiler::span`]).
+    shared_edge: Option<u64>,
 }
 
 pub struct Profiler {
@@ -157,8 +165,10 @@ impl Drop for Span<'_> {
             let end = prof.clock.mark();
             let mut st = prof.state.borrow_mut();
             let step = st.steps.len() as u32;
+            st.shared_edge = None;
             if let SpanKind::Phase(_) = self.kind {
                 st.open_phase = None;
+                st.shared_edge = Some(end);
             }
             st.spans.push(SpanRecord {
                 kind: self.kind,
@@ -209,11 +219,23 @@ impl Profiler {
                 start: 0,
             };
         }
-        self.state.borrow_mut().open_phase = Some(phase);
+        let shared = {
+            let mut st = self.state.borrow_mut();
+            st.open_phase = Some(phase);
+            st.shared_edge.take()
+        };
+        // A host-side phase that follows another phase starts at its end: one mark for both (the host code
+        // between them counts in the new one). On a GPU every mark records an event, and a batched step runs a
+        // few such phases per request. Forward passes start at marks of their own, so their time stays the
+        // pass's.
+        let start = match shared {
+            Some(edge) if !phase.is_forward() => edge,
+            _ => self.clock.mark(),
+        };
         Span {
             prof: Some(self),
             kind: SpanKind::Phase(phase),
-            start: self.clock.mark(),
+            start,
         }
     }
 
@@ -231,7 +253,11 @@ impl Profiler {
                 start: 0,
             };
         }
-        let parent = self.state.borrow().open_phase;
+        let parent = {
+            let mut st = self.state.borrow_mut();
+            st.shared_edge = None;
+            st.open_phase
+        };
         Span {
             prof: Some(self),
             kind: SpanKind::Fine {
@@ -248,7 +274,9 @@ impl Profiler {
             return;
         }
         let start = self.clock.mark();
-        self.state.borrow_mut().open_step = Some((kind, start));
+        let mut st = self.state.borrow_mut();
+        st.open_step = Some((kind, start));
+        st.shared_edge = None;
     }
 
     pub fn end_step(&self) {
@@ -257,6 +285,7 @@ impl Profiler {
         }
         let end = self.clock.mark();
         let mut st = self.state.borrow_mut();
+        st.shared_edge = None;
         if let Some((kind, start)) = st.open_step.take() {
             st.steps.push(StepRecord { kind, start, end });
         }
@@ -416,10 +445,16 @@ mod tests {
         prof.end_step(); // 3000
         prof.begin_step(StepKind::Decode); // 4000
         for _ in 0..2 {
-            let _d = prof.span(Phase::Draft); // 5000 .. 6000, then 7000 .. 8000
+            // Host-side phases back to back share an edge: 5000 .. 6000, then 6000 .. 7000.
+            let _d = prof.span(Phase::Draft);
         }
         {
-            let _v = prof.span(Phase::Verify); // 9000 .. 10000
+            // A forward pass takes marks of its own.
+            let _v = prof.span(Phase::Verify); // 8000 .. 9000
+        }
+        {
+            // It ends at an edge the next host-side phase shares.
+            let _a = prof.span(Phase::Accept); // 9000 .. 10000
         }
         prof.end_step(); // 11000
         let steps = prof.step_phases();
@@ -443,7 +478,11 @@ mod tests {
         assert!(
             close(
                 &steps[1].phases,
-                &[(Phase::Draft, 2000e-9), (Phase::Verify, 1000e-9)]
+                &[
+                    (Phase::Draft, 2000e-9),
+                    (Phase::Verify, 1000e-9),
+                    (Phase::Accept, 1000e-9)
+                ]
             ),
             "{steps:?}"
         );
@@ -460,6 +499,7 @@ mod tests {
                 let _a = prof.fine(FineKind::Attention, 0); // +1000 .. end +1000
             } // verify end
             {
+                // Starts at verify's end (a shared edge).
                 let _s = prof.span(Phase::Sample);
             }
             prof.end_step();
@@ -471,8 +511,8 @@ mod tests {
         assert_eq!(verify.count, 3);
         // verify: start at mark 1, fine start 2, fine end 3, verify end 4 -> 3 ticks of 1000 ns.
         assert!((verify.total_s - 3.0 * 3000e-9).abs() < 1e-15);
-        // step: marks 0..=7 -> 7000 ns; phases cover 3000 + 1000; other = 3000 per step.
-        assert!((summary.other_s - 3.0 * 3000e-9).abs() < 1e-15);
+        // step: marks 0..=6 -> 6000 ns; phases cover 3000 + 1000; other = 2000 per step.
+        assert!((summary.other_s - 3.0 * 2000e-9).abs() < 1e-15);
         assert_eq!(summary.fine.len(), 1);
         assert_eq!(summary.fine[0].count, 3);
     }
@@ -510,9 +550,9 @@ mod tests {
             let _v = prof.span(Phase::Verify); // marks 1, 2
         }
         {
-            let _s = prof.span(Phase::Sample); // marks 3, 4
+            let _s = prof.span(Phase::Sample); // marks 2 (verify's end), 3
         }
-        prof.end_step(); // mark 5
+        prof.end_step(); // mark 4
                          // The decode loop reads the last verify span's time (by the device clock) for the drafter.
         let verify_s = prof.last_span_seconds(Phase::Verify).unwrap();
         assert!((verify_s - 1000e-9).abs() < 1e-15, "{verify_s}");
@@ -524,9 +564,10 @@ mod tests {
             .host
             .as_ref()
             .expect("a device clock reports the host's view");
-        // Host: verify marks 1 -> 2 = 10 ns; sample marks 3 -> 4 = 10 ns; step marks 0 -> 5 = 5050 ns.
+        // Host: verify marks 1 -> 2 = 10 ns; sample marks 2 -> 3 = 5010 ns (its wait for the device); step marks
+        // 0 -> 4 = 5040 ns.
         assert!((host.phase("verify").unwrap().total_s - 10e-9).abs() < 1e-15);
-        assert!((host.decode_s - 5050e-9).abs() < 1e-15);
+        assert!((host.decode_s - 5040e-9).abs() < 1e-15);
         let table = summary.table();
         assert!(table.contains("host ms/step"), "{table}");
         // The same step's phases by each clock, as the server's draft budget reads them.
@@ -534,7 +575,7 @@ mod tests {
         let host = &prof
             .step_phases_host()
             .expect("a device clock has a host view")[0];
-        assert!((device.seconds - 5000e-9).abs() < 1e-15 && (host.seconds - 5050e-9).abs() < 1e-15);
+        assert!((device.seconds - 4000e-9).abs() < 1e-15 && (host.seconds - 5040e-9).abs() < 1e-15);
         let sample = |s: &StepPhases| {
             s.phases
                 .iter()
@@ -542,7 +583,7 @@ mod tests {
                 .unwrap()
                 .1
         };
-        assert!((sample(device) - 1000e-9).abs() < 1e-15 && (sample(host) - 10e-9).abs() < 1e-15);
+        assert!((sample(device) - 1000e-9).abs() < 1e-15 && (sample(host) - 5010e-9).abs() < 1e-15);
         // The monotonic clock has no separate host view.
         let plain = Profiler::new(Detail::Phases);
         plain.begin_step(StepKind::Decode);

@@ -458,10 +458,13 @@ impl CudaModel {
         // each sequence gets views of its rows. Views share one argmax over all rows and one host copy, so a
         // batch of 32 requests costs one readback, not one each (32 argmax syncs cost 0.85 ms a step).
         let h = c.hidden_size;
-        let logits_all = self.step_matrix(&ws.logits, tables.wanted.len(), vocab)?;
-        let hidden_all: Vec<Arc<StepMatrix>> = (0..shape.capture.len())
-            .map(|i| self.step_matrix(&ws.captured[i], shape.rows, h))
-            .collect::<Result<_>>()?;
+        let logits_all = self
+            .step_matrices(&[&ws.logits], tables.wanted.len(), vocab)?
+            .pop()
+            .ok_or_else(|| Error::Cuda("no logits matrix".into()))?;
+        // The captured layers share one block: one allocation and one readback for all of them.
+        let captured: Vec<&CudaSlice<f32>> = ws.captured[..shape.capture.len()].iter().collect();
+        let hidden_all = self.step_matrices(&captured, shape.rows, h)?;
         let mut outputs = Vec::with_capacity(batch.len());
         let mut row0 = 0usize;
         for (s, seq) in batch.iter().enumerate() {
@@ -785,29 +788,46 @@ impl CudaModel {
     }
 
     /// The first `rows` rows of a `? x cols` workspace matrix, copied out as the step's own.
-    fn step_matrix(
+    /// The first `rows x cols` of each workspace buffer in `all`, copied out into one device block (the next
+    /// step overwrites the workspace); one matrix per buffer, sharing the block's host copy.
+    fn step_matrices(
         &self,
-        all: &CudaSlice<f32>,
+        all: &[&CudaSlice<f32>],
         rows: usize,
         cols: usize,
-    ) -> Result<Arc<StepMatrix>> {
-        let mut data = self.alloc(rows * cols, "output rows")?;
-        if rows > 0 {
-            let src = all.slice(0..rows * cols);
-            let mut dst = data.slice_mut(0..rows * cols);
-            self.gpu
-                .stream
-                .memcpy_dtod(&src, &mut dst)
-                .map_err(|e| cuda_err("copying output rows", e))?;
+    ) -> Result<Vec<Arc<StepMatrix>>> {
+        let size = rows * cols;
+        if all.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(Arc::new(StepMatrix {
-            gpu: self.gpu.clone(),
+        let mut data = self.alloc((size * all.len()).max(1), "output rows")?;
+        if size > 0 {
+            for (i, src) in all.iter().enumerate() {
+                let src = src.slice(0..size);
+                let mut dst = data.slice_mut(i * size..(i + 1) * size);
+                self.gpu
+                    .stream
+                    .memcpy_dtod(&src, &mut dst)
+                    .map_err(|e| cuda_err("copying output rows", e))?;
+            }
+        }
+        let block = Arc::new(OutputBlock {
             data,
-            rows,
-            cols,
-            argmax: Mutex::new(None),
+            len: size * all.len(),
             host: Mutex::new(None),
-        }))
+        });
+        Ok((0..all.len())
+            .map(|i| {
+                Arc::new(StepMatrix {
+                    gpu: self.gpu.clone(),
+                    block: block.clone(),
+                    offset: i * size,
+                    rows,
+                    cols,
+                    argmax: Mutex::new(None),
+                })
+            })
+            .collect())
     }
 }
 
@@ -983,10 +1003,19 @@ impl Workspace {
 /// each sequence gets; its row argmax and (for narrow matrices) its host copy are read back once, on first use.
 pub struct StepMatrix {
     gpu: Arc<Gpu>,
-    data: CudaSlice<f32>,
+    block: Arc<OutputBlock>,
+    /// Where the matrix starts in the block (elements).
+    offset: usize,
     rows: usize,
     cols: usize,
     argmax: Mutex<Option<Vec<u32>>>,
+}
+
+/// Device memory holding one or more step matrices copied out together (a step's captured layers), and its host
+/// copy, read back whole on the first read of any of them.
+struct OutputBlock {
+    data: CudaSlice<f32>,
+    len: usize,
     host: Mutex<Option<Vec<f32>>>,
 }
 
@@ -1001,14 +1030,20 @@ impl StepMatrix {
             .lock()
             .map_err(|_| Error::Cuda("a step output's lock is poisoned".into()))?;
         if cached.is_none() {
-            *cached = Some(device_argmax(&self.gpu, &self.data, self.rows, self.cols)?);
+            *cached = Some(device_argmax(
+                &self.gpu,
+                self.device_ptr(),
+                self.rows,
+                self.cols,
+            )?);
         }
         Ok(cached.clone().unwrap_or_default())
     }
 
-    /// Runs `f` on the whole matrix on the host (read back on first use).
+    /// Runs `f` on the whole matrix on the host (its block read back on first use).
     fn with_host<T>(&self, f: impl FnOnce(&[f32]) -> T) -> Result<T> {
-        let mut cached = self
+        let block = &*self.block;
+        let mut cached = block
             .host
             .lock()
             .map_err(|_| Error::Cuda("a step output's lock is poisoned".into()))?;
@@ -1016,11 +1051,26 @@ impl StepMatrix {
             *cached = Some(
                 self.gpu
                     .stream
-                    .clone_dtoh(&self.data.slice(0..self.rows * self.cols))
+                    .clone_dtoh(&block.data.slice(0..block.len))
                     .map_err(|e| cuda_err("reading a step's outputs", e))?,
             );
         }
-        Ok(f(cached.as_deref().unwrap_or_default()))
+        let host = cached.as_deref().unwrap_or_default();
+        Ok(f(host
+            .get(self.offset..self.offset + self.rows * self.cols)
+            .unwrap_or_default()))
+    }
+
+    /// The device address of the matrix's first element.
+    fn device_ptr(&self) -> u64 {
+        ptr(&self.block.data, &self.gpu) + (4 * self.offset) as u64
+    }
+
+    /// Elements `range` of the matrix, as a slice of its block.
+    fn slice(&self, range: std::ops::Range<usize>) -> cudarc::driver::CudaView<'_, f32> {
+        self.block
+            .data
+            .slice(self.offset + range.start..self.offset + range.end)
     }
 }
 
@@ -1047,12 +1097,7 @@ impl DeviceRows {
 }
 
 /// Each row's largest element (the first on ties) of a `rows x cols` device matrix.
-fn device_argmax(
-    gpu: &Arc<Gpu>,
-    data: &CudaSlice<f32>,
-    rows: usize,
-    cols: usize,
-) -> Result<Vec<u32>> {
+fn device_argmax(gpu: &Arc<Gpu>, data: u64, rows: usize, cols: usize) -> Result<Vec<u32>> {
     if rows == 0 {
         return Ok(Vec::new());
     }
@@ -1077,7 +1122,7 @@ fn device_argmax(
         argmax_partial,
         (rows as u32, parts as u32, 1),
         256,
-        ptr(data, gpu),
+        data,
         ptr(&part_val, gpu),
         ptr(&part_idx, gpu),
         cols as i32
@@ -1127,7 +1172,7 @@ impl RowMatrix for DeviceRows {
                     .with_host(|m| m[r * cols..(r + 1) * cols].to_vec())?,
             ));
         }
-        let view = self.all.data.slice(r * cols..(r + 1) * cols);
+        let view = self.all.slice(r * cols..(r + 1) * cols);
         let host = self
             .all
             .gpu
@@ -1146,7 +1191,7 @@ impl RowMatrix for DeviceRows {
             .all
             .gpu
             .stream
-            .clone_dtoh(&self.all.data.slice(self.range()))
+            .clone_dtoh(&self.all.slice(self.range()))
             .map_err(|e| cuda_err("reading a matrix", e))?;
         Ok(Cow::Owned(host))
     }
@@ -1170,7 +1215,7 @@ impl RowMatrix for DeviceRows {
             gather_columns,
             (blocks, self.rows as u32, 1),
             256,
-            ptr(&self.all.data, gpu) + (4 * self.from * self.all.cols) as u64,
+            self.all.device_ptr() + (4 * self.from * self.all.cols) as u64,
             ptr(&index, gpu),
             ptr(&out, gpu),
             cols.len() as i32,
