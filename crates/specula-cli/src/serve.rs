@@ -53,6 +53,11 @@ pub struct ServeArgs {
     /// Seconds a request may take from queueing to its last token; past it, it ends with a timeout error (504).
     #[arg(long)]
     pub request_timeout: Option<f64>,
+    /// Do not keep finished requests' KV caches for later prompts that start the same way (by default they stay
+    /// in the KV memory running requests leave free, least recently used first out; `usage.prompt_tokens_details
+    /// .cached_tokens` says how many prompt tokens a request reused).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
 }
 
 /// A size in bytes: a number with an optional unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB as powers of 1000).
@@ -170,6 +175,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         prefill_chunk: args.prefill_chunk,
         request_timeout,
         adaptive_drafts: args.draft_policy == "adaptive",
+        prefix_cache: !args.no_prefix_cache,
     };
     let engine = Engine::start(target, draft, options, metrics.clone());
     let state = Arc::new(AppState {

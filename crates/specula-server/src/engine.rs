@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use specula::chat::ChatMessage;
-use specula::decode::{self, GenerateRequest, Generation, StepLimits, StopReason};
+use specula::decode::{self, GenerateRequest, Generation, PrefixCache, StepLimits, StopReason};
 use specula::draft::budget::{DraftBudget, DraftCandidate};
 use specula::draft::model::ModelDrafter;
 use specula::draft::ngram::NgramDrafter;
@@ -81,6 +81,9 @@ pub struct EngineOptions {
     /// Choose each request's draft length every step from the measured step costs and its acceptance
     /// ([`specula::draft::budget::DraftBudget`]); false: always `draft_tokens`.
     pub adaptive_drafts: bool,
+    /// Keep finished requests' KV caches in the KV memory running requests leave free, so that later prompts
+    /// starting the same way skip that part of their prefill ([`specula::decode::PrefixCache`]).
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineOptions {
@@ -93,6 +96,7 @@ impl Default for EngineOptions {
             prefill_chunk: 256,
             request_timeout: None,
             adaptive_drafts: true,
+            prefix_cache: true,
         }
     }
 }
@@ -170,6 +174,8 @@ impl Failure {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Finished {
     pub prompt_tokens: usize,
+    /// Of those, the tokens taken from the prefix cache.
+    pub cached_prompt_tokens: usize,
     pub completion_tokens: usize,
     /// OpenAI's finish_reason: "stop" (end of turn or a stop sequence) or "length".
     pub finish_reason: &'static str,
@@ -256,6 +262,7 @@ impl Engine {
                     profiling: &engine_profiling,
                     next_id: std::cell::Cell::new(0),
                     budget: std::cell::RefCell::new(DraftBudget::new()),
+                    prefixes: std::cell::RefCell::new(PrefixCache::new()),
                 }
                 .run()
             })
@@ -513,6 +520,9 @@ struct EngineLoop<'a> {
     profiling: &'a Profiling,
     next_id: std::cell::Cell<u64>,
     budget: std::cell::RefCell<DraftBudget>,
+    /// Finished requests' caches (empty unless `options.prefix_cache`), within the KV memory the running
+    /// requests leave.
+    prefixes: std::cell::RefCell<PrefixCache>,
 }
 
 /// A request taken from the queue, tokenized and checked, waiting for KV memory.
@@ -576,6 +586,10 @@ impl<'a> EngineLoop<'a> {
                     .kv_usage
                     .set(kv_reserved as f64 / self.options.kv_memory.max(1) as f64);
                 self.finish(r, outcome);
+                // Its cache may have joined the prefix cache, in the memory it had reserved.
+                self.prefixes
+                    .borrow_mut()
+                    .shrink_to(self.options.kv_memory.saturating_sub(kv_reserved));
             }
             running = still;
         }
@@ -648,6 +662,12 @@ impl<'a> EngineLoop<'a> {
                     None => continue,
                 },
             };
+            // Cached prefixes give way to requests (least recently used first).
+            self.prefixes.borrow_mut().shrink_to(
+                self.options
+                    .kv_memory
+                    .saturating_sub(*kv_reserved + admission.kv_bytes),
+            );
             if *kv_reserved + admission.kv_bytes > self.options.kv_memory && !running.is_empty() {
                 // Waits for running requests to leave; nothing behind it overtakes it (first come, first served).
                 *held = Some(admission);
@@ -781,7 +801,7 @@ impl<'a> EngineLoop<'a> {
             None => Generation::new(model, a.request),
         });
         self.next_id.set(self.next_id.get() + 1);
-        let generation = match generation {
+        let mut generation = match generation {
             Ok(g) => g,
             Err(e) => {
                 let _ = a
@@ -791,6 +811,18 @@ impl<'a> EngineLoop<'a> {
                 return None;
             }
         };
+        if self.options.prefix_cache {
+            // A failed copy leaves the generation as it was: it prefills its whole prompt.
+            let reused = self
+                .prefixes
+                .borrow_mut()
+                .adopt_into(&mut generation)
+                .unwrap_or(0);
+            self.metrics
+                .prefix_cache_queries
+                .inc_by(generation.request().prompt_tokens.len() as u64);
+            self.metrics.prefix_cache_hits.inc_by(reused as u64);
+        }
         let _ = a.job.events.send(Event::Started {
             prompt_tokens: generation.request().prompt_tokens.len(),
         });
@@ -1160,6 +1192,7 @@ impl<'a> EngineLoop<'a> {
             timed_out,
             phase_seconds,
             steps,
+            kv_bytes,
             ..
         } = r;
         let failure = match outcome {
@@ -1177,10 +1210,14 @@ impl<'a> EngineLoop<'a> {
             let _ = out.job.events.send(Event::Done(Err(f)));
             return;
         }
-        let result = generation.finish(&self.model.tokenizer, &mut |t| out.take_text(t));
+        let result =
+            generation.finish_keeping_prefix(&self.model.tokenizer, &mut |t| out.take_text(t));
         let done = match result {
             Err(e) => Err(Failure::Internal(e.to_string())),
-            Ok(g) => {
+            Ok((g, prefix)) => {
+                if let Some(p) = prefix.filter(|_| self.options.prefix_cache) {
+                    self.prefixes.borrow_mut().insert(p, kv_bytes);
+                }
                 out.flush();
                 let finish_reason = match g.stop_reason {
                     StopReason::MaxTokens | StopReason::ContextFull => "length",
@@ -1210,6 +1247,7 @@ impl<'a> EngineLoop<'a> {
                 }
                 let finished = Finished {
                     prompt_tokens: g.prompt_tokens,
+                    cached_prompt_tokens: g.cached_prompt_tokens,
                     completion_tokens: g.tokens.len(),
                     finish_reason,
                     drafted: spec.map_or(0, |s| s.drafted),

@@ -513,6 +513,8 @@ fn usage(f: &Finished) -> Value {
         "prompt_tokens": f.prompt_tokens,
         "completion_tokens": f.completion_tokens,
         "total_tokens": f.prompt_tokens + f.completion_tokens,
+        // OpenAI's field: prompt tokens served from the prefix cache.
+        "prompt_tokens_details": {"cached_tokens": f.cached_prompt_tokens},
         "speculation": {
             "drafted": f.drafted,
             "accepted": f.accepted,

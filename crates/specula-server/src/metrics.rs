@@ -25,6 +25,10 @@ pub struct Metrics {
     pub e2e: Histogram,
     pub prompt_tokens: IntCounter,
     pub generation_tokens: IntCounter,
+    /// Prompt tokens looked up in the prefix cache, and those found there (vLLM's `prefix_cache_queries` and
+    /// `prefix_cache_hits`, in tokens).
+    pub prefix_cache_queries: IntCounter,
+    pub prefix_cache_hits: IntCounter,
     pub num_drafts: IntCounter,
     pub num_draft_tokens: IntCounter,
     pub num_accepted_tokens: IntCounter,
@@ -181,6 +185,14 @@ impl Metrics {
             ),
             prompt_tokens: counter("specula:prompt_tokens_total", "Prompt tokens processed."),
             generation_tokens: counter("specula:generation_tokens_total", "Tokens generated."),
+            prefix_cache_queries: counter(
+                "specula:prefix_cache_queries",
+                "Prompt tokens of admitted requests, looked up in the prefix cache.",
+            ),
+            prefix_cache_hits: counter(
+                "specula:prefix_cache_hits",
+                "Prompt tokens whose keys and values came from the prefix cache.",
+            ),
             num_drafts: counter(
                 "specula:spec_decode_num_drafts",
                 "Verify cycles that verified a draft.",

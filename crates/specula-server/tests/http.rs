@@ -1019,3 +1019,74 @@ fn a_full_queue_answers_429_and_a_client_that_leaves_frees_its_slot() {
     assert_eq!(metric(&m, "specula:num_requests_waiting"), 0.0);
     assert_eq!(metric(&m, "specula:kv_cache_usage_perc"), 0.0);
 }
+
+/// A prompt seen before starts from the keys and values its earlier request left (the prefix cache): the same
+/// answer, the reused tokens in `usage.prompt_tokens_details.cached_tokens` and in the metrics; a conversation's
+/// next turn reuses the whole first turn; `prefix_cache: false` reuses nothing.
+#[test]
+fn repeated_prompts_reuse_their_prefix_and_answer_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let prompt = "the tea and the cake, the tea and the cake, then the tea";
+    let want = expected(&reference, prompt, 12);
+    let prompt_tokens = reference.tokenizer.encode(prompt).unwrap().len() as u64;
+    let ask = |addr: SocketAddr, prompt: &str| {
+        let (status, v) = post(
+            addr,
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{v}");
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        (
+            v["choices"][0]["text"].as_str().unwrap().to_string(),
+            cached,
+        )
+    };
+    for (draft, on) in [
+        (DraftSetup::None, true),
+        (DraftSetup::Ngram, true),
+        (DraftSetup::None, false),
+    ] {
+        let addr = start(
+            tiny(dir.path()),
+            draft,
+            None,
+            EngineOptions {
+                prefix_cache: on,
+                ..queue(8)
+            },
+        );
+        let mut cached = Vec::new();
+        for _ in 0..3 {
+            let (text, c) = ask(addr, prompt);
+            assert_eq!(text, want);
+            cached.push(c);
+        }
+        let reused = if on { prompt_tokens - 1 } else { 0 };
+        assert_eq!(cached, [0, reused, reused]);
+        // The next turn holds the first prompt and its answer: everything cached is reused.
+        let next = format!("{prompt}{want} and more tea");
+        let next_tokens = reference.tokenizer.encode(&next).unwrap().len() as u64;
+        let (text, c) = ask(addr, &next);
+        assert_eq!(text, expected(&reference, &next, 12));
+        if on {
+            assert!(c > prompt_tokens, "{c} of {next_tokens} reused");
+        } else {
+            assert_eq!(c, 0);
+        }
+        let (_, _, m) = http(addr, "GET", "/metrics", None, &[]);
+        let queries = if on {
+            3 * prompt_tokens + next_tokens
+        } else {
+            0
+        };
+        assert_eq!(metric(&m, "specula:prefix_cache_queries"), queries as f64);
+        assert_eq!(
+            metric(&m, "specula:prefix_cache_hits"),
+            (cached.iter().sum::<u64>() + c) as f64
+        );
+    }
+}

@@ -8,8 +8,10 @@
 //! Plain decoding is the speculative cycle with no drafter: `verify` runs the target over one pending token.
 
 pub mod generation;
+pub mod prefix;
 
-pub use generation::{step, Generation, StepLimits, StepReport};
+pub use generation::{step, CachedPrefix, Generation, StepLimits, StepReport};
+pub use prefix::PrefixCache;
 
 use crate::draft::Drafter;
 use crate::error::{Error, Result};
@@ -64,6 +66,8 @@ impl Timing {
 #[derive(Debug, Clone)]
 pub struct GenerateOutput {
     pub prompt_tokens: usize,
+    /// Of those, the tokens whose keys and values came from a prefix cache (not computed again).
+    pub cached_prompt_tokens: usize,
     /// Generated tokens, without the stop token.
     pub tokens: Vec<u32>,
     pub text: String,

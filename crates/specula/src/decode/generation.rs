@@ -16,7 +16,7 @@
 use std::time::Instant;
 
 use crate::draft::eagle3::{HeadCompute, HeadInput, HeadPass};
-use crate::draft::{BatchedPass, BatchedStart, Draft, Drafter};
+use crate::draft::{BatchedPass, BatchedStart, Draft, Drafter, DrafterPrefix};
 use crate::error::{Error, Result};
 use crate::model::forward::check_batch;
 use crate::model::{
@@ -53,6 +53,8 @@ pub struct Generation<'d> {
     timing: Timing,
     /// Prompt tokens already in the cache.
     prefilled: usize,
+    /// Of those, the tokens taken from a prefix cache ([`Self::adopt_prefix`]).
+    cached_prompt_tokens: usize,
     stop: Option<StopReason>,
     started: Option<Instant>,
     decode_started: Option<Instant>,
@@ -105,6 +107,7 @@ impl<'d> Generation<'d> {
             stats: None,
             timing: Timing::default(),
             prefilled: 0,
+            cached_prompt_tokens: 0,
             stop: None,
             started: None,
             decode_started: None,
@@ -476,10 +479,21 @@ impl<'d> Generation<'d> {
 
     /// The output of a generation that is done (or abandoned): the rest of its text goes to `on_text` first.
     pub fn finish(
-        mut self,
+        self,
         tokenizer: &Tokenizer,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<GenerateOutput> {
+        self.finish_keeping_prefix(tokenizer, on_text)
+            .map(|(output, _)| output)
+    }
+
+    /// [`Self::finish`], also handing over its KV cache and its drafter's state for later requests whose
+    /// prompts start the same way (None while a step is in flight: its cache holds rows no context owns).
+    pub fn finish_keeping_prefix(
+        mut self,
+        tokenizer: &Tokenizer,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<(GenerateOutput, Option<CachedPrefix>)> {
         if let Some(at) = self.decode_started {
             self.timing.decode_s = at.elapsed().as_secs_f64();
         }
@@ -487,15 +501,104 @@ impl<'d> Generation<'d> {
             on_text(&rest);
         }
         let text = tokenizer.decode(&self.tokens)?;
-        Ok(GenerateOutput {
-            prompt_tokens: self.req.prompt_tokens.len(),
-            tokens: self.tokens,
-            text,
-            stop_reason: self.stop.unwrap_or(StopReason::Cancelled),
-            timing: self.timing,
-            speculation: self.stats,
-        })
+        let prefix = (self.planned.is_none() && !self.cache.is_empty()).then(|| {
+            let positions = self.cache.len();
+            CachedPrefix {
+                tokens: self.context[..positions.min(self.context.len())].to_vec(),
+                drafter: self.drafter.as_mut().and_then(|d| d.release_prefix()),
+                target: self.cache,
+            }
+        });
+        Ok((
+            GenerateOutput {
+                prompt_tokens: self.req.prompt_tokens.len(),
+                cached_prompt_tokens: self.cached_prompt_tokens,
+                tokens: self.tokens,
+                text,
+                stop_reason: self.stop.unwrap_or(StopReason::Cancelled),
+                timing: self.timing,
+                speculation: self.stats,
+            },
+            prefix,
+        ))
     }
+
+    /// How many positions of `prefix` this generation could start from: as far as its prompt agrees with
+    /// `prefix.tokens`, short of the prompt's last token (its pass gives the first token's logits), and, for a
+    /// drafter that reads the target's features of every position (EAGLE-3), as far as the drafter's state
+    /// reaches. 0 once the generation has started.
+    pub fn prefix_reach(&self, prefix: &CachedPrefix) -> usize {
+        if self.prefilled > 0 || !self.cache.is_empty() || self.planned.is_some() {
+            return 0;
+        }
+        let prompt = &self.req.prompt_tokens;
+        let common = prompt
+            .iter()
+            .zip(&prefix.tokens)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(prefix.target.len());
+        let n = common
+            .min(prompt.len().saturating_sub(1))
+            .min(self.cache.capacity());
+        if self.capture.is_empty() {
+            return n;
+        }
+        match (self.drafter.as_ref(), prefix.drafter.as_ref()) {
+            (Some(d), Some(p)) => n.min(d.prefix_reach(p, common)),
+            _ => 0,
+        }
+    }
+
+    /// Starts from the first `n` positions of `prefix` (at most [`Self::prefix_reach`]): the KV cache takes
+    /// their keys and values, the drafter its state, and prefill begins at position `n`. The output is the same
+    /// as without it (the rows are the ones this prompt would compute). On an error nothing changed.
+    pub fn adopt_prefix(&mut self, prefix: &CachedPrefix, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let reach = self.prefix_reach(prefix);
+        if n > reach {
+            return Err(Error::InvalidArgument(format!(
+                "cannot start from {n} cached positions: this generation can reuse {reach}"
+            )));
+        }
+        let drafter = match (
+            self.capture.is_empty(),
+            self.drafter.as_mut(),
+            &prefix.drafter,
+        ) {
+            (true, _, _) => None,
+            (false, Some(d), Some(p)) => {
+                d.adopt_prefix(p, n)?;
+                Some((d, p))
+            }
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "the drafter needs the target's features of the cached positions".into(),
+                ))
+            }
+        };
+        if let Err(e) = self.cache.copy_prefix_from(&*prefix.target, n) {
+            if let Some((d, p)) = drafter {
+                let _ = d.adopt_prefix(p, 0);
+            }
+            self.cache.truncate(0);
+            return Err(e);
+        }
+        self.prefilled = n;
+        self.cached_prompt_tokens = n;
+        Ok(())
+    }
+}
+
+/// A finished generation's KV cache, the tokens at its positions, and its drafter's state: what a prefix cache
+/// keeps so that later requests whose prompts start the same way skip that part of their prefill.
+pub struct CachedPrefix {
+    /// The token at each cached position (prompt and generated tokens, without the last, pending one).
+    pub tokens: Vec<u32>,
+    pub target: Box<dyn SequenceCache>,
+    pub drafter: Option<DrafterPrefix>,
 }
 
 /// Limits of one step.

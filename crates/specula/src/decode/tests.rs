@@ -1170,3 +1170,142 @@ fn one_failing_or_cancelled_generation_leaves_its_batch_alone() {
     let good = good.finish(&target.tokenizer, &mut |_| {}).unwrap();
     assert_eq!(good.tokens, want.tokens);
 }
+
+/// Runs `g` alone to its end, one step at a time, and returns its output with what it leaves for a prefix cache.
+fn run_to_end(
+    target: &LoadedModel,
+    mut g: Generation<'_>,
+) -> (GenerateOutput, Option<CachedPrefix>) {
+    for _ in 0..1000 {
+        if g.is_done() {
+            break;
+        }
+        let (results, _) = step(
+            target.model.as_ref(),
+            &target.tokenizer,
+            &mut [&mut g],
+            StepLimits::default(),
+            &Profiler::disabled(),
+            &mut |_, _| {},
+        );
+        results.into_iter().for_each(|r| r.unwrap());
+    }
+    g.finish_keeping_prefix(&target.tokenizer, &mut |_| {})
+        .unwrap()
+}
+
+#[test]
+fn a_prefix_cache_hit_skips_the_cached_prefill_and_changes_no_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            seed: 3,
+            ..Default::default()
+        },
+    );
+    let model = target.model.as_ref();
+    let prompt: Vec<u32> = PROMPT.iter().chain(&PROMPT).copied().collect();
+    let first = Generation::new(model, request(&prompt, 20, SamplingParams::default())).unwrap();
+    let (out, prefix) = run_to_end(&target, first);
+    let prefix = prefix.expect("a finished generation leaves its cache");
+    // Every position but the last token's, which was generated and never fed back.
+    assert_eq!(prefix.tokens.len(), prompt.len() + 19);
+    assert_eq!(prefix.tokens[..prompt.len()], prompt[..]);
+    let mut cache = PrefixCache::new();
+    cache.insert(prefix, 1000);
+    assert_eq!((cache.len(), cache.bytes()), (1, 1000));
+
+    // The conversation's next turn: its prompt holds the first turn whole, then more.
+    let mut next: Vec<u32> = prompt.iter().chain(&out.tokens).copied().collect();
+    next.extend_from_slice(&[32, 72, 101, 108]);
+    // The same prompt again: all but its last token (whose pass gives the first token's logits).
+    for (p, reused) in [(&next, prompt.len() + 19), (&prompt, prompt.len() - 1)] {
+        let fresh = run(&target, &request(p, 16, SamplingParams::default()), None);
+        let mut g = Generation::new(model, request(p, 16, SamplingParams::default())).unwrap();
+        assert_eq!(cache.adopt_into(&mut g).unwrap(), reused);
+        assert_eq!(g.prompt_left(), p.len() - reused);
+        let (out, _) = run_to_end(&target, g);
+        assert_eq!(out.tokens, fresh.tokens);
+        assert_eq!(
+            (out.cached_prompt_tokens, fresh.cached_prompt_tokens),
+            (reused, 0)
+        );
+    }
+
+    // A prompt that shares too little is not helped, and a started generation takes nothing.
+    let other: Vec<u32> = prompt.iter().rev().copied().collect();
+    let mut g = Generation::new(model, request(&other, 4, SamplingParams::default())).unwrap();
+    assert_eq!(cache.adopt_into(&mut g).unwrap(), 0);
+    let mut g = Generation::new(model, request(&prompt, 4, SamplingParams::default())).unwrap();
+    let (results, _) = step(
+        model,
+        &target.tokenizer,
+        &mut [&mut g],
+        StepLimits::default(),
+        &Profiler::disabled(),
+        &mut |_, _| {},
+    );
+    results.into_iter().for_each(|r| r.unwrap());
+    assert_eq!(cache.adopt_into(&mut g).unwrap(), 0);
+}
+
+#[test]
+fn the_prefix_cache_keeps_the_longest_conversation_and_evicts_the_least_recently_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(dir.path(), "t.gguf", TinySpec::default());
+    let model = target.model.as_ref();
+    let entry = |tokens: Vec<u32>| {
+        let mut cache = model.new_cache(64).unwrap();
+        let mut g = Generation::new(model, request(&tokens, 1, SamplingParams::default())).unwrap();
+        // Fill a cache with the prompt's rows through a generation of one token.
+        let (results, _) = step(
+            model,
+            &target.tokenizer,
+            &mut [&mut g],
+            StepLimits::default(),
+            &Profiler::disabled(),
+            &mut |_, _| {},
+        );
+        results.into_iter().for_each(|r| r.unwrap());
+        let (_, p) = g
+            .finish_keeping_prefix(&target.tokenizer, &mut |_| {})
+            .unwrap();
+        let p = p.unwrap();
+        cache.copy_prefix_from(&*p.target, p.tokens.len()).unwrap();
+        CachedPrefix {
+            tokens: p.tokens,
+            target: cache,
+            drafter: None,
+        }
+    };
+    let a: Vec<u32> = (0..20).map(|i| 40 + i).collect();
+    let a_longer: Vec<u32> = (0..30).map(|i| 40 + i).collect();
+    let b: Vec<u32> = (0..20).map(|i| 90 + i).collect();
+    let c: Vec<u32> = (0..20).map(|i| 60 + i).collect();
+    let mut cache = PrefixCache::new();
+    cache.insert(entry(a.clone()), 100);
+    // Too short to be worth keeping.
+    cache.insert(entry(a[..8].to_vec()), 100);
+    assert_eq!((cache.len(), cache.bytes()), (1, 100));
+    // The same conversation, longer: the shorter entry goes.
+    cache.insert(entry(a_longer.clone()), 150);
+    assert_eq!((cache.len(), cache.bytes()), (1, 150));
+    // Already covered: nothing new.
+    cache.insert(entry(a.clone()), 100);
+    assert_eq!((cache.len(), cache.bytes()), (1, 150));
+    cache.insert(entry(b.clone()), 100);
+    cache.insert(entry(c.clone()), 100);
+    assert_eq!((cache.len(), cache.bytes()), (3, 350));
+    // A hit makes the longer conversation the most recently used; b is the least.
+    let mut g = Generation::new(model, request(&a_longer, 2, SamplingParams::default())).unwrap();
+    assert_eq!(cache.adopt_into(&mut g).unwrap(), 29);
+    assert_eq!(cache.shrink_to(260), 100);
+    let mut g = Generation::new(model, request(&b, 2, SamplingParams::default())).unwrap();
+    assert_eq!(cache.adopt_into(&mut g).unwrap(), 0, "b was evicted");
+    let mut g = Generation::new(model, request(&c, 2, SamplingParams::default())).unwrap();
+    assert_eq!(cache.adopt_into(&mut g).unwrap(), 19);
+    assert_eq!(cache.shrink_to(0), 250);
+    assert!(cache.is_empty());
+}

@@ -160,6 +160,48 @@ pub trait Drafter {
             self.method()
         )))
     }
+
+    /// Hands over what a later request whose context starts the same way could reuse (the drafter's generation
+    /// is over). None by default: drafters that rebuild their state from the context (prompt lookup, a draft
+    /// model's cache, fed lazily) need nothing.
+    fn release_prefix(&mut self) -> Option<DrafterPrefix> {
+        None
+    }
+
+    /// How many positions of a new context it could start from `prefix` with, when the new context shares its
+    /// first `common` tokens with the one `prefix` came from. 0 by default.
+    fn prefix_reach(&self, prefix: &DrafterPrefix, common: usize) -> usize {
+        let _ = (prefix, common);
+        0
+    }
+
+    /// Starts a new generation from the first `n` positions of `prefix` (`n` at most [`Self::prefix_reach`]):
+    /// afterwards it expects the target's features from position `n` on. On an error it is left empty.
+    fn adopt_prefix(&mut self, prefix: &DrafterPrefix, n: usize) -> Result<()> {
+        let _ = (prefix, n);
+        Err(crate::error::Error::InvalidArgument(format!(
+            "drafter {} cannot start from another request's state",
+            self.method()
+        )))
+    }
+}
+
+/// A finished drafter's state that a later request may start from (a prefix cache keeps it beside the target's
+/// KV cache): an EAGLE-3 head's cache and the target features it had not fed yet.
+pub struct DrafterPrefix {
+    /// The drafter's cache, one row per target position `0..cache.len()`. An EAGLE-3 row reads its position's
+    /// target features and the next token, so row `i` holds for contexts agreeing on tokens `0..=i + 1`.
+    pub cache: Box<dyn crate::model::forward::SequenceCache>,
+    /// Target features of positions `cache.len()..`, `width` values each.
+    pub features: Vec<f32>,
+    pub width: usize,
+}
+
+impl DrafterPrefix {
+    /// Positions it covers: cache rows and waiting features.
+    pub fn positions(&self) -> usize {
+        self.cache.len() + self.features.len() / self.width.max(1)
+    }
 }
 
 /// A borrowed drafter drafts as itself (a [`crate::decode::Generation`] owns its drafter; a caller that keeps
@@ -222,6 +264,18 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
 
     fn observe_verify(&mut self, tokens: usize, seconds: f64) {
         (**self).observe_verify(tokens, seconds)
+    }
+
+    fn release_prefix(&mut self) -> Option<DrafterPrefix> {
+        (**self).release_prefix()
+    }
+
+    fn prefix_reach(&self, prefix: &DrafterPrefix, common: usize) -> usize {
+        (**self).prefix_reach(prefix, common)
+    }
+
+    fn adopt_prefix(&mut self, prefix: &DrafterPrefix, n: usize) -> Result<()> {
+        (**self).adopt_prefix(prefix, n)
     }
 }
 

@@ -307,8 +307,34 @@ pub trait SequenceCache: Send {
     /// path) at `base..base + rows.len()` and forgets the rest.
     fn keep_new_rows(&mut self, base: usize, rows: &[usize]) -> Result<()>;
 
+    /// Replaces its contents with the first `n` positions of `src`, a cache of the same model and backend (a
+    /// prefix cache hands a new request the keys and values of a prompt start it has seen). Fails, changing
+    /// nothing, when `src` holds fewer positions, `n` exceeds this cache's capacity, or the two differ in kind or
+    /// shape.
+    fn copy_prefix_from(&mut self, src: &dyn SequenceCache, n: usize) -> Result<()> {
+        let _ = (src, n);
+        Err(Error::InvalidArgument(
+            "this KV cache cannot take positions from another".into(),
+        ))
+    }
+
     fn as_any(&self) -> &dyn std::any::Any;
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
+/// The checks every [`SequenceCache::copy_prefix_from`] makes: `src` holds `n` positions and `n` fits.
+pub fn check_prefix_copy(src_len: usize, n: usize, capacity: usize) -> Result<()> {
+    if n > src_len {
+        return Err(Error::InvalidArgument(format!(
+            "cannot copy {n} positions from a cache holding {src_len}"
+        )));
+    }
+    if n > capacity {
+        return Err(Error::InvalidArgument(format!(
+            "cannot copy {n} positions into a cache of capacity {capacity}"
+        )));
+    }
+    Ok(())
 }
 
 /// A `rows x cols` matrix of f32 that lives where it was computed (host memory, or a device's).

@@ -123,6 +123,38 @@ impl KvCache {
         self.len = len;
     }
 
+    /// Replaces its contents with the first `n` positions of `src` (same shape).
+    pub fn copy_prefix(&mut self, src: &KvCache, n: usize) -> Result<()> {
+        crate::model::forward::check_prefix_copy(src.len, n, self.max_len)?;
+        if (src.layers.len(), src.num_kv_heads, src.head_dim)
+            != (self.layers.len(), self.num_kv_heads, self.head_dim)
+        {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "cannot copy positions between KV caches of different shapes ({} layers x {} heads x {} against \
+                 {} x {} x {})",
+                src.layers.len(),
+                src.num_kv_heads,
+                src.head_dim,
+                self.layers.len(),
+                self.num_kv_heads,
+                self.head_dim
+            )));
+        }
+        self.len = 0;
+        self.reserve(n);
+        let (hd, dst_cap, src_cap) = (self.head_dim, self.allocated, src.allocated);
+        for (dst, from) in self.layers.iter_mut().zip(&src.layers) {
+            for (d, s) in [(&mut dst.keys, &from.keys), (&mut dst.values, &from.values)] {
+                for h in 0..self.num_kv_heads {
+                    let (di, si) = (h * dst_cap * hd, h * src_cap * hd);
+                    d[di..di + n * hd].copy_from_slice(&s[si..si + n * hd]);
+                }
+            }
+        }
+        self.len = n;
+        Ok(())
+    }
+
     /// Bytes held by the cache buffers.
     pub fn allocated_bytes(&self) -> usize {
         self.layers.len() * 2 * self.num_kv_heads * self.allocated * self.head_dim * 4
@@ -161,6 +193,15 @@ impl SequenceCache for KvCache {
         }
         self.len = base + rows.len();
         Ok(())
+    }
+
+    fn copy_prefix_from(&mut self, src: &dyn SequenceCache, n: usize) -> Result<()> {
+        let src = src.as_any().downcast_ref::<KvCache>().ok_or_else(|| {
+            crate::error::Error::InvalidArgument(
+                "a CPU KV cache can take positions only from another CPU KV cache".into(),
+            )
+        })?;
+        self.copy_prefix(src, n)
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

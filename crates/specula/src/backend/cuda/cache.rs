@@ -52,6 +52,38 @@ impl CudaKvCache {
         })
     }
 
+    /// Replaces its contents with the first `n` positions of `src` (same shape): one device copy per layer,
+    /// keys or values, and KV head (the two caches' capacities, hence strides, may differ).
+    pub fn copy_prefix(&mut self, src: &CudaKvCache, n: usize) -> Result<()> {
+        crate::model::forward::check_prefix_copy(src.len, n, self.capacity)?;
+        if (src.num_layers, src.kv_heads, src.head_dim)
+            != (self.num_layers, self.kv_heads, self.head_dim)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "cannot copy positions between KV caches of different shapes ({} layers x {} heads x {} against \
+                 {} x {} x {})",
+                src.num_layers, src.kv_heads, src.head_dim, self.num_layers, self.kv_heads, self.head_dim
+            )));
+        }
+        self.len = 0;
+        let hd = self.head_dim;
+        if n > 0 {
+            for block in 0..self.num_layers * 2 * self.kv_heads {
+                let from = src
+                    .data
+                    .slice(block * src.capacity * hd..block * src.capacity * hd + n * hd);
+                let at = block * self.capacity * hd;
+                let mut to = self.data.slice_mut(at..at + n * hd);
+                self.gpu
+                    .stream
+                    .memcpy_dtod(&from, &mut to)
+                    .map_err(|e| cuda_err("copying KV cache positions", e))?;
+            }
+        }
+        self.len = n;
+        Ok(())
+    }
+
     /// The device address of the cache (for the kernels' per-sequence table).
     pub(crate) fn device_ptr(&self) -> u64 {
         let (ptr, _sync) = self.data.device_ptr(&self.gpu.stream);
@@ -107,6 +139,20 @@ impl SequenceCache for CudaKvCache {
         }
         self.len = base + rows.len();
         Ok(())
+    }
+
+    fn copy_prefix_from(&mut self, src: &dyn SequenceCache, n: usize) -> Result<()> {
+        let src = src.as_any().downcast_ref::<CudaKvCache>().ok_or_else(|| {
+            Error::InvalidArgument(
+                "a GPU KV cache can take positions only from another GPU KV cache".into(),
+            )
+        })?;
+        if !Arc::ptr_eq(&src.gpu, &self.gpu) {
+            return Err(Error::InvalidArgument(
+                "cannot copy KV cache positions between GPUs".into(),
+            ));
+        }
+        self.copy_prefix(src, n)
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -136,6 +136,21 @@ impl SequenceCache for CudaHeadCache {
         self.kv.keep_new_rows(base, rows)
     }
 
+    fn copy_prefix_from(&mut self, src: &dyn SequenceCache, n: usize) -> Result<()> {
+        let src = src
+            .as_any()
+            .downcast_ref::<CudaHeadCache>()
+            .ok_or_else(|| {
+                Error::InvalidArgument(
+                    "a GPU head cache can take positions only from another GPU head cache".into(),
+                )
+            })?;
+        self.kv.copy_prefix_from(&src.kv, n)?;
+        // The next pass feeds target features (no chain continues from an earlier output).
+        self.has_last = false;
+        Ok(())
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }

@@ -207,6 +207,18 @@ impl SequenceCache for CpuHeadCache {
         self.kv.keep_new_rows(base, rows)
     }
 
+    fn copy_prefix_from(&mut self, src: &dyn SequenceCache, n: usize) -> Result<()> {
+        let src = src.as_any().downcast_ref::<CpuHeadCache>().ok_or_else(|| {
+            Error::InvalidArgument(
+                "a CPU head cache can take positions only from another CPU head cache".into(),
+            )
+        })?;
+        self.kv.copy_prefix(&src.kv, n)?;
+        // The next pass feeds target features (no chain continues from an earlier output).
+        self.last.clear();
+        Ok(())
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }

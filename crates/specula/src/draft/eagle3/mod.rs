@@ -18,7 +18,7 @@ pub mod train;
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
 
-use crate::draft::{BatchedPass, BatchedStart, Draft, Drafter};
+use crate::draft::{BatchedPass, BatchedStart, Draft, Drafter, DrafterPrefix};
 use crate::error::{Error, Result};
 use crate::model::forward::SequenceCache;
 use crate::model::{Model, RowMatrix};
@@ -485,6 +485,60 @@ impl Drafter for Eagle3Drafter<'_> {
     fn lag(&self, _context: &[u32]) -> usize {
         // Target features of accepted positions waiting to enter the head's cache.
         self.features.len() / self.feature_width()
+    }
+
+    fn release_prefix(&mut self) -> Option<DrafterPrefix> {
+        if self.chain.is_some() {
+            return None;
+        }
+        // A cache of just its rows (the drafter's own spans the context length: 64 MB a request on a GPU for the
+        // qwen2.5-coder-1.5b head).
+        let rows = self.cache.len();
+        let mut kept = self.compute.new_cache(rows).ok()?;
+        kept.copy_prefix_from(&*self.cache, rows).ok()?;
+        Some(DrafterPrefix {
+            cache: kept,
+            features: std::mem::take(&mut self.features),
+            width: self.feature_width(),
+        })
+    }
+
+    fn prefix_reach(&self, prefix: &DrafterPrefix, common: usize) -> usize {
+        if prefix.width != self.feature_width() {
+            return 0;
+        }
+        // Head row i read token i + 1: rows hold while the contexts agree on tokens 0..=i + 1. Waiting features
+        // (position i read tokens 0..=i) extend the reach only where every row is kept.
+        let rows_valid = common.saturating_sub(1);
+        let rows = prefix.cache.len();
+        if rows > rows_valid {
+            rows_valid
+        } else {
+            prefix.positions().min(common)
+        }
+    }
+
+    fn adopt_prefix(&mut self, prefix: &DrafterPrefix, n: usize) -> Result<()> {
+        self.chain = None;
+        self.features.clear();
+        self.cache.truncate(0);
+        let width = self.feature_width();
+        if prefix.width != width || n > prefix.positions() {
+            return Err(Error::InvalidArgument(format!(
+                "EAGLE-3 drafter: cannot start from {n} positions of a prefix covering {} (feature width {} \
+                 against {width})",
+                prefix.positions(),
+                prefix.width
+            )));
+        }
+        let rows = n.min(prefix.cache.len());
+        if let Err(e) = self.cache.copy_prefix_from(&*prefix.cache, rows) {
+            self.cache.truncate(0);
+            return Err(e);
+        }
+        self.features
+            .extend_from_slice(&prefix.features[..(n - rows) * width]);
+        Ok(())
     }
 
     fn observe_target(

@@ -880,3 +880,68 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
     .unwrap();
     assert_eq!(out.tokens, plain.tokens);
 }
+
+#[test]
+fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
+    use crate::decode::{step, CachedPrefix, Generation, PrefixCache, StepLimits};
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let model = t.model.as_ref();
+    let generation = |prompt: &[u32], n: usize, seed: u64| {
+        let req = GenerateRequest {
+            prompt_tokens: prompt.to_vec(),
+            max_new_tokens: n,
+            sampling: SamplingParams::default(),
+            stop_at_eos: false,
+            cancel: None,
+        };
+        let d = Eagle3Drafter::new(&h, model, seed).unwrap();
+        Generation::with_drafter(model, req, Box::new(d), 3).unwrap()
+    };
+    let run_to_end =
+        |mut g: Generation<'_>| -> (crate::decode::GenerateOutput, Option<CachedPrefix>) {
+            for _ in 0..500 {
+                if g.is_done() {
+                    break;
+                }
+                let (results, _) = step(
+                    model,
+                    &t.tokenizer,
+                    &mut [&mut g],
+                    StepLimits::default(),
+                    &Profiler::disabled(),
+                    &mut |_, _| {},
+                );
+                results.into_iter().for_each(|r| r.unwrap());
+            }
+            g.finish_keeping_prefix(&t.tokenizer, &mut |_| {}).unwrap()
+        };
+    let prompt: Vec<u32> = PROMPT.iter().chain(&PROMPT).copied().collect();
+    let (first, prefix) = run_to_end(generation(&prompt, 24, 1));
+    let prefix = prefix.unwrap();
+    let kept = prefix.drafter.as_ref().expect("the head's rows are kept");
+    assert_eq!(kept.positions(), prefix.tokens.len());
+    let mut cache = PrefixCache::new();
+    cache.insert(prefix, 1);
+
+    let mut next: Vec<u32> = prompt.iter().chain(&first.tokens).copied().collect();
+    next.extend_from_slice(&[32, 119, 111]);
+    // The next turn reuses every cached position; the same prompt again its first rows (the head's last prompt
+    // row read the first generated token, which a new request need not share).
+    for p in [&next, &prompt] {
+        let (fresh, _) = run_to_end(generation(p, 20, 2));
+        let mut g = generation(p, 20, 2);
+        let reused = cache.adopt_into(&mut g).unwrap();
+        assert!(reused >= PrefixCache::MIN_POSITIONS && reused < p.len());
+        let (out, _) = run_to_end(g);
+        assert_eq!(out.cached_prompt_tokens, reused);
+        assert_eq!(out.tokens, fresh.tokens, "greedy output");
+        let stats = |o: &crate::decode::GenerateOutput| {
+            let s = o.speculation.as_ref().unwrap();
+            (s.drafted, s.accepted, s.accepted_per_position.clone())
+        };
+        assert_eq!(stats(&out), stats(&fresh), "the head drafted the same");
+        assert!(stats(&out).0 > 0);
+    }
+}
