@@ -149,7 +149,7 @@ pub static HEADS: &[RegistryHead] = &[
             "EAGLE-3 head for qwen2.5-coder-1.5b (self-distilled code answers + Python stdlib; \
                       trained on a GPU)",
         // Two stages (scripts/train-head.sh): data and an epoch each; stage 1 measured 3 + 10 minutes on the H200
-        // (session 16), stage 2 about 3 + 9.
+        // (session 16), stage 2 3 + 7.5 (session 17).
         build_minutes: 25,
         build_on: "one H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
         // Measured on unseen code prompts (docs/eagle3.md): with its default confidence bar (0.4) 1.33-1.41x plain

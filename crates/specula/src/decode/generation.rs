@@ -64,6 +64,24 @@ pub struct Generation<'d> {
     prepared_draft: Option<Draft>,
 }
 
+/// A generation's step output after its first finishing stage (sampling or acceptance), for the later ones.
+enum Settled {
+    /// Prompt rows `start..start + rows`; after the last chunk, the first token.
+    Prefill {
+        start: usize,
+        rows: usize,
+        first: Option<u32>,
+    },
+    /// A verify pass at cache position `base`: the draft, the accepted path (draft indices) and the next token.
+    Cycle {
+        draft: Draft,
+        tree: Option<TreeMask>,
+        base: usize,
+        acceptance: Acceptance,
+        path: Vec<usize>,
+    },
+}
+
 struct Planned {
     input: Vec<u32>,
     logits: LogitsFor,
@@ -324,46 +342,43 @@ impl<'d> Generation<'d> {
         })
     }
 
-    /// Consumes the forward pass's output for the planned rows: samples or accepts, feeds the drafter, commits
-    /// the new tokens and emits their text.
-    fn finish_step(
-        &mut self,
-        out: ForwardOutput,
-        tokenizer: &Tokenizer,
-        prof: &Profiler,
-        on_text: &mut dyn FnMut(&str),
-    ) -> Result<bool> {
+    /// The phase in which this generation settles its planned rows' output: sampling the first token after the
+    /// last prompt chunk or in a plain step, accepting drafts in a speculative cycle; None for a prompt chunk
+    /// that is not the last (nothing to settle).
+    fn settle_phase(&self) -> Option<Phase> {
+        match &self.planned.as_ref()?.work {
+            Work::Prefill { last: false, .. } => None,
+            Work::Prefill { last: true, .. } => Some(Phase::Sample),
+            Work::Cycle { draft, .. } => Some(
+                if draft.parents.is_some() || self.simulated.is_some() || self.drafter.is_some() {
+                    Phase::Accept
+                } else {
+                    Phase::Sample
+                },
+            ),
+        }
+    }
+
+    /// First stage of finishing a step: samples the first token (last prompt chunk) or accepts drafts (a cycle)
+    /// from the forward pass's output. None when no step was planned.
+    fn settle(&mut self, out: &ForwardOutput) -> Result<Option<Settled>> {
         let Some(planned) = self.planned.take() else {
-            return Ok(false);
+            return Ok(None);
         };
         let n = planned.input.len();
-        match planned.work {
-            Work::Prefill { start, last } => {
-                if let (Some(d), false) = (self.drafter.as_mut(), self.capture.is_empty()) {
-                    let _s = prof.span(Phase::Draft);
-                    d.observe_target(start, &out.hidden, &(0..n).collect::<Vec<_>>())?;
-                }
-                self.prefilled = start + n;
-                if !last {
-                    return Ok(false);
-                }
-                let first = {
-                    let _s = prof.span(Phase::Sample);
-                    self.sampler.sample_row(out.logits.as_ref(), 0)?
-                };
-                let committed = self.commit(tokenizer, &[first], self.cache.len(), prof);
-                self.emit(tokenizer, committed, prof, on_text)?;
-                let now = Instant::now();
-                self.timing.prefill_s = self
-                    .started
-                    .map_or(0.0, |s| now.duration_since(s).as_secs_f64());
-                self.decode_started = Some(now);
-                Ok(false)
-            }
+        Ok(Some(match planned.work {
+            Work::Prefill { start, last } => Settled::Prefill {
+                start,
+                rows: n,
+                first: if last {
+                    Some(self.sampler.sample_row(out.logits.as_ref(), 0)?)
+                } else {
+                    None
+                },
+            },
             Work::Cycle { draft, tree, base } => {
                 // The draft tokens kept, in order (a prefix for a chain, the accepted path for a tree).
                 let (acceptance, path) = if let Some(parents) = &draft.parents {
-                    let _s = prof.span(Phase::Accept);
                     if self.sampler.params().is_greedy() {
                         verify::accept_tree(&draft.tokens, parents, out.logits.as_ref())?
                     } else {
@@ -376,13 +391,10 @@ impl<'d> Generation<'d> {
                     }
                 } else {
                     let acceptance = if let Some(sim) = self.simulated.as_mut() {
-                        let _s = prof.span(Phase::Accept);
                         sim.accept(&draft, out.logits.as_ref())?
                     } else if self.drafter.is_some() {
-                        let _s = prof.span(Phase::Accept);
                         verify::accept(&draft, out.logits.as_ref(), &mut self.sampler)?
                     } else {
-                        let _s = prof.span(Phase::Sample);
                         Acceptance {
                             accepted: 0,
                             next: self.sampler.sample_row(out.logits.as_ref(), 0)?,
@@ -391,6 +403,62 @@ impl<'d> Generation<'d> {
                     let path: Vec<usize> = (0..acceptance.accepted).collect();
                     (acceptance, path)
                 };
+                Settled::Cycle {
+                    draft,
+                    tree,
+                    base,
+                    acceptance,
+                    path,
+                }
+            }
+        }))
+    }
+
+    /// Second stage: the drafter reads the target's hidden states of the rows that stay (EAGLE-3's next input).
+    /// Returns whether there was anything to feed.
+    fn feed_drafter(&mut self, settled: &Settled, out: &ForwardOutput) -> Result<bool> {
+        let (Some(d), false) = (self.drafter.as_mut(), self.capture.is_empty()) else {
+            return Ok(false);
+        };
+        match settled {
+            Settled::Prefill { start, rows, .. } => {
+                d.observe_target(*start, &out.hidden, &(0..*rows).collect::<Vec<_>>())?
+            }
+            Settled::Cycle { base, path, .. } => {
+                // The rows of the verify pass that stay: the pending token's and the accepted drafts'.
+                let kept: Vec<usize> = std::iter::once(0)
+                    .chain(path.iter().map(|&i| i + 1))
+                    .collect();
+                d.observe_target(*base, &out.hidden, &kept)?
+            }
+        }
+        Ok(true)
+    }
+
+    /// Third stage: the cache keeps the rows that stay and the new tokens join the output (until one stops it).
+    /// Returns how many tokens were committed, and whether the step was a verify cycle.
+    fn commit_settled(&mut self, settled: Settled, tokenizer: &Tokenizer) -> Result<(usize, bool)> {
+        match settled {
+            Settled::Prefill { start, rows, first } => {
+                self.prefilled = start + rows;
+                let Some(first) = first else {
+                    return Ok((0, false));
+                };
+                let committed = self.commit(tokenizer, &[first], self.cache.len());
+                let now = Instant::now();
+                self.timing.prefill_s = self
+                    .started
+                    .map_or(0.0, |s| now.duration_since(s).as_secs_f64());
+                self.decode_started = Some(now);
+                Ok((committed, false))
+            }
+            Settled::Cycle {
+                draft,
+                tree,
+                base,
+                acceptance,
+                path,
+            } => {
                 if let Some(st) = self.stats.as_mut() {
                     st.draft_passes += draft.passes as u64;
                     st.catch_up_cycles += u64::from(draft.catching_up);
@@ -403,43 +471,30 @@ impl<'d> Generation<'d> {
                         None => st.record(draft.tokens.len(), acceptance.accepted),
                     }
                 }
-                // Rows of the verify pass that stay: the pending token's and the accepted drafts'.
-                let kept_rows: Vec<usize> = std::iter::once(0)
-                    .chain(path.iter().map(|&i| i + 1))
-                    .collect();
-                if let (Some(d), false) = (self.drafter.as_mut(), self.capture.is_empty()) {
-                    // Their hidden states are the drafter's next input.
-                    let _s = prof.span(Phase::Draft);
-                    d.observe_target(base, &out.hidden, &kept_rows)?;
-                }
                 let mut new_tokens: Vec<u32> = path.iter().map(|&i| draft.tokens[i]).collect();
                 new_tokens.push(acceptance.next);
                 if tree.is_some() {
                     // The accepted path's keys and values move next to the pending token's; the other branches
                     // go.
+                    let kept_rows: Vec<usize> = std::iter::once(0)
+                        .chain(path.iter().map(|&i| i + 1))
+                        .collect();
                     self.cache.keep_new_rows(base, &kept_rows)?;
                 }
                 let kept = base + 1 + acceptance.accepted;
                 self.cache.truncate(kept);
-                let committed = self.commit(tokenizer, &new_tokens, kept, prof);
-                self.emit(tokenizer, committed, prof, on_text)?;
+                let committed = self.commit(tokenizer, &new_tokens, kept);
                 self.timing.decode_tokens +=
                     committed + usize::from(self.stop == Some(StopReason::EndOfText));
-                Ok(true)
+                Ok((committed, true))
             }
         }
     }
 
     /// Appends new tokens to the output until one of them stops generation; returns how many were appended.
     /// `cached` is the target cache length, which the last new token would extend.
-    fn commit(
-        &mut self,
-        tokenizer: &Tokenizer,
-        new_tokens: &[u32],
-        cached: usize,
-        prof: &Profiler,
-    ) -> usize {
-        let _s = prof.span(Phase::Commit);
+    fn commit(&mut self, tokenizer: &Tokenizer, new_tokens: &[u32], cached: usize) -> usize {
+        let _ = tokenizer;
         let mut appended = 0;
         for &token in new_tokens {
             if self.req.stop_at_eos && tokenizer.is_stop(token) {
@@ -461,14 +516,13 @@ impl<'d> Generation<'d> {
         appended
     }
 
+    /// Last stage: the text of the `committed` newest tokens goes to `on_text` (as far as it is whole).
     fn emit(
         &mut self,
         tokenizer: &Tokenizer,
         committed: usize,
-        prof: &Profiler,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<()> {
-        let _s = prof.span(Phase::Emit);
         for &token in &self.tokens[self.tokens.len() - committed..] {
             if let Some(text) = self.stream.push(tokenizer, token)? {
                 on_text(&text);
@@ -898,13 +952,59 @@ pub fn step(
         }
     };
 
-    // Finish: per generation, in batch order.
-    let mut verified = Vec::with_capacity(members.len());
+    // Finish, phase by phase over the generations (in batch order within each): one span per phase, not one per
+    // generation (on a GPU every span edge is an event, ~7 us of host time).
+    let mut settled: Vec<(usize, ForwardOutput, Settled)> = Vec::with_capacity(members.len());
+    let mut open: Option<(Phase, crate::profile::Span<'_>)> = None;
     for (&i, out) in members.iter().zip(outputs) {
-        match batch[i].finish_step(out, tokenizer, prof, &mut |t| on_text(i, t)) {
-            Ok(true) => verified.push(i),
-            Ok(false) => {}
+        let phase = batch[i].settle_phase();
+        if let Some(phase) = phase.filter(|&p| open.as_ref().is_none_or(|(q, _)| *q != p)) {
+            // The previous phase's span ends before this one starts (they share that edge).
+            drop(open.take());
+            open = Some((phase, prof.span(phase)));
+        }
+        match batch[i].settle(&out) {
+            Ok(Some(st)) => settled.push((i, out, st)),
+            Ok(None) => {}
             Err(e) => results[i] = Err(e),
+        }
+    }
+    drop(open);
+    if settled
+        .iter()
+        .any(|(i, _, _)| !batch[*i].capture.is_empty())
+    {
+        let _s = prof.span(Phase::Draft);
+        settled.retain(|(i, out, st)| match batch[*i].feed_drafter(st, out) {
+            Ok(_) => true,
+            Err(e) => {
+                results[*i] = Err(e);
+                false
+            }
+        });
+    }
+    let mut verified = Vec::with_capacity(settled.len());
+    let mut committed = Vec::with_capacity(settled.len());
+    {
+        let _s = prof.span(Phase::Commit);
+        for (i, _, st) in settled {
+            match batch[i].commit_settled(st, tokenizer) {
+                Ok((n, cycle)) => {
+                    committed.push((i, n));
+                    if cycle {
+                        verified.push(i);
+                    }
+                }
+                Err(e) => results[i] = Err(e),
+            }
+        }
+    }
+    {
+        let _s = prof.span(Phase::Emit);
+        for (i, n) in committed {
+            if let Err(e) = batch[i].emit(tokenizer, n, &mut |t| on_text(i, t)) {
+                results[i] = Err(e);
+            }
         }
     }
     // Drafters learn what the pass cost for all its rows (one more drafted row is weighed against that), by the
