@@ -193,7 +193,10 @@ fn ngram_speculation_on_smollm2_is_lossless_and_reported() {
     // One draft span a cycle, except a last cycle with one token left to generate: it has no room to draft and
     // opens no draft span.
     let draft_spans = spec["phases"]["draft"]["count"].as_u64().unwrap();
-    assert!(draft_spans == cycles || draft_spans + 1 == cycles, "{draft_spans} draft spans, {cycles} cycles");
+    assert!(
+        draft_spans == cycles || draft_spans + 1 == cycles,
+        "{draft_spans} draft spans, {cycles} cycles"
+    );
     assert_eq!(spec["phases"]["accept"]["count"].as_u64().unwrap(), cycles);
     assert!(stderr.contains("speculation (ngram, k=4)"), "{stderr}");
 }

@@ -749,6 +749,11 @@ impl<'a> EngineLoop<'a> {
         })
     }
 
+    /// Whether requests' EAGLE-3 chains share the head's passes (one batched pass a round).
+    fn head_is_shared(&self) -> bool {
+        matches!(self.draft, DraftSetup::Eagle3(_, None, _)) && shared_head_enabled()
+    }
+
     fn draft_room(&self) -> usize {
         match self.draft {
             DraftSetup::None => 0,
@@ -884,7 +889,7 @@ impl<'a> EngineLoop<'a> {
                     // EAGLE-3 chains share the head: one batched head pass per round for every request
                     // (`SPECULA_SHARED_HEAD=0` drafts one request after the other, to compare).
                     shared_head: match self.draft {
-                        DraftSetup::Eagle3(head, None, _) if shared_head_enabled() => {
+                        DraftSetup::Eagle3(head, None, _) if self.head_is_shared() => {
                             Some(head.compute())
                         }
                         _ => None,
@@ -1062,6 +1067,7 @@ impl<'a> EngineLoop<'a> {
         // counts them): the budget prices the two apart.
         let mut drafted_total = 0;
         let mut passes = 0;
+        let mut longest = 0;
         let mut catch_up = 0;
         for (((r, limit), before), &lag) in running.iter().zip(limits).zip(spec_before).zip(lags) {
             let (Some(limit), Some(now)) = (limit, SpecCounts::of(&r.generation)) else {
@@ -1070,6 +1076,7 @@ impl<'a> EngineLoop<'a> {
             let d = now.since(before);
             drafted_total += d.drafted as usize;
             passes += d.draft_passes as usize;
+            longest = longest.max(d.draft_passes as usize);
             let (fed, cycle) = cycle_evidence(
                 *limit,
                 &d,
@@ -1081,6 +1088,16 @@ impl<'a> EngineLoop<'a> {
             if let Some((limit, drafted, accepted)) = cycle {
                 budget.observe_cycle(r.id, limit, drafted, accepted);
             }
+        }
+        if report.rows > 0 && catch_up == 0 && passes > 0 {
+            // Chains sharing the head run in rounds (one batched pass each, as many as the longest chain has
+            // passes); other drafters run one pass at a time.
+            let rounds = if self.head_is_shared() {
+                longest
+            } else {
+                passes
+            };
+            budget.observe_rounds(rounds, passes, draft);
         }
         if report.rows > 0 {
             budget.observe_step(

@@ -205,6 +205,9 @@ pub struct DraftBudget {
     /// token overstates it when drafts stop early by confidence (their passes ran, few tokens came out).
     draft_pass_s: Option<f64>,
     catch_up_token_s: Option<f64>,
+    /// Recent steps' drafter time beside their batched head rounds and per-request passes (rounds, passes,
+    /// seconds), for [`Self::round_costs`].
+    rounds: VecDeque<(f64, f64, f64)>,
     /// Recent samples behind the four prices above (each price is its window's median: drafting can be rare,
     /// and an average of few samples kept an early outlier for a whole run).
     samples: [VecDeque<f64>; 4],
@@ -226,6 +229,9 @@ impl DraftBudget {
     pub const MAX_PROBE_SLOWDOWN: f64 = 0.10;
     /// Failed probes in a row double the wait up to this many times (32 steps -> 256).
     pub const MAX_PROBE_BACKOFF: u32 = 3;
+    /// Steps kept for the round-cost fit, and the fewest it needs.
+    const ROUND_WINDOW: usize = 48;
+    const ROUND_MIN_STEPS: usize = 8;
     /// Weight of the pooled estimate in a request's own (pseudo-cycles).
     const POOLED_WEIGHT: f64 = 4.0;
     /// Weight of the prior in the pooled estimate: acceptance 1/2, drafting 1.
@@ -289,6 +295,62 @@ impl DraftBudget {
                 self.catch_up_token_s = median_with(3, fed / catch_up as f64);
             }
         }
+    }
+
+    /// A step's drafter time beside how it ran: `rounds` batched head rounds (requests drafting together share a
+    /// round: one launch sequence on a GPU, one read of the head's weights on a CPU) holding `passes` per-request
+    /// passes in all. Drafters that run one request at a time report rounds = passes. Steps with a catch-up are
+    /// not given here ([`Self::observe_step`] prices those).
+    pub fn observe_rounds(&mut self, rounds: usize, passes: usize, draft_s: f64) {
+        if rounds == 0 || passes < rounds || !draft_s.is_finite() || draft_s < 0.0 {
+            return;
+        }
+        if self.rounds.len() == Self::ROUND_WINDOW {
+            self.rounds.pop_front();
+        }
+        self.rounds
+            .push_back((rounds as f64, passes as f64, draft_s));
+    }
+
+    /// The drafters' time as a cost per batched round plus a cost per request in it, (round, per request) in
+    /// seconds, fitted (least squares, neither negative) to recent steps; None until steps with different
+    /// numbers of requests per round have been seen (without sharing, every round holds one pass and only
+    /// their sum is known: the per-pass price then stands alone).
+    pub fn round_costs(&self) -> Option<(f64, f64)> {
+        if self.rounds.len() < Self::ROUND_MIN_STEPS {
+            return None;
+        }
+        let shares = |(r, p, _): &(f64, f64, f64)| p / r;
+        let (lo, hi) = self
+            .rounds
+            .iter()
+            .map(shares)
+            .fold((f64::INFINITY, 0.0f64), |(lo, hi), x| {
+                (lo.min(x), hi.max(x))
+            });
+        if hi < 1.5 * lo {
+            return None;
+        }
+        let (mut rr, mut rp, mut pp, mut rd, mut pd) = (0.0, 0.0, 0.0, 0.0, 0.0);
+        for &(r, p, d) in &self.rounds {
+            rr += r * r;
+            rp += r * p;
+            pp += p * p;
+            rd += r * d;
+            pd += p * d;
+        }
+        let det = rr * pp - rp * rp;
+        if det <= 1e-12 * rr * pp {
+            return None;
+        }
+        let (round, per_request) = ((rd * pp - pd * rp) / det, (pd * rr - rd * rp) / det);
+        Some(if round < 0.0 {
+            (0.0, pd / pp)
+        } else if per_request < 0.0 {
+            (rd / rr, 0.0)
+        } else {
+            (round, per_request)
+        })
     }
 
     /// What drafts are priced with so far: (drafter time per drafted token, per drafter forward pass, per
@@ -398,7 +460,16 @@ impl DraftBudget {
             |rows: f64, draft_s: f64| curve.seconds(rows).unwrap_or(0.0) + overhead + draft_s;
         // The drafter time position j of candidate c adds: its expected rows, plus at its first position this
         // step's share of the catch-up.
-        let draft_cost = |c: &DraftCandidate, j: usize, extra: f64| {
+        // Drafter passes: per request, plus per batched round when requests drafting together share one (fitted
+        // from the steps; without a fit every pass is priced alone).
+        let (round_s, per_pass_s) = match self.round_costs() {
+            Some((round, per_request)) => (round, Some(per_request)),
+            None => (0.0, self.draft_pass_s),
+        };
+        // The drafter time position j of candidate c adds: its expected passes (and, when no other request's
+        // draft reaches position j yet, the round they would share), plus at its first position this step's
+        // share of the catch-up.
+        let draft_cost = |c: &DraftCandidate, j: usize, extra: f64, round_open: bool| {
             // A lagging drafter reaches here only alone (skipped below otherwise), so nobody else waits through
             // its catch-up, or when its catch-up is cheap (a head's batched pass), priced here like any cost. A
             // drafter that drafted last step lags by that step's tokens (up to max_tokens + 1); feeding them is
@@ -408,11 +479,17 @@ impl DraftBudget {
             } else {
                 0.0
             };
-            let drafting = match self.draft_pass_s {
+            let drafting = match per_pass_s {
                 // Position 0 costs the pass that feeds the context; position j one more pass when the draft
                 // got past position j - 1.
-                Some(per_pass) if j == 0 => per_pass,
-                Some(per_pass) => per_pass * self.estimate(c.id, j - 1).1,
+                Some(per_pass) => {
+                    let runs = if j == 0 {
+                        1.0
+                    } else {
+                        self.estimate(c.id, j - 1).1
+                    };
+                    runs * (per_pass + if round_open { 0.0 } else { round_s })
+                }
                 None => per_draft * extra,
             };
             drafting + per_catch_up * catch_up
@@ -423,25 +500,27 @@ impl DraftBudget {
         let undrafted_time = step_time(rows, 0.0);
         let mut probed = vec![false; candidates.len()];
         let mut refused = None;
+        // Whether some request's draft in the plan already reaches position j (its round runs anyway).
+        let round_open = |limits: &[usize], j: usize| limits.iter().any(|&l| l > j);
+        // Whether candidate c may take position j at all.
+        let may_draft = |c: &DraftCandidate, j: usize| {
+            // A lagging draft model resumes only alone: beside others its catch-up stalls every request
+            // in the batch (measured in the server: ITL p99 0.5-1.4 s at 8 streams when the cost rule
+            // allowed it there), and on these machines a draft model does not pay in a batch anyway.
+            // A head far behind (cut for many steps) resumes only alone too: beside others it feeds a few
+            // rows a step, drafting nothing for tens of steps while each is priced as a draft (a 4-stream CPU
+            // server spent 26 steps in a row so); a new request's prompt is within reach.
+            let too_far =
+                c.cheap_catch_up && catch_up_tokens(c) > Self::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS;
+            !(j >= c.max_tokens
+                || (j == 0 && !alone && catch_up_tokens(c) > 0 && (!c.cheap_catch_up || too_far)))
+        };
         loop {
             // The best next position over all candidates: most expected tokens per expected row.
             let mut best: Option<(usize, f64, f64, bool)> = None;
             for (i, c) in candidates.iter().enumerate() {
                 let j = limits[i];
-                // A lagging draft model resumes only alone: beside others its catch-up stalls every request
-                // in the batch (measured in the server: ITL p99 0.5-1.4 s at 8 streams when the cost rule
-                // allowed it there), and on these machines a draft model does not pay in a batch anyway.
-                // A head far behind (cut for many steps) resumes only alone too: beside others it feeds a few
-                // rows a step, drafting nothing for tens of steps while each is priced as a draft (a 4-stream CPU
-                // server spent 26 steps in a row so); a new request's prompt is within reach.
-                let too_far =
-                    c.cheap_catch_up && catch_up_tokens(c) > Self::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS;
-                if j >= c.max_tokens
-                    || (j == 0
-                        && !alone
-                        && catch_up_tokens(c) > 0
-                        && (!c.cheap_catch_up || too_far))
-                {
+                if !may_draft(c, j) {
                     continue;
                 }
                 let (gain, extra) = self.estimate(c.id, j);
@@ -469,7 +548,7 @@ impl DraftBudget {
                 // step's rate; with a cap per probe, several probes in one step still added 27%).
                 let probe = probe
                     && (alone || {
-                        let cost = draft_cost(c, j, extra);
+                        let cost = draft_cost(c, j, extra, round_open(&limits, j));
                         step_time(rows + extra, draft_s + cost)
                             <= undrafted_time * (1.0 + Self::MAX_PROBE_SLOWDOWN)
                     });
@@ -481,26 +560,55 @@ impl DraftBudget {
             let Some((i, _, gain, probe)) = best else {
                 break;
             };
-            let (_, extra) = self.estimate(candidates[i].id, limits[i]);
-            let cost = draft_cost(&candidates[i], limits[i], extra);
+            let j = limits[i];
+            let (_, extra) = self.estimate(candidates[i].id, j);
+            let cost = draft_cost(&candidates[i], j, extra, round_open(&limits, j));
             let now = tokens / step_time(rows, draft_s);
             let with = (tokens + gain) / step_time(rows + extra, draft_s + cost);
-            if !(probe || with > now) {
-                refused = Some(Refusal {
-                    position: limits[i],
-                    gain,
-                    rows: extra,
-                    cost_s: cost,
-                    tokens_per_s: now,
-                    tokens_per_s_with: with,
-                });
-                break;
+            if probe || with > now {
+                probed[i] |= probe;
+                limits[i] += 1;
+                rows += extra;
+                draft_s += cost;
+                tokens += gain;
+                continue;
             }
-            probed[i] |= probe;
-            limits[i] += 1;
-            rows += extra;
-            draft_s += cost;
-            tokens += gain;
+            // Alone, position j would pay a whole round; every request that may draft there, together, shares
+            // it (a head's batched pass costs a GPU about the same for one request as for four).
+            if round_s > 0.0 && !round_open(&limits, j) {
+                let group: Vec<usize> = (0..candidates.len())
+                    .filter(|&g| limits[g] == j && may_draft(&candidates[g], j))
+                    .collect();
+                if group.len() > 1 {
+                    let (mut g_gain, mut g_rows, mut g_cost) = (0.0, 0.0, 0.0);
+                    for &g in &group {
+                        let (gain, extra) = self.estimate(candidates[g].id, j);
+                        // The round is priced once, with the first member.
+                        g_cost += draft_cost(&candidates[g], j, extra, g != group[0]);
+                        g_gain += gain;
+                        g_rows += extra;
+                    }
+                    let with = (tokens + g_gain) / step_time(rows + g_rows, draft_s + g_cost);
+                    if with > now {
+                        for &g in &group {
+                            limits[g] += 1;
+                        }
+                        rows += g_rows;
+                        draft_s += g_cost;
+                        tokens += g_gain;
+                        continue;
+                    }
+                }
+            }
+            refused = Some(Refusal {
+                position: j,
+                gain,
+                rows: extra,
+                cost_s: cost,
+                tokens_per_s: now,
+                tokens_per_s_with: with,
+            });
+            break;
         }
         // A step that drafts must beat the same step undrafted by a margin, unless it probes: below that the
         // estimates' own error is larger than the gain (measured on a 4-stream CPU server: tokens over-estimated by
@@ -1043,5 +1151,70 @@ mod tests {
         b.observe_step(1, 0.030, 1, 1, 0, 0.011, 0.0005);
         assert_eq!(b.draft_pass_s, Some(0.011));
         assert_eq!(b.draft_token_s, Some(0.011));
+    }
+
+    /// The H200's shape at 4 streams (session 17): a step of 4 rows 1.55 ms, 8 rows 1.70, 12 rows 1.85; a head
+    /// round 0.14 ms for one request or four (launch-bound), and acceptance 45% at the first position.
+    fn gpu_like_with_a_shared_head(rounds: &[(usize, usize, f64)]) -> DraftBudget {
+        let mut b = DraftBudget::new();
+        for (rows, ms) in [(4, 1.55), (5, 1.59), (8, 1.70), (12, 1.85)] {
+            for _ in 0..3 {
+                b.observe_step(rows, ms * 1e-3, 0, 0, 0, 0.0, 0.05e-3);
+            }
+        }
+        for &(r, p, ms) in rounds {
+            b.observe_step(4, 1.55e-3, p, p, 0, ms * 1e-3, 0.05e-3);
+            b.observe_rounds(r, p, ms * 1e-3);
+        }
+        for id in 0..4 {
+            history(&mut b, id, 1, 40, 0.45);
+        }
+        b
+    }
+
+    #[test]
+    fn requests_drafting_together_share_a_head_round() {
+        let four: Vec<DraftCandidate> = (0..4)
+            .map(|id| DraftCandidate {
+                id,
+                max_tokens: 1,
+                lag: 0,
+                shared_by: 1,
+                cheap_catch_up: true,
+            })
+            .collect();
+        // Rounds of one request (probes) and of four, each about 0.14 ms plus 0.005 ms a request.
+        let mixed: Vec<(usize, usize, f64)> = (0..12)
+            .map(|i| {
+                if i % 3 == 0 {
+                    (1, 4, 0.160)
+                } else {
+                    (1, 1, 0.145)
+                }
+            })
+            .collect();
+        let b = gpu_like_with_a_shared_head(&mixed);
+        let (round, per_request) = b
+            .round_costs()
+            .expect("rounds of 1 and 4 requests were seen");
+        assert!((round - 0.140e-3).abs() < 0.002e-3, "{round}");
+        assert!((per_request - 0.005e-3).abs() < 0.002e-3, "{per_request}");
+        // Priced per request (0.14 ms each) one draft does not pay for a 1.6 ms step; the four together, sharing
+        // one round, do.
+        let plan = b.plan(&four, 4, 4);
+        assert_eq!(plan.limits, vec![1, 1, 1, 1], "{plan:?}");
+        // Only one request may draft: alone it pays the whole round, and is refused.
+        let plan = b.plan(&four[..1], 4, 4);
+        assert_eq!(plan.limits, vec![0], "{plan:?}");
+
+        // Without sharing (every round one pass) nothing separates the two prices: the per-pass price stands,
+        // as before the fit.
+        let alone: Vec<(usize, usize, f64)> = (0..12).map(|_| (1, 1, 0.145)).collect();
+        let b = gpu_like_with_a_shared_head(&alone);
+        assert_eq!(b.round_costs(), None);
+        assert_eq!(b.plan(&four, 4, 4).limits, vec![0, 0, 0, 0]);
+        // Too few steps: no fit.
+        let b = gpu_like_with_a_shared_head(&mixed[..5]);
+        assert_eq!(b.round_costs(), None);
     }
 }
