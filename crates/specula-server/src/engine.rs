@@ -585,13 +585,39 @@ impl<'a> EngineLoop<'a> {
                 self.metrics
                     .kv_usage
                     .set(kv_reserved as f64 / self.options.kv_memory.max(1) as f64);
+                // Its cache may join the prefix cache, in the memory it had reserved (trimmed below).
                 self.finish(r, outcome);
-                // Its cache may have joined the prefix cache, in the memory it had reserved.
-                self.prefixes
-                    .borrow_mut()
-                    .shrink_to(self.options.kv_memory.saturating_sub(kv_reserved));
             }
             running = still;
+            // The prefix cache keeps to the memory running requests leave (finished requests' caches and new
+            // prompts joined it this step).
+            self.prefixes
+                .borrow_mut()
+                .shrink_to(self.options.kv_memory.saturating_sub(kv_reserved));
+        }
+    }
+
+    /// Requests whose prompt entered the cache this step leave a copy of it in the prefix cache (unless one is
+    /// there already), so that requests with the same start arriving while they run reuse it too, not only
+    /// those arriving after they finish.
+    fn keep_new_prompts(&self, running: &[Running<'a>], was_prefilling: &[bool]) {
+        if !self.options.prefix_cache {
+            return;
+        }
+        let model = self.model.model.as_ref();
+        let mut prefixes = self.prefixes.borrow_mut();
+        for (r, _) in running
+            .iter()
+            .zip(was_prefilling)
+            .filter(|(r, &was)| was && !r.generation.is_prefilling())
+        {
+            let prompt = &r.generation.request().prompt_tokens;
+            if prompt.len() < PrefixCache::MIN_POSITIONS || prefixes.covers(prompt) {
+                continue;
+            }
+            if let Some(p) = r.generation.prompt_prefix(model) {
+                prefixes.insert(p, prompt.len() * model.kv_bytes_per_position());
+            }
         }
     }
 
@@ -864,6 +890,10 @@ impl<'a> EngineLoop<'a> {
             .map(|r| r.generation.generated().len())
             .collect();
         let took_part: Vec<bool> = running.iter().map(|r| !r.generation.is_done()).collect();
+        let prefilling: Vec<bool> = running
+            .iter()
+            .map(|r| r.generation.is_prefilling())
+            .collect();
         // Tokens each drafter must catch up on before drafting (a draft model cut in earlier steps).
         let lags: Vec<usize> = running.iter().map(|r| r.generation.draft_lag()).collect();
         let prices = self.budget.borrow().costs();
@@ -928,6 +958,7 @@ impl<'a> EngineLoop<'a> {
             }
             r.last_token_at = Some(now);
         }
+        self.keep_new_prompts(running, &prefilling);
         let phases = prof.step_phases();
         self.metrics.observe_steps(&phases);
         let host_phases = prof.step_phases_host();

@@ -657,3 +657,34 @@ pub fn write_tiny_eagle3_head(
     write_safetensors(&dir.join("model.safetensors"), &tensors)?;
     Ok(used)
 }
+
+/// One step of `g` alone (greedy tests of the step machine; errors panic).
+pub fn step_alone(model: &crate::model::LoadedModel, g: &mut crate::decode::Generation<'_>) {
+    let (results, _) = crate::decode::step(
+        model.model.as_ref(),
+        &model.tokenizer,
+        &mut [g],
+        crate::decode::StepLimits::default(),
+        &crate::profile::Profiler::disabled(),
+        &mut |_, _| {},
+    );
+    results.into_iter().for_each(|r| r.unwrap());
+}
+
+/// Runs `g` alone to its end and returns its output with what it leaves for a prefix cache.
+pub fn run_alone_to_end(
+    model: &crate::model::LoadedModel,
+    mut g: crate::decode::Generation<'_>,
+) -> (
+    crate::decode::GenerateOutput,
+    Option<crate::decode::CachedPrefix>,
+) {
+    for _ in 0..10_000 {
+        if g.is_done() {
+            break;
+        }
+        step_alone(model, &mut g);
+    }
+    g.finish_keeping_prefix(&model.tokenizer, &mut |_| {})
+        .unwrap()
+}

@@ -559,7 +559,7 @@ impl<'d> Generation<'d> {
             let positions = self.cache.len();
             CachedPrefix {
                 tokens: self.context[..positions.min(self.context.len())].to_vec(),
-                drafter: self.drafter.as_mut().and_then(|d| d.release_prefix()),
+                drafter: self.drafter.as_ref().and_then(|d| d.prefix_state()),
                 target: self.cache,
             }
         });
@@ -575,6 +575,23 @@ impl<'d> Generation<'d> {
             },
             prefix,
         ))
+    }
+
+    /// A copy of its prompt's keys and values and its drafter's state, for a prefix cache to serve requests that
+    /// arrive while this one still runs: only right after the step that prefilled the prompt's last chunk (the
+    /// cache then holds exactly the prompt); None at any other time.
+    pub fn prompt_prefix(&self, model: &dyn Model) -> Option<CachedPrefix> {
+        let n = self.req.prompt_tokens.len();
+        if self.prefilled != n || self.cache.len() != n || self.planned.is_some() {
+            return None;
+        }
+        let mut target = model.new_cache(n).ok()?;
+        target.copy_prefix_from(&*self.cache, n).ok()?;
+        Some(CachedPrefix {
+            tokens: self.req.prompt_tokens.clone(),
+            target,
+            drafter: self.drafter.as_ref().and_then(|d| d.prefix_state()),
+        })
     }
 
     /// How many positions of `prefix` this generation could start from: as far as its prompt agrees with

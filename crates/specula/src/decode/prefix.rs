@@ -96,6 +96,13 @@ impl PrefixCache {
         }
     }
 
+    /// Whether an entry already holds `tokens` (at its start): keeping them again would add nothing.
+    pub fn covers(&self, tokens: &[u32]) -> bool {
+        self.entries.iter().any(|e| {
+            e.prefix.tokens.len() >= tokens.len() && e.prefix.tokens[..tokens.len()] == *tokens
+        })
+    }
+
     /// Starts `generation` from the entry it can reuse the most positions of, when that is at least
     /// [`Self::MIN_POSITIONS`]; returns the positions reused (0: none).
     pub fn adopt_into(&mut self, generation: &mut Generation<'_>) -> Result<usize> {

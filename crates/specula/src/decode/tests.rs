@@ -8,7 +8,7 @@ use crate::draft::Draft;
 use crate::model::dtype::GgmlType;
 use crate::model::LogitsFor;
 use crate::model::{load_gguf, LoadedModel};
-use crate::testing::{write_tiny_gguf, TinySpec};
+use crate::testing::{run_alone_to_end, step_alone, write_tiny_gguf, TinySpec};
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
 
@@ -1171,29 +1171,6 @@ fn one_failing_or_cancelled_generation_leaves_its_batch_alone() {
     assert_eq!(good.tokens, want.tokens);
 }
 
-/// Runs `g` alone to its end, one step at a time, and returns its output with what it leaves for a prefix cache.
-fn run_to_end(
-    target: &LoadedModel,
-    mut g: Generation<'_>,
-) -> (GenerateOutput, Option<CachedPrefix>) {
-    for _ in 0..1000 {
-        if g.is_done() {
-            break;
-        }
-        let (results, _) = step(
-            target.model.as_ref(),
-            &target.tokenizer,
-            &mut [&mut g],
-            StepLimits::default(),
-            &Profiler::disabled(),
-            &mut |_, _| {},
-        );
-        results.into_iter().for_each(|r| r.unwrap());
-    }
-    g.finish_keeping_prefix(&target.tokenizer, &mut |_| {})
-        .unwrap()
-}
-
 #[test]
 fn a_prefix_cache_hit_skips_the_cached_prefill_and_changes_no_token() {
     let dir = tempfile::tempdir().unwrap();
@@ -1208,7 +1185,7 @@ fn a_prefix_cache_hit_skips_the_cached_prefill_and_changes_no_token() {
     let model = target.model.as_ref();
     let prompt: Vec<u32> = PROMPT.iter().chain(&PROMPT).copied().collect();
     let first = Generation::new(model, request(&prompt, 20, SamplingParams::default())).unwrap();
-    let (out, prefix) = run_to_end(&target, first);
+    let (out, prefix) = run_alone_to_end(&target, first);
     let prefix = prefix.expect("a finished generation leaves its cache");
     // Every position but the last token's, which was generated and never fed back.
     assert_eq!(prefix.tokens.len(), prompt.len() + 19);
@@ -1226,7 +1203,7 @@ fn a_prefix_cache_hit_skips_the_cached_prefill_and_changes_no_token() {
         let mut g = Generation::new(model, request(p, 16, SamplingParams::default())).unwrap();
         assert_eq!(cache.adopt_into(&mut g).unwrap(), reused);
         assert_eq!(g.prompt_left(), p.len() - reused);
-        let (out, _) = run_to_end(&target, g);
+        let (out, _) = run_alone_to_end(&target, g);
         assert_eq!(out.tokens, fresh.tokens);
         assert_eq!(
             (out.cached_prompt_tokens, fresh.cached_prompt_tokens),
@@ -1239,15 +1216,7 @@ fn a_prefix_cache_hit_skips_the_cached_prefill_and_changes_no_token() {
     let mut g = Generation::new(model, request(&other, 4, SamplingParams::default())).unwrap();
     assert_eq!(cache.adopt_into(&mut g).unwrap(), 0);
     let mut g = Generation::new(model, request(&prompt, 4, SamplingParams::default())).unwrap();
-    let (results, _) = step(
-        model,
-        &target.tokenizer,
-        &mut [&mut g],
-        StepLimits::default(),
-        &Profiler::disabled(),
-        &mut |_, _| {},
-    );
-    results.into_iter().for_each(|r| r.unwrap());
+    step_alone(&target, &mut g);
     assert_eq!(cache.adopt_into(&mut g).unwrap(), 0);
 }
 
@@ -1260,15 +1229,7 @@ fn the_prefix_cache_keeps_the_longest_conversation_and_evicts_the_least_recently
         let mut cache = model.new_cache(64).unwrap();
         let mut g = Generation::new(model, request(&tokens, 1, SamplingParams::default())).unwrap();
         // Fill a cache with the prompt's rows through a generation of one token.
-        let (results, _) = step(
-            model,
-            &target.tokenizer,
-            &mut [&mut g],
-            StepLimits::default(),
-            &Profiler::disabled(),
-            &mut |_, _| {},
-        );
-        results.into_iter().for_each(|r| r.unwrap());
+        step_alone(&target, &mut g);
         let (_, p) = g
             .finish_keeping_prefix(&target.tokenizer, &mut |_| {})
             .unwrap();
@@ -1308,4 +1269,50 @@ fn the_prefix_cache_keeps_the_longest_conversation_and_evicts_the_least_recently
     assert_eq!(cache.adopt_into(&mut g).unwrap(), 19);
     assert_eq!(cache.shrink_to(0), 250);
     assert!(cache.is_empty());
+}
+
+#[test]
+fn a_running_requests_prompt_serves_a_request_arriving_beside_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            seed: 5,
+            ..Default::default()
+        },
+    );
+    let model = target.model.as_ref();
+    let prompt: Vec<u32> = PROMPT.iter().chain(&PROMPT).copied().collect();
+    let mut first =
+        Generation::new(model, request(&prompt, 12, SamplingParams::default())).unwrap();
+    assert!(
+        first.prompt_prefix(model).is_none(),
+        "nothing prefilled yet"
+    );
+    step_alone(&target, &mut first);
+    let copy = first.prompt_prefix(model).expect("right after its prefill");
+    assert_eq!(copy.tokens, prompt);
+    let mut cache = PrefixCache::new();
+    assert!(!cache.covers(&prompt));
+    cache.insert(copy, 1);
+    assert!(cache.covers(&prompt) && cache.covers(&prompt[..20]));
+    step_alone(&target, &mut first);
+    assert!(
+        first.prompt_prefix(model).is_none(),
+        "its cache holds more than the prompt now"
+    );
+    // A request with the same prompt, while the first still runs.
+    let fresh = run(
+        &target,
+        &request(&prompt, 12, SamplingParams::default()),
+        None,
+    );
+    let mut second =
+        Generation::new(model, request(&prompt, 12, SamplingParams::default())).unwrap();
+    assert_eq!(cache.adopt_into(&mut second).unwrap(), prompt.len() - 1);
+    let (out, _) = run_alone_to_end(&target, second);
+    assert_eq!(out.tokens, fresh.tokens);
+    let (out, _) = run_alone_to_end(&target, first);
+    assert_eq!(out.tokens, fresh.tokens);
 }

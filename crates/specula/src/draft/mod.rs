@@ -161,10 +161,9 @@ pub trait Drafter {
         )))
     }
 
-    /// Hands over what a later request whose context starts the same way could reuse (the drafter's generation
-    /// is over). None by default: drafters that rebuild their state from the context (prompt lookup, a draft
-    /// model's cache, fed lazily) need nothing.
-    fn release_prefix(&mut self) -> Option<DrafterPrefix> {
+    /// A copy of what a later request whose context starts the same way could reuse. None by default: drafters
+    /// that rebuild their state from the context (prompt lookup, a draft model's cache, fed lazily) need nothing.
+    fn prefix_state(&self) -> Option<DrafterPrefix> {
         None
     }
 
@@ -266,8 +265,8 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
         (**self).observe_verify(tokens, seconds)
     }
 
-    fn release_prefix(&mut self) -> Option<DrafterPrefix> {
-        (**self).release_prefix()
+    fn prefix_state(&self) -> Option<DrafterPrefix> {
+        (**self).prefix_state()
     }
 
     fn prefix_reach(&self, prefix: &DrafterPrefix, common: usize) -> usize {

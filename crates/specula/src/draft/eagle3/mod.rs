@@ -487,7 +487,7 @@ impl Drafter for Eagle3Drafter<'_> {
         self.features.len() / self.feature_width()
     }
 
-    fn release_prefix(&mut self) -> Option<DrafterPrefix> {
+    fn prefix_state(&self) -> Option<DrafterPrefix> {
         if self.chain.is_some() {
             return None;
         }
@@ -498,7 +498,7 @@ impl Drafter for Eagle3Drafter<'_> {
         kept.copy_prefix_from(&*self.cache, rows).ok()?;
         Some(DrafterPrefix {
             cache: kept,
-            features: std::mem::take(&mut self.features),
+            features: self.features.clone(),
             width: self.feature_width(),
         })
     }

@@ -883,7 +883,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
 
 #[test]
 fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
-    use crate::decode::{step, CachedPrefix, Generation, PrefixCache, StepLimits};
+    use crate::decode::{Generation, PrefixCache};
     let dir = tempfile::tempdir().unwrap();
     let t = target(dir.path());
     let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
@@ -899,24 +899,7 @@ fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
         let d = Eagle3Drafter::new(&h, model, seed).unwrap();
         Generation::with_drafter(model, req, Box::new(d), 3).unwrap()
     };
-    let run_to_end =
-        |mut g: Generation<'_>| -> (crate::decode::GenerateOutput, Option<CachedPrefix>) {
-            for _ in 0..500 {
-                if g.is_done() {
-                    break;
-                }
-                let (results, _) = step(
-                    model,
-                    &t.tokenizer,
-                    &mut [&mut g],
-                    StepLimits::default(),
-                    &Profiler::disabled(),
-                    &mut |_, _| {},
-                );
-                results.into_iter().for_each(|r| r.unwrap());
-            }
-            g.finish_keeping_prefix(&t.tokenizer, &mut |_| {}).unwrap()
-        };
+    let run_to_end = |g| crate::testing::run_alone_to_end(&t, g);
     let prompt: Vec<u32> = PROMPT.iter().chain(&PROMPT).copied().collect();
     let (first, prefix) = run_to_end(generation(&prompt, 24, 1));
     let prefix = prefix.unwrap();
@@ -944,4 +927,20 @@ fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
         assert_eq!(stats(&out), stats(&fresh), "the head drafted the same");
         assert!(stats(&out).0 > 0);
     }
+    // A prompt copied right after its prefill (the request still running): the head has fed nothing yet, so the
+    // copy carries the prompt's target features, and a request with that prompt drafts as it would alone.
+    let mut running = generation(&prompt, 20, 3);
+    crate::testing::step_alone(&t, &mut running);
+    let copy = running.prompt_prefix(model).unwrap();
+    assert_eq!(copy.drafter.as_ref().unwrap().positions(), prompt.len());
+    let mut cache = PrefixCache::new();
+    cache.insert(copy, 1);
+    let (fresh, _) = run_to_end(generation(&prompt, 20, 2));
+    let mut g = generation(&prompt, 20, 2);
+    assert_eq!(cache.adopt_into(&mut g).unwrap(), prompt.len() - 1);
+    let (out, _) = run_to_end(g);
+    assert_eq!(out.tokens, fresh.tokens);
+    let s =
+        |o: &crate::decode::GenerateOutput| o.speculation.as_ref().map(|s| (s.drafted, s.accepted));
+    assert_eq!(s(&out), s(&fresh));
 }
