@@ -556,6 +556,10 @@ impl<'a> EngineLoop<'a> {
                     r.out.job.cancel.store(true, Ordering::Relaxed);
                 }
             }
+            let prefilling: Vec<bool> = running
+                .iter()
+                .map(|r| r.generation.is_prefilling())
+                .collect();
             // A panic inside a step (a bug, never a client's input) must not take the engine down: the requests
             // of that step end with an error, the others in the queue go on.
             let outcomes =
@@ -571,6 +575,7 @@ impl<'a> EngineLoop<'a> {
                             })
                             .collect()
                     });
+            self.keep_new_prompts(&running, &prefilling, kv_reserved);
             // Requests that are done, failed, timed out or cancelled leave now, freeing their slot and memory.
             let mut still = Vec::with_capacity(running.len());
             for (r, outcome) in running.drain(..).zip(outcomes) {
@@ -600,10 +605,18 @@ impl<'a> EngineLoop<'a> {
     /// Requests whose prompt entered the cache this step leave a copy of it in the prefix cache (unless one is
     /// there already), so that requests with the same start arriving while they run reuse it too, not only
     /// those arriving after they finish.
-    fn keep_new_prompts(&self, running: &[Running<'a>], was_prefilling: &[bool]) {
+    /// A copy is made only where it fits in the KV memory running requests leave (`kv_reserved` is theirs), less
+    /// room the cache gives up for it (least recently used first).
+    fn keep_new_prompts(
+        &self,
+        running: &[Running<'a>],
+        was_prefilling: &[bool],
+        kv_reserved: usize,
+    ) {
         if !self.options.prefix_cache {
             return;
         }
+        let free = self.options.kv_memory.saturating_sub(kv_reserved);
         let model = self.model.model.as_ref();
         let mut prefixes = self.prefixes.borrow_mut();
         for (r, _) in running
@@ -612,11 +625,14 @@ impl<'a> EngineLoop<'a> {
             .filter(|(r, &was)| was && !r.generation.is_prefilling())
         {
             let prompt = &r.generation.request().prompt_tokens;
-            if prompt.len() < PrefixCache::MIN_POSITIONS || prefixes.covers(prompt) {
+            let bytes = prompt.len() * model.kv_bytes_per_position();
+            if prompt.len() < PrefixCache::MIN_POSITIONS || bytes > free || prefixes.covers(prompt)
+            {
                 continue;
             }
+            prefixes.shrink_to(free - bytes);
             if let Some(p) = r.generation.prompt_prefix(model) {
-                prefixes.insert(p, prompt.len() * model.kv_bytes_per_position());
+                prefixes.insert(p, bytes);
             }
         }
     }
@@ -890,10 +906,6 @@ impl<'a> EngineLoop<'a> {
             .map(|r| r.generation.generated().len())
             .collect();
         let took_part: Vec<bool> = running.iter().map(|r| !r.generation.is_done()).collect();
-        let prefilling: Vec<bool> = running
-            .iter()
-            .map(|r| r.generation.is_prefilling())
-            .collect();
         // Tokens each drafter must catch up on before drafting (a draft model cut in earlier steps).
         let lags: Vec<usize> = running.iter().map(|r| r.generation.draft_lag()).collect();
         let prices = self.budget.borrow().costs();
@@ -958,7 +970,6 @@ impl<'a> EngineLoop<'a> {
             }
             r.last_token_at = Some(now);
         }
-        self.keep_new_prompts(running, &prefilling);
         let phases = prof.step_phases();
         self.metrics.observe_steps(&phases);
         let host_phases = prof.step_phases_host();
