@@ -596,9 +596,12 @@ impl<'a> EngineLoop<'a> {
             running = still;
             // The prefix cache keeps to the memory running requests leave (finished requests' caches and new
             // prompts joined it this step).
-            self.prefixes
-                .borrow_mut()
-                .shrink_to(self.options.kv_memory.saturating_sub(kv_reserved));
+            let mut prefixes = self.prefixes.borrow_mut();
+            prefixes.shrink_to(self.options.kv_memory.saturating_sub(kv_reserved));
+            self.metrics
+                .prefix_cache_usage
+                .set(prefixes.bytes() as f64 / self.options.kv_memory.max(1) as f64);
+            self.metrics.prefix_cache_entries.set(prefixes.len() as i64);
         }
     }
 

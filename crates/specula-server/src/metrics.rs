@@ -43,6 +43,9 @@ pub struct Metrics {
     pub draft_limit: Histogram,
     /// Share of the KV memory budget the running requests reserve (0..1).
     pub kv_usage: Gauge,
+    /// Share of the KV memory budget the prefix cache holds (0..1), and its entries.
+    pub prefix_cache_usage: Gauge,
+    pub prefix_cache_entries: IntGauge,
     /// What adaptive speculation currently prices (DraftBudget's measurements), by cost: draft_token,
     /// draft_pass, catch_up_token, step_overhead.
     pub draft_costs: GaugeVec,
@@ -102,6 +105,23 @@ impl Metrics {
         registry
             .register(Box::new(kv_usage.clone()))
             .expect("unique name");
+        let prefix_cache_usage = Gauge::new(
+            "specula:prefix_cache_usage_perc",
+            "Share of the KV memory budget (--kv-memory) the prefix cache holds (finished requests' caches and \
+             prompts), 0 to 1; it gives way to requests.",
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(prefix_cache_usage.clone()))
+            .expect("unique name");
+        let prefix_cache_entries = IntGauge::new(
+            "specula:prefix_cache_entries",
+            "Entries (token sequences with their KV caches) in the prefix cache.",
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(prefix_cache_entries.clone()))
+            .expect("unique name");
         let draft_costs = GaugeVec::new(
             Opts::new(
                 "specula:spec_decode_cost_seconds",
@@ -126,6 +146,8 @@ impl Metrics {
                 "Rows in each engine step's forward pass: prompt chunks, pending tokens and drafts.",
             ),
             kv_usage,
+            prefix_cache_usage,
+            prefix_cache_entries,
             draft_limit: {
                 let h = Histogram::with_opts(
                     HistogramOpts::new(

@@ -1088,5 +1088,16 @@ fn repeated_prompts_reuse_their_prefix_and_answer_the_same() {
             metric(&m, "specula:prefix_cache_hits"),
             (cached.iter().sum::<u64>() + c) as f64
         );
+        // The cache holds what the requests left (each prompt within its answer's longer cache), within budget.
+        let entries = metric(&m, "specula:prefix_cache_entries");
+        let usage = metric(&m, "specula:prefix_cache_usage_perc");
+        if on {
+            assert!(
+                entries >= 1.0 && usage > 0.0 && usage <= 1.0,
+                "{entries} {usage}"
+            );
+        } else {
+            assert_eq!((entries, usage), (0.0, 0.0));
+        }
     }
 }
