@@ -1316,3 +1316,40 @@ fn a_running_requests_prompt_serves_a_request_arriving_beside_it() {
     let (out, _) = run_alone_to_end(&target, first);
     assert_eq!(out.tokens, fresh.tokens);
 }
+
+/// A batched step times each finishing phase once over all its generations (on a GPU every span edge is an event
+/// of ~7 us): four generations take as many spans a step as one.
+#[test]
+fn a_batched_step_takes_one_span_per_phase() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(dir.path(), "t.gguf", TinySpec::default());
+    let model = target.model.as_ref();
+    let spans_of = |n: usize| {
+        let mut gens: Vec<Generation<'_>> = (0..n)
+            .map(|i| {
+                let prompt: Vec<u32> = PROMPT.iter().map(|&t| t + i as u32).collect();
+                Generation::new(model, request(&prompt, 4, SamplingParams::default())).unwrap()
+            })
+            .collect();
+        let prof = Profiler::new(crate::profile::Detail::Phases);
+        for _ in 0..2 {
+            let mut refs: Vec<&mut Generation<'_>> = gens.iter_mut().collect();
+            let (results, _) = step(
+                model,
+                &target.tokenizer,
+                &mut refs,
+                StepLimits::default(),
+                &prof,
+                &mut |_, _| {},
+            );
+            results.into_iter().for_each(|r| r.unwrap());
+        }
+        let summary = prof.summary();
+        ["prefill", "verify", "sample", "commit", "emit"]
+            .map(|p| summary.phase(p).map_or(0, |s| s.count))
+    };
+    // A prefill step and a decode step: one forward span each; the decode step's sample, commit and emit once (the
+    // summary counts a decode step's phases).
+    assert_eq!(spans_of(1), [1, 1, 1, 1, 1]);
+    assert_eq!(spans_of(4), spans_of(1));
+}
