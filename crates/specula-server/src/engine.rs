@@ -1376,7 +1376,8 @@ mod tests {
             phases,
         };
         // Device: verify 4 ms, draft 0.3 ms in a 5 ms step. Host: verify 0.1 ms (launches), draft 1.2 ms (the
-        // head's passes wait for their tokens), accept 4.5 ms (waits for the verify), 6.5 ms in all.
+        // head's passes wait for their tokens), accept 4.5 ms (waits for the verify), feed 0.2 ms (the head reads
+        // the hidden states: every step, drafting or not, so part of the rest), 6.5 ms in all.
         let device = step(5e-3, vec![(Phase::Verify, 4e-3), (Phase::Draft, 0.3e-3)]);
         let host = step(
             6.5e-3,
@@ -1384,6 +1385,7 @@ mod tests {
                 (Phase::Verify, 0.1e-3),
                 (Phase::Draft, 1.2e-3),
                 (Phase::Accept, 4.5e-3),
+                (Phase::Feed, 0.2e-3),
             ],
         );
         let c = step_costs(&device, Some(&host));

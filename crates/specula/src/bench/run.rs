@@ -208,7 +208,7 @@ impl ConfigResult {
             self.decode_s,
         )
     }
-    /// Decode time per cycle not spent drafting or verifying (accept, sample, commit, emit, other).
+    /// Decode time per cycle not spent drafting or verifying (accept, sample, commit, emit, feed, other).
     pub fn overhead_ms_per_cycle(&self) -> f64 {
         let rest: f64 = self
             .phase_s

@@ -991,7 +991,7 @@ pub fn step(
         .iter()
         .any(|(i, _, _)| !batch[*i].capture.is_empty())
     {
-        let _s = prof.span(Phase::Draft);
+        let _s = prof.span(Phase::Feed);
         settled.retain(|(i, out, st)| match batch[*i].feed_drafter(st, out) {
             Ok(_) => true,
             Err(e) => {

@@ -32,10 +32,13 @@ pub enum Phase {
     Commit,
     /// Detokenizing and writing the new text.
     Emit,
+    /// The drafter reads the target's hidden states of the rows that stay (EAGLE-3): paid every step whether or
+    /// not the next one drafts, so it is not the drafting's price.
+    Feed,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 7] = [
+    pub const ALL: [Phase; 8] = [
         Phase::Prefill,
         Phase::Draft,
         Phase::Verify,
@@ -43,6 +46,7 @@ impl Phase {
         Phase::Sample,
         Phase::Commit,
         Phase::Emit,
+        Phase::Feed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -54,6 +58,7 @@ impl Phase {
             Phase::Sample => "sample",
             Phase::Commit => "commit",
             Phase::Emit => "emit",
+            Phase::Feed => "feed",
         }
     }
 
