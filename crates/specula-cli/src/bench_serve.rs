@@ -62,6 +62,10 @@ struct Sample {
     /// Gaps between consecutive text chunks.
     itl_s: Vec<f64>,
     output_tokens: usize,
+    /// From the final usage chunk, when the server sends one: prompt tokens, and those it took from a prefix
+    /// cache (OpenAI's `prompt_tokens_details.cached_tokens`).
+    prompt_tokens: Option<usize>,
+    cached_tokens: Option<usize>,
     error: Option<String>,
 }
 
@@ -134,6 +138,12 @@ fn request(args: &BenchServeArgs, model: &str, prompt: &str) -> Sample {
         if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
             usage_tokens = Some(n as usize);
         }
+        if let Some(n) = v["usage"]["prompt_tokens"].as_u64() {
+            sample.prompt_tokens = Some(n as usize);
+        }
+        if let Some(n) = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
+            sample.cached_tokens = Some(n as usize);
+        }
         let c = &v["choices"][0];
         let text = if args.raw {
             &c["text"]
@@ -197,7 +207,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
         args.url, args.max_tokens, args.concurrency
     );
     println!(
-        "{:>5} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
+        "{:>5} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
         "conc",
         "req/s",
         "out tok/s",
@@ -207,7 +217,8 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
         "itl p99",
         "e2e p50",
         "e2e p99",
-        "errors"
+        "errors",
+        "cached"
     );
     let prompts = Arc::new(prompts);
     let mut levels = Vec::new();
@@ -250,6 +261,12 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
         let itl = sorted(&|s| s.itl_s.clone());
         let e2e = sorted(&|s| vec![s.e2e_s]);
         let out_tokens: usize = ok.iter().map(|s| s.output_tokens).sum();
+        // Prompt tokens the server reported taking from its prefix cache (None: it reports no such thing).
+        let prompt_tokens: usize = ok.iter().filter_map(|s| s.prompt_tokens).sum();
+        let cached: Option<usize> = ok
+            .iter()
+            .any(|s| s.cached_tokens.is_some())
+            .then(|| ok.iter().filter_map(|s| s.cached_tokens).sum());
         let level = json!({
             "concurrency": c,
             "requests": samples.len(),
@@ -260,13 +277,15 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
             "requests_per_s": ok.len() as f64 / wall,
             "output_tokens": out_tokens,
             "output_tok_s": out_tokens as f64 / wall,
+            "prompt_tokens": prompt_tokens,
+            "cached_prompt_tokens": cached,
             "ttft_s": {"p50": percentile(&ttft, 0.5), "p90": percentile(&ttft, 0.9), "p99": percentile(&ttft, 0.99)},
             "itl_s": {"p50": percentile(&itl, 0.5), "p90": percentile(&itl, 0.9), "p99": percentile(&itl, 0.99)},
             "e2e_s": {"p50": percentile(&e2e, 0.5), "p90": percentile(&e2e, 0.9), "p99": percentile(&e2e, 0.99)},
         });
         let ms = |v: &Value| v.as_f64().unwrap_or(0.0) * 1e3;
         println!(
-            "{:>5} {:>8.2} {:>10.1} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.0}ms {:>7.0}ms {:>7}",
+            "{:>5} {:>8.2} {:>10.1} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.0}ms {:>7.0}ms {:>7} {:>7}",
             c,
             level["requests_per_s"].as_f64().unwrap_or(0.0),
             level["output_tok_s"].as_f64().unwrap_or(0.0),
@@ -276,7 +295,11 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
             ms(&level["itl_s"]["p99"]),
             ms(&level["e2e_s"]["p50"]),
             ms(&level["e2e_s"]["p99"]),
-            errors.len()
+            errors.len(),
+            match cached {
+                Some(c) if prompt_tokens > 0 => format!("{:.0}%", 100.0 * c as f64 / prompt_tokens as f64),
+                _ => "-".into(),
+            }
         );
         if let Some(e) = errors.first() {
             eprintln!(

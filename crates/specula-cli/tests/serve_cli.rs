@@ -92,6 +92,12 @@ fn serve_answers_over_http_and_checks_its_flags() {
         );
     }
     assert_eq!(v["model"], m);
+    // The second level sends the prompts the first did: their chat template's start, at least, comes from the
+    // server's prefix cache, and bench-serve reports it.
+    let cached = |l: &serde_json::Value| l["cached_prompt_tokens"].as_u64().unwrap();
+    assert!(cached(&levels[1]) > 0, "{}", levels[1]);
+    assert!(cached(&levels[1]) < levels[1]["prompt_tokens"].as_u64().unwrap());
+    assert!(stdout.contains("cached"), "{stdout}");
 }
 
 /// Starts `specula serve` on a free port with `flags`; returns the child and its address.
