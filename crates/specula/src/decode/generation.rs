@@ -494,7 +494,6 @@ impl<'d> Generation<'d> {
     /// Appends new tokens to the output until one of them stops generation; returns how many were appended.
     /// `cached` is the target cache length, which the last new token would extend.
     fn commit(&mut self, tokenizer: &Tokenizer, new_tokens: &[u32], cached: usize) -> usize {
-        let _ = tokenizer;
         let mut appended = 0;
         for &token in new_tokens {
             if self.req.stop_at_eos && tokenizer.is_stop(token) {
