@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 pub const KERNEL_NAMES: &[&str] = &[
     "embed_rows",
     "rms_norm",
+    "split_rows",
     "gemv_mma_8_d4",
     "gemv_mma_8_d2",
     "gemv_mma_16",
@@ -38,9 +39,12 @@ pub struct Kernels {
     _module: Arc<CudaModule>,
     pub embed_rows: CudaFunction,
     pub rms_norm: CudaFunction,
+    /// Activations split into the GEMV's bf16 hi + lo fragments (where no producing kernel writes them so).
+    pub split_rows: CudaFunction,
     /// The tensor-core GEMV: 8 tokens a block with 4 or 2 chunks in flight a warp, 16 and 32 tokens a block.
     pub gemv_mma: [CudaFunction; 4],
-    /// The same sums for many tokens (activations split once into shared memory): 32 and 64 tokens a block.
+    /// The same sums for many tokens, four row blocks a block: 32 and 64 tokens a block (off unless
+    /// `SPECULA_CUDA_GEMM_ROWS` asks for it: slower than the GEMV since activations come split).
     pub gemm_mma: [CudaFunction; 2],
     pub splitk_reduce: CudaFunction,
     pub qkv_post: CudaFunction,
@@ -167,6 +171,7 @@ impl Gpu {
         let kernels = Kernels {
             embed_rows: f("embed_rows")?,
             rms_norm: f("rms_norm")?,
+            split_rows: f("split_rows")?,
             gemv_mma: [
                 f("gemv_mma_8_d4")?,
                 f("gemv_mma_8_d2")?,

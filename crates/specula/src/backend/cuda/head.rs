@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaSlice;
 
 use super::layout::{self, MAX_SPLITS};
-use super::ops::{gemv, ptr, Matrix};
+use super::ops::{alloc_split, gemv, ptr, split_rows, Matrix};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::draft::eagle3::compute::{check_pass, run_one_by_one, top_log_probs};
 use crate::draft::eagle3::{
@@ -91,19 +91,22 @@ pub struct CudaHead {
 struct Buffers {
     graphs: std::collections::HashMap<PassShape, PassGraph>,
     features: CudaSlice<f32>,
+    /// GEMV inputs, split (ops::alloc_split): the features for fc, the two normed inputs of the layer, attention's
+    /// output, the normed residual, SiLU(gate) * up, the normed rows for the LM head.
+    features_split: CudaSlice<u32>,
     x: CudaSlice<f32>,
     embeds: CudaSlice<f32>,
-    normed_embeds: CudaSlice<f32>,
-    normed_x: CudaSlice<f32>,
+    normed_embeds: CudaSlice<u32>,
+    normed_x: CudaSlice<u32>,
     qkv: CudaSlice<f32>,
     q: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
-    normed: CudaSlice<f32>,
-    act: CudaSlice<f32>,
+    attn: CudaSlice<u32>,
+    normed: CudaSlice<u32>,
+    act: CudaSlice<u32>,
     scratch: CudaSlice<f32>,
     angles: CudaSlice<f32>,
     picked: CudaSlice<f32>,
-    picked_normed: CudaSlice<f32>,
+    picked_normed: CudaSlice<u32>,
     logits: CudaSlice<f32>,
     /// Each wanted row's top draft token and probability (kernels.cu top_token), or its best draft tokens and
     /// log-probabilities (top_k_log_probs).
@@ -283,22 +286,24 @@ impl CudaHead {
                 .alloc_zeros::<u32>(n.max(1))
                 .map_err(|e| cuda_err(&format!("allocating the head's {what}"), e))
         };
+        let split = |k: usize, what: &str| alloc_split(gpu, r, k, &format!("the head's {what}"));
         Ok(Buffers {
             graphs: Default::default(),
             features: f(r * 3 * target_hidden, "features")?,
+            features_split: split(3 * target_hidden, "features")?,
             x: f(r * h, "activations")?,
             embeds: f(r * h, "embeddings")?,
-            normed_embeds: f(r * h, "activations")?,
-            normed_x: f(r * h, "activations")?,
+            normed_embeds: split(h, "activations")?,
+            normed_x: split(h, "activations")?,
             qkv: f(r * (q_dim + 2 * kv_dim), "QKV")?,
             q: f(r * q_dim, "queries")?,
-            attn: f(r * q_dim, "attention output")?,
-            normed: f(r * h, "activations")?,
-            act: f(r * ff, "MLP activations")?,
+            attn: split(q_dim, "attention output")?,
+            normed: split(h, "activations")?,
+            act: split(ff, "MLP activations")?,
             scratch: f(scratch, "split-K scratch")?,
             angles: f(r * c.head_dim, "rotary angles")?,
             picked: f(r * h, "final rows")?,
-            picked_normed: f(r * h, "final rows")?,
+            picked_normed: split(h, "final rows")?,
             logits: f(r * dv, "logits")?,
             top: f(2 * r * MAX_DEVICE_TOP_K, "top tokens")?,
             ints: u(words::TOTAL, "tables")?,
@@ -351,6 +356,7 @@ impl CudaHead {
             p(&ws.angles),
             (hd / 2) as i32
         );
+        let hc = h.div_ceil(layout::CHUNK) as i32;
         for (input, weight, out) in [
             (&ws.embeds, &self.input_norm, &ws.normed_embeds),
             (&ws.x, &self.hidden_norm, &ws.normed_x),
@@ -362,12 +368,13 @@ impl CudaHead {
                 1024,
                 p(input),
                 p(weight),
-                p(out),
+                ptr(out, gpu),
                 h as i32,
                 eps,
                 0u64,
                 0i32,
-                0u64
+                0u64,
+                hc
             );
         }
         let qkv_width = q_dim + 2 * kv_dim;
@@ -376,7 +383,7 @@ impl CudaHead {
             gpu,
             &self.wqkv_embed,
             qkv_width,
-            p(&ws.normed_embeds),
+            ptr(&ws.normed_embeds, gpu),
             pqkv,
             m,
             false,
@@ -388,7 +395,7 @@ impl CudaHead {
             gpu,
             &self.wqkv_hidden,
             qkv_width,
-            p(&ws.normed_x),
+            ptr(&ws.normed_x, gpu),
             pqkv,
             m,
             true,
@@ -424,7 +431,8 @@ impl CudaHead {
             (r32, heads as u32, 1),
             256,
             p(&ws.q),
-            p(&ws.attn),
+            ptr(&ws.attn, gpu),
+            q_dim.div_ceil(layout::CHUNK) as i32,
             p_rows,
             p_seqs,
             0i32,
@@ -438,7 +446,7 @@ impl CudaHead {
             gpu,
             &self.wo,
             h,
-            p(&ws.attn),
+            ptr(&ws.attn, gpu),
             px,
             m,
             true,
@@ -453,19 +461,20 @@ impl CudaHead {
             1024,
             px,
             p(&self.post_attention_norm),
-            p(&ws.normed),
+            ptr(&ws.normed, gpu),
             h as i32,
             eps,
             pscratch,
             o_splits as i32,
-            (m * h) as u64
+            (m * h) as u64,
+            hc
         );
         gemv(
             gpu,
             &self.w_gate_up,
             2 * ff,
-            p(&ws.normed),
-            p(&ws.act),
+            ptr(&ws.normed, gpu),
+            ptr(&ws.act, gpu),
             m,
             false,
             true,
@@ -476,7 +485,7 @@ impl CudaHead {
             gpu,
             &self.w_down,
             h,
-            p(&ws.act),
+            ptr(&ws.act, gpu),
             px,
             m,
             true,
@@ -516,18 +525,19 @@ impl CudaHead {
             1024,
             p(&ws.picked),
             p(&self.final_norm),
-            p(&ws.picked_normed),
+            ptr(&ws.picked_normed, gpu),
             c.hidden_size as i32,
             c.rms_norm_eps as f32,
             0u64,
             0i32,
-            0u64
+            0u64,
+            c.hidden_size.div_ceil(layout::CHUNK) as i32
         );
         gemv(
             gpu,
             &self.lm_head,
             self.draft_vocab,
-            p(&ws.picked_normed),
+            ptr(&ws.picked_normed, gpu),
             p(&ws.logits),
             wanted,
             false,
@@ -607,11 +617,18 @@ impl CudaHead {
     fn record_pass(&self, ws: &Buffers, shape: PassShape) -> Result<()> {
         if shape.features {
             let gpu = &*self.gpu;
+            split_rows(
+                gpu,
+                ptr(&ws.features, gpu),
+                ptr(&ws.features_split, gpu),
+                shape.rows,
+                self.fc.cols,
+            )?;
             gemv(
                 gpu,
                 &self.fc,
                 self.layer.hidden_size,
-                ptr(&ws.features, gpu),
+                ptr(&ws.features_split, gpu),
                 ptr(&ws.x, gpu),
                 shape.rows,
                 false,

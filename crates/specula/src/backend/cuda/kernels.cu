@@ -73,6 +73,48 @@ __device__ __forceinline__ size_t tiled_index(u32 row, u32 col, u32 chunks) {
     return ((size_t)block * chunks + chunk) * 512 + step * 256 + lane * 8 + reg * 2 + (kk & 1);
 }
 
+// Two floats as a bf16 pair, round to nearest even (first in the low half, the lower k index).
+__device__ __forceinline__ u32 pack_bf16x2(float first, float second) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(second), "f"(first));
+    return r;
+}
+
+// The hi and lo bf16 pairs of two consecutive inputs.
+__device__ __forceinline__ void split_pair(float2 v, u32& hi, u32& lo) {
+    hi = pack_bf16x2(v.x, v.y);
+    const float hx = __uint_as_float(hi << 16), hy = __uint_as_float(hi & 0xffff0000u);
+    lo = pack_bf16x2(v.x - hx, v.y - hy);
+}
+
+// Every GEMV reads its activations "split": each input x as the bf16 pair hi = round(x), lo = round(x - hi),
+// already in the order of the mma's B fragments, written once by the kernel that produces them (rms_norm,
+// attention, the gate/up GEMV's SiLU, split_rows) instead of by every warp of every row block that reads them.
+// Token r's inputs col, col + 1 (col even) of chunk c = col / 32 sit in the 16-byte piece
+// xs[((r / 8) * chunks + c) * 2 + h][lane], lane = 4 * (r % 8) + t, where col % 32 = 2t + 8q, h = q / 2, as
+// (hi of q = 2h, hi of q = 2h + 1, lo of q = 2h, lo of q = 2h + 1) (backend/cuda/layout.rs split_index). Inputs
+// past k stay zero: split buffers are zeroed when allocated and nothing writes there.
+__device__ __forceinline__ void store_split_pair(u32* __restrict__ xs, int chunks, int token, int col, float a, float b) {
+    u32 hi, lo;
+    split_pair(make_float2(a, b), hi, lo);
+    const int c = col >> 5, cc = col & 31, t = (cc & 7) >> 1, q = cc >> 3;
+    const int lane = (token & 7) * 4 + t;
+    const size_t at = ((((size_t)(token >> 3) * chunks + c) * 2 + (q >> 1)) * 32 + lane) * 4 + (q & 1);
+    xs[at] = hi;
+    xs[at + 2] = lo;
+}
+
+// xs = split(x) for m rows of k f32 inputs (k even); grid (m), block 256.
+extern "C" __global__ void split_rows(const float* __restrict__ x, u32* __restrict__ xs, int k, int chunks) {
+    PDL_ENTER();
+    const int r = blockIdx.x;
+    const float2* xr = reinterpret_cast<const float2*>(x + (size_t)r * k);
+    for (int i = threadIdx.x; i < (k >> 1); i += blockDim.x) {
+        const float2 v = xr[i];
+        store_split_pair(xs, chunks, r, 2 * i, v.x, v.y);
+    }
+}
+
 // out[r][i] = table[tokens[r]][i], bf16 -> f32, from the tiled embedding (which the tied LM head's GEMV reads).
 // grid (rows), block 256.
 extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u32* __restrict__ tokens,
@@ -84,7 +126,8 @@ extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u3
         out[(size_t)r * h + i] = bf16_to_f32(table[tiled_index(token, i, chunks)]);
 }
 
-// out[r] = x[r] * w / sqrt(mean(x[r]^2) + eps) for h % 4 == 0, h <= 16384; grid (rows), block 1024. Each thread
+// out[r] = x[r] * w / sqrt(mean(x[r]^2) + eps), written split for the GEMV that reads it (out_chunks = ceil(h /
+// 32)), for h % 4 == 0, h <= 16384; grid (rows), block 1024. Each thread
 // loads its (up to 4) 16-byte pieces of the row at once and keeps them in registers; threads sum their pieces in
 // order, warps reduce by butterfly, warp 0 sums the 32 warp totals in order: a fixed order for a given h.
 #define NORM_PIECES 4
@@ -92,9 +135,9 @@ extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u3
 // partials[z][r] for z < splits, summed in split order as splitk_reduce would) into x and writes x back: one
 // launch instead of a reduction kernel and a norm.
 extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ x, const float* __restrict__ w,
-                                                            float* __restrict__ out, int h, float eps,
+                                                            u32* __restrict__ out, int h, float eps,
                                                             const float* __restrict__ partials, int splits,
-                                                            u64 split_stride) {
+                                                            u64 split_stride, int out_chunks) {
     PDL_ENTER();
     __shared__ float partial[32];
     const int r = blockIdx.x;
@@ -137,42 +180,35 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ 
     __syncthreads();
     const float scale = partial[0];
     const float4* wr = reinterpret_cast<const float4*>(w);
-    float4* o = reinterpret_cast<float4*>(out + (size_t)r * h);
 #pragma unroll
     for (int j = 0; j < NORM_PIECES; j++) {
         const int i = threadIdx.x + j * blockDim.x;
         if (i < pieces) {
             const float4 g = wr[i];
-            o[i] = make_float4(v[j].x * scale * g.x, v[j].y * scale * g.y, v[j].z * scale * g.z, v[j].w * scale * g.w);
+            store_split_pair(out, out_chunks, r, 4 * i, v[j].x * scale * g.x, v[j].y * scale * g.y);
+            store_split_pair(out, out_chunks, r, 4 * i + 2, v[j].z * scale * g.z, v[j].w * scale * g.w);
         }
     }
 }
 
 // y[r][c] = dot(x[r], W[c]) for a bf16 W of n rows x k columns in the tiled layout of backend/cuda/layout.rs
-// (tiles of 16 rows x 32 columns, 1 KiB each in the order lanes read them), m activation rows of k f32 values.
+// (tiles of 16 rows x 32 columns, 1 KiB each in the order lanes read them), m activation rows of k inputs, split.
 // grid (row_blocks, ceil(m / (8 * NT)), splits), block MMA_WARPS * 32: a block owns one row block (16 outputs)
 // and 8 * NT activation rows ("tokens"); its split's chunks of 32 inputs are dealt to the warps in turn (warp w
 // takes chunks w, w + MMA_WARPS, ... of the split, in order), each warp accumulates its chunks on the tensor cores
 // (mma.m16n8k16, bf16 x bf16 -> f32), and warp 0 adds the warps' sums in warp order. Four warps a row block
-// (rather than one) keep enough loads in flight when a matrix has few row blocks. An activation is split into
-// bf16 hi + lo (hi = round(x), lo = round(x - hi)), multiplied by both, so inputs keep ~16 bits of mantissa
-// instead of bf16's 8.
+// (rather than one) keep enough loads in flight when a matrix has few row blocks. An activation comes split into
+// bf16 hi + lo (store_split_pair), multiplied by both, so inputs keep ~16 bits of mantissa instead of bf16's 8.
 // Each output is a fixed sum of mma accumulator elements; element (row, token) depends only on that row's weights
 // and that token's inputs, in an order fixed by the shape, whatever m is or where the token sits in the tile
 // (batch invariance).
 // Output, by mode:
 //   splits > 1: the split's partial sums go to scratch[split][r][c]; the next kernel (or splitk_reduce) adds them
 //               up in split order.
-//   silu_pairs: row block b holds gate rows 8b..8b+8 then up rows 8b..8b+8; y[r][8b + g] = silu(gate) * up.
+//   silu_pairs: row block b holds gate rows 8b..8b+8 then up rows 8b..8b+8; y[r][8b + g] = silu(gate) * up,
+//               written split (n / 2 inputs of the next GEMV).
 //   otherwise:  y[r][c] = sum, or y[r][c] += sum when accumulate (a residual add).
 #define MMA_WARPS 4
-
-// Two floats as a bf16 pair, round to nearest even (first in the low half, the lower k index).
-__device__ __forceinline__ u32 pack_bf16x2(float first, float second) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(second), "f"(first));
-    return r;
-}
 
 __device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], const uint4& a, u32 b0, u32 b1) {
     // Not volatile: the result depends only on the operands, so the compiler may schedule loads around it.
@@ -182,17 +218,42 @@ __device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], const uint4& a, 
         : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
-// The hi and lo bf16 pairs of two consecutive inputs.
-__device__ __forceinline__ void split_pair(float2 v, u32& hi, u32& lo) {
-    hi = pack_bf16x2(v.x, v.y);
-    const float hx = __uint_as_float(hi << 16), hy = __uint_as_float(hi & 0xffff0000u);
-    lo = pack_bf16x2(v.x - hx, v.y - hy);
+// The SiLU(gate) * up outputs of a gate/up GEMV, written split for the down projection: the lane holding feature
+// 8b + g of a token (g even) takes feature 8b + g + 1 from lane + 4 (g + 1, same t) and stores the pair. Every lane
+// of the warp must call it (a shuffle), with its own token and value.
+__device__ __forceinline__ void store_silu_split(float* __restrict__ y, int n, int m, int token, int feature, int g,
+                                                 float va, float vb) {
+    const float s = va / (1.f + expf(-va)) * vb;
+    const float next = __shfl_down_sync(0xffffffffu, s, 4);
+    const int features = n / 2;
+    if ((g & 1) == 0 && token < m && feature < features)
+        store_split_pair(reinterpret_cast<u32*>(y), (features + 31) >> 5, token, feature, s,
+                         feature + 1 < features ? next : 0.f);
+}
+
+// A lane's two B-fragment pieces of chunk c for the 8-token tile `tile` (zeros for a token past m).
+__device__ __forceinline__ void load_split(const uint4* __restrict__ xs, int tile, int chunks, int c, int lane,
+                                           bool has_token, uint4& b0, uint4& b1) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const uint4* at = xs + (((size_t)tile * chunks + c) * 2) * 32 + lane;
+    b0 = has_token ? at[0] : zero;
+    b1 = has_token ? at[32] : zero;
+}
+
+// One chunk's four mma's for one token tile: hi then lo of the first k16 step, then of the second.
+__device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4 (&a)[2], const uint4& b0, const uint4& b1) {
+    mma_bf16_16x8x16(d, a[0], b0.x, b0.y);
+    mma_bf16_16x8x16(d, a[0], b0.z, b0.w);
+    mma_bf16_16x8x16(d, a[1], b1.x, b1.y);
+    mma_bf16_16x8x16(d, a[1], b1.z, b1.w);
 }
 
 // NT is the number of 8-token tiles a block takes (1 for decode and verify up to 8 rows, 2 up to 16, 4 past that:
-// the weights are read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT.
+// the weights are read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT. (8 tiles
+// a block, at one chunk in flight a warp for want of registers, was slower on an H200: 5.75 ms against 3.71 for a
+// 64-row pass of the qwen2.5-1.5b shape.)
 template <int NT, int DEPTH>
-__device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const float* __restrict__ x,
+__device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const uint4* __restrict__ xs,
                                               float* __restrict__ y, int n, int k, int chunks, int m, int accumulate,
                                               int splits, float* __restrict__ scratch, int silu_pairs) {
     __shared__ float partial[MMA_WARPS - 1][NT * 4][32];
@@ -212,13 +273,8 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
     const int g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.y * 8 * NT;
     bool has_token[NT];
-    const float* xr[NT];
 #pragma unroll
-    for (int u = 0; u < NT; u++) {
-        has_token[u] = r0 + 8 * u + g < m;
-        xr[u] = x + (size_t)(has_token[u] ? r0 + 8 * u + g : 0) * k;
-    }
-    const bool whole = (k & 31) == 0;
+    for (int u = 0; u < NT; u++) has_token[u] = r0 + 8 * u + g < m;
     float d[NT][4];
 #pragma unroll
     for (int u = 0; u < NT; u++) d[u][0] = d[u][1] = d[u][2] = d[u][3] = 0.f;
@@ -228,7 +284,7 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
     // split's end are neither loaded nor multiplied (c is the same in every lane: the mma stays warp-uniform).
     for (int base = c_begin + warp; base < c_end; base += DEPTH * MMA_WARPS) {
         uint4 a[DEPTH][2];
-        float2 v[DEPTH][NT][4];
+        uint4 b[DEPTH][NT][2];
 #pragma unroll
         for (int j = 0; j < DEPTH; j++) {
             const int c = base + j * MMA_WARPS;
@@ -237,28 +293,14 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
                 a[j][1] = __ldg(tiles + (size_t)c * 64 + 32 + lane);
 #pragma unroll
                 for (int u = 0; u < NT; u++)
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        const int col = c * 32 + 2 * t + 8 * q;
-                        v[j][u][q] = has_token[u] && (whole || col < k)
-                                         ? *reinterpret_cast<const float2*>(xr[u] + col)
-                                         : make_float2(0.f, 0.f);
-                    }
+                    load_split(xs, blockIdx.y * NT + u, chunks, c, lane, has_token[u], b[j][u][0], b[j][u][1]);
             }
         }
 #pragma unroll
         for (int j = 0; j < DEPTH; j++) {
             if (base + j * MMA_WARPS < c_end) {
 #pragma unroll
-                for (int u = 0; u < NT; u++) {
-                    u32 hi[4], lo[4];
-#pragma unroll
-                    for (int q = 0; q < 4; q++) split_pair(v[j][u][q], hi[q], lo[q]);
-                    mma_bf16_16x8x16(d[u], a[j][0], hi[0], hi[1]);
-                    mma_bf16_16x8x16(d[u], a[j][0], lo[0], lo[1]);
-                    mma_bf16_16x8x16(d[u], a[j][1], hi[2], hi[3]);
-                    mma_bf16_16x8x16(d[u], a[j][1], lo[2], lo[3]);
-                }
+                for (int u = 0; u < NT; u++) mma_chunk(d[u], a[j], b[j][u][0], b[j][u][1]);
             }
         }
     }
@@ -281,15 +323,16 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int token = r0 + 8 * u + 2 * t + e;
-            if (token >= m) continue;
             const float va = d[u][e], vb = d[u][2 + e];
+            if (silu_pairs) {
+                store_silu_split(y, n, m, token, block * 8 + g, g, va, vb);
+                continue;
+            }
+            if (token >= m) continue;
             if (splits > 1) {
                 float* dst = scratch + ((size_t)blockIdx.z * m + token) * n;
                 if (row_a < n) dst[row_a] = va;
                 if (row_b < n) dst[row_b] = vb;
-            } else if (silu_pairs) {
-                const int feature = block * 8 + g;
-                if (feature < n / 2) y[(size_t)token * (n / 2) + feature] = va / (1.f + expf(-va)) * vb;
             } else {
                 float* dst = y + (size_t)token * n;
                 if (row_a < n) dst[row_a] = accumulate ? dst[row_a] + va : va;
@@ -301,9 +344,9 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
 
 #define GEMV_MMA_KERNEL(name, NT, DEPTH)                                                                        \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                                 \
-        name(const uint4* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n, int k,        \
+        name(const uint4* __restrict__ w, const uint4* __restrict__ xs, float* __restrict__ y, int n, int k,       \
              int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {       \
-        gemv_mma_tile<NT, DEPTH>(w, x, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);           \
+        gemv_mma_tile<NT, DEPTH>(w, xs, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);          \
     }
 // DEPTH only changes how many chunks' loads are in flight, never which warp sums which chunk, so every variant
 // gives the same bits. Measured on an H200 (docs/benchmarks.md): DEPTH 4 streams the large unsplit gate/up
@@ -314,11 +357,10 @@ GEMV_MMA_KERNEL(gemv_mma_8_d2, 1, 2)
 GEMV_MMA_KERNEL(gemv_mma_16, 2, 2)
 GEMV_MMA_KERNEL(gemv_mma_32, 4, 2)
 
-// The GEMV's sums for many tokens at once (prefill, wide verifies and trees, batched serving), bit for bit: the
-// GEMV re-reads every activation from L2 once per 16-row block and splits it into bf16 hi + lo in every warp, which
-// made a 17-32-row pass cost 2.2 single steps. Here a block of GEMM_ROW_BLOCKS x GEMM_TOKEN_GROUPS warps owns
-// GEMM_ROW_BLOCKS row blocks and GEMM_TOKEN_GROUPS * NT token tiles; the block splits each activation once into
-// shared memory, already in the mma's B-fragment order, and every warp reads it from there.
+// The GEMV's sums for many tokens at once (prefill, wide verifies and trees, batched serving), bit for bit: a
+// block of GEMM_ROW_BLOCKS x GEMM_TOKEN_GROUPS warps owns GEMM_ROW_BLOCKS row blocks and GEMM_TOKEN_GROUPS * NT
+// token tiles, so a row block's weights are read by one block for all of them (the GEMV's blocks for other tokens
+// re-read them), and the blocks sharing a row block run together (token groups vary fastest in the grid).
 // Same arithmetic as gemv_mma_tile, which is what keeps a row's result independent of the number of tokens: in
 // the GEMV, warp w of a row block sums chunks c_begin + w, c_begin + w + 4, ... in order and warp 0 adds the four
 // warps' sums in warp order. Here one warp keeps those four sums itself (acc[j] takes the chunks with
@@ -329,13 +371,10 @@ GEMV_MMA_KERNEL(gemv_mma_32, 4, 2)
 #define GEMM_WARPS (GEMM_ROW_BLOCKS * GEMM_TOKEN_GROUPS)
 
 template <int NT>
-__device__ __forceinline__ void gemm_mma_tile(const uint4* __restrict__ w, const float* __restrict__ x,
+__device__ __forceinline__ void gemm_mma_tile(const uint4* __restrict__ w, const uint4* __restrict__ xs,
                                               float* __restrict__ y, int n, int k, int chunks, int m, int accumulate,
                                               int splits, float* __restrict__ scratch, int silu_pairs) {
     constexpr int TILES = GEMM_TOKEN_GROUPS * NT;  // 8-token tiles a block owns
-    // One stage: MMA_WARPS chunks (one per accumulator), each token tile's B fragments, two 16-byte halves a lane
-    // (hi and lo of the chunk's first k16 step, then of its second).
-    __shared__ uint4 frag[MMA_WARPS][TILES][2][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wr = warp % GEMM_ROW_BLOCKS, wt = warp / GEMM_ROW_BLOCKS;
     const int row_block = blockIdx.y * GEMM_ROW_BLOCKS + wr;
@@ -349,65 +388,37 @@ __device__ __forceinline__ void gemm_mma_tile(const uint4* __restrict__ w, const
         if (c < c_end) asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(tiles + (size_t)c * 64) + (lane & 7) * 128));
     }
     PDL_ENTER();
-    if (blockIdx.y * GEMM_ROW_BLOCKS * 16 >= n) return;
-    const int tok0 = blockIdx.x * TILES * 8;
-    const bool whole = (k & 31) == 0;
+    if (!has_rows) return;
+    const int g = lane >> 2, t = lane & 3;
+    const int tile0 = blockIdx.x * TILES + wt * NT;  // this warp's first token tile
+    bool has_token[NT];
+#pragma unroll
+    for (int u = 0; u < NT; u++) has_token[u] = (tile0 + u) * 8 + g < m;
     float acc[MMA_WARPS][NT][4];
 #pragma unroll
     for (int j = 0; j < MMA_WARPS; j++)
 #pragma unroll
         for (int u = 0; u < NT; u++) acc[j][u][0] = acc[j][u][1] = acc[j][u][2] = acc[j][u][3] = 0.f;
     for (int c0 = c_begin; c0 < c_end; c0 += MMA_WARPS) {
-        // This stage's weights first, so they are in flight while the block fills the activations.
         uint4 a[MMA_WARPS][2];
-        if (has_rows) {
-#pragma unroll
-            for (int j = 0; j < MMA_WARPS; j++) {
-                if (c0 + j < c_end) {
-                    a[j][0] = __ldg(tiles + (size_t)(c0 + j) * 64 + lane);
-                    a[j][1] = __ldg(tiles + (size_t)(c0 + j) * 64 + 32 + lane);
-                }
-            }
-        }
-        __syncthreads();  // the previous stage's fragments are read
-        // Fill: each (chunk, tile, lane) slot is what that lane of a GEMV warp would have computed for that chunk.
-        for (int s = threadIdx.x; s < MMA_WARPS * TILES * 32; s += GEMM_WARPS * 32) {
-            const int sl = s & 31, tile = (s >> 5) % TILES, j = s / (32 * TILES);
-            const int c = c0 + j;
-            if (c >= c_end) continue;
-            const int g = sl >> 2, t = sl & 3;
-            const int token = tok0 + tile * 8 + g;
-            const bool has_token = token < m;
-            const float* xr = x + (size_t)(has_token ? token : 0) * k;
-            u32 hi[4], lo[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int col = c * 32 + 2 * t + 8 * q;
-                const float2 v = has_token && (whole || col < k) ? *reinterpret_cast<const float2*>(xr + col)
-                                                                 : make_float2(0.f, 0.f);
-                split_pair(v, hi[q], lo[q]);
-            }
-            frag[j][tile][0][sl] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
-            frag[j][tile][1][sl] = make_uint4(hi[2], hi[3], lo[2], lo[3]);
-        }
-        __syncthreads();
-        if (!has_rows) continue;
 #pragma unroll
         for (int j = 0; j < MMA_WARPS; j++) {
             if (c0 + j < c_end) {
+                a[j][0] = __ldg(tiles + (size_t)(c0 + j) * 64 + lane);
+                a[j][1] = __ldg(tiles + (size_t)(c0 + j) * 64 + 32 + lane);
+            }
+        }
 #pragma unroll
-                for (int u = 0; u < NT; u++) {
-                    const uint4 b0 = frag[j][wt * NT + u][0][lane], b1 = frag[j][wt * NT + u][1][lane];
-                    mma_bf16_16x8x16(acc[j][u], a[j][0], b0.x, b0.y);
-                    mma_bf16_16x8x16(acc[j][u], a[j][0], b0.z, b0.w);
-                    mma_bf16_16x8x16(acc[j][u], a[j][1], b1.x, b1.y);
-                    mma_bf16_16x8x16(acc[j][u], a[j][1], b1.z, b1.w);
-                }
+        for (int j = 0; j < MMA_WARPS; j++) {
+            if (c0 + j < c_end) {
+                uint4 b[NT][2];
+#pragma unroll
+                for (int u = 0; u < NT; u++) load_split(xs, tile0 + u, chunks, c0 + j, lane, has_token[u], b[u][0], b[u][1]);
+#pragma unroll
+                for (int u = 0; u < NT; u++) mma_chunk(acc[j][u], a[j], b[u][0], b[u][1]);
             }
         }
     }
-    if (!has_rows) return;
-    const int g = lane >> 2, t = lane & 3;
     const int row_a = row_block * 16 + g, row_b = row_a + 8;
 #pragma unroll
     for (int u = 0; u < NT; u++) {
@@ -416,16 +427,17 @@ __device__ __forceinline__ void gemm_mma_tile(const uint4* __restrict__ w, const
         for (int e = 0; e < 4; e++) d[e] = ((acc[0][u][e] + acc[1][u][e]) + acc[2][u][e]) + acc[3][u][e];
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            const int token = tok0 + (wt * NT + u) * 8 + 2 * t + e;
-            if (token >= m) continue;
+            const int token = (tile0 + u) * 8 + 2 * t + e;
             const float va = d[e], vb = d[2 + e];
+            if (silu_pairs) {
+                store_silu_split(y, n, m, token, row_block * 8 + g, g, va, vb);
+                continue;
+            }
+            if (token >= m) continue;
             if (splits > 1) {
                 float* dst = scratch + ((size_t)blockIdx.z * m + token) * n;
                 if (row_a < n) dst[row_a] = va;
                 if (row_b < n) dst[row_b] = vb;
-            } else if (silu_pairs) {
-                const int feature = row_block * 8 + g;
-                if (feature < n / 2) y[(size_t)token * (n / 2) + feature] = va / (1.f + expf(-va)) * vb;
             } else {
                 float* dst = y + (size_t)token * n;
                 if (row_a < n) dst[row_a] = accumulate ? dst[row_a] + va : va;
@@ -437,9 +449,9 @@ __device__ __forceinline__ void gemm_mma_tile(const uint4* __restrict__ w, const
 
 #define GEMM_MMA_KERNEL(name, NT)                                                                                \
     extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 2)                                             \
-        name(const uint4* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n, int k,        \
+        name(const uint4* __restrict__ w, const uint4* __restrict__ xs, float* __restrict__ y, int n, int k,       \
              int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {       \
-        gemm_mma_tile<NT>(w, x, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);                  \
+        gemm_mma_tile<NT>(w, xs, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);                 \
     }
 // 32 and 64 tokens a block.
 GEMM_MMA_KERNEL(gemm_mma_32, 2)
@@ -542,7 +554,7 @@ __device__ __forceinline__ int nth_set_bit(u64 m, int n) {
 }
 
 template <int P>
-__device__ __forceinline__ void attention_rows(const float* __restrict__ q, float* __restrict__ out,
+__device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
                                                const RowInfo* __restrict__ rows, const SeqCache* __restrict__ caches,
                                                int layer, int heads, int kv_heads, int hd, float scale) {
     PDL_ENTER();
@@ -648,20 +660,24 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, floa
                 total[j].x += a.x * f; total[j].y += a.y * f; total[j].z += a.z * f; total[j].w += a.w * f;
             }
         }
-        float4* oh = reinterpret_cast<float4*>(out + ((size_t)r * heads + head) * hd);
+        // Written split for the output projection's GEMV (row r's inputs head * hd ...).
 #pragma unroll
         for (int j = 0; j < P; j++) {
             const int i = lane + 32 * j;
-            if (i < pieces) oh[i] = make_float4(total[j].x / gl, total[j].y / gl, total[j].z / gl, total[j].w / gl);
+            if (i < pieces) {
+                const int col = head * hd + 4 * i;
+                store_split_pair(out, out_chunks, r, col, total[j].x / gl, total[j].y / gl);
+                store_split_pair(out, out_chunks, r, col + 2, total[j].z / gl, total[j].w / gl);
+            }
         }
     }
 }
 
 #define ATTENTION_KERNEL(name, P)                                                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                                  \
-        name(const float* __restrict__ q, float* __restrict__ out, const RowInfo* __restrict__ rows,              \
+        name(const float* __restrict__ q, u32* __restrict__ out, int out_chunks, const RowInfo* __restrict__ rows, \
              const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd, float scale) {       \
-        attention_rows<P>(q, out, rows, caches, layer, heads, kv_heads, hd, scale);                               \
+        attention_rows<P>(q, out, out_chunks, rows, caches, layer, heads, kv_heads, hd, scale);                   \
     }
 ATTENTION_KERNEL(attention_128, 1)
 ATTENTION_KERNEL(attention_256, 2)

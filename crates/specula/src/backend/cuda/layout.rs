@@ -67,6 +67,24 @@ pub fn stack_gate_up(gate: &[u16], up: &[u16], ff: usize, k: usize) -> Vec<u16> 
     out
 }
 
+/// u32 words of a split activation buffer for `rows` tokens of `k` inputs (kernels.cu `store_split_pair`):
+/// each input is a bf16 hi + lo pair (4 bytes), tokens padded to whole 8-token tiles and inputs to whole chunks.
+pub fn split_len(rows: usize, k: usize) -> usize {
+    rows.div_ceil(TOKENS) * TOKENS * k.div_ceil(CHUNK) * CHUNK
+}
+
+/// Where the hi half of token `token`'s input `col` lives in a split activation buffer of `chunks` chunks a
+/// token (the lo half is 2 words further): the u32 word of the bf16 pair (col & !1, col | 1), in the order the
+/// GEMV's lanes read their B fragments, two 16-byte pieces per lane and chunk (PTX: b0 = B[2t..2t+2][g], b1 =
+/// B[2t+8..2t+10][g]; the token is the mma's column g): piece h of chunk c holds (hi of q = 2h, hi of q = 2h + 1,
+/// lo of q = 2h, lo of q = 2h + 1) where col % 32 = 2t + 8q.
+pub fn split_index(token: usize, col: usize, chunks: usize) -> usize {
+    let (chunk, c) = (col / CHUNK, col % CHUNK);
+    let (t, q) = ((c % 8) / 2, c / 8);
+    let lane = (token % TOKENS) * 4 + t;
+    ((((token / TOKENS) * chunks + chunk) * 2 + q / 2) * 32 + lane) * 4 + q % 2
+}
+
 /// Split-K partitions for a GEMV of `n` outputs over `k` inputs on a GPU of `sm_count` multiprocessors: enough
 /// warps (WARPS a row block) to keep about 16 a multiprocessor streaming weights, at most MAX_SPLITS, at least 4
 /// chunks per warp and split. A function of the matrix's shape only, never of the number of tokens, so a row's
@@ -184,6 +202,65 @@ mod tests {
                         "row {row} token {tok}: {} vs {want}",
                         got[tok]
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn split_index_is_a_bijection_onto_the_buffer() {
+        // 11 tokens (two tiles, the second partly padding), 40 inputs (two chunks, the second partly padding).
+        let (m, k): (usize, usize) = (11, 40);
+        let chunks = k.div_ceil(CHUNK);
+        let len = split_len(m, k);
+        let mut seen = vec![false; len];
+        for token in 0..16 {
+            for col in (0..chunks * CHUNK).step_by(2) {
+                let hi = split_index(token, col, chunks);
+                assert_eq!(
+                    split_index(token, col + 1, chunks),
+                    hi,
+                    "a pair shares its word"
+                );
+                for w in [hi, hi + 2] {
+                    assert!(w < len, "token {token} col {col}: word {w} of {len}");
+                    assert!(!seen[w], "token {token} col {col}: word {w} used twice");
+                    seen[w] = true;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    /// Each lane's B fragments read out of a split buffer are its token's inputs, per the PTX layout: for chunk c
+    /// and k-step s, b0 = B[2t..2t+2][g] and b1 = B[2t+8..2t+10][g] (B[kk][g] = input c * 32 + 16 s + kk of token
+    /// g), hi in the piece's first two words and lo in the last two.
+    #[test]
+    fn split_fragments_hold_each_lanes_inputs() {
+        let (m, k): (usize, usize) = (8, 64);
+        let chunks = k.div_ceil(CHUNK);
+        // A distinct 16-bit pattern per (token, input) stands for its hi half.
+        let x = |token: usize, col: usize| (token * k + col) as u32;
+        let mut buf = vec![0u32; split_len(m, k)];
+        for token in 0..m {
+            for col in (0..k).step_by(2) {
+                // The lower input in the lower half (cvt.rn.bf16x2's order in pack_bf16x2).
+                buf[split_index(token, col, chunks)] = x(token, col) | x(token, col + 1) << 16;
+            }
+        }
+        for chunk in 0..chunks {
+            for lane in 0..32 {
+                let (g, t) = (lane / 4, lane % 4);
+                for step in 0..2 {
+                    let piece = &buf[((chunk * 2 + step) * 32 + lane) * 4..][..4];
+                    for (reg, kk0) in [(0, 2 * t), (1, 2 * t + 8)] {
+                        let word = piece[reg];
+                        for e in 0..2 {
+                            let half = (word >> (16 * e)) & 0xffff;
+                            let col = chunk * CHUNK + 16 * step + kk0 + e;
+                            assert_eq!(half, x(g, col), "lane {lane} step {step} reg {reg}");
+                        }
+                    }
                 }
             }
         }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaSlice;
 
 use super::layout::{self, MAX_SPLITS};
-use super::ops::{gemv, ptr, Matrix};
+use super::ops::{alloc_split, gemv, ptr, Matrix};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::error::{Error, Result};
 use crate::model::config::{Config, RopeStyle};
@@ -582,15 +582,9 @@ impl CudaModel {
         let rows = tables.tokens.len();
         let half = hd / 2;
         let p = |s: &CudaSlice<f32>| ptr(s, gpu);
-        let (px, pn, pqkv, pq, pa, pact, pscratch) = (
-            p(&ws.x),
-            p(&ws.normed),
-            p(&ws.qkv),
-            p(&ws.q),
-            p(&ws.attn),
-            p(&ws.act),
-            p(&ws.scratch),
-        );
+        let (px, pqkv, pq, pscratch) = (p(&ws.x), p(&ws.qkv), p(&ws.q), p(&ws.scratch));
+        let (pn, pa, pact) = (ptr(&ws.normed, gpu), ptr(&ws.attn, gpu), ptr(&ws.act, gpu));
+        let chunks = |k: usize| k.div_ceil(layout::CHUNK) as i32;
         let (p_rows, p_seqs) = (ptr(&ws.row_table, gpu), ptr(&ws.seq_table, gpu));
         let eps = c.rms_norm_eps as f32;
         let r32 = rows as u32;
@@ -640,7 +634,8 @@ impl CudaModel {
                 eps,
                 pscratch,
                 pending as i32,
-                (rows * h) as u64
+                (rows * h) as u64,
+                chunks(h)
             );
             let qkv_width = q_dim + 2 * kv_dim;
             let qkv_splits = self.gemv(
@@ -683,6 +678,7 @@ impl CudaModel {
                 att_block,
                 pq,
                 pa,
+                chunks(q_dim),
                 p_rows,
                 p_seqs,
                 li as i32,
@@ -706,7 +702,8 @@ impl CudaModel {
                 eps,
                 pscratch,
                 o_splits as i32,
-                (rows * h) as u64
+                (rows * h) as u64,
+                chunks(h)
             );
             self.gemv(
                 &layer.w_gate_up,
@@ -765,17 +762,18 @@ impl CudaModel {
                 1024,
                 p(&ws.picked),
                 p(&self.final_norm),
-                p(&ws.picked_normed),
+                ptr(&ws.picked_normed, gpu),
                 h as i32,
                 eps,
                 0u64,
                 0i32,
-                0u64
+                0u64,
+                chunks(h)
             );
             self.gemv(
                 head,
                 shape.vocab,
-                p(&ws.picked_normed),
+                ptr(&ws.picked_normed, gpu),
                 p(&ws.logits),
                 nw,
                 false,
@@ -900,16 +898,17 @@ struct Workspace {
 
 struct Buffers {
     x: CudaSlice<f32>,
-    normed: CudaSlice<f32>,
+    /// GEMV inputs, split (ops::alloc_split): the normed residual stream, attention's output, SiLU(gate) * up.
+    normed: CudaSlice<u32>,
     qkv: CudaSlice<f32>,
     q: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
-    act: CudaSlice<f32>,
+    attn: CudaSlice<u32>,
+    act: CudaSlice<u32>,
     /// Split-K partial sums: MAX_SPLITS x rows x the widest split output.
     scratch: CudaSlice<f32>,
     angles: CudaSlice<f32>,
     picked: CudaSlice<f32>,
-    picked_normed: CudaSlice<f32>,
+    picked_normed: CudaSlice<u32>,
     logits: CudaSlice<f32>,
     captured: Vec<CudaSlice<f32>>,
     tokens: CudaSlice<u32>,
@@ -969,11 +968,11 @@ impl Workspace {
         };
         self.buffers = Some(Buffers {
             x: f(r * c.hidden_size, "activations")?,
-            normed: f(r * c.hidden_size, "activations")?,
+            normed: alloc_split(&model.gpu, r, c.hidden_size, "activations")?,
             qkv: f(r * (c.q_dim() + 2 * c.kv_dim()), "QKV")?,
             q: f(r * c.q_dim(), "queries")?,
-            attn: f(r * c.q_dim(), "attention output")?,
-            act: f(r * c.intermediate_size, "MLP activations")?,
+            attn: alloc_split(&model.gpu, r, c.q_dim(), "attention output")?,
+            act: alloc_split(&model.gpu, r, c.intermediate_size, "MLP activations")?,
             scratch: f(
                 MAX_SPLITS
                     * r.max(w)
@@ -984,7 +983,7 @@ impl Workspace {
             )?,
             angles: f(r * c.head_dim, "rotary angles")?,
             picked: f(w * c.hidden_size, "final rows")?,
-            picked_normed: f(w * c.hidden_size, "final rows")?,
+            picked_normed: alloc_split(&model.gpu, w, c.hidden_size, "final rows")?,
             logits: f(w * self.vocab, "logits")?,
             captured: (0..self.captures)
                 .map(|_| f(r * c.hidden_size, "captured hidden states"))
@@ -1327,7 +1326,7 @@ impl Model for CudaModel {
 
 impl CudaModel {
     fn check_gemm_tile(&self) -> Result<Vec<KernelCheck>> {
-        use super::ops::{gemv_with, GemvPath};
+        use super::ops::{gemv_with, split_rows, GemvPath};
         let gpu = &self.gpu;
         let layer = &self.layers[0];
         let lm_head = self.lm_head.as_ref().unwrap_or(&*self.embed);
@@ -1374,18 +1373,25 @@ impl CudaModel {
                     .stream
                     .clone_htod(&x)
                     .map_err(|e| cuda_err("uploading check activations", e))?;
+                let xs = alloc_split(gpu, m, k, "check activations")?;
+                split_rows(gpu, ptr(&xd, gpu), ptr(&xs, gpu), m, k)?;
                 let scratch = self.alloc(MAX_SPLITS * m * n, "check scratch")?;
                 let mut results = Vec::new();
                 for path in [GemvPath::Gemv, GemvPath::Gemm] {
-                    let y = gpu
-                        .stream
-                        .clone_htod(&start)
-                        .map_err(|e| cuda_err("uploading check outputs", e))?;
+                    // SiLU outputs come split (the down projection's input): compared as words.
+                    let y = if silu {
+                        alloc_split(gpu, m, out_n, "check outputs")?
+                    } else {
+                        let bits: Vec<u32> = start.iter().map(|v| v.to_bits()).collect();
+                        gpu.stream
+                            .clone_htod(&bits)
+                            .map_err(|e| cuda_err("uploading check outputs", e))?
+                    };
                     gemv_with(
                         gpu,
                         w,
                         n,
-                        ptr(&xd, gpu),
+                        ptr(&xs, gpu),
                         ptr(&y, gpu),
                         m,
                         accumulate,
@@ -1394,11 +1400,11 @@ impl CudaModel {
                         false,
                         path,
                     )?;
-                    results.push(
-                        gpu.stream
-                            .clone_dtoh(&y)
-                            .map_err(|e| cuda_err("reading check outputs", e))?,
-                    );
+                    let words = gpu
+                        .stream
+                        .clone_dtoh(&y)
+                        .map_err(|e| cuda_err("reading check outputs", e))?;
+                    results.push(words.into_iter().map(f32::from_bits).collect::<Vec<_>>());
                 }
                 let largest = results[0]
                     .iter()

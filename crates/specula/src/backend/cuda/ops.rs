@@ -81,10 +81,10 @@ pub(crate) enum GemvPath {
     Gemm,
 }
 
-/// Tokens from which a GEMV runs as the GEMM tile (`SPECULA_CUDA_GEMM_ROWS`; 0 never). Measured on an H200
-/// (docs/benchmarks.md, session 16): at the qwen2.5-1.5b shape the GEMV is faster up to ~60 tokens and the tile
-/// from 64 on (10.1 ms against 12.0 at 128 tokens; long prefills 13-16% faster); both are bound by the
-/// instructions around their mma's (the tile by splitting activations into shared memory), not by the weights.
+/// Tokens from which a GEMV runs as the GEMM tile (`SPECULA_CUDA_GEMM_ROWS`; 0, the default, never). Measured on
+/// an H200 (docs/benchmarks.md, sessions 16 and 18): while every warp split its own activations, the tile (which
+/// split them once into shared memory) won from 64 tokens; with activations split once by the kernel that makes
+/// them, the GEMV is faster at every size (qwen2.5-1.5b shape, 128 tokens: 6.9 ms against 12.3).
 pub(crate) fn gemm_min_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ROWS.get_or_init(|| {
@@ -95,7 +95,7 @@ pub(crate) fn gemm_min_rows() -> usize {
     })
 }
 
-const DEFAULT_GEMM_MIN_ROWS: usize = 64;
+const DEFAULT_GEMM_MIN_ROWS: usize = 0;
 
 /// Tokens a GEMM block takes (kernels.cu: GEMM_TOKEN_GROUPS x NT x 8) for `m` tokens, and its kernel's index.
 pub(crate) fn gemm_variant(m: usize) -> (usize, usize) {
@@ -111,8 +111,33 @@ const GEMM_ROW_BLOCKS: usize = 4;
 /// Threads of a GEMM block (kernels.cu GEMM_WARPS x 32).
 const GEMM_THREADS: u32 = 8 * 32;
 
+/// A split activation buffer for `rows` tokens of `k` inputs (layout::split_len words), zeroed: inputs past `k`
+/// must stay zero, and nothing writes them.
+pub(crate) fn alloc_split(gpu: &Gpu, rows: usize, k: usize, what: &str) -> Result<CudaSlice<u32>> {
+    gpu.stream
+        .alloc_zeros::<u32>(layout::split_len(rows, k).max(1))
+        .map_err(|e| cuda_err(&format!("allocating {what}"), e))
+}
+
+/// `xs` = `x` (`m x k` f32, k even) split for a GEMV, where no producing kernel writes it so.
+pub(crate) fn split_rows(gpu: &Gpu, x: u64, xs: u64, m: usize, k: usize) -> Result<()> {
+    launch!(
+        gpu,
+        split_rows,
+        (m as u32, 1, 1),
+        256,
+        x,
+        xs,
+        k as i32,
+        k.div_ceil(layout::CHUNK) as i32
+    );
+    Ok(())
+}
+
 /// `y[m x n] (+)= x[m x w.cols] . w^T` for the first `n` rows of `w` (split-K through `scratch` when the
-/// shape asks for it); with `silu_pairs`, `y[m x n/2]` = SiLU(gate) * up of the interleaved rows.
+/// shape asks for it), `x` split (kernels.cu `store_split_pair`: an `alloc_split` buffer written by rms_norm,
+/// attention, a SiLU GEMV or `split_rows`); with `silu_pairs`, `y` = SiLU(gate) * up of the interleaved rows,
+/// `m x n/2` written split for the next GEMV.
 /// With `defer`, split-K partial sums are left in `scratch` for the next kernel to add up (qkv_post, rms_norm)
 /// and their count is returned (0 when `y` already holds the result): that saves a reduction launch.
 #[allow(clippy::too_many_arguments)]
@@ -238,8 +263,8 @@ fn launch_gemv_tile(
     blocks: usize,
 ) -> Result<()> {
     // 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices, 2 for split
-    // ones: the faster of each on an H200), 16 up to 16 rows (long verifies, trees), 32 past that (prefill).
-    // The same arithmetic per output whichever runs.
+    // ones: the faster of each on an H200), 16 up to 16 rows (long verifies, trees), 32 past that (batches,
+    // prefill). The same arithmetic per output whichever runs.
     let (variant, tokens) = match (m.div_ceil(layout::TOKENS), splits > 1) {
         (0 | 1, false) => (0, layout::TOKENS),
         (0 | 1, true) => (1, layout::TOKENS),
