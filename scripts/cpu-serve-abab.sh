@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# This CPU, qwen2.5-coder-1.5b: plain and EAGLE-3 head servers up at once; each level alternates them (plain,
+# head, plain, head, ...), so the machine's drift hits both alike.
+#   [LEVELS="4 8 16 1 2"] [REPS=2] [OUT=/tmp] scripts/cpu-serve-abab.sh
+cd "$(dirname "$0")/.."
+P=${PROMPTS:-../shared/prompts/code.jsonl}; B=${SPECULA_BIN:-target/release/specula}
+$B serve -m qwen2.5-coder-1.5b -t 2 --port 8901 > "${OUT:-/tmp}/abab-plain.log" 2>&1 & p1=$!
+$B serve -m qwen2.5-coder-1.5b -t 2 --port 8902 --draft eagle3 --draft-model qwen2.5-coder-1.5b-eagle3 > "${OUT:-/tmp}/abab-head.log" 2>&1 & p2=$!
+for port in 8901 8902; do for _ in $(seq 120); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done; done
+bench() { $B bench-serve --url http://127.0.0.1:$1 --prompts $P --limit 8 --requests 16 --concurrency $2 -n 128 --ignore-eos --quiet 2>&1 | grep -E '^ +[0-9]' ; }
+# warm both prefix caches
+bench 8901 8 > /dev/null; bench 8902 8 > /dev/null
+for level in ${LEVELS:-4 8 16 1 2}; do
+  for rep in $(seq ${REPS:-2}); do
+    echo "plain $level $rep $(bench 8901 $level)"
+    echo "head  $level $rep $(bench 8902 $level)"
+  done
+done
+curl -s localhost:8902/metrics | grep -E "^specula:spec_decode_num_(draft|accepted)_tokens "
+kill $p1 $p2; wait
