@@ -12,7 +12,8 @@ summary="$out/summary.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$summary"
 for m in tiny-qwen2-f32 tiny-qwen2-q8_0 tiny-llama-q4_0 tiny-qwen2-q4_k tiny-llama-spm; do
     timeout 120 "$new" selftest -m "fuzz/seeds/gguf/$m.gguf" --device cuda > "$out/selftest-$m.log" 2>&1
-    echo "selftest $m: $(grep -c FAILED "$out/selftest-$m.log") failed, $(grep -E "verdict" "$out/selftest-$m.log")" >> "$summary"
+    verdict=$(grep -E "verdict" "$out/selftest-$m.log" || tail -2 "$out/selftest-$m.log" | tr '\n' ' ')
+    echo "selftest $m: $(grep -c FAILED "$out/selftest-$m.log") failed, $verdict" >> "$summary"
 done
 timeout 300 "$new" selftest -m qwen2.5-coder-1.5b --device cuda > "$out/selftest-real.log" 2>&1
 echo "selftest qwen2.5-coder-1.5b: $(grep -E "f32 reference" "$out/selftest-real.log" | head -1 | cut -c1-150)" >> "$summary"

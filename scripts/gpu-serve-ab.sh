@@ -13,7 +13,8 @@ work=$(mktemp -d)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$summary"
 for m in tiny-qwen2-f32 tiny-qwen2-q4_k tiny-llama-q4_0; do
     timeout 120 "$new" selftest -m "fuzz/seeds/gguf/$m.gguf" --device cuda > "$work/selftest-$m.log" 2>&1
-    echo "selftest $m: $(grep -c FAILED "$work/selftest-$m.log") failed, $(grep -E "verdict" "$work/selftest-$m.log")" >> "$summary"
+    verdict=$(grep -E "verdict" "$work/selftest-$m.log" || tail -2 "$work/selftest-$m.log" | tr '\n' ' ')
+    echo "selftest $m: $(grep -c FAILED "$work/selftest-$m.log") failed, $verdict" >> "$summary"
 done
 prompts_text=("def quicksort(items):" "Write a function that checks whether a string is a palindrome.")
 for cfg in plain head; do
@@ -42,6 +43,12 @@ serve() { # name binary profile(0/1) flags...
         --requests 32 --concurrency "${LEVELS:-1,4,8,16,32}" --quiet > "$work/bench-$name.txt" 2>&1
     echo "== $name" >> "$summary"
     grep -E "^ +[0-9]+ " "$work/bench-$name.txt" >> "$summary"
+    # A server that answered nothing: say why (its log's errors), not just zeros.
+    if ! grep -qE "^ +[0-9]+ +[0-9.]+ +[1-9]" "$work/bench-$name.txt"; then
+        echo "  no tokens from $name; its log ends:" >> "$summary"
+        grep -iE "error|panic" "$work/serve-$name.log" | tail -3 | cut -c1-300 >> "$summary"
+        tail -3 "$work/bench-$name.txt" | cut -c1-300 >> "$summary"
+    fi
     if [ "$prof" = 1 ]; then
         curl -s -X POST "localhost:$port/start_profile" > /dev/null
         timeout 120 "$bin" bench-serve --url "http://127.0.0.1:$port" --prompts "$prompts" --ignore-eos -n 128 \
