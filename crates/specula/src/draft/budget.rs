@@ -469,7 +469,25 @@ impl DraftBudget {
         // The drafter time position j of candidate c adds: its expected passes (and, when no other request's
         // draft reaches position j yet, the round they would share), plus at its first position this step's
         // share of the catch-up.
-        let draft_cost = |c: &DraftCandidate, j: usize, extra: f64, round_open: bool| {
+        // Each candidate's estimates and probe dues per position, looked up once: the order below visits every
+        // position of every request (up to 32 x k), scanning all candidates each time.
+        let est: Vec<Vec<(f64, f64)>> = candidates
+            .iter()
+            .map(|c| (0..c.max_tokens).map(|j| self.estimate(c.id, j)).collect())
+            .collect();
+        let due: Vec<Vec<bool>> = candidates
+            .iter()
+            .map(|c| {
+                let r = self.requests.get(&c.id);
+                (0..c.max_tokens)
+                    .map(|j| {
+                        r.is_some_and(|r| r.cut_for.get(j).is_some_and(|&n| n >= r.probe_wait(j)))
+                    })
+                    .collect()
+            })
+            .collect();
+        let draft_cost = |i: usize, j: usize, extra: f64, round_open: bool| {
+            let c = &candidates[i];
             // A lagging drafter reaches here only alone (skipped below otherwise), so nobody else waits through
             // its catch-up, or when its catch-up is cheap (a head's batched pass), priced here like any cost. A
             // drafter that drafted last step lags by that step's tokens (up to max_tokens + 1); feeding them is
@@ -483,11 +501,7 @@ impl DraftBudget {
                 // Position 0 costs the pass that feeds the context; position j one more pass when the draft
                 // got past position j - 1.
                 Some(per_pass) => {
-                    let runs = if j == 0 {
-                        1.0
-                    } else {
-                        self.estimate(c.id, j - 1).1
-                    };
+                    let runs = if j == 0 { 1.0 } else { est[i][j - 1].1 };
                     runs * (per_pass + if round_open { 0.0 } else { round_s })
                 }
                 None => per_draft * extra,
@@ -498,8 +512,21 @@ impl DraftBudget {
         let mut draft_s = 0.0;
         let mut tokens = base_tokens as f64;
         let undrafted_time = step_time(rows, 0.0);
+        let undrafted_time_rate = tokens / undrafted_time;
         let mut probed = vec![false; candidates.len()];
         let mut refused = None;
+        // Every position the order below takes, best gain per row first, whether or not it pays on its own.
+        struct Taken {
+            candidate: usize,
+            position: usize,
+            gain: f64,
+            rows: f64,
+            cost_s: f64,
+            probe: bool,
+            /// The step's expected tokens per second with this and every earlier position taken.
+            rate: f64,
+        }
+        let mut taken: Vec<Taken> = Vec::new();
         // Whether some request's draft in the plan already reaches position j (its round runs anyway).
         let round_open = |limits: &[usize], j: usize| limits.iter().any(|&l| l > j);
         // Whether candidate c may take position j at all.
@@ -523,7 +550,7 @@ impl DraftBudget {
                 if !may_draft(c, j) {
                     continue;
                 }
-                let (gain, extra) = self.estimate(c.id, j);
+                let (gain, extra) = est[i][j];
                 // A long-cut position is probed, unless that means a long catch-up (a draft model cut while
                 // the batch was large resumes only when the cost rule says so, catch-up included).
                 let lagging = catch_up_tokens(c) > 0 && !c.cheap_catch_up;
@@ -531,12 +558,7 @@ impl DraftBudget {
                 // or even beside others, was measured in the server and lost: docs/benchmarks.md.)
                 // One probed position a request a step: a probe that ran on through every cut position drafted
                 // the whole length each time (a 4-stream CPU server probed in 46% of its steps).
-                let probe = (!probed[i]
-                    && (j > 0 || !lagging)
-                    && self
-                        .requests
-                        .get(&c.id)
-                        .is_some_and(|r| r.cut_for.get(j).is_some_and(|&n| n >= r.probe_wait(j))))
+                let probe = (!probed[i] && (j > 0 || !lagging) && due[i][j])
                     || (j == 0
                         && lagging
                         && alone
@@ -551,7 +573,7 @@ impl DraftBudget {
                 // change the decision, and it is skipped (a 16-stream CPU server spent 45% of its steps probing,
                 // 7% slower each).
                 let probe = probe && {
-                    let cost = draft_cost(c, j, extra, round_open(&limits, j));
+                    let cost = draft_cost(i, j, extra, round_open(&limits, j));
                     let with_cost = step_time(rows + extra, draft_s + cost);
                     let could_pay =
                         (tokens + extra) / with_cost > tokens / step_time(rows, draft_s);
@@ -567,54 +589,55 @@ impl DraftBudget {
                 break;
             };
             let j = limits[i];
-            let (_, extra) = self.estimate(candidates[i].id, j);
-            let cost = draft_cost(&candidates[i], j, extra, round_open(&limits, j));
-            let now = tokens / step_time(rows, draft_s);
-            let with = (tokens + gain) / step_time(rows + extra, draft_s + cost);
-            if probe || with > now {
-                probed[i] |= probe;
-                limits[i] += 1;
-                rows += extra;
-                draft_s += cost;
-                tokens += gain;
-                continue;
-            }
-            // Alone, position j would pay a whole round; every request that may draft there, together, shares
-            // it (a head's batched pass costs a GPU about the same for one request as for four).
-            if round_s > 0.0 && !round_open(&limits, j) {
-                let group: Vec<usize> = (0..candidates.len())
-                    .filter(|&g| limits[g] == j && may_draft(&candidates[g], j))
-                    .collect();
-                if group.len() > 1 {
-                    let (mut g_gain, mut g_rows, mut g_cost) = (0.0, 0.0, 0.0);
-                    for &g in &group {
-                        let (gain, extra) = self.estimate(candidates[g].id, j);
-                        // The round is priced once, with the first member.
-                        g_cost += draft_cost(&candidates[g], j, extra, g != group[0]);
-                        g_gain += gain;
-                        g_rows += extra;
-                    }
-                    let with = (tokens + g_gain) / step_time(rows + g_rows, draft_s + g_cost);
-                    if with > now {
-                        for &g in &group {
-                            limits[g] += 1;
-                        }
-                        rows += g_rows;
-                        draft_s += g_cost;
-                        tokens += g_gain;
-                        continue;
-                    }
-                }
-            }
-            refused = Some(Refusal {
+            let extra = est[i][j].1;
+            let cost = draft_cost(i, j, extra, round_open(&limits, j));
+            probed[i] |= probe;
+            limits[i] += 1;
+            rows += extra;
+            draft_s += cost;
+            tokens += gain;
+            taken.push(Taken {
+                candidate: i,
                 position: j,
                 gain,
                 rows: extra,
                 cost_s: cost,
-                tokens_per_s: now,
-                tokens_per_s_with: with,
+                probe,
+                rate: tokens / step_time(rows, draft_s),
             });
-            break;
+        }
+        // The best prefix of that order: the forward pass's time is a step function of its rows on a GPU (a
+        // 17-row pass of the qwen2.5-1.5b shape costs 1.24x a 16-row one, a 32-row pass 1.38x), so one more
+        // row at a step's edge can cost more than its token earns while every request drafting together pays
+        // (16 streams on an H200: each request's first draft token refused alone, at 0.7 tokens for 0.4 ms,
+        // where all sixteen would have raised the step's rate by a sixth). The prefix keeps every probe (they
+        // come first), and a tie keeps the shorter prefix.
+        let probes = taken.iter().rposition(|t| t.probe).map_or(0, |p| p + 1);
+        let mut best_len = probes;
+        let mut best_rate = taken
+            .get(probes.wrapping_sub(1))
+            .map_or(undrafted_time_rate, |t| t.rate);
+        for (n, t) in taken.iter().enumerate().skip(probes) {
+            if t.rate > best_rate {
+                best_rate = t.rate;
+                best_len = n + 1;
+            }
+        }
+        if let Some(next) = taken.get(best_len) {
+            refused = Some(Refusal {
+                position: next.position,
+                gain: next.gain,
+                rows: next.rows,
+                cost_s: next.cost_s,
+                tokens_per_s: best_rate,
+                tokens_per_s_with: next.rate,
+            });
+        }
+        for t in &taken[best_len..] {
+            limits[t.candidate] = limits[t.candidate].min(t.position);
+            rows -= t.rows;
+            draft_s -= t.cost_s;
+            tokens -= t.gain;
         }
         // A step that drafts must beat the same step undrafted by a margin, unless it probes: below that the
         // estimates' own error is larger than the gain (measured on a 4-stream CPU server: tokens over-estimated by
@@ -1221,6 +1244,40 @@ mod tests {
         // Too few steps: no fit.
         let b = gpu_like_with_a_shared_head(&mixed[..5]);
         assert_eq!(b.round_costs(), None);
+    }
+
+    /// The H200 at 16 streams (session 18, split activations): the forward pass is a step function of its rows,
+    /// 16 rows 1.66 ms, 17 rows 2.05 (the GEMV's next token tile), 24 rows 2.16, 32 rows 2.29; step overhead
+    /// 0.27 ms, a head pass 0.04 ms, acceptance 70% at the first position.
+    #[test]
+    fn rows_past_a_step_edge_are_taken_together_when_they_pay_together() {
+        let mut b = DraftBudget::new();
+        for (rows, ms) in [(16, 1.66), (17, 2.05), (24, 2.16), (32, 2.29)] {
+            for _ in 0..4 {
+                b.observe_step(rows, ms * 1e-3, 0, 0, 0, 0.0, 0.27e-3);
+            }
+        }
+        for _ in 0..4 {
+            b.observe_step(32, 2.29e-3, 16, 16, 0, 0.64e-3, 0.27e-3);
+        }
+        for id in 0..16 {
+            history(&mut b, id, 1, 40, 0.7);
+        }
+        let sixteen = one_token_candidates(0..=15, true);
+        // One draft alone: 0.7 tokens for 0.43 ms, refused; all sixteen: 27.2 tokens in 2.6 ms against 16 in
+        // 1.93 ms, taken.
+        let plan = b.plan(&sixteen, 16, 16);
+        assert_eq!(plan.limits, vec![1; 16], "{plan:?}");
+        assert!(plan.refused.is_none(), "{plan:?}");
+        // Two requests cannot pay for the edge: neither drafts, and the refusal says what one would have cost.
+        let plan = b.plan(&sixteen[..2], 16, 16);
+        assert_eq!(plan.limits, vec![0, 0], "{plan:?}");
+        let refused = plan.refused.expect("a refusal");
+        assert_eq!(refused.position, 0);
+        assert!(
+            refused.tokens_per_s_with < refused.tokens_per_s,
+            "{refused:?}"
+        );
     }
 
     #[test]
