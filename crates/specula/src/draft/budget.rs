@@ -610,20 +610,47 @@ impl DraftBudget {
         // 17-row pass of the qwen2.5-1.5b shape costs 1.24x a 16-row one, a 32-row pass 1.38x), so one more
         // row at a step's edge can cost more than its token earns while every request drafting together pays
         // (16 streams on an H200: each request's first draft token refused alone, at 0.7 tokens for 0.4 ms,
-        // where all sixteen would have raised the step's rate by a sixth). The prefix keeps every probe (they
-        // come first), and a tie keeps the shorter prefix.
-        let probes = taken.iter().rposition(|t| t.probe).map_or(0, |p| p + 1);
-        let mut best_len = probes;
-        let mut best_rate = taken
-            .get(probes.wrapping_sub(1))
-            .map_or(undrafted_time_rate, |t| t.rate);
-        for (n, t) in taken.iter().enumerate().skip(probes) {
+        // where all sixteen would have raised the step's rate by a sixth). The prefix starts after the probes the
+        // order took first (they go in whether or not they pay), and a tie keeps the shorter prefix.
+        let lead = taken.iter().take_while(|t| t.probe).count();
+        let mut best_len = lead;
+        let mut best_rate = lead
+            .checked_sub(1)
+            .map_or(undrafted_time_rate, |l| taken[l].rate);
+        for (n, t) in taken.iter().enumerate().skip(lead) {
             if t.rate > best_rate {
                 best_rate = t.rate;
                 best_len = n + 1;
             }
         }
-        if let Some(next) = taken.get(best_len) {
+        for t in &taken[best_len..] {
+            limits[t.candidate] = limits[t.candidate].min(t.position);
+            rows -= t.rows;
+            draft_s -= t.cost_s;
+            tokens -= t.gain;
+        }
+        probed.iter_mut().for_each(|p| *p = false);
+        for t in &taken[..best_len] {
+            probed[t.candidate] |= t.probe;
+        }
+        // A probe the order reached only behind other positions (a deeper position of a draft taken before it)
+        // stays wherever its own draft still reaches it: a probe is allowed whether or not it pays.
+        for t in &taken[best_len..] {
+            let i = t.candidate;
+            if t.probe && limits[i] == t.position {
+                let cost = draft_cost(i, t.position, t.rows, round_open(&limits, t.position));
+                limits[i] += 1;
+                rows += t.rows;
+                draft_s += cost;
+                tokens += t.gain;
+                probed[i] = true;
+            }
+        }
+        // The first position of the order left out, with the rates the prefix compared.
+        if let Some(next) = taken[best_len..]
+            .iter()
+            .find(|t| limits[t.candidate] <= t.position)
+        {
             refused = Some(Refusal {
                 position: next.position,
                 gain: next.gain,
@@ -632,12 +659,6 @@ impl DraftBudget {
                 tokens_per_s: best_rate,
                 tokens_per_s_with: next.rate,
             });
-        }
-        for t in &taken[best_len..] {
-            limits[t.candidate] = limits[t.candidate].min(t.position);
-            rows -= t.rows;
-            draft_s -= t.cost_s;
-            tokens -= t.gain;
         }
         // A step that drafts must beat the same step undrafted by a margin, unless it probes: below that the
         // estimates' own error is larger than the gain (measured on a 4-stream CPU server: tokens over-estimated by
