@@ -347,6 +347,11 @@ pub trait RowMatrix: Send {
     fn row(&self, i: usize) -> Result<Cow<'_, [f32]>>;
     /// The whole matrix in host memory, row-major.
     fn to_host(&self) -> Result<Cow<'_, [f32]>>;
+    /// A second handle on the same rows when that copies nothing (a device step's outputs, held by reference), so
+    /// a reader can keep rows without reading them now; None where keeping them means copying them.
+    fn share(&self) -> Option<Box<dyn RowMatrix>> {
+        None
+    }
     /// Columns `cols` of every row in host memory, row-major (`rows x cols.len()`), gathered where the matrix
     /// lives: a caller that needs a few columns of a wide matrix (EAGLE-3 training reads the draft vocabulary's
     /// logits, 8k of 152k columns) copies only those.

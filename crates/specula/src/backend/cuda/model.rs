@@ -1195,6 +1195,10 @@ impl RowMatrix for DeviceRows {
         Ok(Cow::Owned(host))
     }
 
+    fn share(&self) -> Option<Box<dyn RowMatrix>> {
+        Some(Box::new(DeviceRows::view(&self.all, self.from, self.rows)))
+    }
+
     fn gather_columns(&self, cols: &[u32]) -> Result<Vec<f32>> {
         crate::model::forward::check_columns(self.all.cols, cols)?;
         if self.rows == 0 || cols.is_empty() {

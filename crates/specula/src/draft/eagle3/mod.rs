@@ -14,6 +14,7 @@ pub mod check;
 pub mod compute;
 pub mod head;
 pub mod train;
+pub mod waiting;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
@@ -87,6 +88,9 @@ struct Candidate {
 /// no step stalls every request (a 4-stream CPU server showed 0.6 s inter-token p99 feeding prompts whole).
 pub const MAX_FEED_ROWS_IN_BATCH: usize = 8;
 
+/// Unread target forwards a drafter's prefix-cache state reads at most (a prompt's prefill chunks fit).
+const PREFIX_UNREAD_FORWARDS: usize = 8;
+
 /// The default confidence bar of EAGLE-3 chains (`--draft-confidence` with `--draft eagle3`): on
 /// shared/prompts/code.jsonl with the qwen2.5-coder-1.5b head on a 2-core CPU (docs/benchmarks.md) bars of
 /// 0.2-0.5 gave 1.33-1.42x plain at k = 3-6 against 1.01-1.24x without a bar (0.6: 1.23-1.27x).
@@ -103,7 +107,7 @@ pub struct Eagle3Drafter<'a> {
     /// features.
     cache: Box<dyn SequenceCache>,
     /// Target features (3H a row) of positions `cache.len()..`, not yet run through the head.
-    features: Vec<f32>,
+    features: waiting::WaitingFeatures,
     rng: ChaCha20Rng,
     /// Tree drafting (greedy and sampled decoding); None drafts chains.
     tree: Option<TreeShape>,
@@ -128,7 +132,7 @@ impl<'a> Eagle3Drafter<'a> {
             target,
             layers,
             cache: compute.new_cache(c.context_length)?,
-            features: Vec::new(),
+            features: waiting::WaitingFeatures::new(3 * head.config.target_hidden),
             rng: ChaCha20Rng::seed_from_u64(seed ^ 0xea91_e3d2),
             tree: None,
             min_confidence: 0.0,
@@ -381,12 +385,7 @@ impl Eagle3Drafter<'_> {
             all_accepted: 1.0,
             catching_up: feed < rows,
         });
-        let width = self.feature_width();
-        let features = if feed < rows {
-            self.features.drain(..feed * width).collect()
-        } else {
-            std::mem::take(&mut self.features)
-        };
+        let features = self.features.take_rows(feed)?;
         Ok(BatchedStart::Pass(BatchedPass {
             tokens: context[from + 1..=from + feed].to_vec(),
             features: Some(features),
@@ -407,7 +406,7 @@ impl Eagle3Drafter<'_> {
         }
         let base = context.len() - 1;
         let from = self.cache.len();
-        let rows = self.features.len() / self.feature_width();
+        let rows = self.features.rows();
         if from + rows != base {
             return Err(Error::InvalidArgument(format!(
                 "EAGLE-3 drafter: target features cover positions up to {} but the context has {base} before \
@@ -437,10 +436,11 @@ impl Eagle3Drafter<'_> {
             return Ok(Draft::default());
         };
         let base = context.len() - 1;
+        let features = self.features.read_all()?;
         let pass = self.compute.run(
             self.target,
             &context[from + 1..=base],
-            HeadInput::Features(&self.features),
+            HeadInput::Features(features),
             HeadRows::Chain,
             &mut *self.cache,
             HeadWant {
@@ -484,7 +484,7 @@ impl Drafter for Eagle3Drafter<'_> {
 
     fn lag(&self, _context: &[u32]) -> usize {
         // Target features of accepted positions waiting to enter the head's cache.
-        self.features.len() / self.feature_width()
+        self.features.rows()
     }
 
     fn prefix_state(&self) -> Option<DrafterPrefix> {
@@ -498,7 +498,9 @@ impl Drafter for Eagle3Drafter<'_> {
         kept.copy_prefix_from(&*self.cache, rows).ok()?;
         Some(DrafterPrefix {
             cache: kept,
-            features: self.features.clone(),
+            // At most a few unread forwards are read for it: a request ending after many undrafted steps would
+            // otherwise stall every stream on a readback per step it kept (the state then reaches less far).
+            features: self.features.leading_rows(PREFIX_UNREAD_FORWARDS).ok()?,
             width: self.feature_width(),
         })
     }
@@ -537,8 +539,7 @@ impl Drafter for Eagle3Drafter<'_> {
             return Err(e);
         }
         self.features
-            .extend_from_slice(&prefix.features[..(n - rows) * width]);
-        Ok(())
+            .extend_host(&prefix.features[..(n - rows) * width])
     }
 
     fn observe_target(
@@ -547,23 +548,13 @@ impl Drafter for Eagle3Drafter<'_> {
         hidden: &[(usize, Box<dyn RowMatrix>)],
         kept: &[usize],
     ) -> Result<()> {
-        let width = self.feature_width();
-        let known = self.cache.len() + self.features.len() / width;
+        let known = self.cache.len() + self.features.rows();
         if first_position > known {
             return Err(Error::InvalidArgument(format!(
                 "EAGLE-3 drafter: target features of position {first_position} arrived before those of {known}"
             )));
         }
-        // Positions seen again (the target re-ran them) replace what the head had.
-        if first_position < self.cache.len() {
-            self.cache.truncate(first_position);
-            self.features.clear();
-        } else {
-            self.features
-                .truncate((first_position - self.cache.len()) * width);
-        }
-        // Each captured layer comes to the host once (one copy from a device, not one a row).
-        let mut mats = Vec::with_capacity(3);
+        let mut layers: Vec<&dyn RowMatrix> = Vec::with_capacity(self.layers.len());
         for &layer in &self.layers {
             let m = hidden
                 .iter()
@@ -574,21 +565,18 @@ impl Drafter for Eagle3Drafter<'_> {
                         "EAGLE-3 drafter: the target forward did not capture layer {layer}"
                     ))
                 })?;
-            if let Some(&bad) = kept.iter().find(|&&r| r >= m.rows()) {
-                return Err(Error::InvalidArgument(format!(
-                    "EAGLE-3 drafter: kept row {bad} of a {}-row target forward",
-                    m.rows()
-                )));
-            }
-            mats.push((m.cols(), m.to_host()?));
+            layers.push(m);
         }
-        for &r in kept {
-            for (cols, m) in &mats {
-                self.features
-                    .extend_from_slice(&m[r * cols..(r + 1) * cols]);
-            }
+        // Positions seen again (the target re-ran them) replace what the head had.
+        if first_position < self.cache.len() {
+            self.cache.truncate(first_position);
+            self.features.clear();
+        } else {
+            self.features.truncate(first_position - self.cache.len())?;
         }
-        Ok(())
+        // Kept where they are until the head needs them (a device's outputs: no readback on steps that draft
+        // nothing).
+        self.features.push(&layers, kept)
     }
 
     fn propose(&mut self, context: &[u32], k: usize, sampling: &SamplingParams) -> Result<Draft> {

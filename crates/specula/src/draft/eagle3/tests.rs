@@ -944,3 +944,73 @@ fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
         |o: &crate::decode::GenerateOutput| o.speculation.as_ref().map(|s| (s.drafted, s.accepted));
     assert_eq!(s(&out), s(&fresh));
 }
+
+/// Features kept by reference (as a device's step outputs are) and read only when the head runs give the drafts
+/// that features read at once give, through a prompt fed in pieces and a verify-like forward.
+#[test]
+fn features_read_late_draft_what_features_read_at_once_draft() {
+    use crate::draft::eagle3::waiting::SharedRows;
+    use crate::model::forward::HostRows;
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let layers = [0, 1, 2];
+    let hidden = capture(&t, &PROMPT, &layers);
+    type Captured = Vec<(usize, Box<dyn RowMatrix>)>;
+    let as_shared = |rows: std::ops::Range<usize>| -> (Captured, Vec<SharedRows>) {
+        let mut out: Vec<(usize, Box<dyn RowMatrix>)> = Vec::new();
+        let mut handles = Vec::new();
+        for (l, m) in &hidden {
+            let cols = m.cols();
+            let data = m.to_host().unwrap()[rows.start * cols..rows.end * cols].to_vec();
+            let s = SharedRows::new(HostRows {
+                rows: rows.len(),
+                cols,
+                data,
+            });
+            out.push((*l, s.share().unwrap()));
+            handles.push(s);
+        }
+        (out, handles)
+    };
+    let params = SamplingParams {
+        temperature: 1.0,
+        seed: 9,
+        ..Default::default()
+    };
+    let base = PROMPT.len() - 1;
+    let mut eager = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+    eager
+        .observe_target(0, &hidden, &(0..base).collect::<Vec<_>>())
+        .unwrap();
+    let want = eager.propose(&PROMPT, 3, &params).unwrap();
+
+    let mut lazy = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+    // The prompt in two forwards, the second's rows handed over in two parts (as verify cycles hand theirs).
+    let (first, first_handles) = as_shared(0..5);
+    lazy.observe_target(0, &first, &[0, 1, 2, 3, 4]).unwrap();
+    let (second, second_handles) = as_shared(5..base);
+    lazy.observe_target(5, &second, &[0, 1]).unwrap();
+    lazy.observe_target(7, &second, &[2, 3]).unwrap();
+    let untouched = |hs: &[SharedRows]| hs.iter().all(|s| s.reads() == 0);
+    assert!(untouched(&first_handles) && untouched(&second_handles));
+    assert_eq!(lazy.lag(&PROMPT), base);
+    let got = lazy.propose(&PROMPT, 3, &params).unwrap();
+    assert!(
+        !untouched(&first_handles),
+        "the head read the features it ran over"
+    );
+    assert_eq!(got.tokens, want.tokens);
+    let (gd, wd) = (
+        got.distributions.as_ref().unwrap(),
+        want.distributions.as_ref().unwrap(),
+    );
+    assert_eq!(gd.len(), wd.len());
+    for (g, w) in gd.iter().zip(wd) {
+        assert_eq!(g.ids, w.ids);
+        assert_eq!(
+            g.probs, w.probs,
+            "the same features give the same distribution, bit for bit"
+        );
+    }
+}
