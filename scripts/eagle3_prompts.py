@@ -7,6 +7,15 @@ request a code assistant gets. Public material only: never shared/prompts (the e
 
     python3 scripts/eagle3_prompts.py --count 400 --out train-prompts.jsonl
     python3 scripts/eagle3_prompts.py --count 800 --skip 400 --out more-prompts.jsonl   # the next 400
+
+`--source general` makes general programming requests instead (algorithms, data structures, text processing,
+small programs, tests: scripts/eagle3_general_tasks.py) in many languages, phrasings and extra requirements. A
+head trained on docstring requests only accepted 2.68 tokens a cycle on unseen requests of that kind but 2.29 on
+shared/prompts/code.jsonl (docs/benchmarks.md, session 19): the kind of request matters.
+
+No general task may come close to an evaluation prompt (--exclude; by default the repository's bench/*.jsonl and
+../shared/prompts/*.jsonl where they exist): a task is too close when half or more of its content words are
+shared with one evaluation prompt's (Jaccard), or 80% of them appear in it; the script then stops and names it.
 """
 
 import argparse
@@ -16,6 +25,8 @@ import random
 import re
 import sysconfig
 from pathlib import Path
+
+import eagle3_general_tasks as general
 
 LANGUAGES = ["Python"] * 5 + ["Rust", "JavaScript", "C", "Go", "TypeScript", "Java", "C++"]
 TEMPLATES = [
@@ -64,13 +75,106 @@ def tasks(root: Path):
                         yield node.name, s, rel
 
 
+STOPWORDS = set(
+    """a an the and or of to in on for with without that this is are be by as at from into its it their them
+    write implement create show how do i can you code function class program script using use given returns
+    return which while all each every one two its using"""
+    .split()
+)
+
+
+def content_words(text: str) -> set[str]:
+    words = set(re.findall(r"[a-z0-9]+", text.lower()))
+    langs = {w.lower() for w in general.LANGUAGES} | {"c++", "cpp", "js", "sql"}
+    return {w for w in words if w not in STOPWORDS and w not in langs and len(w) > 1}
+
+
+def too_close(task: str, evaluation: list[set[str]]) -> bool:
+    mine = content_words(task)
+    if not mine:
+        return False
+    for theirs in evaluation:
+        shared = len(mine & theirs)
+        if shared / len(mine | theirs) >= 0.5 or shared / len(mine) >= 0.8:
+            return True
+    return False
+
+
+def evaluation_prompts(paths: list[Path]) -> list[set[str]]:
+    out = []
+    for path in paths:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                out.append(content_words(json.loads(line).get("prompt", "")))
+    return out
+
+
+def general_prompts(rng: random.Random, count: int) -> list[str]:
+    """`count` general requests (deterministic for a seed)."""
+    combos = []
+    for i, task in enumerate(general.FUNCTION_TASKS):
+        for t in range(len(general.FUNCTION_TEMPLATES)):
+            combos.append(("f", i, t))
+    for i, _ in enumerate(general.ARTIFACT_TASKS):
+        for t in range(len(general.ARTIFACT_TEMPLATES)):
+            combos.append(("a", i, t))
+    rng.shuffle(combos)
+    lines = []
+    seen = set()
+    round_ = 0
+    while len(lines) < count:
+        round_ += 1
+        before = len(lines)
+        for kind, i, t in combos:
+            if len(lines) >= count:
+                break
+            lang = rng.choice(general.LANGUAGES)
+            extra = rng.choice(general.EXTRAS)
+            if kind == "f":
+                task = general.FUNCTION_TASKS[i]
+                text = general.FUNCTION_TEMPLATES[t].format(lang=lang, task=task, extra=extra, Extra=extra[:1].upper() + extra[1:])
+            else:
+                what, task = general.ARTIFACT_TASKS[i]
+                if what.startswith("SQL"):
+                    lang = rng.choice(["PostgreSQL", "SQLite", "MySQL"])
+                elif lang in ("Rust", "Go", "C"):
+                    what = what.replace("class", "struct")
+                text = general.ARTIFACT_TEMPLATES[t].format(lang=lang, kind=what, task=task, extra=extra, Extra=extra[:1].upper() + extra[1:])
+            # The same request twice gets the same greedy answer: one copy only.
+            if text in seen:
+                continue
+            seen.add(text)
+            lines.append(json.dumps({"id": f"general:{kind}{i}.{t}#{round_}", "prompt": text}))
+        if len(lines) == before:
+            break
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--count", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", type=int, default=0, help="leave out the first N prompts (made by an earlier stage)")
+    ap.add_argument("--source", choices=["stdlib", "general"], default="stdlib")
+    ap.add_argument("--exclude", type=Path, nargs="*", default=None,
+                    help="evaluation prompt files (JSONL with a prompt field) whose requests must stay unseen")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.source == "general":
+        repo = Path(__file__).resolve().parent.parent
+        exclude = args.exclude
+        if exclude is None:
+            exclude = sorted((repo / "bench").glob("*.jsonl")) + sorted((repo.parent / "shared" / "prompts").glob("*.jsonl"))
+        evaluation = evaluation_prompts(exclude)
+        tasks_ = general.FUNCTION_TASKS + [" ".join(a) for a in general.ARTIFACT_TASKS]
+        close = [t for t in tasks_ if too_close(t, evaluation)]
+        if close:
+            raise SystemExit(f"general tasks too close to an evaluation prompt (remove them): {close}")
+        lines = general_prompts(random.Random(args.seed), args.count)[args.skip :]
+        args.out.write_text("\n".join(lines) + "\n")
+        print(f"{len(lines)} general prompts from {len(tasks_)} tasks (none close to the {len(evaluation)} "
+              f"evaluation prompts of {len(exclude)} files) -> {args.out}")
+        return
     root = Path(sysconfig.get_paths()["stdlib"])
     found = list(tasks(root))
     rng = random.Random(args.seed)
