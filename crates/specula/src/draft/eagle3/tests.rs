@@ -1014,3 +1014,69 @@ fn features_read_late_draft_what_features_read_at_once_draft() {
         );
     }
 }
+
+/// A prefix-cache state taken while many forwards' features wait unread reads only the oldest few of them: it
+/// covers fewer positions, and a drafter started from it drafts exactly what one fed everything drafts.
+#[test]
+fn a_prefix_state_reads_only_a_few_unread_forwards_and_drafts_the_same() {
+    use crate::draft::eagle3::waiting::SharedRows;
+    use crate::model::forward::HostRows;
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let hidden = capture(&t, &PROMPT, &[0, 1, 2]);
+    let base = PROMPT.len() - 1;
+    // Row r of every captured layer as its own one-row forward, kept by reference.
+    let forward = |r: usize| -> Vec<(usize, Box<dyn RowMatrix>)> {
+        hidden
+            .iter()
+            .map(|(l, m)| {
+                let s = SharedRows::new(HostRows {
+                    rows: 1,
+                    cols: m.cols(),
+                    data: m.row(r).unwrap().to_vec(),
+                });
+                (*l, s.share().unwrap())
+            })
+            .collect()
+    };
+    let params = SamplingParams {
+        temperature: 1.0,
+        seed: 4,
+        ..Default::default()
+    };
+    // Drafts compared by their distributions (continuous: any difference in the features shows).
+    let dists = |d: &Draft| -> Vec<Vec<f32>> {
+        d.distributions
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|x| x.probs.clone())
+            .collect()
+    };
+    let mut eager = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+    eager
+        .observe_target(0, &hidden, &(0..base).collect::<Vec<_>>())
+        .unwrap();
+    let want = eager.propose(&PROMPT, 3, &params).unwrap();
+
+    let mut lazy = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+    for r in 0..base {
+        lazy.observe_target(r, &forward(r), &[0]).unwrap();
+    }
+    let state = lazy.prefix_state().unwrap();
+    assert_eq!(state.positions(), PREFIX_UNREAD_FORWARDS.min(base));
+    assert_eq!(lazy.lag(&PROMPT), base, "taking the state consumed nothing");
+    let n = state.positions();
+    let mut adopted = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+    adopted.adopt_prefix(&state, n).unwrap();
+    for r in n..base {
+        adopted.observe_target(r, &forward(r), &[0]).unwrap();
+    }
+    let from_state = adopted.propose(&PROMPT, 3, &params).unwrap();
+    let fed_all = lazy.propose(&PROMPT, 3, &params).unwrap();
+    for got in [&from_state, &fed_all] {
+        assert_eq!(got.tokens, want.tokens);
+        assert_eq!(dists(got), dists(&want));
+    }
+}
