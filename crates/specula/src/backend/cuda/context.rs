@@ -17,6 +17,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_mma_8_d2",
     "gemv_mma_16",
     "gemv_mma_32",
+    "gemv_q4k_8_d4",
+    "gemv_q4k_8_d2",
+    "gemv_q4k_16",
+    "gemv_q4k_32",
     "gemm_mma_32",
     "gemm_mma_64",
     "splitk_reduce",
@@ -43,6 +47,8 @@ pub struct Kernels {
     pub split_rows: CudaFunction,
     /// The tensor-core GEMV: 8 tokens a block with 4 or 2 chunks in flight a warp, 16 and 32 tokens a block.
     pub gemv_mma: [CudaFunction; 4],
+    /// The same four over native Q4_K weights (layout.rs `tile_q4k`): the same sums, bit for bit.
+    pub gemv_q4k: [CudaFunction; 4],
     /// The same sums for many tokens, four row blocks a block: 32 and 64 tokens a block (off unless
     /// `SPECULA_CUDA_GEMM_ROWS` asks for it: slower than the GEMV since activations come split).
     pub gemm_mma: [CudaFunction; 2],
@@ -177,6 +183,12 @@ impl Gpu {
                 f("gemv_mma_8_d2")?,
                 f("gemv_mma_16")?,
                 f("gemv_mma_32")?,
+            ],
+            gemv_q4k: [
+                f("gemv_q4k_8_d4")?,
+                f("gemv_q4k_8_d2")?,
+                f("gemv_q4k_16")?,
+                f("gemv_q4k_32")?,
             ],
             gemm_mma: [f("gemm_mma_32")?, f("gemm_mma_64")?],
             splitk_reduce: f("splitk_reduce")?,

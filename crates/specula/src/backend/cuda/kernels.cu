@@ -248,11 +248,63 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4 (&a)[2], co
     mma_bf16_16x8x16(d, a[1], b1.z, b1.w);
 }
 
+// Weight formats the GEMV reads (backend/cuda/layout.rs). Each says how big a tile (16 rows x 32 inputs) is, how
+// a lane loads its part of one (load: the raw bytes, issued for several chunks before any is used) and how those
+// become the lane's two A fragments of bf16 pairs (expand).
+struct Bf16Weights {
+    static constexpr int TILE_U4 = 64;  // 1 KiB: the lane's 16 bytes of step 0, then of step 1
+    static constexpr int LINES = 8;     // 128-byte lines a tile spans (prefetch)
+    struct Raw {
+        uint4 a0, a1;
+    };
+    __device__ static __forceinline__ Raw load(const uint4* __restrict__ tile, int lane) {
+        return {__ldg(tile + lane), __ldg(tile + 32 + lane)};
+    }
+    __device__ static __forceinline__ void expand(const Raw& r, uint4 (&a)[2]) {
+        a[0] = r.a0;
+        a[1] = r.a1;
+    }
+};
+
+// GGUF Q4_K weights, native (layout.rs tile_q4k): 8 bytes of nibbles a lane (its 16 values in the bf16 tile's
+// order, low nibble first: byte r of word s is register r of step s), then (d * scale, dmin * min) of each of
+// the 16 rows' 32-input sub-block. Each value becomes d1 * q - m1 in f32, rounded at each step (no fused
+// multiply-add: the host's dequantization rounds the product), then bf16 round-to-nearest-even: exactly the bf16
+// the host would have uploaded, so the mma's see the same operands and every output is the bf16 GEMV's bits.
+struct Q4kWeights {
+    static constexpr int TILE_U4 = 24;  // 384 bytes
+    static constexpr int LINES = 3;
+    struct Raw {
+        uint2 q;
+        float2 row_a, row_b;  // rows g and g + 8
+    };
+    __device__ static __forceinline__ Raw load(const uint4* __restrict__ tile, int lane) {
+        const uint2* nibbles = reinterpret_cast<const uint2*>(tile);
+        const float2* factors = reinterpret_cast<const float2*>(tile + 16);
+        const int g = lane >> 2;
+        return {__ldg(nibbles + lane), __ldg(factors + g), __ldg(factors + g + 8)};
+    }
+    __device__ static __forceinline__ u32 pair(const float2& f, u32 byte) {
+        const float lo = __fsub_rn(__fmul_rn(f.x, (float)(byte & 15u)), f.y);
+        const float hi = __fsub_rn(__fmul_rn(f.x, (float)((byte >> 4) & 15u)), f.y);
+        return pack_bf16x2(lo, hi);
+    }
+    __device__ static __forceinline__ uint4 step(u32 word, const float2& row_a, const float2& row_b) {
+        // Registers: a0 row g, a1 row g + 8, a2 row g (columns + 8), a3 row g + 8 (columns + 8).
+        return make_uint4(pair(row_a, word & 0xffu), pair(row_b, (word >> 8) & 0xffu), pair(row_a, (word >> 16) & 0xffu),
+                          pair(row_b, word >> 24));
+    }
+    __device__ static __forceinline__ void expand(const Raw& r, uint4 (&a)[2]) {
+        a[0] = step(r.q.x, r.row_a, r.row_b);
+        a[1] = step(r.q.y, r.row_a, r.row_b);
+    }
+};
+
 // NT is the number of 8-token tiles a block takes (1 for decode and verify up to 8 rows, 2 up to 16, 4 past that:
 // the weights are read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT. (8 tiles
 // a block, at one chunk in flight a warp for want of registers, was slower on an H200: 5.75 ms against 3.71 for a
 // 64-row pass of the qwen2.5-1.5b shape.)
-template <int NT, int DEPTH>
+template <typename W, int NT, int DEPTH>
 __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const uint4* __restrict__ xs,
                                               float* __restrict__ y, int n, int k, int chunks, int m, int accumulate,
                                               int splits, float* __restrict__ scratch, int silu_pairs) {
@@ -261,12 +313,13 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
     const int block = blockIdx.x;
     const int per_split = (chunks + splits - 1) / splits;
     const int c_begin = blockIdx.z * per_split, c_end = min(chunks, c_begin + per_split);
-    const uint4* tiles = w + (size_t)block * chunks * 64;
+    const uint4* tiles = w + (size_t)block * chunks * W::TILE_U4;
     if (block * 16 < n) {
         // Weights never depend on an earlier kernel: start pulling the warp's first four chunks into L2 (lanes
-        // 8j..8j+7 take the eight 128-byte lines of chunk j) while the previous kernel finishes.
+        // 8j..8j+7 take the 128-byte lines of chunk j) while the previous kernel finishes.
         const int c = c_begin + warp + (lane >> 3) * MMA_WARPS;
-        if (c < c_end) asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(tiles + (size_t)c * 64) + (lane & 7) * 128));
+        if (c < c_end && (lane & 7) < W::LINES)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(tiles + (size_t)c * W::TILE_U4) + (lane & 7) * 128));
     }
     PDL_ENTER();
     if (block * 16 >= n) return;
@@ -283,14 +336,13 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
     // streamed at ~30% of bandwidth; DEPTH 8 needed 153 registers a thread and was slower than 4). Chunks past the
     // split's end are neither loaded nor multiplied (c is the same in every lane: the mma stays warp-uniform).
     for (int base = c_begin + warp; base < c_end; base += DEPTH * MMA_WARPS) {
-        uint4 a[DEPTH][2];
+        typename W::Raw raw[DEPTH];
         uint4 b[DEPTH][NT][2];
 #pragma unroll
         for (int j = 0; j < DEPTH; j++) {
             const int c = base + j * MMA_WARPS;
             if (c < c_end) {
-                a[j][0] = __ldg(tiles + (size_t)c * 64 + lane);
-                a[j][1] = __ldg(tiles + (size_t)c * 64 + 32 + lane);
+                raw[j] = W::load(tiles + (size_t)c * W::TILE_U4, lane);
 #pragma unroll
                 for (int u = 0; u < NT; u++)
                     load_split(xs, blockIdx.y * NT + u, chunks, c, lane, has_token[u], b[j][u][0], b[j][u][1]);
@@ -299,8 +351,10 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
 #pragma unroll
         for (int j = 0; j < DEPTH; j++) {
             if (base + j * MMA_WARPS < c_end) {
+                uint4 a[2];
+                W::expand(raw[j], a);
 #pragma unroll
-                for (int u = 0; u < NT; u++) mma_chunk(d[u], a[j], b[j][u][0], b[j][u][1]);
+                for (int u = 0; u < NT; u++) mma_chunk(d[u], a, b[j][u][0], b[j][u][1]);
             }
         }
     }
@@ -342,20 +396,25 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
     }
 }
 
-#define GEMV_MMA_KERNEL(name, NT, DEPTH)                                                                        \
+#define GEMV_MMA_KERNEL(name, W, NT, DEPTH)                                                                     \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                                 \
         name(const uint4* __restrict__ w, const uint4* __restrict__ xs, float* __restrict__ y, int n, int k,       \
              int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {       \
-        gemv_mma_tile<NT, DEPTH>(w, xs, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);          \
+        gemv_mma_tile<W, NT, DEPTH>(w, xs, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);       \
     }
 // DEPTH only changes how many chunks' loads are in flight, never which warp sums which chunk, so every variant
 // gives the same bits. Measured on an H200 (docs/benchmarks.md): DEPTH 4 streams the large unsplit gate/up
 // matrices best (87.8% of DRAM bandwidth against 83.7% at DEPTH 2), DEPTH 2 the split-K ones (the 8b shape's down
 // projection 30.5 us against 36.1 us).
-GEMV_MMA_KERNEL(gemv_mma_8_d4, 1, 4)
-GEMV_MMA_KERNEL(gemv_mma_8_d2, 1, 2)
-GEMV_MMA_KERNEL(gemv_mma_16, 2, 2)
-GEMV_MMA_KERNEL(gemv_mma_32, 4, 2)
+GEMV_MMA_KERNEL(gemv_mma_8_d4, Bf16Weights, 1, 4)
+GEMV_MMA_KERNEL(gemv_mma_8_d2, Bf16Weights, 1, 2)
+GEMV_MMA_KERNEL(gemv_mma_16, Bf16Weights, 2, 2)
+GEMV_MMA_KERNEL(gemv_mma_32, Bf16Weights, 4, 2)
+// Native Q4_K weights (2.7x fewer bytes than bf16), the same sums bit for bit.
+GEMV_MMA_KERNEL(gemv_q4k_8_d4, Q4kWeights, 1, 4)
+GEMV_MMA_KERNEL(gemv_q4k_8_d2, Q4kWeights, 1, 2)
+GEMV_MMA_KERNEL(gemv_q4k_16, Q4kWeights, 2, 2)
+GEMV_MMA_KERNEL(gemv_q4k_32, Q4kWeights, 4, 2)
 
 // The GEMV's sums for many tokens at once (prefill, wide verifies and trees, batched serving), bit for bit: a
 // block of GEMM_ROW_BLOCKS x GEMM_TOKEN_GROUPS warps owns GEMM_ROW_BLOCKS row blocks and GEMM_TOKEN_GROUPS * NT

@@ -57,7 +57,7 @@ pub fn tile_matrix(row_major: &[u16], n: usize, k: usize) -> Vec<u16> {
 /// Gate and up projections (`ff x k` each, row-major) stacked for the fused gate/up GEMV: row block b holds gate
 /// rows 8b..8b+8 then up rows 8b..8b+8, so the lane holding D[g] (gate of feature 8b + g) also holds D[g + 8]
 /// (its up) and ends with SiLU(gate) * up. `ff` must be a multiple of 8.
-pub fn stack_gate_up(gate: &[u16], up: &[u16], ff: usize, k: usize) -> Vec<u16> {
+pub fn stack_gate_up<T: Copy>(gate: &[T], up: &[T], ff: usize, k: usize) -> Vec<T> {
     assert!(ff.is_multiple_of(8), "stack_gate_up: {ff} features");
     let mut out = Vec::with_capacity(2 * ff * k);
     for b in 0..ff / 8 {
@@ -65,6 +65,91 @@ pub fn stack_gate_up(gate: &[u16], up: &[u16], ff: usize, k: usize) -> Vec<u16> 
         out.extend_from_slice(&up[b * 8 * k..(b + 1) * 8 * k]);
     }
     out
+}
+
+/// Bytes of one Q4_K tile (kernels.cu `Q4kWeights`): the 16 rows x 32 inputs of a bf16 tile as 4-bit values, the
+/// 16 nibbles each lane turns into its two A fragments (8 bytes a lane, in the order of the bf16 tile's values),
+/// then each row's (d * scale, dmin * min) of its 32-input sub-block as two f32 (128 bytes). 384 bytes against a
+/// bf16 tile's 1024.
+pub const Q4K_TILE_BYTES: usize = 384;
+/// Bytes of a GGUF Q4_K block (256 weights): d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles.
+const Q4K_BLOCK_BYTES: usize = 144;
+
+/// Sub-block `j`'s 6-bit scale and min from a Q4_K block's 12 scale bytes (GGML's packing).
+fn q4k_scale_min(j: usize, scales: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (scales[j] & 63, scales[j + 4] & 63)
+    } else {
+        (
+            (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4),
+            (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Row `row`, sub-block `j` (inputs 32j..32j+32 of its block `b`) of a Q4_K matrix `raw` (`n x k`, GGUF bytes,
+/// row-major): the f32 factors the host's dequantization uses (d * scale, dmin * min) and the 32 4-bit values.
+fn q4k_sub_block(raw: &[u8], k: usize, row: usize, chunk: usize) -> (f32, f32, [u8; 32]) {
+    let (b, j) = (chunk / 8, chunk % 8);
+    let block = &raw[(row * (k / 256) + b) * Q4K_BLOCK_BYTES..][..Q4K_BLOCK_BYTES];
+    let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+    let dmin = half::f16::from_le_bytes([block[2], block[3]]).to_f32();
+    let (sc, m) = q4k_scale_min(j, &block[4..16]);
+    let qs = &block[16 + 32 * (j / 2)..][..32];
+    let mut q = [0u8; 32];
+    for (l, v) in q.iter_mut().enumerate() {
+        *v = (qs[l] >> (4 * (j % 2))) & 0xF;
+    }
+    (d * f32::from(sc), dmin * f32::from(m), q)
+}
+
+/// A GGUF Q4_K matrix (`n x k`, k a multiple of 256, row-major bytes) in the Q4_K tiles of the native GEMV, tile
+/// (block, chunk) at `(block * chunks + chunk) * Q4K_TILE_BYTES`; padding rows are all zeros (they dequantize to
+/// +0, as a bf16 tile's padding is). Returned as u16 words (little-endian pairs) for the device upload.
+pub fn tile_q4k(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
+    if !k.is_multiple_of(256) || raw.len() != n * (k / 256) * Q4K_BLOCK_BYTES {
+        return Err(format!(
+            "a Q4_K matrix of {n} x {k} needs k a multiple of 256 and {} bytes, not {}",
+            n * (k / 256) * Q4K_BLOCK_BYTES,
+            raw.len()
+        ));
+    }
+    let (blocks, chunks) = tiles(n, k);
+    let mut out = vec![0u8; blocks * chunks * Q4K_TILE_BYTES];
+    for row in 0..n {
+        let (block, i) = (row / ROW_BLOCK, row % ROW_BLOCK);
+        for chunk in 0..chunks {
+            let (d1, m1, q) = q4k_sub_block(raw, k, row, chunk);
+            let tile = &mut out[(block * chunks + chunk) * Q4K_TILE_BYTES..][..Q4K_TILE_BYTES];
+            for (c, &v) in q.iter().enumerate() {
+                // The bf16 tile's position of (i, c), as lane and value index; a lane's 16 values are its
+                // 16 nibbles, low nibble first.
+                let at = tiled_index(i, c, 1);
+                let (lane, value) = ((at % 256) / 8, (at / 256) * 8 + at % 8);
+                tile[lane * 8 + value / 2] |= v << (4 * (value % 2));
+            }
+            tile[256 + i * 8..][..4].copy_from_slice(&d1.to_le_bytes());
+            tile[256 + i * 8 + 4..][..4].copy_from_slice(&m1.to_le_bytes());
+        }
+    }
+    Ok(out
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect())
+}
+
+/// The bf16 value of (row i, input c) of a Q4_K tile, computed as the native GEMV computes it (kernels.cu
+/// `Q4kWeights::expand`): d1 * q - m1 in f32, each step rounded (no fused multiply-add), then bf16 round to
+/// nearest even; the same as the host's dequantization followed by its bf16 conversion.
+pub fn q4k_tile_value(tile: &[u16], i: usize, c: usize) -> u16 {
+    let byte = |b: usize| (tile[b / 2] >> (8 * (b % 2))) as u8;
+    let word = |b: usize| u32::from_le_bytes([byte(b), byte(b + 1), byte(b + 2), byte(b + 3)]);
+    let at = tiled_index(i, c, 1);
+    let (lane, value) = ((at % 256) / 8, (at / 256) * 8 + at % 8);
+    let q = (byte(lane * 8 + value / 2) >> (4 * (value % 2))) & 0xF;
+    let d1 = f32::from_bits(word(256 + i * 8));
+    let m1 = f32::from_bits(word(256 + i * 8 + 4));
+    half::bf16::from_f32(d1 * f32::from(q) - m1).to_bits()
 }
 
 /// u32 words of a split activation buffer for `rows` tokens of `k` inputs (kernels.cu `store_split_pair`):
@@ -114,6 +199,85 @@ mod tests {
                 (u.to_bits() >> 16) as u16
             })
             .collect()
+    }
+
+    /// The native Q4_K tiles hold, at every (row, input), exactly the bf16 value the host's dequantization gives
+    /// (what the bf16 path uploads), so a GEMV over them computes the bf16 GEMV's bits; padding rows are +0.
+    #[test]
+    fn q4k_tiles_dequantize_to_the_bf16_path_bit_for_bit() {
+        use crate::backend::cpu::weights::{GgmlType, Weight};
+        let (n, k) = (20, 512);
+        let values: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let h = (i as u64 + 3).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                ((h as f32 / (1u64 << 24) as f32) - 0.45) * (1.0 + (i / k) as f32 * 0.3)
+            })
+            .collect();
+        let raw = Weight::quantize(&values, n, k, GgmlType::Q4K)
+            .unwrap()
+            .raw_bytes();
+        let host: Vec<u16> = Weight::from_raw(GgmlType::Q4K, &raw, n, k)
+            .unwrap()
+            .to_f32()
+            .into_iter()
+            .map(|v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let tiled = tile_q4k(&raw, n, k).unwrap();
+        let (blocks, chunks) = tiles(n, k);
+        let words = Q4K_TILE_BYTES / 2;
+        assert_eq!(tiled.len(), blocks * chunks * words);
+        let mut nonzero = 0;
+        for row in 0..blocks * ROW_BLOCK {
+            for col in 0..k {
+                let tile = &tiled[((row / ROW_BLOCK) * chunks + col / CHUNK) * words..][..words];
+                let got = q4k_tile_value(tile, row % ROW_BLOCK, col % CHUNK);
+                let want = if row < n { host[row * k + col] } else { 0 };
+                assert_eq!(got, want, "({row}, {col})");
+                nonzero += usize::from(got != 0);
+            }
+        }
+        assert!(nonzero > n * k / 2, "the matrix is not mostly zeros");
+        let e = tile_q4k(&raw[1..], n, k).unwrap_err();
+        assert!(e.contains("20 x 512"), "{e}");
+    }
+
+    /// Gate and up stacked as GGUF Q4_K rows (what the native load does) tile to the same values as the bf16
+    /// stacking of their dequantized rows.
+    #[test]
+    fn q4k_gate_up_stacks_by_rows_like_bf16() {
+        use crate::backend::cpu::weights::{GgmlType, Weight};
+        let (ff, k) = (16, 256);
+        let make = |seed: usize| {
+            let v: Vec<f32> = (0..ff * k)
+                .map(|i| (((i + seed) * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0)
+                .collect();
+            let raw = Weight::quantize(&v, ff, k, GgmlType::Q4K)
+                .unwrap()
+                .raw_bytes();
+            let bf16: Vec<u16> = Weight::from_raw(GgmlType::Q4K, &raw, ff, k)
+                .unwrap()
+                .to_f32()
+                .into_iter()
+                .map(|x| half::bf16::from_f32(x).to_bits())
+                .collect();
+            (raw, bf16)
+        };
+        let ((g_raw, g), (u_raw, u)) = (make(1), make(7));
+        let stacked_raw = stack_gate_up(&g_raw, &u_raw, ff, g_raw.len() / ff);
+        let stacked = stack_gate_up(&g, &u, ff, k);
+        let tiled = tile_q4k(&stacked_raw, 2 * ff, k).unwrap();
+        let (_, chunks) = tiles(2 * ff, k);
+        let words = Q4K_TILE_BYTES / 2;
+        for row in 0..2 * ff {
+            for col in 0..k {
+                let tile = &tiled[((row / ROW_BLOCK) * chunks + col / CHUNK) * words..][..words];
+                assert_eq!(
+                    q4k_tile_value(tile, row % ROW_BLOCK, col % CHUNK),
+                    stacked[row * k + col],
+                    "({row}, {col})"
+                );
+            }
+        }
     }
 
     #[test]

@@ -47,6 +47,9 @@ pub struct CudaModel {
     rope_inv_freqs: CudaSlice<f32>,
     /// The checkpoint's storage types, e.g. "Q4_K x 169 (as bf16)".
     source_types: String,
+    /// bf16 copies of layer 0's native Q4_K matrices (by the check's names), which `check_kernels` compares the
+    /// native GEMV against bit for bit.
+    layer0_bf16: Vec<(&'static str, Matrix)>,
     workspace: std::sync::Mutex<Workspace>,
 }
 
@@ -80,6 +83,57 @@ fn to_bf16(t: &RawTensor<'_>) -> Result<Vec<u16>> {
             .map(|v| bf16::from_f32(v).to_bits())
             .collect(),
     })
+}
+
+/// Whether GGUF Q4_K matrices stay Q4_K on the device (`SPECULA_CUDA_NATIVE_Q4K=1`; off by default until measured
+/// on a GPU): 2.7x fewer bytes a step than bf16, the same outputs bit for bit (`check_kernels`).
+fn native_q4k() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_NATIVE_Q4K").is_ok_and(|v| v == "1"))
+}
+
+/// A layer matrix on the host before upload: bf16 values, or a Q4_K tensor's GGUF bytes kept for the native GEMV.
+enum HostMatrix {
+    Bf16(Vec<u16>),
+    Q4k(Vec<u8>),
+}
+
+impl HostMatrix {
+    /// Its values as bf16 (Q4_K dequantized as `to_bf16` does).
+    fn into_bf16(self, rows: usize, cols: usize) -> Result<Vec<u16>> {
+        match self {
+            HostMatrix::Bf16(v) => Ok(v),
+            HostMatrix::Q4k(bytes) => Ok(crate::backend::cpu::weights::Weight::from_raw(
+                GgmlType::Q4K,
+                &bytes,
+                rows,
+                cols,
+            )
+            .map_err(Error::Cuda)?
+            .to_f32()
+            .into_iter()
+            .map(|v| half::bf16::from_f32(v).to_bits())
+            .collect()),
+        }
+    }
+}
+
+/// Row-stacked parts (each `rows x cols`) as one matrix: native Q4_K when every part is, else bf16.
+fn stack_parts(parts: Vec<(HostMatrix, usize)>, cols: usize) -> Result<HostMatrix> {
+    if parts.iter().all(|(p, _)| matches!(p, HostMatrix::Q4k(_))) {
+        let mut bytes = Vec::new();
+        for (p, _) in parts {
+            if let HostMatrix::Q4k(b) = p {
+                bytes.extend(b);
+            }
+        }
+        return Ok(HostMatrix::Q4k(bytes));
+    }
+    let mut values = Vec::new();
+    for (p, rows) in parts {
+        values.extend(p.into_bf16(rows, cols)?);
+    }
+    Ok(HostMatrix::Bf16(values))
 }
 
 /// Vectors (norms, biases) as f32: exact for F32 checkpoints.
@@ -161,17 +215,44 @@ impl CudaModel {
         // Weights become bf16 here: check they fit before uploading anything.
         check_weights_fit(&gpu, &c, "the model's weights as bf16")?;
         let mut types: Vec<(GgmlType, usize)> = Vec::new();
-        // A tensor as bf16 values on the host (counted by storage type for the report).
-        let mut host = |name: &str, rows: usize, cols: usize| -> Result<Vec<u16>> {
+        let native = native_q4k();
+        // A matrix on the host (counted by storage type for the report): a Q4_K tensor's GGUF bytes when `keep`
+        // and native Q4_K is on, else bf16 values.
+        let mut fetch = |name: &str, rows: usize, cols: usize, keep: bool| -> Result<HostMatrix> {
             let t = src.tensor(name, rows, cols)?;
             match types.iter_mut().find(|(ty, _)| *ty == t.dtype) {
                 Some(e) => e.1 += 1,
                 None => types.push((t.dtype, 1)),
             }
-            to_bf16(&t)
+            if keep && native && t.dtype == GgmlType::Q4K && cols.is_multiple_of(256) {
+                return Ok(HostMatrix::Q4k(t.bytes.to_vec()));
+            }
+            Ok(HostMatrix::Bf16(to_bf16(&t)?))
         };
         let upload = |data: &[u16], rows: usize, cols: usize, what: &str| -> Result<Matrix> {
             Matrix::upload(&gpu, data, rows, cols, what)
+        };
+        let mut natives = 0usize;
+        let mut layer0_bf16: Vec<(&'static str, Matrix)> = Vec::new();
+        // Uploads a layer matrix in its format; layer 0's native ones also as bf16, for check_kernels.
+        let mut upload_layer = |m: HostMatrix,
+                                rows: usize,
+                                cols: usize,
+                                what: &'static str,
+                                layer: usize|
+         -> Result<Matrix> {
+            match m {
+                HostMatrix::Bf16(v) => upload(&v, rows, cols, what),
+                HostMatrix::Q4k(bytes) => {
+                    natives += 1;
+                    let native = Matrix::upload_q4k(&gpu, &bytes, rows, cols, what)?;
+                    if layer == 0 {
+                        let values = HostMatrix::Q4k(bytes).into_bf16(rows, cols)?;
+                        layer0_bf16.push((what, upload(&values, rows, cols, what)?));
+                    }
+                    Ok(native)
+                }
+            }
         };
         let vector_host =
             |name: &str, len: usize| -> Result<Vec<f32>> { to_f32(&src.tensor(name, 1, len)?) };
@@ -181,14 +262,14 @@ impl CudaModel {
                 .map_err(|e| cuda_err(&format!("uploading {name}"), e))
         };
         let embed = upload(
-            &host(names.embed, c.vocab_size, h)?,
+            &fetch(names.embed, c.vocab_size, h, false)?.into_bf16(c.vocab_size, h)?,
             c.vocab_size,
             h,
             names.embed,
         )?;
         let lm_head = if src.has(names.lm_head) {
             Some(upload(
-                &host(names.lm_head, c.vocab_size, h)?,
+                &fetch(names.lm_head, c.vocab_size, h, false)?.into_bf16(c.vocab_size, h)?,
                 c.vocab_size,
                 h,
                 names.lm_head,
@@ -204,9 +285,14 @@ impl CudaModel {
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let n = |t| (names.layer)(i, t);
-            let mut qkv = host(&n(LayerTensor::Q), q_dim, h)?;
-            qkv.extend(host(&n(LayerTensor::K), kv_dim, h)?);
-            qkv.extend(host(&n(LayerTensor::V), kv_dim, h)?);
+            let qkv = stack_parts(
+                vec![
+                    (fetch(&n(LayerTensor::Q), q_dim, h, true)?, q_dim),
+                    (fetch(&n(LayerTensor::K), kv_dim, h, true)?, kv_dim),
+                    (fetch(&n(LayerTensor::V), kv_dim, h, true)?, kv_dim),
+                ],
+                h,
+            )?;
             let biases = [
                 (LayerTensor::QBias, q_dim),
                 (LayerTensor::KBias, kv_dim),
@@ -230,22 +316,31 @@ impl CudaModel {
             } else {
                 None
             };
-            let gate = host(&n(LayerTensor::Gate), ff, h)?;
-            let up = host(&n(LayerTensor::Up), ff, h)?;
-            let gate_up = layout::stack_gate_up(&gate, &up, ff, h);
+            // Gate and up stacked 8 rows of each per row block, as GGUF rows (Q4_K) or bf16 values.
+            let gate = fetch(&n(LayerTensor::Gate), ff, h, true)?;
+            let up = fetch(&n(LayerTensor::Up), ff, h, true)?;
+            let gate_up = match (gate, up) {
+                (HostMatrix::Q4k(g), HostMatrix::Q4k(u)) => {
+                    let row_bytes = g.len() / ff;
+                    HostMatrix::Q4k(layout::stack_gate_up(&g, &u, ff, row_bytes))
+                }
+                (g, u) => HostMatrix::Bf16(layout::stack_gate_up(
+                    &g.into_bf16(ff, h)?,
+                    &u.into_bf16(ff, h)?,
+                    ff,
+                    h,
+                )),
+            };
+            let wo = fetch(&n(LayerTensor::O), h, q_dim, true)?;
+            let down = fetch(&n(LayerTensor::Down), h, ff, true)?;
             layers.push(Layer {
                 attn_norm: vector(&n(LayerTensor::AttnNorm), h)?,
-                wqkv: upload(&qkv, q_dim + 2 * kv_dim, h, "QKV")?,
+                wqkv: upload_layer(qkv, q_dim + 2 * kv_dim, h, "QKV", i)?,
                 bqkv,
-                wo: upload(
-                    &host(&n(LayerTensor::O), h, q_dim)?,
-                    h,
-                    q_dim,
-                    "attention output",
-                )?,
+                wo: upload_layer(wo, h, q_dim, "attention output", i)?,
                 ffn_norm: vector(&n(LayerTensor::FfnNorm), h)?,
-                w_gate_up: upload(&gate_up, 2 * ff, h, "gate/up")?,
-                w_down: upload(&host(&n(LayerTensor::Down), h, ff)?, h, ff, "down")?,
+                w_gate_up: upload_layer(gate_up, 2 * ff, h, "gate/up", i)?,
+                w_down: upload_layer(down, h, ff, "down", i)?,
             });
         }
         let freq_factors = match names.rope_freqs {
@@ -271,7 +366,12 @@ impl CudaModel {
             final_norm,
             lm_head,
             rope_inv_freqs,
-            source_types: format!("{source_types}, as bf16"),
+            source_types: if natives > 0 {
+                format!("{source_types}; {natives} matrices native Q4_K, the rest as bf16")
+            } else {
+                format!("{source_types}, as bf16")
+            },
+            layer0_bf16,
             workspace: Default::default(),
         })
     }
@@ -311,6 +411,7 @@ impl CudaModel {
                 rows,
                 cols,
                 chunks,
+                format: super::ops::WeightFormat::Bf16,
             })
         };
         let ones = |n: usize| -> Result<CudaSlice<f32>> {
@@ -353,6 +454,7 @@ impl CudaModel {
             lm_head,
             rope_inv_freqs,
             source_types: format!("random bf16 (seed {seed})"),
+            layer0_bf16: Vec::new(),
             workspace: Default::default(),
         })
     }
@@ -1322,121 +1424,183 @@ impl Model for CudaModel {
 
     fn check_kernels(&self, _tokens: &[u32]) -> Result<Vec<KernelCheck>> {
         // The forward pass is checked against the CPU backend as a whole (`specula selftest --device cuda`); here
-        // the GEMM tile against the GEMV on this model's own matrices: the same bits for every row, or batch
-        // invariance (and greedy losslessness) would depend on how many rows a pass has.
-        self.check_gemm_tile()
+        // the GEMM tile against the GEMV on this model's own matrices, and native Q4_K matrices against their
+        // bf16 copies: the same bits for every row, or batch invariance (and greedy losslessness) would depend on
+        // how many rows a pass has, or outputs on the weight format.
+        let mut checks = self.check_gemm_tile()?;
+        checks.extend(self.check_native_q4k()?);
+        Ok(checks)
     }
 }
 
 impl CudaModel {
-    fn check_gemm_tile(&self) -> Result<Vec<KernelCheck>> {
-        use super::ops::{gemv_with, split_rows, GemvPath};
+    /// `m` rows of check activations (a wide spread of magnitudes: the hi/lo split matters for them) through
+    /// each `(matrix, path)` GEMV of `n` outputs, from the same starting outputs; each result as f32 (SiLU
+    /// outputs come split, the down projection's input: compared as words).
+    #[allow(clippy::too_many_arguments)]
+    fn check_gemv_outputs(
+        &self,
+        runs: &[(&Matrix, super::ops::GemvPath)],
+        n: usize,
+        m: usize,
+        accumulate: bool,
+        silu: bool,
+    ) -> Result<Vec<Vec<f32>>> {
+        use super::ops::{gemv_with, split_rows};
         let gpu = &self.gpu;
+        let k = runs[0].0.cols;
+        let out_n = if silu { n / 2 } else { n };
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| {
+                let h = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                ((h as f32 / (1u64 << 24) as f32) - 0.5) * (1.0 + (i % 7) as f32)
+            })
+            .collect();
+        let start: Vec<f32> = (0..m * out_n).map(|i| (i % 13) as f32 * 0.25).collect();
+        let xd = gpu
+            .stream
+            .clone_htod(&x)
+            .map_err(|e| cuda_err("uploading check activations", e))?;
+        let xs = alloc_split(gpu, m, k, "check activations")?;
+        split_rows(gpu, ptr(&xd, gpu), ptr(&xs, gpu), m, k)?;
+        let scratch = self.alloc(MAX_SPLITS * m * n, "check scratch")?;
+        let mut results = Vec::new();
+        for &(w, path) in runs {
+            let y = if silu {
+                alloc_split(gpu, m, out_n, "check outputs")?
+            } else {
+                let bits: Vec<u32> = start.iter().map(|v| v.to_bits()).collect();
+                gpu.stream
+                    .clone_htod(&bits)
+                    .map_err(|e| cuda_err("uploading check outputs", e))?
+            };
+            gemv_with(
+                gpu,
+                w,
+                n,
+                ptr(&xs, gpu),
+                ptr(&y, gpu),
+                m,
+                accumulate,
+                silu,
+                ptr(&scratch, gpu),
+                false,
+                path,
+            )?;
+            let words = gpu
+                .stream
+                .clone_dtoh(&y)
+                .map_err(|e| cuda_err("reading check outputs", e))?;
+            results.push(words.into_iter().map(f32::from_bits).collect::<Vec<_>>());
+        }
+        Ok(results)
+    }
+
+    /// A bitwise comparison of two results as a check (any differing value fails, however small).
+    fn bitwise_check(name: String, dtype: &'static str, a: &[f32], b: &[f32]) -> KernelCheck {
+        let largest = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+        let differ = a
+            .iter()
+            .zip(b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        let worst = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        let error = if differ == 0 && a.len() == b.len() {
+            0.0
+        } else {
+            f64::from(worst / largest).max(f64::MIN_POSITIVE)
+        };
+        KernelCheck {
+            name: format!("{name} ({differ} values differ)"),
+            dtype,
+            max_relative_error: error,
+            tolerance: 0.0,
+        }
+    }
+
+    /// The matrices of layer 0 (and the LM head) the forward pass multiplies, with the mode each runs in:
+    /// (check name, matrix, outputs, accumulate, silu_pairs).
+    fn check_cases(&self) -> Vec<(&'static str, &Matrix, usize, bool, bool)> {
         let layer = &self.layers[0];
         let lm_head = self.lm_head.as_ref().unwrap_or(&*self.embed);
-        // (name, matrix, outputs, accumulate, silu_pairs): every mode the forward pass uses.
-        let cases: [(&str, &Matrix, usize, bool, bool); 5] = [
-            ("qkv", &layer.wqkv, layer.wqkv.rows, false, false),
+        vec![
+            ("QKV", &layer.wqkv, layer.wqkv.rows, false, false),
+            ("attention output", &layer.wo, layer.wo.rows, true, false),
             (
-                "output projection (+=)",
-                &layer.wo,
-                layer.wo.rows,
-                true,
-                false,
-            ),
-            (
-                "gate/up (SiLU pairs)",
+                "gate/up",
                 &layer.w_gate_up,
                 layer.w_gate_up.rows,
                 false,
                 true,
             ),
-            (
-                "down projection",
-                &layer.w_down,
-                layer.w_down.rows,
-                false,
-                false,
-            ),
+            ("down", &layer.w_down, layer.w_down.rows, false, false),
             ("LM head", lm_head, self.config.vocab_size, false, false),
-        ];
+        ]
+    }
+
+    fn check_gemm_tile(&self) -> Result<Vec<KernelCheck>> {
+        use super::ops::{GemvPath, WeightFormat};
         let mut checks = Vec::new();
         for m in [17usize, 40, 64, 100] {
-            for &(name, w, n, accumulate, silu) in &cases {
-                let k = w.cols;
-                let out_n = if silu { n / 2 } else { n };
-                // Activations with a wide spread of magnitudes (the hi/lo split matters for them).
-                let x: Vec<f32> = (0..m * k)
-                    .map(|i| {
-                        let h = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-                        ((h as f32 / (1u64 << 24) as f32) - 0.5) * (1.0 + (i % 7) as f32)
-                    })
-                    .collect();
-                let start: Vec<f32> = (0..m * out_n).map(|i| (i % 13) as f32 * 0.25).collect();
-                let xd = gpu
-                    .stream
-                    .clone_htod(&x)
-                    .map_err(|e| cuda_err("uploading check activations", e))?;
-                let xs = alloc_split(gpu, m, k, "check activations")?;
-                split_rows(gpu, ptr(&xd, gpu), ptr(&xs, gpu), m, k)?;
-                let scratch = self.alloc(MAX_SPLITS * m * n, "check scratch")?;
-                let mut results = Vec::new();
-                for path in [GemvPath::Gemv, GemvPath::Gemm] {
-                    // SiLU outputs come split (the down projection's input): compared as words.
-                    let y = if silu {
-                        alloc_split(gpu, m, out_n, "check outputs")?
-                    } else {
-                        let bits: Vec<u32> = start.iter().map(|v| v.to_bits()).collect();
-                        gpu.stream
-                            .clone_htod(&bits)
-                            .map_err(|e| cuda_err("uploading check outputs", e))?
-                    };
-                    gemv_with(
-                        gpu,
-                        w,
-                        n,
-                        ptr(&xs, gpu),
-                        ptr(&y, gpu),
-                        m,
-                        accumulate,
-                        silu,
-                        ptr(&scratch, gpu),
-                        false,
-                        path,
-                    )?;
-                    let words = gpu
-                        .stream
-                        .clone_dtoh(&y)
-                        .map_err(|e| cuda_err("reading check outputs", e))?;
-                    results.push(words.into_iter().map(f32::from_bits).collect::<Vec<_>>());
+            for (name, w, n, accumulate, silu) in self.check_cases() {
+                // The GEMM tile reads bf16 tiles only (native matrices are checked against their bf16 copies).
+                if w.format != WeightFormat::Bf16 {
+                    continue;
                 }
-                let largest = results[0]
-                    .iter()
-                    .fold(0f32, |a, v| a.max(v.abs()))
-                    .max(1e-30);
-                let differ = results[0]
-                    .iter()
-                    .zip(&results[1])
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
-                let worst = results[0]
-                    .iter()
-                    .zip(&results[1])
-                    .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-                // Bitwise: any differing value fails, however small.
-                let error = if differ == 0 {
-                    0.0
-                } else {
-                    f64::from(worst / largest).max(f64::MIN_POSITIVE)
-                };
-                checks.push(KernelCheck {
-                    name: format!(
-                        "GEMM tile = GEMV bitwise, {name} {out_n}x{k}, {m} rows ({differ} values differ)"
+                let r = self.check_gemv_outputs(
+                    &[(w, GemvPath::Gemv), (w, GemvPath::Gemm)],
+                    n,
+                    m,
+                    accumulate,
+                    silu,
+                )?;
+                let out_n = if silu { n / 2 } else { n };
+                checks.push(Self::bitwise_check(
+                    format!(
+                        "GEMM tile = GEMV bitwise, {name} {out_n}x{}, {m} rows",
+                        w.cols
                     ),
-                    dtype: "bf16",
-                    max_relative_error: error,
-                    tolerance: 0.0,
-                });
+                    "bf16",
+                    &r[0],
+                    &r[1],
+                ));
+            }
+        }
+        Ok(checks)
+    }
+
+    /// Native Q4_K matrices of layer 0 against the same weights as bf16, through every GEMV variant (1-8, 16
+    /// and 32+ tokens): the same bits.
+    fn check_native_q4k(&self) -> Result<Vec<KernelCheck>> {
+        use super::ops::{GemvPath, WeightFormat};
+        let mut checks = Vec::new();
+        for (name, w, n, accumulate, silu) in self.check_cases() {
+            if w.format != WeightFormat::Q4k {
+                continue;
+            }
+            let Some((_, bf16)) = self.layer0_bf16.iter().find(|(what, _)| *what == name) else {
+                return Err(Error::Cuda(format!(
+                    "no bf16 copy of layer 0's native {name} matrix to check it against"
+                )));
+            };
+            for m in [1usize, 5, 13, 40] {
+                let r = self.check_gemv_outputs(
+                    &[(w, GemvPath::Gemv), (bf16, GemvPath::Gemv)],
+                    n,
+                    m,
+                    accumulate,
+                    silu,
+                )?;
+                let out_n = if silu { n / 2 } else { n };
+                checks.push(Self::bitwise_check(
+                    format!(
+                        "native Q4_K = bf16 bitwise, {name} {out_n}x{}, {m} rows",
+                        w.cols
+                    ),
+                    "Q4_K",
+                    &r[0],
+                    &r[1],
+                ));
             }
         }
         Ok(checks)

@@ -40,13 +40,23 @@ macro_rules! launch_fn {
     }};
 }
 
-/// A bf16 matrix on the device, `rows` outputs of `cols` inputs, in the tensor-core GEMV's tiled layout
-/// (layout.rs; `chunks` 32-input chunks per 16-row block).
+/// How a matrix's tiles hold its values (kernels.cu `Bf16Weights`, `Q4kWeights`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WeightFormat {
+    /// bf16 tiles of 1 KiB (layout.rs `tile_matrix`): any source type, converted or dequantized at load.
+    Bf16,
+    /// GGUF Q4_K, native: 384-byte tiles (layout.rs `tile_q4k`), dequantized in registers to the same bf16.
+    Q4k,
+}
+
+/// A matrix on the device, `rows` outputs of `cols` inputs, in the tensor-core GEMV's tiled layout (layout.rs;
+/// `chunks` 32-input chunks per 16-row block), bf16 or native Q4_K.
 pub(crate) struct Matrix {
     pub(crate) data: CudaSlice<u16>,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
     pub(crate) chunks: usize,
+    pub(crate) format: WeightFormat,
 }
 
 impl Matrix {
@@ -68,6 +78,30 @@ impl Matrix {
             rows,
             cols,
             chunks: layout::tiles(rows, cols).1,
+            format: WeightFormat::Bf16,
+        })
+    }
+
+    /// Uploads a GGUF Q4_K matrix (`rows x cols`, row-major bytes) as native Q4_K tiles.
+    pub(crate) fn upload_q4k(
+        gpu: &Gpu,
+        raw: &[u8],
+        rows: usize,
+        cols: usize,
+        what: &str,
+    ) -> Result<Self> {
+        let tiled = layout::tile_q4k(raw, rows, cols)
+            .map_err(|e| crate::error::Error::Cuda(format!("{what}: {e}")))?;
+        let data = gpu
+            .stream
+            .clone_htod(&tiled)
+            .map_err(|e| cuda_err(&format!("uploading {what}"), e))?;
+        Ok(Matrix {
+            data,
+            rows,
+            cols,
+            chunks: layout::tiles(rows, cols).1,
+            format: WeightFormat::Q4k,
         })
     }
 }
@@ -190,11 +224,13 @@ pub(crate) fn gemv_with(
     };
     let blocks = n.div_ceil(layout::ROW_BLOCK);
     let min_rows = gemm_min_rows();
-    let use_gemm = match path {
-        GemvPath::Auto => min_rows > 0 && m >= min_rows,
-        GemvPath::Gemv => false,
-        GemvPath::Gemm => true,
-    };
+    // The GEMM tile reads bf16 tiles only.
+    let use_gemm = w.format == WeightFormat::Bf16
+        && match path {
+            GemvPath::Auto => min_rows > 0 && m >= min_rows,
+            GemvPath::Gemv => false,
+            GemvPath::Gemm => true,
+        };
     if use_gemm {
         let (variant, tokens) = gemm_variant(m);
         // Token groups vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
@@ -271,10 +307,14 @@ fn launch_gemv_tile(
         (2, _) => (2, 2 * layout::TOKENS),
         _ => (3, 4 * layout::TOKENS),
     };
+    let (kernels, name) = match w.format {
+        WeightFormat::Bf16 => (&gpu.kernels.gemv_mma, "gemv_mma"),
+        WeightFormat::Q4k => (&gpu.kernels.gemv_q4k, "gemv_q4k"),
+    };
     launch_fn!(
         gpu,
-        &gpu.kernels.gemv_mma[variant],
-        "gemv_mma",
+        &kernels[variant],
+        name,
         (blocks as u32, m.div_ceil(tokens) as u32, splits as u32),
         (layout::WARPS * 32) as u32,
         ptr(&w.data, gpu),
