@@ -258,7 +258,8 @@ struct Bf16Weights {
         uint4 a0, a1;
     };
     __device__ static __forceinline__ Raw load(const uint4* __restrict__ tile, int lane) {
-        return {__ldg(tile + lane), __ldg(tile + 32 + lane)};
+        const uint4* at = tile + lane;
+        return {__ldg(at), __ldg(at + 32)};
     }
     __device__ static __forceinline__ void expand(const Raw& r, uint4 (&a)[2]) {
         a[0] = r.a0;
