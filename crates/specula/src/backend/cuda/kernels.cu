@@ -301,6 +301,37 @@ struct Q4kWeights {
     }
 };
 
+// GGUF Q6_K weights, native (layout.rs tile_q6k): each lane's 16 values as signed bytes (q - 32) in the bf16
+// tile's order (step 0's four registers in words x, y; step 1's in z, w), then each row's two factors d * scale
+// (inputs 0-15: step 0, 16-31: step 1). Each value becomes factor * q in f32, then bf16 round-to-nearest-even:
+// the host's dequantization, so the same bits as the bf16 GEMV.
+struct Q6kWeights {
+    static constexpr int TILE_U4 = 40;  // 640 bytes
+    static constexpr int LINES = 5;
+    struct Raw {
+        uint4 q;
+        float2 row_a, row_b;  // rows g and g + 8: (step 0 factor, step 1 factor)
+    };
+    __device__ static __forceinline__ Raw load(const uint4* __restrict__ tile, int lane) {
+        const float2* factors = reinterpret_cast<const float2*>(tile + 32);
+        const int g = lane >> 2;
+        return {__ldg(tile + lane), __ldg(factors + g), __ldg(factors + g + 8)};
+    }
+    __device__ static __forceinline__ u32 pair(float f, u32 bytes) {  // the two signed bytes in bits 0-15
+        const float lo = __fmul_rn(f, (float)(signed char)(bytes & 0xffu));
+        const float hi = __fmul_rn(f, (float)(signed char)((bytes >> 8) & 0xffu));
+        return pack_bf16x2(lo, hi);
+    }
+    __device__ static __forceinline__ uint4 step(u32 w0, u32 w1, float fa, float fb) {
+        // Registers: a0 row g, a1 row g + 8, a2 row g (columns + 8), a3 row g + 8 (columns + 8).
+        return make_uint4(pair(fa, w0), pair(fb, w0 >> 16), pair(fa, w1), pair(fb, w1 >> 16));
+    }
+    __device__ static __forceinline__ void expand(const Raw& r, uint4 (&a)[2]) {
+        a[0] = step(r.q.x, r.q.y, r.row_a.x, r.row_b.x);
+        a[1] = step(r.q.z, r.q.w, r.row_a.y, r.row_b.y);
+    }
+};
+
 // NT is the number of 8-token tiles a block takes (1 for decode and verify up to 8 rows, 2 up to 16, 4 past that:
 // the weights are read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT. (8 tiles
 // a block, at one chunk in flight a warp for want of registers, was slower on an H200: 5.75 ms against 3.71 for a
@@ -416,6 +447,11 @@ GEMV_MMA_KERNEL(gemv_q4k_8_d4, Q4kWeights, 1, 4)
 GEMV_MMA_KERNEL(gemv_q4k_8_d2, Q4kWeights, 1, 2)
 GEMV_MMA_KERNEL(gemv_q4k_16, Q4kWeights, 2, 2)
 GEMV_MMA_KERNEL(gemv_q4k_32, Q4kWeights, 4, 2)
+// Native Q6_K weights (1.6x fewer bytes than bf16), the same sums bit for bit.
+GEMV_MMA_KERNEL(gemv_q6k_8_d4, Q6kWeights, 1, 4)
+GEMV_MMA_KERNEL(gemv_q6k_8_d2, Q6kWeights, 1, 2)
+GEMV_MMA_KERNEL(gemv_q6k_16, Q6kWeights, 2, 2)
+GEMV_MMA_KERNEL(gemv_q6k_32, Q6kWeights, 4, 2)
 
 // The GEMV's sums for many tokens at once (prefill, wide verifies and trees, batched serving), bit for bit: a
 // block of GEMM_ROW_BLOCKS x GEMM_TOKEN_GROUPS warps owns GEMM_ROW_BLOCKS row blocks and GEMM_TOKEN_GROUPS * NT

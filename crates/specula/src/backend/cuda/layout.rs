@@ -152,6 +152,77 @@ pub fn q4k_tile_value(tile: &[u16], i: usize, c: usize) -> u16 {
     half::bf16::from_f32(d1 * f32::from(q) - m1).to_bits()
 }
 
+/// Bytes of one Q6_K tile (kernels.cu `Q6kWeights`): each lane's 16 values as signed bytes (q - 32, in the bf16
+/// tile's order: 16 bytes a lane), then each row's two factors d * scale, for inputs 0-15 and 16-31 of the chunk
+/// (GGUF Q6_K has a scale per 16 weights): 512 + 128 bytes, against a bf16 tile's 1024.
+pub const Q6K_TILE_BYTES: usize = 640;
+/// Bytes of a GGUF Q6_K block (256 weights): 128 of low nibbles, 64 of high bit pairs, 16 signed scales, d (f16).
+const Q6K_BLOCK_BYTES: usize = 210;
+
+/// Weight `pos` (0..256) of a GGUF Q6_K block, q - 32, and its scale index (pos / 16).
+fn q6k_value(block: &[u8], pos: usize) -> i8 {
+    let (half, j, l) = (pos / 128, (pos % 128) / 32, pos % 32);
+    let ql = block[64 * half + l + 32 * (j & 1)];
+    let low = if j < 2 { ql & 0xF } else { ql >> 4 };
+    let high = (block[128 + 32 * half + l] >> (2 * j)) & 3;
+    (low | (high << 4)) as i8 - 32
+}
+
+/// A GGUF Q6_K matrix (`n x k`, k a multiple of 256, row-major bytes) in the Q6_K tiles of the native GEMV, as
+/// `tile_q4k` lays out Q4_K; padding rows are zeros (they dequantize to +0).
+pub fn tile_q6k(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
+    if !k.is_multiple_of(256) || raw.len() != n * (k / 256) * Q6K_BLOCK_BYTES {
+        return Err(format!(
+            "a Q6_K matrix of {n} x {k} needs k a multiple of 256 and {} bytes, not {}",
+            n * (k / 256) * Q6K_BLOCK_BYTES,
+            raw.len()
+        ));
+    }
+    let (blocks, chunks) = tiles(n, k);
+    let mut out = vec![0u8; blocks * chunks * Q6K_TILE_BYTES];
+    for row in 0..n {
+        let (rb, i) = (row / ROW_BLOCK, row % ROW_BLOCK);
+        for chunk in 0..chunks {
+            let (b, first) = (chunk / 8, (chunk % 8) * 32);
+            let block = &raw[(row * (k / 256) + b) * Q6K_BLOCK_BYTES..][..Q6K_BLOCK_BYTES];
+            let d = half::f16::from_le_bytes([block[208], block[209]]).to_f32();
+            let tile = &mut out[(rb * chunks + chunk) * Q6K_TILE_BYTES..][..Q6K_TILE_BYTES];
+            for c in 0..CHUNK {
+                let at = tiled_index(i, c, 1);
+                let (lane, value) = ((at % 256) / 8, (at / 256) * 8 + at % 8);
+                tile[lane * 16 + value] = q6k_value(block, first + c) as u8;
+            }
+            for half_ in 0..2 {
+                // The host's order: (d * scale) first, then times the value.
+                let scale = block[192 + (first + 16 * half_) / 16] as i8;
+                let f = d * f32::from(scale);
+                tile[512 + i * 8 + 4 * half_..][..4].copy_from_slice(&f.to_le_bytes());
+            }
+        }
+    }
+    Ok(out
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect())
+}
+
+/// The bf16 value of (row i, input c) of a Q6_K tile as the native GEMV computes it (kernels.cu
+/// `Q6kWeights::expand`): factor * value in f32, then bf16 round to nearest even.
+pub fn q6k_tile_value(tile: &[u16], i: usize, c: usize) -> u16 {
+    let byte = |b: usize| (tile[b / 2] >> (8 * (b % 2))) as u8;
+    let at = tiled_index(i, c, 1);
+    let (lane, value) = ((at % 256) / 8, (at / 256) * 8 + at % 8);
+    let q = byte(lane * 16 + value) as i8;
+    let o = 512 + i * 8 + 4 * (c / 16);
+    let f = f32::from_bits(u32::from_le_bytes([
+        byte(o),
+        byte(o + 1),
+        byte(o + 2),
+        byte(o + 3),
+    ]));
+    half::bf16::from_f32(f * f32::from(q)).to_bits()
+}
+
 /// u32 words of a split activation buffer for `rows` tokens of `k` inputs (kernels.cu `store_split_pair`):
 /// each input is a bf16 hi + lo pair (4 bytes), tokens padded to whole 8-token tiles and inputs to whole chunks.
 pub fn split_len(rows: usize, k: usize) -> usize {
@@ -239,6 +310,44 @@ mod tests {
         assert!(nonzero > n * k / 2, "the matrix is not mostly zeros");
         let e = tile_q4k(&raw[1..], n, k).unwrap_err();
         assert!(e.contains("20 x 512"), "{e}");
+    }
+
+    /// The native Q6_K tiles hold exactly the host's dequantized bf16 values; padding rows are +0.
+    #[test]
+    fn q6k_tiles_dequantize_to_the_bf16_path_bit_for_bit() {
+        use crate::backend::cpu::weights::{GgmlType, Weight};
+        let (n, k) = (20, 512);
+        let values: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let h = (i as u64 + 5).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                ((h as f32 / (1u64 << 24) as f32) - 0.5) * (1.0 + (i / k) as f32 * 0.3)
+            })
+            .collect();
+        let raw = Weight::quantize(&values, n, k, GgmlType::Q6K)
+            .unwrap()
+            .raw_bytes();
+        let host: Vec<u16> = Weight::from_raw(GgmlType::Q6K, &raw, n, k)
+            .unwrap()
+            .to_f32()
+            .into_iter()
+            .map(|v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let tiled = tile_q6k(&raw, n, k).unwrap();
+        let (blocks, chunks) = tiles(n, k);
+        let words = Q6K_TILE_BYTES / 2;
+        assert_eq!(tiled.len(), blocks * chunks * words);
+        let mut nonzero = 0;
+        for row in 0..blocks * ROW_BLOCK {
+            for col in 0..k {
+                let tile = &tiled[((row / ROW_BLOCK) * chunks + col / CHUNK) * words..][..words];
+                let got = q6k_tile_value(tile, row % ROW_BLOCK, col % CHUNK);
+                let want = if row < n { host[row * k + col] } else { 0 };
+                assert_eq!(got, want, "({row}, {col})");
+                nonzero += usize::from(got != 0);
+            }
+        }
+        assert!(nonzero > n * k / 2, "the matrix is not mostly zeros");
+        assert!(tile_q6k(&raw[1..], n, k).is_err());
     }
 
     /// Gate and up stacked as GGUF Q4_K rows (what the native load does) tile to the same values as the bf16

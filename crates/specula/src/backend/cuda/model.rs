@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaSlice;
 
 use super::layout::{self, MAX_SPLITS};
-use super::ops::{alloc_split, gemv, ptr, Matrix};
+use super::ops::{alloc_split, gemv, ptr, Matrix, WeightFormat};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::error::{Error, Result};
 use crate::model::config::{Config, RopeStyle};
@@ -47,7 +47,7 @@ pub struct CudaModel {
     rope_inv_freqs: CudaSlice<f32>,
     /// The checkpoint's storage types, e.g. "Q4_K x 169 (as bf16)".
     source_types: String,
-    /// bf16 copies of layer 0's native Q4_K matrices (by the check's names), which `check_kernels` compares the
+    /// bf16 copies of layer 0's (and an untied LM head's) native matrices (by the check's names), which `check_kernels` compares the
     /// native GEMV against bit for bit.
     layer0_bf16: Vec<(&'static str, Matrix)>,
     workspace: std::sync::Mutex<Workspace>,
@@ -85,29 +85,36 @@ fn to_bf16(t: &RawTensor<'_>) -> Result<Vec<u16>> {
     })
 }
 
-/// Whether GGUF Q4_K matrices stay Q4_K on the device (`SPECULA_CUDA_NATIVE_Q4K=1`; off by default until measured
-/// on a GPU): 2.7x fewer bytes a step than bf16, the same outputs bit for bit (`check_kernels`).
-fn native_q4k() -> bool {
+/// Whether GGUF Q4_K and Q6_K matrices stay in their format on the device (`SPECULA_CUDA_NATIVE_QUANT=1`; off by
+/// default until measured on a GPU): 2.7x (Q4_K) and 1.6x (Q6_K) fewer bytes a step than bf16, the same outputs
+/// bit for bit (`check_kernels`).
+fn native_quant() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_NATIVE_Q4K").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_NATIVE_QUANT").is_ok_and(|v| v == "1"))
 }
 
-/// A layer matrix on the host before upload: bf16 values, or a Q4_K tensor's GGUF bytes kept for the native GEMV.
+/// The native format of a GGUF type, when the GEMV has one.
+fn native_format(ty: GgmlType) -> Option<WeightFormat> {
+    match ty {
+        GgmlType::Q4K => Some(WeightFormat::Q4k),
+        GgmlType::Q6K => Some(WeightFormat::Q6k),
+        _ => None,
+    }
+}
+
+/// A matrix on the host before upload: bf16 values, or a quantized tensor's GGUF bytes kept for a native GEMV.
 enum HostMatrix {
     Bf16(Vec<u16>),
-    Q4k(Vec<u8>),
+    Native(GgmlType, Vec<u8>),
 }
 
 impl HostMatrix {
-    /// Its values as bf16 (Q4_K dequantized as `to_bf16` does).
+    /// Its values as bf16 (dequantized as `to_bf16` does).
     fn into_bf16(self, rows: usize, cols: usize) -> Result<Vec<u16>> {
         match self {
             HostMatrix::Bf16(v) => Ok(v),
-            HostMatrix::Q4k(bytes) => Ok(crate::backend::cpu::weights::Weight::from_raw(
-                GgmlType::Q4K,
-                &bytes,
-                rows,
-                cols,
+            HostMatrix::Native(ty, bytes) => Ok(crate::backend::cpu::weights::Weight::from_raw(
+                ty, &bytes, rows, cols,
             )
             .map_err(Error::Cuda)?
             .to_f32()
@@ -116,18 +123,27 @@ impl HostMatrix {
             .collect()),
         }
     }
+
+    fn native_type(&self) -> Option<GgmlType> {
+        match self {
+            HostMatrix::Native(ty, _) => Some(*ty),
+            HostMatrix::Bf16(_) => None,
+        }
+    }
 }
 
-/// Row-stacked parts (each `rows x cols`) as one matrix: native Q4_K when every part is, else bf16.
+/// Row-stacked parts (each `(matrix, rows)`, `cols` wide) as one matrix: native when every part is of the same
+/// native type, else bf16.
 fn stack_parts(parts: Vec<(HostMatrix, usize)>, cols: usize) -> Result<HostMatrix> {
-    if parts.iter().all(|(p, _)| matches!(p, HostMatrix::Q4k(_))) {
+    let first = parts.first().and_then(|(p, _)| p.native_type());
+    if let Some(ty) = first.filter(|_| parts.iter().all(|(p, _)| p.native_type() == first)) {
         let mut bytes = Vec::new();
         for (p, _) in parts {
-            if let HostMatrix::Q4k(b) = p {
+            if let HostMatrix::Native(_, b) = p {
                 bytes.extend(b);
             }
         }
-        return Ok(HostMatrix::Q4k(bytes));
+        return Ok(HostMatrix::Native(ty, bytes));
     }
     let mut values = Vec::new();
     for (p, rows) in parts {
@@ -215,17 +231,17 @@ impl CudaModel {
         // Weights become bf16 here: check they fit before uploading anything.
         check_weights_fit(&gpu, &c, "the model's weights as bf16")?;
         let mut types: Vec<(GgmlType, usize)> = Vec::new();
-        let native = native_q4k();
-        // A matrix on the host (counted by storage type for the report): a Q4_K tensor's GGUF bytes when `keep`
-        // and native Q4_K is on, else bf16 values.
+        let native = native_quant();
+        // A matrix on the host (counted by storage type for the report): a Q4_K or Q6_K tensor's GGUF bytes when
+        // `keep` and native quantized GEMVs are on, else bf16 values.
         let mut fetch = |name: &str, rows: usize, cols: usize, keep: bool| -> Result<HostMatrix> {
             let t = src.tensor(name, rows, cols)?;
             match types.iter_mut().find(|(ty, _)| *ty == t.dtype) {
                 Some(e) => e.1 += 1,
                 None => types.push((t.dtype, 1)),
             }
-            if keep && native && t.dtype == GgmlType::Q4K && cols.is_multiple_of(256) {
-                return Ok(HostMatrix::Q4k(t.bytes.to_vec()));
+            if keep && native && native_format(t.dtype).is_some() && cols.is_multiple_of(256) {
+                return Ok(HostMatrix::Native(t.dtype, t.bytes.to_vec()));
             }
             Ok(HostMatrix::Bf16(to_bf16(&t)?))
         };
@@ -243,11 +259,12 @@ impl CudaModel {
          -> Result<Matrix> {
             match m {
                 HostMatrix::Bf16(v) => upload(&v, rows, cols, what),
-                HostMatrix::Q4k(bytes) => {
+                HostMatrix::Native(ty, bytes) => {
                     natives += 1;
-                    let native = Matrix::upload_q4k(&gpu, &bytes, rows, cols, what)?;
+                    let format = native_format(ty).unwrap_or(WeightFormat::Q4k);
+                    let native = Matrix::upload_native(&gpu, format, &bytes, rows, cols, what)?;
                     if layer == 0 {
-                        let values = HostMatrix::Q4k(bytes).into_bf16(rows, cols)?;
+                        let values = HostMatrix::Native(ty, bytes).into_bf16(rows, cols)?;
                         layer0_bf16.push((what, upload(&values, rows, cols, what)?));
                     }
                     Ok(native)
@@ -261,21 +278,46 @@ impl CudaModel {
                 .clone_htod(&vector_host(name, len)?)
                 .map_err(|e| cuda_err(&format!("uploading {name}"), e))
         };
+        let has_lm_head = src.has(names.lm_head);
+        let mut tied_head_native = false;
+        // The embedding lookup reads bf16 tiles; a tied LM head may still multiply natively (a second copy).
+        let embed_host = fetch(
+            names.embed,
+            c.vocab_size,
+            h,
+            !has_lm_head && c.tie_word_embeddings,
+        )?;
+        let tied_native = embed_host.native_type();
+        let embed_bytes = match &embed_host {
+            HostMatrix::Native(_, b) => Some(b.clone()),
+            HostMatrix::Bf16(_) => None,
+        };
         let embed = upload(
-            &fetch(names.embed, c.vocab_size, h, false)?.into_bf16(c.vocab_size, h)?,
+            &embed_host.into_bf16(c.vocab_size, h)?,
             c.vocab_size,
             h,
             names.embed,
         )?;
-        let lm_head = if src.has(names.lm_head) {
-            Some(upload(
-                &fetch(names.lm_head, c.vocab_size, h, false)?.into_bf16(c.vocab_size, h)?,
-                c.vocab_size,
-                h,
-                names.lm_head,
-            )?)
+        let lm_head = if has_lm_head {
+            match fetch(names.lm_head, c.vocab_size, h, true)? {
+                HostMatrix::Bf16(v) => Some(upload(&v, c.vocab_size, h, names.lm_head)?),
+                native => Some(upload_layer(native, c.vocab_size, h, "LM head", 0)?),
+            }
         } else if c.tie_word_embeddings {
-            None
+            match (tied_native.and_then(native_format), embed_bytes) {
+                (Some(format), Some(bytes)) => {
+                    tied_head_native = true;
+                    Some(Matrix::upload_native(
+                        &gpu,
+                        format,
+                        &bytes,
+                        c.vocab_size,
+                        h,
+                        "LM head (tied)",
+                    )?)
+                }
+                _ => None,
+            }
         } else {
             return Err(Error::MissingTensor {
                 name: names.lm_head.to_string(),
@@ -320,9 +362,9 @@ impl CudaModel {
             let gate = fetch(&n(LayerTensor::Gate), ff, h, true)?;
             let up = fetch(&n(LayerTensor::Up), ff, h, true)?;
             let gate_up = match (gate, up) {
-                (HostMatrix::Q4k(g), HostMatrix::Q4k(u)) => {
+                (HostMatrix::Native(tg, g), HostMatrix::Native(tu, u)) if tg == tu => {
                     let row_bytes = g.len() / ff;
-                    HostMatrix::Q4k(layout::stack_gate_up(&g, &u, ff, row_bytes))
+                    HostMatrix::Native(tg, layout::stack_gate_up(&g, &u, ff, row_bytes))
                 }
                 (g, u) => HostMatrix::Bf16(layout::stack_gate_up(
                     &g.into_bf16(ff, h)?,
@@ -366,8 +408,9 @@ impl CudaModel {
             final_norm,
             lm_head,
             rope_inv_freqs,
-            source_types: if natives > 0 {
-                format!("{source_types}; {natives} matrices native Q4_K, the rest as bf16")
+            source_types: if natives + usize::from(tied_head_native) > 0 {
+                let natives = natives + usize::from(tied_head_native);
+                format!("{source_types}; {natives} matrices native (Q4_K, Q6_K), the rest as bf16")
             } else {
                 format!("{source_types}, as bf16")
             },
@@ -1395,7 +1438,8 @@ impl Model for CudaModel {
     }
 
     fn weight_bytes(&self) -> usize {
-        let m = |w: &Matrix| w.rows * w.cols * 2;
+        // Bytes a step streams: the tiles as stored (bf16, or a native format's smaller tiles).
+        let m = |w: &Matrix| w.data.len() * 2;
         self.layers
             .iter()
             .map(|l| m(&l.wqkv) + m(&l.wo) + m(&l.w_gate_up) + m(&l.w_down))
@@ -1424,7 +1468,7 @@ impl Model for CudaModel {
 
     fn check_kernels(&self, _tokens: &[u32]) -> Result<Vec<KernelCheck>> {
         // The forward pass is checked against the CPU backend as a whole (`specula selftest --device cuda`); here
-        // the GEMM tile against the GEMV on this model's own matrices, and native Q4_K matrices against their
+        // the GEMM tile against the GEMV on this model's own matrices, and native (Q4_K, Q6_K) matrices against their
         // bf16 copies: the same bits for every row, or batch invariance (and greedy losslessness) would depend on
         // how many rows a pass has, or outputs on the weight format.
         let mut checks = self.check_gemm_tile()?;
@@ -1539,7 +1583,7 @@ impl CudaModel {
     }
 
     fn check_gemm_tile(&self) -> Result<Vec<KernelCheck>> {
-        use super::ops::{GemvPath, WeightFormat};
+        use super::ops::GemvPath;
         let mut checks = Vec::new();
         for m in [17usize, 40, 64, 100] {
             for (name, w, n, accumulate, silu) in self.check_cases() {
@@ -1569,16 +1613,25 @@ impl CudaModel {
         Ok(checks)
     }
 
-    /// Native Q4_K matrices of layer 0 against the same weights as bf16, through every GEMV variant (1-8, 16
-    /// and 32+ tokens): the same bits.
+    /// Native (Q4_K, Q6_K) matrices of layer 0 and the LM head against the same weights as bf16, through every
+    /// GEMV variant (1-8, 16 and 32+ tokens): the same bits.
     fn check_native_q4k(&self) -> Result<Vec<KernelCheck>> {
-        use super::ops::{GemvPath, WeightFormat};
+        use super::ops::GemvPath;
         let mut checks = Vec::new();
         for (name, w, n, accumulate, silu) in self.check_cases() {
-            if w.format != WeightFormat::Q4k {
+            if w.format == WeightFormat::Bf16 {
                 continue;
             }
-            let Some((_, bf16)) = self.layer0_bf16.iter().find(|(what, _)| *what == name) else {
+            // A tied LM head's bf16 copy is the embedding.
+            let tied =
+                (name == "LM head" && self.config.tie_word_embeddings).then_some(&*self.embed);
+            let Some(bf16) = self
+                .layer0_bf16
+                .iter()
+                .find(|(what, _)| *what == name)
+                .map(|(_, m)| m)
+                .or(tied)
+            else {
                 return Err(Error::Cuda(format!(
                     "no bf16 copy of layer 0's native {name} matrix to check it against"
                 )));
@@ -1594,10 +1647,11 @@ impl CudaModel {
                 let out_n = if silu { n / 2 } else { n };
                 checks.push(Self::bitwise_check(
                     format!(
-                        "native Q4_K = bf16 bitwise, {name} {out_n}x{}, {m} rows",
+                        "native {} = bf16 bitwise, {name} {out_n}x{}, {m} rows",
+                        w.format.name(),
                         w.cols
                     ),
-                    "Q4_K",
+                    w.format.name(),
                     &r[0],
                     &r[1],
                 ));

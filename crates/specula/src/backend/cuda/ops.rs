@@ -47,10 +47,22 @@ pub(crate) enum WeightFormat {
     Bf16,
     /// GGUF Q4_K, native: 384-byte tiles (layout.rs `tile_q4k`), dequantized in registers to the same bf16.
     Q4k,
+    /// GGUF Q6_K, native: 640-byte tiles (layout.rs `tile_q6k`), likewise.
+    Q6k,
+}
+
+impl WeightFormat {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            WeightFormat::Bf16 => "bf16",
+            WeightFormat::Q4k => "Q4_K",
+            WeightFormat::Q6k => "Q6_K",
+        }
+    }
 }
 
 /// A matrix on the device, `rows` outputs of `cols` inputs, in the tensor-core GEMV's tiled layout (layout.rs;
-/// `chunks` 32-input chunks per 16-row block), bf16 or native Q4_K.
+/// `chunks` 32-input chunks per 16-row block), bf16 or a native GGUF format.
 pub(crate) struct Matrix {
     pub(crate) data: CudaSlice<u16>,
     pub(crate) rows: usize,
@@ -82,16 +94,21 @@ impl Matrix {
         })
     }
 
-    /// Uploads a GGUF Q4_K matrix (`rows x cols`, row-major bytes) as native Q4_K tiles.
-    pub(crate) fn upload_q4k(
+    /// Uploads a GGUF Q4_K or Q6_K matrix (`rows x cols`, row-major bytes) as native tiles of its format.
+    pub(crate) fn upload_native(
         gpu: &Gpu,
+        format: WeightFormat,
         raw: &[u8],
         rows: usize,
         cols: usize,
         what: &str,
     ) -> Result<Self> {
-        let tiled = layout::tile_q4k(raw, rows, cols)
-            .map_err(|e| crate::error::Error::Cuda(format!("{what}: {e}")))?;
+        let tiled = match format {
+            WeightFormat::Q4k => layout::tile_q4k(raw, rows, cols),
+            WeightFormat::Q6k => layout::tile_q6k(raw, rows, cols),
+            WeightFormat::Bf16 => Err("bf16 matrices are uploaded by Matrix::upload".into()),
+        }
+        .map_err(|e| crate::error::Error::Cuda(format!("{what}: {e}")))?;
         let data = gpu
             .stream
             .clone_htod(&tiled)
@@ -101,7 +118,7 @@ impl Matrix {
             rows,
             cols,
             chunks: layout::tiles(rows, cols).1,
-            format: WeightFormat::Q4k,
+            format,
         })
     }
 }
@@ -310,6 +327,7 @@ fn launch_gemv_tile(
     let (kernels, name) = match w.format {
         WeightFormat::Bf16 => (&gpu.kernels.gemv_mma, "gemv_mma"),
         WeightFormat::Q4k => (&gpu.kernels.gemv_q4k, "gemv_q4k"),
+        WeightFormat::Q6k => (&gpu.kernels.gemv_q6k, "gemv_q6k"),
     };
     launch_fn!(
         gpu,

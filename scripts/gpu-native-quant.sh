@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Native Q4_K GEMVs (SPECULA_CUDA_NATIVE_Q4K=1) against the bf16 path on the real Qwen2.5-Coder-1.5B, one device
-# call: the selftest with native weights (every native matrix of layer 0 against its bf16 copy, bitwise, at 1-40
+# Native Q4_K and Q6_K GEMVs (SPECULA_CUDA_NATIVE_QUANT=1) against the bf16 path on the real Qwen2.5-Coder-1.5B, one device
+# call: the selftest with native weights (every native matrix of layer 0 and the LM head against its bf16 copy, bitwise, at 1-40
 # rows; the f32 reference; verify = steps), greedy output native = bf16 (plain and with the head), then decode
 # speed both ways alternating, and the head's chain with native weights. Summary last (OUTDIR/native.txt).
-#   scripts/gpu-native-q4k.sh BINARY OUTDIR MODELDIR PROMPTS.jsonl HEAD_DIR
+#   scripts/gpu-native-quant.sh BINARY OUTDIR MODELDIR PROMPTS.jsonl HEAD_DIR
 set -uo pipefail
 bin="$1"; out="$2"; models="$3"; prompts="$4"; head="$5"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SPECULA_CACHE="$models"
 summary="$out/native.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$summary"
-SPECULA_CUDA_NATIVE_Q4K=1 timeout 240 "$bin" selftest -m qwen2.5-coder-1.5b --device cuda > "$out/selftest-native.log" 2>&1
+SPECULA_CUDA_NATIVE_QUANT=1 timeout 240 "$bin" selftest -m qwen2.5-coder-1.5b --device cuda > "$out/selftest-native.log" 2>&1
 {
   grep -E "^model" "$out/selftest-native.log"
-  echo "native checks: $(grep -c 'native Q4_K = bf16' "$out/selftest-native.log"), failed: $(grep 'native Q4_K = bf16' "$out/selftest-native.log" | grep -vc ' ok ')"
+  echo "native checks: $(grep -Ec 'native Q[46]_K = bf16' "$out/selftest-native.log"), failed: $(grep -E 'native Q[46]_K = bf16' "$out/selftest-native.log" | grep -vc ' ok ')"
   grep -E "FAIL|verdict" "$out/selftest-native.log" | head -5
 } >> "$summary"
 texts=("def quicksort(items):" "Write a function that checks whether a string is a palindrome.")
@@ -22,20 +22,20 @@ for cfg in plain head; do
   [ "$cfg" = head ] && flags=(--draft eagle3 --draft-model "$head" --draft-tokens 3)
   same=0
   for p in "${texts[@]}"; do
-    a=$(SPECULA_CUDA_NATIVE_Q4K=0 timeout 120 "$bin" generate -m qwen2.5-coder-1.5b --device cuda -p "$p" -n 96 "${flags[@]}" 2>/dev/null)
-    b=$(SPECULA_CUDA_NATIVE_Q4K=1 timeout 120 "$bin" generate -m qwen2.5-coder-1.5b --device cuda -p "$p" -n 96 "${flags[@]}" 2>/dev/null)
+    a=$(SPECULA_CUDA_NATIVE_QUANT=0 timeout 120 "$bin" generate -m qwen2.5-coder-1.5b --device cuda -p "$p" -n 96 "${flags[@]}" 2>/dev/null)
+    b=$(SPECULA_CUDA_NATIVE_QUANT=1 timeout 120 "$bin" generate -m qwen2.5-coder-1.5b --device cuda -p "$p" -n 96 "${flags[@]}" 2>/dev/null)
     [ -n "$a" ] && [ "$a" = "$b" ] && same=$((same + 1))
   done
   echo "greedy $cfg, native = bf16: $same of ${#texts[@]} prompts" >> "$summary"
 done
 for round in 1 2; do
   for native in 0 1; do
-    SPECULA_CUDA_NATIVE_Q4K=$native timeout 120 "$bin" bench -m qwen2.5-coder-1.5b --device cuda --prompts "$prompts" \
+    SPECULA_CUDA_NATIVE_QUANT=$native timeout 120 "$bin" bench -m qwen2.5-coder-1.5b --device cuda --prompts "$prompts" \
       -n 128 --quiet --json "$out/plain-$native-$round.json" > "$out/plain-$native-$round.txt" 2>&1
     echo "round $round native=$native: $(grep -E '^plain' "$out/plain-$native-$round.txt")" >> "$summary"
   done
 done
-SPECULA_CUDA_NATIVE_Q4K=1 timeout 150 "$bin" bench -m qwen2.5-coder-1.5b --device cuda --prompts "$prompts" -n 128 \
+SPECULA_CUDA_NATIVE_QUANT=1 timeout 150 "$bin" bench -m qwen2.5-coder-1.5b --device cuda --prompts "$prompts" -n 128 \
   --quiet --draft eagle3 --draft-model "$head" --draft-tokens 3,4 --draft-confidence 0 > "$out/head-native.txt" 2>&1
 grep -E "^(plain|eagle3)" "$out/head-native.txt" | sed 's/^/head bench, native: /' >> "$summary"
 cat "$summary"
