@@ -1660,3 +1660,66 @@ impl CudaModel {
         Ok(checks)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::weights::Weight;
+
+    fn quantized(rows: usize, cols: usize, ty: GgmlType, seed: usize) -> Vec<u8> {
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|i| (((i + seed) * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        Weight::quantize(&v, rows, cols, ty).unwrap().raw_bytes()
+    }
+
+    /// Q, K and V stay native only when all share one native type; otherwise the stack is bf16, each part
+    /// dequantized as the bf16 path does.
+    #[test]
+    fn stacked_parts_stay_native_only_when_they_share_a_type() {
+        let (cols, rows) = (256, 4);
+        let q = quantized(rows, cols, GgmlType::Q4K, 1);
+        let k = quantized(rows, cols, GgmlType::Q4K, 2);
+        let v6 = quantized(rows, cols, GgmlType::Q6K, 3);
+        let native = |ty, b: &Vec<u8>| HostMatrix::Native(ty, b.clone());
+        match stack_parts(
+            vec![
+                (native(GgmlType::Q4K, &q), rows),
+                (native(GgmlType::Q4K, &k), rows),
+            ],
+            cols,
+        )
+        .unwrap()
+        {
+            HostMatrix::Native(GgmlType::Q4K, bytes) => {
+                assert_eq!(bytes, [q.clone(), k.clone()].concat())
+            }
+            _ => panic!("two Q4_K parts stack as Q4_K"),
+        }
+        let mixed = stack_parts(
+            vec![
+                (native(GgmlType::Q4K, &q), rows),
+                (native(GgmlType::Q6K, &v6), rows),
+                (HostMatrix::Bf16(vec![0x3f80; rows * cols]), rows),
+            ],
+            cols,
+        )
+        .unwrap();
+        let HostMatrix::Bf16(values) = mixed else {
+            panic!("mixed parts stack as bf16");
+        };
+        let mut want = native(GgmlType::Q4K, &q).into_bf16(rows, cols).unwrap();
+        want.extend(native(GgmlType::Q6K, &v6).into_bf16(rows, cols).unwrap());
+        want.extend(vec![0x3f80; rows * cols]);
+        assert_eq!(values, want);
+        // The dequantized values are the host path's (what `to_bf16` uploads).
+        let host: Vec<u16> = Weight::from_raw(GgmlType::Q6K, &v6, rows, cols)
+            .unwrap()
+            .to_f32()
+            .into_iter()
+            .map(|x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        assert_eq!(values[rows * cols..2 * rows * cols], host[..]);
+        assert_eq!(native_format(GgmlType::Q5_0), None);
+    }
+}
