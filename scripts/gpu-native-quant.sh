@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Native Q4_K and Q6_K GEMVs (SPECULA_CUDA_NATIVE_QUANT=1) against the bf16 path on the real Qwen2.5-Coder-1.5B, one device
+# Native quantized GEMVs (Q4_K, Q6_K, Q8_0, Q5_0; SPECULA_CUDA_NATIVE_QUANT=1) against the bf16 path on the real Qwen2.5-Coder-1.5B, one device
 # call: the selftest with native weights (every native matrix of layer 0 and the LM head against its bf16 copy, bitwise, at 1-40
 # rows; the f32 reference; verify = steps), greedy output native = bf16 (plain and with the head), then decode
 # speed both ways alternating, and the head's chain with native weights. Summary last (OUTDIR/native.txt).
@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$summary"
 SPECULA_CUDA_NATIVE_QUANT=1 timeout 240 "$bin" selftest -m qwen2.5-coder-1.5b --device cuda > "$out/selftest-native.log" 2>&1
 {
   grep -E "^model" "$out/selftest-native.log"
-  echo "native checks: $(grep -Ec 'native Q[46]_K = bf16' "$out/selftest-native.log"), failed: $(grep -E 'native Q[46]_K = bf16' "$out/selftest-native.log" | grep -vc ' ok ')"
+  echo "native checks: $(grep -Ec 'native .* = bf16 bitwise' "$out/selftest-native.log"), failed: $(grep -E 'native .* = bf16 bitwise' "$out/selftest-native.log" | grep -vc ' ok ')"
   grep -E "FAIL|verdict" "$out/selftest-native.log" | head -5
 } >> "$summary"
 texts=("def quicksort(items):" "Write a function that checks whether a string is a palindrome.")

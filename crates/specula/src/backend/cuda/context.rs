@@ -21,10 +21,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_q4k_8_d2",
     "gemv_q4k_16",
     "gemv_q4k_32",
-    "gemv_q6k_8_d4",
-    "gemv_q6k_8_d2",
-    "gemv_q6k_16",
-    "gemv_q6k_32",
+    "gemv_i8_8_d4",
+    "gemv_i8_8_d2",
+    "gemv_i8_16",
+    "gemv_i8_32",
     "gemm_mma_32",
     "gemm_mma_64",
     "splitk_reduce",
@@ -53,8 +53,8 @@ pub struct Kernels {
     pub gemv_mma: [CudaFunction; 4],
     /// The same four over native Q4_K weights (layout.rs `tile_q4k`): the same sums, bit for bit.
     pub gemv_q4k: [CudaFunction; 4],
-    /// And over native Q6_K weights (layout.rs `tile_q6k`).
-    pub gemv_q6k: [CudaFunction; 4],
+    /// And over scaled-int8 weights (native Q6_K, Q8_0, Q5_0: layout.rs `tile_q6k` ...).
+    pub gemv_i8: [CudaFunction; 4],
     /// The same sums for many tokens, four row blocks a block: 32 and 64 tokens a block (off unless
     /// `SPECULA_CUDA_GEMM_ROWS` asks for it: slower than the GEMV since activations come split).
     pub gemm_mma: [CudaFunction; 2],
@@ -196,11 +196,11 @@ impl Gpu {
                 f("gemv_q4k_16")?,
                 f("gemv_q4k_32")?,
             ],
-            gemv_q6k: [
-                f("gemv_q6k_8_d4")?,
-                f("gemv_q6k_8_d2")?,
-                f("gemv_q6k_16")?,
-                f("gemv_q6k_32")?,
+            gemv_i8: [
+                f("gemv_i8_8_d4")?,
+                f("gemv_i8_8_d2")?,
+                f("gemv_i8_16")?,
+                f("gemv_i8_32")?,
             ],
             gemm_mma: [f("gemm_mma_32")?, f("gemm_mma_64")?],
             splitk_reduce: f("splitk_reduce")?,

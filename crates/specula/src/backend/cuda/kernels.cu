@@ -301,11 +301,12 @@ struct Q4kWeights {
     }
 };
 
-// GGUF Q6_K weights, native (layout.rs tile_q6k): each lane's 16 values as signed bytes (q - 32) in the bf16
-// tile's order (step 0's four registers in words x, y; step 1's in z, w), then each row's two factors d * scale
-// (inputs 0-15: step 0, 16-31: step 1). Each value becomes factor * q in f32, then bf16 round-to-nearest-even:
-// the host's dequantization, so the same bits as the bf16 GEMV.
-struct Q6kWeights {
+// Scaled int8 weights, the native format of GGUF Q6_K, Q8_0 and Q5_0 (layout.rs tile_q6k, tile_q8_0,
+// tile_q5_0): each lane's 16 values as signed bytes in the bf16 tile's order (step 0's four registers in words
+// x, y; step 1's in z, w), then each row's two factors (inputs 0-15: step 0, 16-31: step 1; Q6_K's d * scale,
+// Q8_0's and Q5_0's d twice). Each value becomes factor * q in f32, then bf16 round-to-nearest-even: the host's
+// dequantization, so the same bits as the bf16 GEMV.
+struct ScaledI8Weights {
     static constexpr int TILE_U4 = 40;  // 640 bytes
     static constexpr int LINES = 5;
     struct Raw {
@@ -447,11 +448,11 @@ GEMV_MMA_KERNEL(gemv_q4k_8_d4, Q4kWeights, 1, 4)
 GEMV_MMA_KERNEL(gemv_q4k_8_d2, Q4kWeights, 1, 2)
 GEMV_MMA_KERNEL(gemv_q4k_16, Q4kWeights, 2, 2)
 GEMV_MMA_KERNEL(gemv_q4k_32, Q4kWeights, 4, 2)
-// Native Q6_K weights (1.6x fewer bytes than bf16), the same sums bit for bit.
-GEMV_MMA_KERNEL(gemv_q6k_8_d4, Q6kWeights, 1, 4)
-GEMV_MMA_KERNEL(gemv_q6k_8_d2, Q6kWeights, 1, 2)
-GEMV_MMA_KERNEL(gemv_q6k_16, Q6kWeights, 2, 2)
-GEMV_MMA_KERNEL(gemv_q6k_32, Q6kWeights, 4, 2)
+// Native scaled-int8 weights (Q6_K, Q8_0, Q5_0; 1.6x fewer bytes than bf16), the same sums bit for bit.
+GEMV_MMA_KERNEL(gemv_i8_8_d4, ScaledI8Weights, 1, 4)
+GEMV_MMA_KERNEL(gemv_i8_8_d2, ScaledI8Weights, 1, 2)
+GEMV_MMA_KERNEL(gemv_i8_16, ScaledI8Weights, 2, 2)
+GEMV_MMA_KERNEL(gemv_i8_32, ScaledI8Weights, 4, 2)
 
 // The GEMV's sums for many tokens at once (prefill, wide verifies and trees, batched serving), bit for bit: a
 // block of GEMM_ROW_BLOCKS x GEMM_TOKEN_GROUPS warps owns GEMM_ROW_BLOCKS row blocks and GEMM_TOKEN_GROUPS * NT

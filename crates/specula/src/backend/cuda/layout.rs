@@ -152,14 +152,18 @@ pub fn q4k_tile_value(tile: &[u16], i: usize, c: usize) -> u16 {
     half::bf16::from_f32(d1 * f32::from(q) - m1).to_bits()
 }
 
-/// Bytes of one Q6_K tile (kernels.cu `Q6kWeights`): each lane's 16 values as signed bytes (q - 32, in the bf16
-/// tile's order: 16 bytes a lane), then each row's two factors d * scale, for inputs 0-15 and 16-31 of the chunk
-/// (GGUF Q6_K has a scale per 16 weights): 512 + 128 bytes, against a bf16 tile's 1024.
-pub const Q6K_TILE_BYTES: usize = 640;
+/// Bytes of one scaled-int8 tile (kernels.cu `ScaledI8Weights`), the native format of GGUF Q6_K, Q8_0 and Q5_0:
+/// each lane's 16 values as signed bytes in the bf16 tile's order (16 bytes a lane), then each row's two factors,
+/// for inputs 0-15 and 16-31 of the chunk: 512 + 128 bytes, against a bf16 tile's 1024. A value is factor * byte.
+pub const I8_TILE_BYTES: usize = 640;
 /// Bytes of a GGUF Q6_K block (256 weights): 128 of low nibbles, 64 of high bit pairs, 16 signed scales, d (f16).
 const Q6K_BLOCK_BYTES: usize = 210;
+/// Bytes of GGUF Q8_0 and Q5_0 blocks (32 weights): d (f16) and 32 signed bytes; d, 4 bytes of fifth bits and 16
+/// of nibbles.
+const Q8_0_BLOCK_BYTES: usize = 34;
+const Q5_0_BLOCK_BYTES: usize = 22;
 
-/// Weight `pos` (0..256) of a GGUF Q6_K block, q - 32, and its scale index (pos / 16).
+/// Weight `pos` (0..256) of a GGUF Q6_K block, q - 32.
 fn q6k_value(block: &[u8], pos: usize) -> i8 {
     let (half, j, l) = (pos / 128, (pos % 128) / 32, pos % 32);
     let ql = block[64 * half + l + 32 * (j & 1)];
@@ -168,47 +172,102 @@ fn q6k_value(block: &[u8], pos: usize) -> i8 {
     (low | (high << 4)) as i8 - 32
 }
 
-/// A GGUF Q6_K matrix (`n x k`, k a multiple of 256, row-major bytes) in the Q6_K tiles of the native GEMV, as
-/// `tile_q4k` lays out Q4_K; padding rows are zeros (they dequantize to +0).
-pub fn tile_q6k(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
-    if !k.is_multiple_of(256) || raw.len() != n * (k / 256) * Q6K_BLOCK_BYTES {
-        return Err(format!(
-            "a Q6_K matrix of {n} x {k} needs k a multiple of 256 and {} bytes, not {}",
-            n * (k / 256) * Q6K_BLOCK_BYTES,
-            raw.len()
-        ));
-    }
+/// Scaled-int8 tiles of an `n x k` matrix whose (row, chunk) holds the 32 values and the two factors `at` gives.
+fn tile_scaled_i8(
+    n: usize,
+    k: usize,
+    at: impl Fn(usize, usize) -> ([i8; 32], [f32; 2]),
+) -> Vec<u16> {
     let (blocks, chunks) = tiles(n, k);
-    let mut out = vec![0u8; blocks * chunks * Q6K_TILE_BYTES];
+    let mut out = vec![0u8; blocks * chunks * I8_TILE_BYTES];
     for row in 0..n {
         let (rb, i) = (row / ROW_BLOCK, row % ROW_BLOCK);
         for chunk in 0..chunks {
-            let (b, first) = (chunk / 8, (chunk % 8) * 32);
-            let block = &raw[(row * (k / 256) + b) * Q6K_BLOCK_BYTES..][..Q6K_BLOCK_BYTES];
-            let d = half::f16::from_le_bytes([block[208], block[209]]).to_f32();
-            let tile = &mut out[(rb * chunks + chunk) * Q6K_TILE_BYTES..][..Q6K_TILE_BYTES];
-            for c in 0..CHUNK {
+            let (values, factors) = at(row, chunk);
+            let tile = &mut out[(rb * chunks + chunk) * I8_TILE_BYTES..][..I8_TILE_BYTES];
+            for (c, &v) in values.iter().enumerate() {
                 let at = tiled_index(i, c, 1);
                 let (lane, value) = ((at % 256) / 8, (at / 256) * 8 + at % 8);
-                tile[lane * 16 + value] = q6k_value(block, first + c) as u8;
+                tile[lane * 16 + value] = v as u8;
             }
-            for half_ in 0..2 {
-                // The host's order: (d * scale) first, then times the value.
-                let scale = block[192 + (first + 16 * half_) / 16] as i8;
-                let f = d * f32::from(scale);
-                tile[512 + i * 8 + 4 * half_..][..4].copy_from_slice(&f.to_le_bytes());
+            for (h, f) in factors.iter().enumerate() {
+                tile[512 + i * 8 + 4 * h..][..4].copy_from_slice(&f.to_le_bytes());
             }
         }
     }
-    Ok(out
-        .chunks_exact(2)
+    out.chunks_exact(2)
         .map(|b| u16::from_le_bytes([b[0], b[1]]))
-        .collect())
+        .collect()
 }
 
-/// The bf16 value of (row i, input c) of a Q6_K tile as the native GEMV computes it (kernels.cu
-/// `Q6kWeights::expand`): factor * value in f32, then bf16 round to nearest even.
-pub fn q6k_tile_value(tile: &[u16], i: usize, c: usize) -> u16 {
+fn check_blocks(
+    what: &str,
+    raw: &[u8],
+    n: usize,
+    k: usize,
+    block: usize,
+    bytes: usize,
+) -> Result<(), String> {
+    if !k.is_multiple_of(block) || raw.len() != n * (k / block) * bytes {
+        return Err(format!(
+            "a {what} matrix of {n} x {k} needs k a multiple of {block} and {} bytes, not {}",
+            n * (k / block) * bytes,
+            raw.len()
+        ));
+    }
+    Ok(())
+}
+
+/// A GGUF Q6_K matrix (`n x k`, row-major bytes) as scaled-int8 tiles: values q - 32, factors d * scale (the
+/// host's order: the product first, then times the value); padding rows are zeros (+0).
+pub fn tile_q6k(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
+    check_blocks("Q6_K", raw, n, k, 256, Q6K_BLOCK_BYTES)?;
+    Ok(tile_scaled_i8(n, k, |row, chunk| {
+        let (b, first) = (chunk / 8, (chunk % 8) * 32);
+        let block = &raw[(row * (k / 256) + b) * Q6K_BLOCK_BYTES..][..Q6K_BLOCK_BYTES];
+        let d = half::f16::from_le_bytes([block[208], block[209]]).to_f32();
+        let values = std::array::from_fn(|c| q6k_value(block, first + c));
+        let factors =
+            std::array::from_fn(|h| d * f32::from(block[192 + (first + 16 * h) / 16] as i8));
+        (values, factors)
+    }))
+}
+
+/// A GGUF Q8_0 matrix as scaled-int8 tiles: each 32-input chunk is one block (values q, factor d).
+pub fn tile_q8_0(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
+    check_blocks("Q8_0", raw, n, k, 32, Q8_0_BLOCK_BYTES)?;
+    Ok(tile_scaled_i8(n, k, |row, chunk| {
+        let block = &raw[(row * (k / 32) + chunk) * Q8_0_BLOCK_BYTES..][..Q8_0_BLOCK_BYTES];
+        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+        (std::array::from_fn(|c| block[2 + c] as i8), [d, d])
+    }))
+}
+
+/// A GGUF Q5_0 matrix as scaled-int8 tiles: each chunk one block (values q - 16 from a nibble and a fifth bit,
+/// factor d).
+pub fn tile_q5_0(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
+    check_blocks("Q5_0", raw, n, k, 32, Q5_0_BLOCK_BYTES)?;
+    Ok(tile_scaled_i8(n, k, |row, chunk| {
+        let block = &raw[(row * (k / 32) + chunk) * Q5_0_BLOCK_BYTES..][..Q5_0_BLOCK_BYTES];
+        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+        let values = std::array::from_fn(|c| {
+            let (j, high) = (c % 16, c >= 16);
+            let nibble = if high {
+                block[6 + j] >> 4
+            } else {
+                block[6 + j] & 0xF
+            };
+            let fifth = ((qh >> (j + if high { 16 } else { 0 })) & 1) as u8;
+            (nibble | (fifth << 4)) as i8 - 16
+        });
+        (values, [d, d])
+    }))
+}
+
+/// The bf16 value of (row i, input c) of a scaled-int8 tile as the native GEMV computes it (kernels.cu
+/// `ScaledI8Weights::expand`): factor * value in f32, then bf16 round to nearest even.
+pub fn scaled_i8_tile_value(tile: &[u16], i: usize, c: usize) -> u16 {
     let byte = |b: usize| (tile[b / 2] >> (8 * (b % 2))) as u8;
     let at = tiled_index(i, c, 1);
     let (lane, value) = ((at % 256) / 8, (at / 256) * 8 + at % 8);
@@ -312,42 +371,53 @@ mod tests {
         assert!(e.contains("20 x 512"), "{e}");
     }
 
-    /// The native Q6_K tiles hold exactly the host's dequantized bf16 values; padding rows are +0.
+    /// The scaled-int8 tiles of Q6_K, Q8_0 and Q5_0 matrices hold exactly the host's dequantized bf16 values;
+    /// padding rows are +0.
     #[test]
-    fn q6k_tiles_dequantize_to_the_bf16_path_bit_for_bit() {
+    fn scaled_i8_tiles_dequantize_to_the_bf16_path_bit_for_bit() {
         use crate::backend::cpu::weights::{GgmlType, Weight};
+        type Tiler = fn(&[u8], usize, usize) -> Result<Vec<u16>, String>;
         let (n, k) = (20, 512);
-        let values: Vec<f32> = (0..n * k)
-            .map(|i| {
-                let h = (i as u64 + 5).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-                ((h as f32 / (1u64 << 24) as f32) - 0.5) * (1.0 + (i / k) as f32 * 0.3)
-            })
-            .collect();
-        let raw = Weight::quantize(&values, n, k, GgmlType::Q6K)
-            .unwrap()
-            .raw_bytes();
-        let host: Vec<u16> = Weight::from_raw(GgmlType::Q6K, &raw, n, k)
-            .unwrap()
-            .to_f32()
-            .into_iter()
-            .map(|v| half::bf16::from_f32(v).to_bits())
-            .collect();
-        let tiled = tile_q6k(&raw, n, k).unwrap();
-        let (blocks, chunks) = tiles(n, k);
-        let words = Q6K_TILE_BYTES / 2;
-        assert_eq!(tiled.len(), blocks * chunks * words);
-        let mut nonzero = 0;
-        for row in 0..blocks * ROW_BLOCK {
-            for col in 0..k {
-                let tile = &tiled[((row / ROW_BLOCK) * chunks + col / CHUNK) * words..][..words];
-                let got = q6k_tile_value(tile, row % ROW_BLOCK, col % CHUNK);
-                let want = if row < n { host[row * k + col] } else { 0 };
-                assert_eq!(got, want, "({row}, {col})");
-                nonzero += usize::from(got != 0);
+        let cases: [(GgmlType, Tiler); 3] = [
+            (GgmlType::Q6K, tile_q6k),
+            (GgmlType::Q8_0, tile_q8_0),
+            (GgmlType::Q5_0, tile_q5_0),
+        ];
+        for (ty, tile_fn) in cases {
+            let values: Vec<f32> = (0..n * k)
+                .map(|i| {
+                    let h = (i as u64 + 5).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                    ((h as f32 / (1u64 << 24) as f32) - 0.5) * (1.0 + (i / k) as f32 * 0.3)
+                })
+                .collect();
+            let raw = Weight::quantize(&values, n, k, ty).unwrap().raw_bytes();
+            let host: Vec<u16> = Weight::from_raw(ty, &raw, n, k)
+                .unwrap()
+                .to_f32()
+                .into_iter()
+                .map(|v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let tiled = tile_fn(&raw, n, k).unwrap();
+            let (blocks, chunks) = tiles(n, k);
+            let words = I8_TILE_BYTES / 2;
+            assert_eq!(tiled.len(), blocks * chunks * words);
+            let mut nonzero = 0;
+            for row in 0..blocks * ROW_BLOCK {
+                for col in 0..k {
+                    let tile =
+                        &tiled[((row / ROW_BLOCK) * chunks + col / CHUNK) * words..][..words];
+                    let got = scaled_i8_tile_value(tile, row % ROW_BLOCK, col % CHUNK);
+                    let want = if row < n { host[row * k + col] } else { 0 };
+                    assert_eq!(got, want, "{ty:?} ({row}, {col})");
+                    nonzero += usize::from(got != 0);
+                }
             }
+            assert!(
+                nonzero > n * k / 2,
+                "{ty:?}: the matrix is not mostly zeros"
+            );
+            assert!(tile_fn(&raw[1..], n, k).is_err());
         }
-        assert!(nonzero > n * k / 2, "the matrix is not mostly zeros");
-        assert!(tile_q6k(&raw[1..], n, k).is_err());
     }
 
     /// Gate and up stacked as GGUF Q4_K rows (what the native load does) tile to the same values as the bf16

@@ -85,19 +85,20 @@ fn to_bf16(t: &RawTensor<'_>) -> Result<Vec<u16>> {
     })
 }
 
-/// Whether GGUF Q4_K and Q6_K matrices stay in their format on the device (`SPECULA_CUDA_NATIVE_QUANT=1`; off by
-/// default until measured on a GPU): 2.7x (Q4_K) and 1.6x (Q6_K) fewer bytes a step than bf16, the same outputs
-/// bit for bit (`check_kernels`).
+/// Whether GGUF Q4_K, Q6_K, Q8_0 and Q5_0 matrices stay quantized on the device (`SPECULA_CUDA_NATIVE_QUANT=1`;
+/// off by default until measured on a GPU): 2.7x (Q4_K) and 1.6x (the others) fewer bytes a step than bf16, the
+/// same outputs bit for bit (`check_kernels`).
 fn native_quant() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_NATIVE_QUANT").is_ok_and(|v| v == "1"))
 }
 
-/// The native format of a GGUF type, when the GEMV has one.
-fn native_format(ty: GgmlType) -> Option<WeightFormat> {
+/// Weights a block of a GGUF type with a native GPU format holds (its rows must be whole blocks); None for the
+/// others (uploaded as bf16).
+fn native_block(ty: GgmlType) -> Option<usize> {
     match ty {
-        GgmlType::Q4K => Some(WeightFormat::Q4k),
-        GgmlType::Q6K => Some(WeightFormat::Q6k),
+        GgmlType::Q4K | GgmlType::Q6K => Some(256),
+        GgmlType::Q8_0 | GgmlType::Q5_0 => Some(32),
         _ => None,
     }
 }
@@ -240,7 +241,7 @@ impl CudaModel {
                 Some(e) => e.1 += 1,
                 None => types.push((t.dtype, 1)),
             }
-            if keep && native && native_format(t.dtype).is_some() && cols.is_multiple_of(256) {
+            if keep && native && native_block(t.dtype).is_some_and(|b| cols.is_multiple_of(b)) {
                 return Ok(HostMatrix::Native(t.dtype, t.bytes.to_vec()));
             }
             Ok(HostMatrix::Bf16(to_bf16(&t)?))
@@ -261,8 +262,7 @@ impl CudaModel {
                 HostMatrix::Bf16(v) => upload(&v, rows, cols, what),
                 HostMatrix::Native(ty, bytes) => {
                     natives += 1;
-                    let format = native_format(ty).unwrap_or(WeightFormat::Q4k);
-                    let native = Matrix::upload_native(&gpu, format, &bytes, rows, cols, what)?;
+                    let native = Matrix::upload_native(&gpu, ty, &bytes, rows, cols, what)?;
                     if layer == 0 {
                         let values = HostMatrix::Native(ty, bytes).into_bf16(rows, cols)?;
                         layer0_bf16.push((what, upload(&values, rows, cols, what)?));
@@ -304,12 +304,12 @@ impl CudaModel {
                 native => Some(upload_layer(native, c.vocab_size, h, "LM head", 0)?),
             }
         } else if c.tie_word_embeddings {
-            match (tied_native.and_then(native_format), embed_bytes) {
-                (Some(format), Some(bytes)) => {
+            match (tied_native, embed_bytes) {
+                (Some(ty), Some(bytes)) => {
                     tied_head_native = true;
                     Some(Matrix::upload_native(
                         &gpu,
-                        format,
+                        ty,
                         &bytes,
                         c.vocab_size,
                         h,
@@ -410,7 +410,7 @@ impl CudaModel {
             rope_inv_freqs,
             source_types: if natives + usize::from(tied_head_native) > 0 {
                 let natives = natives + usize::from(tied_head_native);
-                format!("{source_types}; {natives} matrices native (Q4_K, Q6_K), the rest as bf16")
+                format!("{source_types}; {natives} matrices native (Q4_K, Q6_K, Q8_0, Q5_0), the rest as bf16")
             } else {
                 format!("{source_types}, as bf16")
             },
@@ -1720,6 +1720,6 @@ mod tests {
             .map(|x| half::bf16::from_f32(x).to_bits())
             .collect();
         assert_eq!(values[rows * cols..2 * rows * cols], host[..]);
-        assert_eq!(native_format(GgmlType::Q5_0), None);
+        assert_eq!(native_block(GgmlType::Q4_1), None);
     }
 }

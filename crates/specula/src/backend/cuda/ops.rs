@@ -5,6 +5,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use super::layout;
 use super::{cuda_err, Gpu};
 use crate::error::Result;
+use crate::model::dtype::GgmlType;
 
 /// The device address of a buffer (event tracking is off: nothing to synchronize).
 pub(crate) fn ptr<T>(s: &CudaSlice<T>, gpu: &Gpu) -> u64 {
@@ -47,8 +48,9 @@ pub(crate) enum WeightFormat {
     Bf16,
     /// GGUF Q4_K, native: 384-byte tiles (layout.rs `tile_q4k`), dequantized in registers to the same bf16.
     Q4k,
-    /// GGUF Q6_K, native: 640-byte tiles (layout.rs `tile_q6k`), likewise.
-    Q6k,
+    /// GGUF Q6_K, Q8_0 and Q5_0, native: 640-byte tiles of signed bytes and a factor per 16 inputs (layout.rs
+    /// `tile_q6k`, `tile_q8_0`, `tile_q5_0`), likewise.
+    ScaledI8,
 }
 
 impl WeightFormat {
@@ -56,7 +58,7 @@ impl WeightFormat {
         match self {
             WeightFormat::Bf16 => "bf16",
             WeightFormat::Q4k => "Q4_K",
-            WeightFormat::Q6k => "Q6_K",
+            WeightFormat::ScaledI8 => "scaled int8",
         }
     }
 }
@@ -94,21 +96,26 @@ impl Matrix {
         })
     }
 
-    /// Uploads a GGUF Q4_K or Q6_K matrix (`rows x cols`, row-major bytes) as native tiles of its format.
+    /// Uploads a GGUF matrix of a type with a native format (`rows x cols`, row-major bytes) as tiles of it.
     pub(crate) fn upload_native(
         gpu: &Gpu,
-        format: WeightFormat,
+        ty: GgmlType,
         raw: &[u8],
         rows: usize,
         cols: usize,
         what: &str,
     ) -> Result<Self> {
-        let tiled = match format {
-            WeightFormat::Q4k => layout::tile_q4k(raw, rows, cols),
-            WeightFormat::Q6k => layout::tile_q6k(raw, rows, cols),
-            WeightFormat::Bf16 => Err("bf16 matrices are uploaded by Matrix::upload".into()),
-        }
-        .map_err(|e| crate::error::Error::Cuda(format!("{what}: {e}")))?;
+        let (tiled, format) = match ty {
+            GgmlType::Q4K => (layout::tile_q4k(raw, rows, cols), WeightFormat::Q4k),
+            GgmlType::Q6K => (layout::tile_q6k(raw, rows, cols), WeightFormat::ScaledI8),
+            GgmlType::Q8_0 => (layout::tile_q8_0(raw, rows, cols), WeightFormat::ScaledI8),
+            GgmlType::Q5_0 => (layout::tile_q5_0(raw, rows, cols), WeightFormat::ScaledI8),
+            other => (
+                Err(format!("{} has no native GPU format", other.name())),
+                WeightFormat::Bf16,
+            ),
+        };
+        let tiled = tiled.map_err(|e| crate::error::Error::Cuda(format!("{what}: {e}")))?;
         let data = gpu
             .stream
             .clone_htod(&tiled)
@@ -327,7 +334,7 @@ fn launch_gemv_tile(
     let (kernels, name) = match w.format {
         WeightFormat::Bf16 => (&gpu.kernels.gemv_mma, "gemv_mma"),
         WeightFormat::Q4k => (&gpu.kernels.gemv_q4k, "gemv_q4k"),
-        WeightFormat::Q6k => (&gpu.kernels.gemv_q6k, "gemv_q6k"),
+        WeightFormat::ScaledI8 => (&gpu.kernels.gemv_i8, "gemv_i8"),
     };
     launch_fn!(
         gpu,
