@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Native quantized GEMVs (Q4_K, Q6_K, Q8_0, Q5_0; SPECULA_CUDA_NATIVE_QUANT=1) against the bf16 path on the real Qwen2.5-Coder-1.5B, one device
-# call: the selftest with native weights (every native matrix of layer 0 and the LM head against its bf16 copy, bitwise, at 1-40
-# rows; the f32 reference; verify = steps), greedy output native = bf16 (plain and with the head), then decode
-# speed both ways alternating, and the head's chain with native weights. Summary last (OUTDIR/native.txt).
+# Native quantized GEMVs (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1, Q4_0; SPECULA_CUDA_NATIVE_QUANT=1) against the bf16 path,
+# one device call: the selftests of three tiny quantized models and of the real Qwen2.5-Coder-1.5B with native
+# weights (every native matrix of layer 0 and the LM head against its bf16 copy, bitwise, at 1-40 rows; the f32
+# reference; verify = steps), greedy output native = bf16 (plain and with the head), then decode speed both ways
+# alternating, and the head's chain with native weights. Summary last (OUTDIR/native.txt).
 #   scripts/gpu-native-quant.sh BINARY OUTDIR MODELDIR PROMPTS.jsonl HEAD_DIR
 set -uo pipefail
 bin="$1"; out="$2"; models="$3"; prompts="$4"; head="$5"
@@ -10,6 +11,11 @@ export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PAT
 export SPECULA_CACHE="$models"
 summary="$out/native.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$summary"
+# The tiny models first (Q4_K nibble tiles, Q8_0 and Q4_0 scaled-int8 tiles; no upload needed).
+for m in tiny-qwen2-q4_k tiny-qwen2-q8_0 tiny-llama-q4_0; do
+  SPECULA_CUDA_NATIVE_QUANT=1 timeout 120 "$bin" selftest -m "fuzz/seeds/gguf/$m.gguf" --device cuda > "$out/selftest-$m.log" 2>&1
+  echo "$m native: $(grep -Ec 'native .* = bf16 bitwise' "$out/selftest-$m.log") checks, $(grep -E 'native .* = bf16 bitwise' "$out/selftest-$m.log" | grep -vc ' ok '), failed; $(grep -E '^model|verdict' "$out/selftest-$m.log" | tr '\n' ' ')" >> "$summary"
+done
 SPECULA_CUDA_NATIVE_QUANT=1 timeout 240 "$bin" selftest -m qwen2.5-coder-1.5b --device cuda > "$out/selftest-native.log" 2>&1
 {
   grep -E "^model" "$out/selftest-native.log"

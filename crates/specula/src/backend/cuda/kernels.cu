@@ -267,11 +267,12 @@ struct Bf16Weights {
     }
 };
 
-// GGUF Q4_K weights, native (layout.rs tile_q4k): 8 bytes of nibbles a lane (its 16 values in the bf16 tile's
-// order, low nibble first: byte r of word s is register r of step s), then (d * scale, dmin * min) of each of
-// the 16 rows' 32-input sub-block. Each value becomes d1 * q - m1 in f32, rounded at each step (no fused
-// multiply-add: the host's dequantization rounds the product), then bf16 round-to-nearest-even: exactly the bf16
-// the host would have uploaded, so the mma's see the same operands and every output is the bf16 GEMV's bits.
+// Nibble weights, the native format of GGUF Q4_K and Q4_1 (layout.rs tile_q4k, tile_q4_1): 8 bytes of nibbles a
+// lane (its 16 values in the bf16 tile's order, low nibble first: byte r of word s is register r of step s), then
+// each of the 16 rows' (d1, m1) for the chunk (Q4_K: d * scale, dmin * min of its sub-block; Q4_1: d, -m). Each
+// value becomes d1 * q - m1 in f32, rounded at each step (no fused multiply-add: the host's dequantization rounds
+// the product), then bf16 round-to-nearest-even: exactly the bf16 the host would have uploaded, so the mma's see
+// the same operands and every output is the bf16 GEMV's bits.
 struct Q4kWeights {
     static constexpr int TILE_U4 = 24;  // 384 bytes
     static constexpr int LINES = 3;
@@ -301,10 +302,10 @@ struct Q4kWeights {
     }
 };
 
-// Scaled int8 weights, the native format of GGUF Q6_K, Q8_0 and Q5_0 (layout.rs tile_q6k, tile_q8_0,
-// tile_q5_0): each lane's 16 values as signed bytes in the bf16 tile's order (step 0's four registers in words
+// Scaled int8 weights, the native format of GGUF Q6_K, Q8_0, Q5_0 and Q4_0 (layout.rs tile_q6k, tile_q8_0,
+// tile_q5_0, tile_q4_0): each lane's 16 values as signed bytes in the bf16 tile's order (step 0's four registers in words
 // x, y; step 1's in z, w), then each row's two factors (inputs 0-15: step 0, 16-31: step 1; Q6_K's d * scale,
-// Q8_0's and Q5_0's d twice). Each value becomes factor * q in f32, then bf16 round-to-nearest-even: the host's
+// the 32-weight types' d twice). Each value becomes factor * q in f32, then bf16 round-to-nearest-even: the host's
 // dequantization, so the same bits as the bf16 GEMV.
 struct ScaledI8Weights {
     static constexpr int TILE_U4 = 40;  // 640 bytes
@@ -443,12 +444,12 @@ GEMV_MMA_KERNEL(gemv_mma_8_d4, Bf16Weights, 1, 4)
 GEMV_MMA_KERNEL(gemv_mma_8_d2, Bf16Weights, 1, 2)
 GEMV_MMA_KERNEL(gemv_mma_16, Bf16Weights, 2, 2)
 GEMV_MMA_KERNEL(gemv_mma_32, Bf16Weights, 4, 2)
-// Native Q4_K weights (2.7x fewer bytes than bf16), the same sums bit for bit.
+// Native nibble weights (Q4_K, Q4_1; 2.7x fewer bytes than bf16), the same sums bit for bit.
 GEMV_MMA_KERNEL(gemv_q4k_8_d4, Q4kWeights, 1, 4)
 GEMV_MMA_KERNEL(gemv_q4k_8_d2, Q4kWeights, 1, 2)
 GEMV_MMA_KERNEL(gemv_q4k_16, Q4kWeights, 2, 2)
 GEMV_MMA_KERNEL(gemv_q4k_32, Q4kWeights, 4, 2)
-// Native scaled-int8 weights (Q6_K, Q8_0, Q5_0; 1.6x fewer bytes than bf16), the same sums bit for bit.
+// Native scaled-int8 weights (Q6_K, Q8_0, Q5_0, Q4_0; 1.6x fewer bytes than bf16), the same sums bit for bit.
 GEMV_MMA_KERNEL(gemv_i8_8_d4, ScaledI8Weights, 1, 4)
 GEMV_MMA_KERNEL(gemv_i8_8_d2, ScaledI8Weights, 1, 2)
 GEMV_MMA_KERNEL(gemv_i8_16, ScaledI8Weights, 2, 2)

@@ -72,8 +72,10 @@ pub fn stack_gate_up<T: Copy>(gate: &[T], up: &[T], ff: usize, k: usize) -> Vec<
 /// then each row's (d * scale, dmin * min) of its 32-input sub-block as two f32 (128 bytes). 384 bytes against a
 /// bf16 tile's 1024.
 pub const Q4K_TILE_BYTES: usize = 384;
-/// Bytes of a GGUF Q4_K block (256 weights): d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles.
+/// Bytes of a GGUF Q4_K block (256 weights): d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles;
+/// of a Q4_1 block (32 weights): d, m (f16) and 16 bytes of nibbles.
 const Q4K_BLOCK_BYTES: usize = 144;
+const Q4_1_BLOCK_BYTES: usize = 20;
 
 /// Sub-block `j`'s 6-bit scale and min from a Q4_K block's 12 scale bytes (GGML's packing).
 fn q4k_scale_min(j: usize, scales: &[u8]) -> (u8, u8) {
@@ -103,23 +105,16 @@ fn q4k_sub_block(raw: &[u8], k: usize, row: usize, chunk: usize) -> (f32, f32, [
     (d * f32::from(sc), dmin * f32::from(m), q)
 }
 
-/// A GGUF Q4_K matrix (`n x k`, k a multiple of 256, row-major bytes) in the Q4_K tiles of the native GEMV, tile
-/// (block, chunk) at `(block * chunks + chunk) * Q4K_TILE_BYTES`; padding rows are all zeros (they dequantize to
-/// +0, as a bf16 tile's padding is). Returned as u16 words (little-endian pairs) for the device upload.
-pub fn tile_q4k(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
-    if !k.is_multiple_of(256) || raw.len() != n * (k / 256) * Q4K_BLOCK_BYTES {
-        return Err(format!(
-            "a Q4_K matrix of {n} x {k} needs k a multiple of 256 and {} bytes, not {}",
-            n * (k / 256) * Q4K_BLOCK_BYTES,
-            raw.len()
-        ));
-    }
+/// Nibble tiles (the Q4_K tile format) of an `n x k` matrix whose (row, chunk) holds the 32 4-bit values and the
+/// factors (d1, m1) `at` gives: a value is d1 * q - m1. Padding rows are all zeros (they dequantize to +0, as a
+/// bf16 tile's padding is). Returned as u16 words (little-endian pairs) for the device upload.
+fn tile_nibbles(n: usize, k: usize, at: impl Fn(usize, usize) -> ([u8; 32], f32, f32)) -> Vec<u16> {
     let (blocks, chunks) = tiles(n, k);
     let mut out = vec![0u8; blocks * chunks * Q4K_TILE_BYTES];
     for row in 0..n {
         let (block, i) = (row / ROW_BLOCK, row % ROW_BLOCK);
         for chunk in 0..chunks {
-            let (d1, m1, q) = q4k_sub_block(raw, k, row, chunk);
+            let (q, d1, m1) = at(row, chunk);
             let tile = &mut out[(block * chunks + chunk) * Q4K_TILE_BYTES..][..Q4K_TILE_BYTES];
             for (c, &v) in q.iter().enumerate() {
                 // The bf16 tile's position of (i, c), as lane and value index; a lane's 16 values are its
@@ -132,10 +127,38 @@ pub fn tile_q4k(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
             tile[256 + i * 8 + 4..][..4].copy_from_slice(&m1.to_le_bytes());
         }
     }
-    Ok(out
-        .chunks_exact(2)
+    out.chunks_exact(2)
         .map(|b| u16::from_le_bytes([b[0], b[1]]))
-        .collect())
+        .collect()
+}
+
+/// A GGUF Q4_K matrix (`n x k`, k a multiple of 256, row-major bytes) as nibble tiles: d1 = d * scale, m1 = dmin
+/// * min of each 32-input sub-block (the host's dequantization computes them so).
+pub fn tile_q4k(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
+    check_blocks("Q4_K", raw, n, k, 256, Q4K_BLOCK_BYTES)?;
+    Ok(tile_nibbles(n, k, |row, chunk| {
+        let (d1, m1, q) = q4k_sub_block(raw, k, row, chunk);
+        (q, d1, m1)
+    }))
+}
+
+/// A GGUF Q4_1 matrix as nibble tiles: each chunk one block, d1 = d and m1 = -m (the host computes q * d + m;
+/// subtracting -m is the same IEEE operation as adding m).
+pub fn tile_q4_1(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
+    check_blocks("Q4_1", raw, n, k, 32, Q4_1_BLOCK_BYTES)?;
+    Ok(tile_nibbles(n, k, |row, chunk| {
+        let block = &raw[(row * (k / 32) + chunk) * Q4_1_BLOCK_BYTES..][..Q4_1_BLOCK_BYTES];
+        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let m = half::f16::from_le_bytes([block[2], block[3]]).to_f32();
+        let q = std::array::from_fn(|c| {
+            if c < 16 {
+                block[4 + c] & 0xF
+            } else {
+                block[4 + c - 16] >> 4
+            }
+        });
+        (q, d, -m)
+    }))
 }
 
 /// The bf16 value of (row i, input c) of a Q4_K tile, computed as the native GEMV computes it (kernels.cu
@@ -162,6 +185,8 @@ const Q6K_BLOCK_BYTES: usize = 210;
 /// of nibbles.
 const Q8_0_BLOCK_BYTES: usize = 34;
 const Q5_0_BLOCK_BYTES: usize = 22;
+/// Bytes of a GGUF Q4_0 block (32 weights): d (f16) and 16 bytes of nibbles.
+const Q4_0_BLOCK_BYTES: usize = 18;
 
 /// Weight `pos` (0..256) of a GGUF Q6_K block, q - 32.
 fn q6k_value(block: &[u8], pos: usize) -> i8 {
@@ -265,6 +290,24 @@ pub fn tile_q5_0(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
     }))
 }
 
+/// A GGUF Q4_0 matrix as scaled-int8 tiles: each chunk one block (values q - 8, factor d).
+pub fn tile_q4_0(raw: &[u8], n: usize, k: usize) -> Result<Vec<u16>, String> {
+    check_blocks("Q4_0", raw, n, k, 32, Q4_0_BLOCK_BYTES)?;
+    Ok(tile_scaled_i8(n, k, |row, chunk| {
+        let block = &raw[(row * (k / 32) + chunk) * Q4_0_BLOCK_BYTES..][..Q4_0_BLOCK_BYTES];
+        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let values = std::array::from_fn(|c| {
+            let nibble = if c < 16 {
+                block[2 + c] & 0xF
+            } else {
+                block[2 + c - 16] >> 4
+            };
+            nibble as i8 - 8
+        });
+        (values, [d, d])
+    }))
+}
+
 /// The bf16 value of (row i, input c) of a scaled-int8 tile as the native GEMV computes it (kernels.cu
 /// `ScaledI8Weights::expand`): factor * value in f32, then bf16 round to nearest even.
 pub fn scaled_i8_tile_value(tile: &[u16], i: usize, c: usize) -> u16 {
@@ -331,57 +374,66 @@ mod tests {
             .collect()
     }
 
-    /// The native Q4_K tiles hold, at every (row, input), exactly the bf16 value the host's dequantization gives
-    /// (what the bf16 path uploads), so a GEMV over them computes the bf16 GEMV's bits; padding rows are +0.
+    /// The nibble tiles of Q4_K and Q4_1 matrices hold, at every (row, input), exactly the bf16 value the host's
+    /// dequantization gives (what the bf16 path uploads), so a GEMV over them computes the bf16 GEMV's bits;
+    /// padding rows are +0.
     #[test]
     fn q4k_tiles_dequantize_to_the_bf16_path_bit_for_bit() {
         use crate::backend::cpu::weights::{GgmlType, Weight};
+        type Tiler = fn(&[u8], usize, usize) -> Result<Vec<u16>, String>;
         let (n, k) = (20, 512);
-        let values: Vec<f32> = (0..n * k)
-            .map(|i| {
-                let h = (i as u64 + 3).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-                ((h as f32 / (1u64 << 24) as f32) - 0.45) * (1.0 + (i / k) as f32 * 0.3)
-            })
-            .collect();
-        let raw = Weight::quantize(&values, n, k, GgmlType::Q4K)
-            .unwrap()
-            .raw_bytes();
-        let host: Vec<u16> = Weight::from_raw(GgmlType::Q4K, &raw, n, k)
-            .unwrap()
-            .to_f32()
-            .into_iter()
-            .map(|v| half::bf16::from_f32(v).to_bits())
-            .collect();
-        let tiled = tile_q4k(&raw, n, k).unwrap();
-        let (blocks, chunks) = tiles(n, k);
-        let words = Q4K_TILE_BYTES / 2;
-        assert_eq!(tiled.len(), blocks * chunks * words);
-        let mut nonzero = 0;
-        for row in 0..blocks * ROW_BLOCK {
-            for col in 0..k {
-                let tile = &tiled[((row / ROW_BLOCK) * chunks + col / CHUNK) * words..][..words];
-                let got = q4k_tile_value(tile, row % ROW_BLOCK, col % CHUNK);
-                let want = if row < n { host[row * k + col] } else { 0 };
-                assert_eq!(got, want, "({row}, {col})");
-                nonzero += usize::from(got != 0);
+        let cases: [(GgmlType, Tiler); 2] =
+            [(GgmlType::Q4K, tile_q4k), (GgmlType::Q4_1, tile_q4_1)];
+        for (ty, tile_fn) in cases {
+            let values: Vec<f32> = (0..n * k)
+                .map(|i| {
+                    let h = (i as u64 + 3).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                    ((h as f32 / (1u64 << 24) as f32) - 0.45) * (1.0 + (i / k) as f32 * 0.3)
+                })
+                .collect();
+            let raw = Weight::quantize(&values, n, k, ty).unwrap().raw_bytes();
+            let host: Vec<u16> = Weight::from_raw(ty, &raw, n, k)
+                .unwrap()
+                .to_f32()
+                .into_iter()
+                .map(|v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let tiled = tile_fn(&raw, n, k).unwrap();
+            let (blocks, chunks) = tiles(n, k);
+            let words = Q4K_TILE_BYTES / 2;
+            assert_eq!(tiled.len(), blocks * chunks * words);
+            let mut nonzero = 0;
+            for row in 0..blocks * ROW_BLOCK {
+                for col in 0..k {
+                    let tile =
+                        &tiled[((row / ROW_BLOCK) * chunks + col / CHUNK) * words..][..words];
+                    let got = q4k_tile_value(tile, row % ROW_BLOCK, col % CHUNK);
+                    let want = if row < n { host[row * k + col] } else { 0 };
+                    assert_eq!(got, want, "{ty:?} ({row}, {col})");
+                    nonzero += usize::from(got != 0);
+                }
             }
+            assert!(
+                nonzero > n * k / 2,
+                "{ty:?}: the matrix is not mostly zeros"
+            );
+            let e = tile_fn(&raw[1..], n, k).unwrap_err();
+            assert!(e.contains("20 x 512"), "{e}");
         }
-        assert!(nonzero > n * k / 2, "the matrix is not mostly zeros");
-        let e = tile_q4k(&raw[1..], n, k).unwrap_err();
-        assert!(e.contains("20 x 512"), "{e}");
     }
 
-    /// The scaled-int8 tiles of Q6_K, Q8_0 and Q5_0 matrices hold exactly the host's dequantized bf16 values;
+    /// The scaled-int8 tiles of Q6_K, Q8_0, Q5_0 and Q4_0 matrices hold exactly the host's dequantized bf16 values;
     /// padding rows are +0.
     #[test]
     fn scaled_i8_tiles_dequantize_to_the_bf16_path_bit_for_bit() {
         use crate::backend::cpu::weights::{GgmlType, Weight};
         type Tiler = fn(&[u8], usize, usize) -> Result<Vec<u16>, String>;
         let (n, k) = (20, 512);
-        let cases: [(GgmlType, Tiler); 3] = [
+        let cases: [(GgmlType, Tiler); 4] = [
             (GgmlType::Q6K, tile_q6k),
             (GgmlType::Q8_0, tile_q8_0),
             (GgmlType::Q5_0, tile_q5_0),
+            (GgmlType::Q4_0, tile_q4_0),
         ];
         for (ty, tile_fn) in cases {
             let values: Vec<f32> = (0..n * k)

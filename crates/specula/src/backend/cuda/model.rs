@@ -85,9 +85,9 @@ fn to_bf16(t: &RawTensor<'_>) -> Result<Vec<u16>> {
     })
 }
 
-/// Whether GGUF Q4_K, Q6_K, Q8_0 and Q5_0 matrices stay quantized on the device (`SPECULA_CUDA_NATIVE_QUANT=1`;
-/// off by default until measured on a GPU): 2.7x (Q4_K) and 1.6x (the others) fewer bytes a step than bf16, the
-/// same outputs bit for bit (`check_kernels`).
+/// Whether GGUF Q4_K, Q6_K, Q8_0, Q5_0, Q4_1 and Q4_0 matrices stay quantized on the device
+/// (`SPECULA_CUDA_NATIVE_QUANT=1`; off by default until measured on a GPU): 2.7x (Q4_K, Q4_1) and 1.6x (the
+/// others) fewer bytes a step than bf16, the same outputs bit for bit (`check_kernels`).
 fn native_quant() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_NATIVE_QUANT").is_ok_and(|v| v == "1"))
@@ -98,7 +98,7 @@ fn native_quant() -> bool {
 fn native_block(ty: GgmlType) -> Option<usize> {
     match ty {
         GgmlType::Q4K | GgmlType::Q6K => Some(256),
-        GgmlType::Q8_0 | GgmlType::Q5_0 => Some(32),
+        GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q4_1 | GgmlType::Q4_0 => Some(32),
         _ => None,
     }
 }
@@ -410,7 +410,7 @@ impl CudaModel {
             rope_inv_freqs,
             source_types: if natives + usize::from(tied_head_native) > 0 {
                 let natives = natives + usize::from(tied_head_native);
-                format!("{source_types}; {natives} matrices native (Q4_K, Q6_K, Q8_0, Q5_0), the rest as bf16")
+                format!("{source_types}; {natives} matrices native (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1, Q4_0), the rest as bf16")
             } else {
                 format!("{source_types}, as bf16")
             },
@@ -1720,6 +1720,6 @@ mod tests {
             .map(|x| half::bf16::from_f32(x).to_bits())
             .collect();
         assert_eq!(values[rows * cols..2 * rows * cols], host[..]);
-        assert_eq!(native_block(GgmlType::Q4_1), None);
+        assert_eq!(native_block(GgmlType::Q5_1), None);
     }
 }

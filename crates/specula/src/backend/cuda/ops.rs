@@ -46,10 +46,11 @@ macro_rules! launch_fn {
 pub(crate) enum WeightFormat {
     /// bf16 tiles of 1 KiB (layout.rs `tile_matrix`): any source type, converted or dequantized at load.
     Bf16,
-    /// GGUF Q4_K, native: 384-byte tiles (layout.rs `tile_q4k`), dequantized in registers to the same bf16.
+    /// Nibble tiles of 384 bytes with a (d1, m1) pair a row (layout.rs `tile_q4k`, `tile_q4_1`): native GGUF
+    /// Q4_K and Q4_1, dequantized in registers to the same bf16.
     Q4k,
-    /// GGUF Q6_K, Q8_0 and Q5_0, native: 640-byte tiles of signed bytes and a factor per 16 inputs (layout.rs
-    /// `tile_q6k`, `tile_q8_0`, `tile_q5_0`), likewise.
+    /// GGUF Q6_K, Q8_0, Q5_0 and Q4_0, native: 640-byte tiles of signed bytes and a factor per 16 inputs
+    /// (layout.rs `tile_q6k`, `tile_q8_0`, `tile_q5_0`, `tile_q4_0`), likewise.
     ScaledI8,
 }
 
@@ -57,7 +58,7 @@ impl WeightFormat {
     pub(crate) fn name(self) -> &'static str {
         match self {
             WeightFormat::Bf16 => "bf16",
-            WeightFormat::Q4k => "Q4_K",
+            WeightFormat::Q4k => "nibble",
             WeightFormat::ScaledI8 => "scaled int8",
         }
     }
@@ -110,6 +111,8 @@ impl Matrix {
             GgmlType::Q6K => (layout::tile_q6k(raw, rows, cols), WeightFormat::ScaledI8),
             GgmlType::Q8_0 => (layout::tile_q8_0(raw, rows, cols), WeightFormat::ScaledI8),
             GgmlType::Q5_0 => (layout::tile_q5_0(raw, rows, cols), WeightFormat::ScaledI8),
+            GgmlType::Q4_1 => (layout::tile_q4_1(raw, rows, cols), WeightFormat::Q4k),
+            GgmlType::Q4_0 => (layout::tile_q4_0(raw, rows, cols), WeightFormat::ScaledI8),
             other => (
                 Err(format!("{} has no native GPU format", other.name())),
                 WeightFormat::Bf16,
