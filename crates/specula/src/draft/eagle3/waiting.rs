@@ -43,7 +43,7 @@ impl WaitingFeatures {
 
     /// Rows waiting, read or not.
     pub fn rows(&self) -> usize {
-        self.host.len() / self.width + self.unread_rows
+        self.host.len() / self.width.max(1) + self.unread_rows
     }
 
     pub fn clear(&mut self) {
