@@ -356,6 +356,7 @@ pub fn splits_for(n: usize, k: usize, sm_count: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::weights::{GgmlType, Weight};
 
     fn bf16_to_f32(v: u16) -> f32 {
         f32::from_bits(u32::from(v) << 16)
@@ -374,101 +375,65 @@ mod tests {
             .collect()
     }
 
-    /// The nibble tiles of Q4_K and Q4_1 matrices hold, at every (row, input), exactly the bf16 value the host's
-    /// dequantization gives (what the bf16 path uploads), so a GEMV over them computes the bf16 GEMV's bits;
-    /// padding rows are +0.
-    #[test]
-    fn q4k_tiles_dequantize_to_the_bf16_path_bit_for_bit() {
-        use crate::backend::cpu::weights::{GgmlType, Weight};
-        type Tiler = fn(&[u8], usize, usize) -> Result<Vec<u16>, String>;
+    type Tiler = fn(&[u8], usize, usize) -> Result<Vec<u16>, String>;
+    type TileValue = fn(&[u16], usize, usize) -> u16;
+
+    /// Every value of `ty`'s native tiles (a 20 x 512 matrix: the second row block half padding), read as the
+    /// GEMV reads it, equals the bf16 of the host's dequantization (what the bf16 path uploads); padding is +0.
+    fn assert_tiles_match_host(ty: GgmlType, tile_fn: Tiler, tile_bytes: usize, value: TileValue) {
         let (n, k) = (20, 512);
-        let cases: [(GgmlType, Tiler); 2] =
-            [(GgmlType::Q4K, tile_q4k), (GgmlType::Q4_1, tile_q4_1)];
-        for (ty, tile_fn) in cases {
-            let values: Vec<f32> = (0..n * k)
-                .map(|i| {
-                    let h = (i as u64 + 3).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-                    ((h as f32 / (1u64 << 24) as f32) - 0.45) * (1.0 + (i / k) as f32 * 0.3)
-                })
-                .collect();
-            let raw = Weight::quantize(&values, n, k, ty).unwrap().raw_bytes();
-            let host: Vec<u16> = Weight::from_raw(ty, &raw, n, k)
-                .unwrap()
-                .to_f32()
-                .into_iter()
-                .map(|v| half::bf16::from_f32(v).to_bits())
-                .collect();
-            let tiled = tile_fn(&raw, n, k).unwrap();
-            let (blocks, chunks) = tiles(n, k);
-            let words = Q4K_TILE_BYTES / 2;
-            assert_eq!(tiled.len(), blocks * chunks * words);
-            let mut nonzero = 0;
-            for row in 0..blocks * ROW_BLOCK {
-                for col in 0..k {
-                    let tile =
-                        &tiled[((row / ROW_BLOCK) * chunks + col / CHUNK) * words..][..words];
-                    let got = q4k_tile_value(tile, row % ROW_BLOCK, col % CHUNK);
-                    let want = if row < n { host[row * k + col] } else { 0 };
-                    assert_eq!(got, want, "{ty:?} ({row}, {col})");
-                    nonzero += usize::from(got != 0);
-                }
+        let values: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let h = (i as u64 + 3).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                ((h as f32 / (1u64 << 24) as f32) - 0.45) * (1.0 + (i / k) as f32 * 0.3)
+            })
+            .collect();
+        let raw = Weight::quantize(&values, n, k, ty).unwrap().raw_bytes();
+        let host: Vec<u16> = Weight::from_raw(ty, &raw, n, k)
+            .unwrap()
+            .to_f32()
+            .into_iter()
+            .map(|v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let tiled = tile_fn(&raw, n, k).unwrap();
+        let (blocks, chunks) = tiles(n, k);
+        let words = tile_bytes / 2;
+        assert_eq!(tiled.len(), blocks * chunks * words);
+        let mut nonzero = 0;
+        for row in 0..blocks * ROW_BLOCK {
+            for col in 0..k {
+                let tile = &tiled[((row / ROW_BLOCK) * chunks + col / CHUNK) * words..][..words];
+                let got = value(tile, row % ROW_BLOCK, col % CHUNK);
+                let want = if row < n { host[row * k + col] } else { 0 };
+                assert_eq!(got, want, "{ty:?} ({row}, {col})");
+                nonzero += usize::from(got != 0);
             }
-            assert!(
-                nonzero > n * k / 2,
-                "{ty:?}: the matrix is not mostly zeros"
-            );
-            let e = tile_fn(&raw[1..], n, k).unwrap_err();
-            assert!(e.contains("20 x 512"), "{e}");
         }
+        assert!(
+            nonzero > n * k / 2,
+            "{ty:?}: the matrix is not mostly zeros"
+        );
+        let e = tile_fn(&raw[1..], n, k).unwrap_err();
+        assert!(e.contains("20 x 512"), "{e}");
     }
 
-    /// The scaled-int8 tiles of Q6_K, Q8_0, Q5_0 and Q4_0 matrices hold exactly the host's dequantized bf16 values;
-    /// padding rows are +0.
+    /// Nibble tiles (Q4_K, Q4_1): the same values as the bf16 path, so a GEMV over them computes its bits.
+    #[test]
+    fn nibble_tiles_dequantize_to_the_bf16_path_bit_for_bit() {
+        assert_tiles_match_host(GgmlType::Q4K, tile_q4k, Q4K_TILE_BYTES, q4k_tile_value);
+        assert_tiles_match_host(GgmlType::Q4_1, tile_q4_1, Q4K_TILE_BYTES, q4k_tile_value);
+    }
+
+    /// Scaled-int8 tiles (Q6_K, Q8_0, Q5_0, Q4_0), likewise.
     #[test]
     fn scaled_i8_tiles_dequantize_to_the_bf16_path_bit_for_bit() {
-        use crate::backend::cpu::weights::{GgmlType, Weight};
-        type Tiler = fn(&[u8], usize, usize) -> Result<Vec<u16>, String>;
-        let (n, k) = (20, 512);
-        let cases: [(GgmlType, Tiler); 4] = [
-            (GgmlType::Q6K, tile_q6k),
+        for (ty, tile_fn) in [
+            (GgmlType::Q6K, tile_q6k as Tiler),
             (GgmlType::Q8_0, tile_q8_0),
             (GgmlType::Q5_0, tile_q5_0),
             (GgmlType::Q4_0, tile_q4_0),
-        ];
-        for (ty, tile_fn) in cases {
-            let values: Vec<f32> = (0..n * k)
-                .map(|i| {
-                    let h = (i as u64 + 5).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-                    ((h as f32 / (1u64 << 24) as f32) - 0.5) * (1.0 + (i / k) as f32 * 0.3)
-                })
-                .collect();
-            let raw = Weight::quantize(&values, n, k, ty).unwrap().raw_bytes();
-            let host: Vec<u16> = Weight::from_raw(ty, &raw, n, k)
-                .unwrap()
-                .to_f32()
-                .into_iter()
-                .map(|v| half::bf16::from_f32(v).to_bits())
-                .collect();
-            let tiled = tile_fn(&raw, n, k).unwrap();
-            let (blocks, chunks) = tiles(n, k);
-            let words = I8_TILE_BYTES / 2;
-            assert_eq!(tiled.len(), blocks * chunks * words);
-            let mut nonzero = 0;
-            for row in 0..blocks * ROW_BLOCK {
-                for col in 0..k {
-                    let tile =
-                        &tiled[((row / ROW_BLOCK) * chunks + col / CHUNK) * words..][..words];
-                    let got = scaled_i8_tile_value(tile, row % ROW_BLOCK, col % CHUNK);
-                    let want = if row < n { host[row * k + col] } else { 0 };
-                    assert_eq!(got, want, "{ty:?} ({row}, {col})");
-                    nonzero += usize::from(got != 0);
-                }
-            }
-            assert!(
-                nonzero > n * k / 2,
-                "{ty:?}: the matrix is not mostly zeros"
-            );
-            assert!(tile_fn(&raw[1..], n, k).is_err());
+        ] {
+            assert_tiles_match_host(ty, tile_fn, I8_TILE_BYTES, scaled_i8_tile_value);
         }
     }
 
@@ -476,7 +441,6 @@ mod tests {
     /// stacking of their dequantized rows.
     #[test]
     fn q4k_gate_up_stacks_by_rows_like_bf16() {
-        use crate::backend::cpu::weights::{GgmlType, Weight};
         let (ff, k) = (16, 256);
         let make = |seed: usize| {
             let v: Vec<f32> = (0..ff * k)

@@ -84,16 +84,28 @@ impl Matrix {
         what: &str,
     ) -> Result<Self> {
         let tiled = layout::tile_matrix(data, rows, cols);
+        Self::from_tiles(gpu, &tiled, rows, cols, WeightFormat::Bf16, what)
+    }
+
+    /// A `rows x cols` matrix already tiled in `format`, uploaded.
+    fn from_tiles(
+        gpu: &Gpu,
+        tiled: &[u16],
+        rows: usize,
+        cols: usize,
+        format: WeightFormat,
+        what: &str,
+    ) -> Result<Self> {
         let data = gpu
             .stream
-            .clone_htod(&tiled)
+            .clone_htod(tiled)
             .map_err(|e| cuda_err(&format!("uploading {what}"), e))?;
         Ok(Matrix {
             data,
             rows,
             cols,
             chunks: layout::tiles(rows, cols).1,
-            format: WeightFormat::Bf16,
+            format,
         })
     }
 
@@ -119,17 +131,7 @@ impl Matrix {
             ),
         };
         let tiled = tiled.map_err(|e| crate::error::Error::Cuda(format!("{what}: {e}")))?;
-        let data = gpu
-            .stream
-            .clone_htod(&tiled)
-            .map_err(|e| cuda_err(&format!("uploading {what}"), e))?;
-        Ok(Matrix {
-            data,
-            rows,
-            cols,
-            chunks: layout::tiles(rows, cols).1,
-            format,
-        })
+        Self::from_tiles(gpu, &tiled, rows, cols, format, what)
     }
 }
 
