@@ -50,6 +50,10 @@ pub struct TrainEagle3Args {
     /// Memory (GB) for the target's outputs kept between epochs; beyond it they are recomputed each epoch.
     #[arg(long, default_value_t = 4.0)]
     pub cache_gb: f64,
+    /// Training sequences whose target passes run ahead on a second thread while the head trains (default: 4
+    /// when the target runs on a GPU, 0 on the CPU, where both would share the same cores).
+    #[arg(long)]
+    pub prefetch: Option<usize>,
     /// Peak learning rate (AdamW; warmup, then cosine decay).
     #[arg(long, default_value_t = 5e-4)]
     pub lr: f64,
@@ -125,6 +129,10 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
         init_head: args.init_head.clone(),
         top_k: args.top_k,
         cache_bytes: (args.cache_gb.clamp(0.0, 1e6) * 1e9) as usize,
+        prefetch: args.prefetch.unwrap_or(match args.model.device()? {
+            specula::backend::Device::Cpu => 0,
+            _ => 4,
+        }),
         device,
         ..Default::default()
     };
@@ -266,6 +274,17 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
         report.eval_sequences,
         pct(&report.eval_accuracy),
         pct(&report.initial_eval_accuracy)
+    );
+    let tp = &report.target_passes;
+    println!(
+        "target passes: {} in {:.1} s (forward and feature readback {:.1} s, logits {:.1} s, host {:.1} s), \
+         training tensors {:.1} s",
+        tp.passes,
+        tp.forward_s + tp.logits_s + tp.host_s,
+        tp.forward_s,
+        tp.logits_s,
+        tp.host_s,
+        tp.tensors_s
     );
     if let Some(path) = &args.json {
         write_json(path, &serde_json::to_value(&report)?)?;

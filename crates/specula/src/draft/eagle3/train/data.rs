@@ -328,20 +328,50 @@ impl TargetOutputs {
         let h = target.config().hidden_size;
         let mut embeds = target.embed_tokens(&text.tokens[1..t])?;
         embeds.resize((t + steps) * h, 0.0);
-        let mut probs = vec![0f32; t * draft_vocab];
-        for r in 0..t {
-            for &(d, p) in &self.top[r * self.top_k..(r + 1) * self.top_k] {
-                probs[r * draft_vocab + d as usize] = p;
-            }
-        }
-        let features: Vec<f32> = self.features.iter().map(|v| v.to_f32()).collect();
+        // The dense targets and the f32 features are made where training runs: a GPU gets the top k (t x k) and
+        // f16 features instead of t x draft_vocab and t x 3H f32 values (a 384-token sequence: 1.6 MB instead
+        // of 20 MB through pageable memory). Same values as building them on the host.
+        let ids: Vec<u32> = self.top.iter().map(|&(d, _)| d).collect();
+        let top_probs: Vec<f32> = self.top.iter().map(|&(_, p)| p).collect();
+        let ids = Tensor::from_vec(ids, (t, self.top_k), dev)?;
+        let top_probs = Tensor::from_vec(top_probs, (t, self.top_k), dev)?;
+        let target_probs = Tensor::zeros((t, draft_vocab), candle_core::DType::F32, dev)?
+            .scatter(&ids, &top_probs, 1)?;
+        let features = Tensor::from_slice(&self.features, (t, 3 * h), dev)?
+            .to_dtype(candle_core::DType::F32)?;
         Ok(TrainingSequence {
             len: t,
-            features: Tensor::from_vec(features, (t, 3 * h), dev)?,
+            features,
             embeds: Tensor::from_vec(embeds, (t + steps, h), dev)?,
-            target_probs: Tensor::from_vec(probs, (t, draft_vocab), dev)?,
+            target_probs,
             target_ids: self.target_ids.clone(),
         })
+    }
+}
+
+/// Where a target pass's time goes (seconds, summed over passes): what to speed up when the target's passes
+/// dominate training.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct TargetPassTimes {
+    pub passes: usize,
+    /// The forward pass and the copy of the captured layers to the host (on a GPU the copy waits for the pass).
+    pub forward_s: f64,
+    /// The draft vocabulary's logits and the whole vocabulary's argmax, read back.
+    pub logits_s: f64,
+    /// Host work: features to f16, the top k of each row.
+    pub host_s: f64,
+    /// Building the training tensors (dense targets, embeddings) and moving them to the training device; counted
+    /// for cached outputs too.
+    pub tensors_s: f64,
+}
+
+impl TargetPassTimes {
+    pub fn add(&mut self, other: &TargetPassTimes) {
+        self.passes += other.passes;
+        self.forward_s += other.forward_s;
+        self.logits_s += other.logits_s;
+        self.host_s += other.host_s;
+        self.tensors_s += other.tensors_s;
     }
 }
 
@@ -354,6 +384,26 @@ pub fn target_outputs(
     text: &TrainingText,
     top_k: usize,
 ) -> Result<TargetOutputs> {
+    target_outputs_timed(
+        target,
+        layers,
+        vocab,
+        text,
+        top_k,
+        &mut TargetPassTimes::default(),
+    )
+}
+
+/// [`target_outputs`], adding its time to `times`.
+pub fn target_outputs_timed(
+    target: &dyn Model,
+    layers: &[usize],
+    vocab: &DraftVocab,
+    text: &TrainingText,
+    top_k: usize,
+    times: &mut TargetPassTimes,
+) -> Result<TargetOutputs> {
+    let started = std::time::Instant::now();
     let tokens = &text.tokens;
     let t = tokens.len();
     if t < 2 {
@@ -377,21 +427,26 @@ pub fn target_outputs(
     )?;
     let big_h = c.hidden_size;
     let mut features = vec![half::f16::ZERO; t * 3 * big_h];
+    let mut host_s = 0.0;
     for (k, (_, rows)) in out.hidden.iter().enumerate() {
         let rows = rows.to_host()?;
+        let converting = std::time::Instant::now();
         for r in 0..t {
             let dst = &mut features[r * 3 * big_h + k * big_h..r * 3 * big_h + (k + 1) * big_h];
             for (d, &v) in dst.iter_mut().zip(&rows[r * big_h..(r + 1) * big_h]) {
                 *d = half::f16::from_f32(v);
             }
         }
+        host_s += converting.elapsed().as_secs_f64();
     }
+    let forwarded = std::time::Instant::now();
     let dv = vocab.len();
     let top_k = top_k.clamp(1, dv);
     // Only the draft vocabulary's logits leave the device (a GPU's whole-vocabulary logits of a 384-token
     // sequence are 233 MB, whose copy cost 4x the forward pass), and the argmax is taken where they live.
     let draft_logits = out.logits.gather_columns(&vocab.ids)?;
     let best = out.logits.argmax_rows()?;
+    let logits_read = std::time::Instant::now();
     // Per row: the top k draft tokens with their renormalized probabilities. Rows are independent, so they
     // split across the thread pool.
     let mut top = vec![(0u32, 0f32); t * top_k];
@@ -434,6 +489,10 @@ pub fn target_outputs(
             }
         })
         .collect();
+    times.passes += 1;
+    times.forward_s += (forwarded - started).as_secs_f64() - host_s;
+    times.logits_s += (logits_read - forwarded).as_secs_f64();
+    times.host_s += host_s + logits_read.elapsed().as_secs_f64();
     Ok(TargetOutputs {
         len: t,
         features,

@@ -427,3 +427,84 @@ fn batched_self_distillation_equals_one_prompt_at_a_time() {
     assert_eq!(batched.len(), prompts.len());
     assert_eq!(batched, alone);
 }
+
+#[test]
+fn training_tensors_hold_the_targets_outputs_exactly() {
+    // The dense targets are scattered and the features widened where training runs; the values must be the
+    // top-k probabilities at their draft ids (zeros elsewhere) and the f16 features as f32, bit for bit.
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let data = texts(&t, 4, 20);
+    let vocab = DraftVocab::by_frequency(&data, t.model.config().vocab_size, 48).unwrap();
+    let layers = [0usize, 1, 2];
+    for text in &data {
+        let out = data::target_outputs(t.model.as_ref(), &layers, &vocab, text, 5).unwrap();
+        let seq = out
+            .sequence(t.model.as_ref(), text, 2, vocab.len(), &Device::Cpu)
+            .unwrap();
+        let probs = seq.target_probs.to_vec2::<f32>().unwrap();
+        assert_eq!(probs.len(), out.len);
+        for (r, row) in probs.iter().enumerate() {
+            let mut want = vec![0f32; vocab.len()];
+            for &(d, p) in &out.top[r * out.top_k..(r + 1) * out.top_k] {
+                want[d as usize] = p;
+            }
+            assert!(
+                row.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "row {r} of {}",
+                text.source
+            );
+        }
+        let features: Vec<f32> = seq.features.flatten_all().unwrap().to_vec1().unwrap();
+        let want: Vec<f32> = out.features.iter().map(|v| v.to_f32()).collect();
+        assert!(features
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert_eq!(features.len(), want.len());
+    }
+}
+
+#[test]
+fn target_passes_run_ahead_without_changing_what_is_trained() {
+    // Prefetching runs the same passes on another thread and hands them over in order: the head must come out
+    // bit for bit the same, whether outputs are kept between epochs or recomputed.
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let data = texts(&t, 9, 20);
+    let run = |name: &str, prefetch: usize, cache_bytes: usize| {
+        let opts = TrainOptions {
+            out: dir.path().join(name),
+            draft_vocab: 48,
+            ttt_steps: 2,
+            epochs: 3,
+            batch: 2,
+            lr: 3e-3,
+            aux_layers: Some(vec![0, 1, 2]),
+            intermediate_size: Some(64),
+            eval_every: 3,
+            prefetch,
+            cache_bytes,
+            ..Default::default()
+        };
+        let mut losses = Vec::new();
+        let report = train(&t, &data, &opts, &mut |p| losses.push(p.loss)).unwrap();
+        (report, losses)
+    };
+    let (plain, plain_losses) = run("plain", 0, 4 << 30);
+    assert_eq!(plain.target_passes.passes, 9, "each text once: kept after");
+    for (name, prefetch, cache) in [("ahead", 3, 4 << 30), ("ahead-nocache", 2, 0)] {
+        let (ahead, losses) = run(name, prefetch, cache);
+        assert_eq!(losses, plain_losses, "{name}");
+        assert_eq!(ahead.head_sha256, plain.head_sha256, "{name}");
+        assert_eq!(ahead.eval_accuracy, plain.eval_accuracy, "{name}");
+    }
+    let (nocache, _) = run("plain-nocache", 0, 0);
+    assert_eq!(
+        nocache.target_passes.passes,
+        3 * 6 + 2 * 3,
+        "recomputed every epoch: 6 training texts x 3 epochs, 3 held out x 2 evaluations"
+    );
+}
