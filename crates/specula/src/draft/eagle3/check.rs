@@ -131,14 +131,47 @@ pub fn check_wiring(
     Ok(results)
 }
 
+/// How many standard errors a wiring's first-token acceptance must lead the configured one's by before the
+/// check says the head was trained on it. Neighbouring wirings of a trained head differ by a few points, which a
+/// few hundred drafts cannot resolve (measured on an H200: 2.2 points apart at ~220 drafts each, 0.5 standard
+/// errors); a real miswiring costs tens of points. Three standard errors keeps the chance that noise alone names
+/// one of the eight alternatives near 1%.
+pub const WIRING_Z: f64 = 3.0;
+
+/// The standard error of a wiring's first-token acceptance (a proportion over its first-position drafts); 0
+/// without drafts.
+fn standard_error(r: &WiringResult) -> f64 {
+    let n = r.stats.drafted_per_position.first().copied().unwrap_or(0) as f64;
+    if n == 0.0 {
+        return 0.0;
+    }
+    let p = r.first_token_acceptance();
+    (p * (1.0 - p) / n).sqrt()
+}
+
+/// By how many standard errors `a`'s first-token acceptance exceeds `b`'s (two independent proportions); None
+/// when either has no drafts or both rates are 0 or 1 (no spread to measure).
+fn separation(a: &WiringResult, b: &WiringResult) -> Option<f64> {
+    let drafts = |r: &WiringResult| r.stats.drafted_per_position.first().copied().unwrap_or(0);
+    if drafts(a) == 0 || drafts(b) == 0 {
+        return None;
+    }
+    let (pa, pb) = (a.first_token_acceptance(), b.first_token_acceptance());
+    let se = standard_error(a).hypot(standard_error(b));
+    if se == 0.0 {
+        return (pa != pb).then_some(f64::INFINITY);
+    }
+    Some((pa - pb) / se)
+}
+
 /// The table and verdict `specula eagle3 check` prints.
 pub fn report(results: &[WiringResult]) -> String {
     use std::fmt::Write as _;
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<16} {:>12} {:>10} {:>9}  wiring",
-        "target layers", "first token", "accepted", "mean_len"
+        "{:<16} {:>12} {:>6} {:>10} {:>9}  wiring",
+        "target layers", "first token", "+-", "accepted", "mean_len"
     );
     let mut order: Vec<usize> = (0..results.len()).collect();
     order.sort_by(|&a, &b| {
@@ -155,9 +188,10 @@ pub fn report(results: &[WiringResult]) -> String {
         let r = &results[i];
         let _ = writeln!(
             s,
-            "{:<16} {:>11.1}% {:>9.1}% {:>9.2}  {}",
+            "{:<16} {:>11.1}% {:>6.1} {:>9.1}% {:>9.2}  {}",
             format!("{:?}", r.wiring.layers),
             r.first_token_acceptance() * 100.0,
+            standard_error(r) * 100.0,
             r.stats.acceptance_rate() * 100.0,
             r.stats.mean_accept_len(),
             r.wiring.label
@@ -171,14 +205,29 @@ pub fn report(results: &[WiringResult]) -> String {
         b.first_token_acceptance(),
         configured.first_token_acceptance(),
     );
-    if best == 0 || fb - fc < 0.02 {
-        let _ = writeln!(
+    let gap = separation(b, configured);
+    if best == 0 || gap.is_none_or(|z| z < WIRING_Z) {
+        let _ = write!(
             s,
             "verdict: the configured wiring {:?} drafts best of the {} tried ({:.1}% of first draft tokens accepted)",
             configured.wiring.layers,
             results.len(),
             fc * 100.0
         );
+        if best != 0 {
+            // Another wiring measured higher, but not by more than this sample can tell apart.
+            let _ = write!(
+                s,
+                " within measurement noise: {:?} ({}) measured {:.1}%, {:.1} points higher, {:.1} standard errors \
+                 (a different wiring is named from {WIRING_Z} on; more prompts or tokens tell closer wirings apart)",
+                b.wiring.layers,
+                b.wiring.label,
+                fb * 100.0,
+                (fb - fc) * 100.0,
+                gap.unwrap_or(0.0)
+            );
+        }
+        let _ = writeln!(s);
     } else {
         let _ = writeln!(
             s,
@@ -293,6 +342,43 @@ mod tests {
             result(vec![2, 16, 29], "every id + 1", (100, 46), (200, 69)),
         ];
         assert!(report(&fine).contains("verdict: the configured wiring [1, 15, 28] drafts best"));
+    }
+
+    #[test]
+    fn a_small_lead_is_named_only_when_the_sample_can_resolve_it() {
+        // The H200 measurement of a trained head: a neighbour 2.2 points ahead on ~220 drafts is noise.
+        let noisy = vec![
+            result(vec![1, 13, 24], "configured", (220, 144), (600, 277)),
+            result(vec![0, 13, 24], "id 1 - 1", (220, 149), (600, 278)),
+        ];
+        let text = report(&noisy);
+        assert!(
+            text.contains("verdict: the configured wiring [1, 13, 24] drafts best of the 2 tried")
+                && text.contains("within measurement noise: [0, 13, 24] (id 1 - 1) measured 67.7%"),
+            "{text}"
+        );
+        // The same 3-point lead over 20000 drafts each is real (about 6 standard errors).
+        let resolved = vec![
+            result(
+                vec![1, 13, 24],
+                "configured",
+                (20000, 13000),
+                (60000, 27000),
+            ),
+            result(vec![0, 13, 24], "id 1 - 1", (20000, 13600), (60000, 27500)),
+        ];
+        let text = report(&resolved);
+        assert!(
+            text.contains("trained on target layers [0, 13, 24] (id 1 - 1): 68.0%")
+                && text.contains("costs 3.0 points"),
+            "{text}"
+        );
+        // No drafts measured: nothing can be named.
+        let empty = vec![
+            result(vec![1, 13, 24], "configured", (0, 0), (0, 0)),
+            result(vec![0, 13, 24], "id 1 - 1", (0, 0), (0, 0)),
+        ];
+        assert!(report(&empty).contains("verdict: the configured wiring [1, 13, 24]"));
     }
 
     /// End to end on a tiny target and a random head: every candidate runs, and each result is the
