@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Native quantized GEMVs (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1, Q4_0; SPECULA_CUDA_NATIVE_QUANT=1) against the bf16 path,
+# Native quantized GEMVs (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1, Q4_0; on by default; SPECULA_CUDA_NATIVE_QUANT=0 turns them off) against the bf16 path,
 # one device call: the selftests of three tiny quantized models and of the real Qwen2.5-Coder-1.5B with native
 # weights (every native matrix of layer 0 and the LM head against its bf16 copy, bitwise, at 1-40 rows; the f32
 # reference; verify = steps), greedy output native = bf16 (plain and with the head), then decode speed both ways
 # alternating, and the head's chain with native weights. Summary last (OUTDIR/native.txt).
-#   scripts/gpu-native-quant.sh BINARY OUTDIR MODELDIR PROMPTS.jsonl HEAD_DIR
+#   scripts/gpu-native-quant.sh BINARY OUTDIR MODELDIR PROMPTS.jsonl [HEAD_DIR]
+# Without HEAD_DIR the head's parts are left out.
 set -uo pipefail
-bin="$1"; out="$2"; models="$3"; prompts="$4"; head="$5"
+bin="$1"; out="$2"; models="$3"; prompts="$4"; head="${5:-}"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SPECULA_CACHE="$models"
 summary="$out/native.txt"
@@ -23,7 +24,9 @@ SPECULA_CUDA_NATIVE_QUANT=1 timeout 240 "$bin" selftest -m qwen2.5-coder-1.5b --
   grep -E "FAIL|verdict" "$out/selftest-native.log" | head -5
 } >> "$summary"
 texts=("def quicksort(items):" "Write a function that checks whether a string is a palindrome.")
-for cfg in plain head; do
+configs=(plain)
+[ -n "$head" ] && configs+=(head)
+for cfg in "${configs[@]}"; do
   flags=()
   [ "$cfg" = head ] && flags=(--draft eagle3 --draft-model "$head" --draft-tokens 3)
   same=0
@@ -41,7 +44,7 @@ for round in 1 2; do
     echo "round $round native=$native: $(grep -E '^plain' "$out/plain-$native-$round.txt")" >> "$summary"
   done
 done
-SPECULA_CUDA_NATIVE_QUANT=1 timeout 150 "$bin" bench -m qwen2.5-coder-1.5b --device cuda --prompts "$prompts" -n 128 \
+[ -n "$head" ] && SPECULA_CUDA_NATIVE_QUANT=1 timeout 150 "$bin" bench -m qwen2.5-coder-1.5b --device cuda --prompts "$prompts" -n 128 \
   --quiet --draft eagle3 --draft-model "$head" --draft-tokens 3,4 --draft-confidence 0 > "$out/head-native.txt" 2>&1
-grep -E "^(plain|eagle3)" "$out/head-native.txt" | sed 's/^/head bench, native: /' >> "$summary"
+[ -n "$head" ] && grep -E "^(plain|eagle3)" "$out/head-native.txt" | sed 's/^/head bench, native: /' >> "$summary"
 cat "$summary"

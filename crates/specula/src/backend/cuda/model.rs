@@ -85,12 +85,18 @@ fn to_bf16(t: &RawTensor<'_>) -> Result<Vec<u16>> {
     })
 }
 
-/// Whether GGUF Q4_K, Q6_K, Q8_0, Q5_0, Q4_1 and Q4_0 matrices stay quantized on the device
-/// (`SPECULA_CUDA_NATIVE_QUANT=1`; off by default until measured on a GPU): 2.7x (Q4_K, Q4_1) and 1.6x (the
-/// others) fewer bytes a step than bf16, the same outputs bit for bit (`check_kernels`).
+/// Whether GGUF Q4_K, Q6_K, Q8_0, Q5_0, Q4_1 and Q4_0 matrices stay quantized on the device (the default;
+/// `SPECULA_CUDA_NATIVE_QUANT=0` dequantizes them to bf16 at load): 2.7x (Q4_K, Q4_1) and 1.6x (the others)
+/// fewer bytes a step than bf16, the same outputs bit for bit (`check_kernels`). Measured on an H200 with the
+/// real Qwen2.5-Coder-1.5B Q4_K_M: 700-703 tok/s against 643-662 as bf16 (docs/benchmarks.md, session 20).
 fn native_quant() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_NATIVE_QUANT").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("SPECULA_CUDA_NATIVE_QUANT").as_deref(),
+            Ok("0")
+        )
+    })
 }
 
 /// Weights a block of a GGUF type with a native GPU format holds (its rows must be whole blocks); None for the
