@@ -146,19 +146,18 @@ pub static HEADS: &[RegistryHead] = &[
         name: "qwen2.5-coder-1.5b-eagle3",
         target: "qwen2.5-coder-1.5b",
         description:
-            "EAGLE-3 head for qwen2.5-coder-1.5b (self-distilled code answers + Python stdlib; \
-                      trained on a GPU)",
-        // Two stages (scripts/train-head.sh): data and an epoch each; stage 1 measured 3 + 10 minutes on the H200
-        // (session 16), stage 2 3 + 7.5 (session 17).
-        build_minutes: 25,
+            "EAGLE-3 head for qwen2.5-coder-1.5b (self-distilled answers to general programming requests + \
+                      Python stdlib; trained on a GPU)",
+        // One stage (scripts/train-head.sh): data and an epoch, 2.2 + 8.1 minutes on the H200 (session 20).
+        build_minutes: 12,
         build_on: "one H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
-        // Measured on unseen code prompts (docs/eagle3.md): with its default confidence bar (0.4) 1.33-1.41x plain
-        // at k = 3-6 (1.24x at k = 1 without the bar), against the 0.5B draft model's 1.13x and prompt lookup's
-        // 1.01x in the same hour.
+        // Measured on unseen code prompts (docs/benchmarks.md, session 20): with its default confidence bar (0.4)
+        // 1.47-1.58x plain at k = 3-5 in two runs (1.44x at k = 3 without the bar), where the 0.5B draft model
+        // gave 1.13x and prompt lookup 1.01x (session 13).
         draft_tokens: 4,
         wins_on_cpu: true,
-        // On an H200 (docs/benchmarks.md, session 15): the two-stage head without a bar 1.61-1.62x plain at
-        // k = 2, 1.67x at k = 3, 1.65x at k = 4 (two rounds in one call).
+        // On an H200 (docs/benchmarks.md, session 20): without a bar 1.78x at k = 2, 1.87-1.88x at k = 3,
+        // 1.89x at k = 4 and 5.
         on_gpu: Some(GpuSettings {
             draft_tokens: 3,
             min_confidence: 0.0,
