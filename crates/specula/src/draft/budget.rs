@@ -54,8 +54,9 @@ impl StepCostTable {
     }
 
     /// The time of a forward pass over `rows` rows (possibly fractional: an expected row count): interpolated
-    /// between the nearest measured counts, extrapolated along the last two beyond them (never below the largest
-    /// measured time); None until two row counts have been measured.
+    /// between the nearest measured counts, extrapolated beyond them along the last two or, where steeper, along
+    /// the line from the smallest (never below the largest measured time); None until two row counts have been
+    /// measured.
     pub fn seconds(&self, rows: f64) -> Option<f64> {
         self.curve().seconds(rows)
     }
@@ -99,6 +100,13 @@ impl CostCurve {
             .clamp(1, points.len() - 1);
         let ((x0, y0), (x1, y1)) = (points[i - 1], points[i]);
         let slope = ((y1 - y0) / (x1 - x0)).max(0.0);
+        if rows > x1 {
+            // Beyond the largest measured count. A noisy or capped last segment can be flat, which would price
+            // every larger pass like the largest measured one: on 2 CPU cores, passes over 16-23 rows were
+            // expected at 172-185 ms and took 213-315 (session 20). The slope from the smallest count is a floor.
+            let (xf, yf) = points[0];
+            return Some(y1 + slope.max((y1 - yf) / (x1 - xf)) * (rows - x1));
+        }
         Some((y0 + slope * (rows - x0)).max(if rows >= x1 { y1 } else { 0.0 }))
     }
 }
@@ -742,6 +750,41 @@ mod tests {
         assert!((t.seconds(5.0).unwrap() - 0.054).abs() < 1e-12);
         // Beyond the largest count: along the last segment.
         assert!((t.seconds(10.0).unwrap() - 0.089).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_flat_last_segment_does_not_price_larger_passes_like_the_largest_measured() {
+        // This CPU's server (session 20): 1-12 rows measured, 12 a little faster than 11 (noise; the monotone
+        // curve then flattens 11 to 12's time). Passes past 12 rows still cost about 10 ms a row more.
+        let mut t = StepCostTable::default();
+        for _ in 0..3 {
+            for (rows, ms) in [
+                (1, 38.0),
+                (2, 40.0),
+                (4, 56.0),
+                (8, 130.0),
+                (11, 170.0),
+                (12, 155.0),
+            ] {
+                t.observe(rows, ms / 1e3);
+            }
+        }
+        let at = |rows: f64| t.seconds(rows).unwrap() * 1e3;
+        assert!((at(12.0) - 155.0).abs() < 1e-9);
+        // Along the line from the smallest count: (155 - 38) / 11 ms a row.
+        let want = 155.0 + (155.0 - 38.0) / 11.0 * 11.0;
+        assert!((at(23.0) - want).abs() < 1e-9, "{} vs {want}", at(23.0));
+        // A GPU-like flat curve extrapolates flat as before.
+        let mut g = StepCostTable::default();
+        for _ in 0..3 {
+            g.observe(1, 1.47e-3);
+            g.observe(4, 1.52e-3);
+        }
+        let eight = g.seconds(8.0).unwrap();
+        assert!(
+            (eight - (1.52e-3 + 0.05e-3 / 3.0 * 4.0)).abs() < 1e-12,
+            "{eight}"
+        );
     }
 
     #[test]
