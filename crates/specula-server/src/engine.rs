@@ -356,6 +356,8 @@ struct LimitChoice {
     limits: Vec<Option<usize>>,
     expected: Option<(f64, f64)>,
     refused: Option<specula::draft::budget::Refusal>,
+    /// The budget ran this step undrafted to measure it again.
+    baseline_probe: bool,
 }
 
 /// What the engine decided for a step, and what the draft budget expected of it, for the profile.
@@ -368,6 +370,7 @@ struct StepDecision {
     /// Where the budget's cost rule stopped adding drafts, and the prices it used (drafter time per pass and
     /// per catch-up token, the rest of a step), for the profile.
     refused: Option<specula::draft::budget::Refusal>,
+    baseline_probe: bool,
     prices: (Option<f64>, Option<f64>, Option<f64>, Option<f64>),
 }
 
@@ -916,6 +919,7 @@ impl<'a> EngineLoop<'a> {
             limits,
             expected,
             refused,
+            baseline_probe,
         } = self.choose_draft_limits(running, &lags);
         let spec_before: Vec<SpecCounts> = running
             .iter()
@@ -1007,6 +1011,7 @@ impl<'a> EngineLoop<'a> {
                 expected,
                 committed,
                 refused,
+                baseline_probe,
                 prices,
             },
         );
@@ -1052,10 +1057,12 @@ impl<'a> EngineLoop<'a> {
                 limits,
                 expected: None,
                 refused: None,
+                baseline_probe: false,
             };
         }
         let mut expected = None;
         let mut refused = None;
+        let mut baseline_probe = false;
         let chosen: Vec<usize> = if self.options.adaptive_drafts {
             let decoding = running
                 .iter()
@@ -1071,6 +1078,7 @@ impl<'a> EngineLoop<'a> {
             let plan = self.budget.borrow().plan(&c, base_rows, decoding);
             expected = plan.expected_s.map(|s| (s, plan.expected_tokens));
             refused = plan.refused;
+            baseline_probe = plan.baseline_probe;
             plan.limits
         } else {
             candidates.iter().map(|(_, c)| c.max_tokens).collect()
@@ -1084,6 +1092,7 @@ impl<'a> EngineLoop<'a> {
             limits,
             expected,
             refused,
+            baseline_probe,
         }
     }
 
@@ -1220,6 +1229,9 @@ impl<'a> EngineLoop<'a> {
         if let Some((s, tokens)) = decision.expected {
             args["expected_ms"] = serde_json::json!(s * 1e3);
             args["expected_tokens"] = serde_json::json!(tokens);
+        }
+        if decision.baseline_probe {
+            args["baseline_probe"] = serde_json::json!(true);
         }
         events.push(serde_json::json!({
             "name": "draft budget", "ph": "C", "pid": 1, "ts": offset_us, "args": args,

@@ -21,22 +21,30 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 /// Recent forward-pass times by row count.
 #[derive(Debug, Clone, Default)]
 pub struct StepCostTable {
-    by_rows: BTreeMap<usize, VecDeque<f64>>,
+    /// Per row count, (pass number, seconds) of its recent passes.
+    by_rows: BTreeMap<usize, VecDeque<(u64, f64)>>,
     /// Row counts seen at least once: the first pass of a row count is not kept (on a GPU it captures the
     /// step's CUDA graph: 2.5-3.2 ms against 1.5 for a qwen2.5-coder-1.5b step on an H200). Kept, a row count
     /// seen twice (a request's last steps draft 1 or 2 tokens) had that capture as its median, a 2-row pass
     /// priced at twice a 4-row one, and a one-stream server stopped drafting for good.
     seen: BTreeSet<usize>,
+    /// Passes observed so far (the clock samples are aged by).
+    passes: u64,
 }
 
 impl StepCostTable {
     /// Samples kept per row count.
     pub const WINDOW: usize = 16;
+    /// A row count's samples older than this many passes are left out of its price while it has newer ones: a
+    /// machine's speed drifts (2-core CPU boxes here: 8-row passes at 80 ms in one minute, 130 in another), and
+    /// a count measured only long ago, beside counts measured now, compares two different machines.
+    pub const FRESH_PASSES: u64 = 128;
 
     pub fn observe(&mut self, rows: usize, seconds: f64) {
         if rows == 0 || !seconds.is_finite() || seconds < 0.0 {
             return;
         }
+        self.passes += 1;
         if self.seen.insert(rows) {
             return;
         }
@@ -44,13 +52,28 @@ impl StepCostTable {
         if w.len() == Self::WINDOW {
             w.pop_front();
         }
-        w.push_back(seconds);
+        w.push_back((self.passes, seconds));
     }
 
-    fn median(w: &VecDeque<f64>) -> f64 {
-        let mut v: Vec<f64> = w.iter().copied().collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+    /// The median of a row count's samples taken within [`Self::FRESH_PASSES`] passes, or of all of them when
+    /// none is that recent.
+    fn fresh_median(&self, w: &VecDeque<(u64, f64)>) -> f64 {
+        let fresh: Vec<f64> = w
+            .iter()
+            .filter(|(at, _)| self.passes - at < Self::FRESH_PASSES)
+            .map(|&(_, s)| s)
+            .collect();
+        if fresh.is_empty() {
+            median(w.iter().map(|&(_, s)| s))
+        } else {
+            median(fresh.into_iter())
+        }
+    }
+
+    /// Passes since `rows` rows were last measured (None: never kept).
+    pub fn age(&self, rows: usize) -> Option<u64> {
+        let (at, _) = self.by_rows.get(&rows)?.back()?;
+        Some(self.passes - at)
     }
 
     /// The time of a forward pass over `rows` rows (possibly fractional: an expected row count): interpolated
@@ -70,7 +93,7 @@ impl StepCostTable {
         let mut points: Vec<(f64, f64)> = self
             .by_rows
             .iter()
-            .map(|(&r, w)| (r as f64, Self::median(w)))
+            .map(|(&r, w)| (r as f64, self.fresh_median(w)))
             .collect();
         let mut cap = f64::INFINITY;
         for p in points.iter_mut().rev() {
@@ -79,6 +102,13 @@ impl StepCostTable {
         }
         CostCurve { points }
     }
+}
+
+/// The median of some samples (the upper one of an even count); at least one sample.
+fn median(samples: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = samples.collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// Median forward time by row count, at one moment (see [`StepCostTable::seconds`]).
@@ -237,6 +267,14 @@ impl DraftBudget {
     pub const MAX_PROBE_SLOWDOWN: f64 = 0.10;
     /// Failed probes in a row double the wait up to this many times (32 steps -> 256).
     pub const MAX_PROBE_BACKOFF: u32 = 3;
+    /// A step whose batch has not run undrafted for this many passes runs undrafted once ([`DraftPlan::
+    /// baseline_probe`]), when drafting is expected to win by less than [`Self::BASELINE_DOUBT`]: otherwise
+    /// what drafting is compared with is a price from another minute of the machine's life. A batch that drafts
+    /// every step never measures its undrafted pass: on 2 CPU cores an 8-stream server kept pricing it at
+    /// 127 ms from a slow minute while such passes took 88, and drafted at 0.86x of plain decoding.
+    pub const BASELINE_PROBE_EVERY: u64 = 32;
+    /// How far a stale price may be off: drafting expected to win by more than this needs no fresh baseline.
+    pub const BASELINE_DOUBT: f64 = 0.25;
     /// Steps kept for the round-cost fit, and the fewest it needs.
     const ROUND_WINDOW: usize = 48;
     const ROUND_MIN_STEPS: usize = 8;
@@ -273,7 +311,7 @@ impl DraftBudget {
                 w.pop_front();
             }
             w.push_back(v);
-            Some(StepCostTable::median(w))
+            Some(median(w.iter().copied()))
         };
         if other_s.is_finite() && other_s >= 0.0 {
             self.overhead_s = median_with(0, other_s);
@@ -457,6 +495,7 @@ impl DraftBudget {
                 expected_s: None,
                 expected_tokens: base_tokens as f64,
                 refused: None,
+                baseline_probe: false,
             };
         };
         let overhead = self.overhead_s.unwrap_or(0.0);
@@ -692,11 +731,33 @@ impl DraftBudget {
             draft_s = 0.0;
             tokens = base_tokens as f64;
         }
+        // The undrafted pass this step is compared with, measured again when its price is old and the decision
+        // close. Only a batch of decoding rows (a prompt chunk's row count may never recur), and only where an
+        // undrafted step leaves no drafter behind (a draft model that skips a step lags, and resumes only alone).
+        let drafted = tokens / step_time(rows, draft_s);
+        let baseline_probe = limits.iter().any(|&l| l > 0)
+            && base_rows == base_tokens
+            && candidates
+                .iter()
+                .zip(&limits)
+                .all(|(c, &l)| l == 0 || c.cheap_catch_up || c.lag == 0)
+            && drafted < undrafted * (1.0 + Self::BASELINE_DOUBT)
+            && self
+                .forward
+                .age(base_rows)
+                .is_none_or(|age| age >= Self::BASELINE_PROBE_EVERY);
+        if baseline_probe {
+            limits.iter_mut().for_each(|l| *l = 0);
+            rows = base_rows as f64;
+            draft_s = 0.0;
+            tokens = base_tokens as f64;
+        }
         DraftPlan {
             limits,
             expected_s: Some(step_time(rows, draft_s)),
             expected_tokens: tokens,
             refused,
+            baseline_probe,
         }
     }
 }
@@ -729,6 +790,8 @@ pub struct DraftPlan {
     pub expected_tokens: f64,
     /// Where the cost rule stopped adding drafts, if it did (not when every candidate got its maximum).
     pub refused: Option<Refusal>,
+    /// The step drafts nothing to measure its undrafted pass again ([`DraftBudget::BASELINE_PROBE_EVERY`]).
+    pub baseline_probe: bool,
 }
 
 #[cfg(test)]
@@ -811,6 +874,85 @@ mod tests {
         fresh.observe(1, 1e-3);
         fresh.observe(4, 2e-3);
         assert_eq!(fresh.seconds(2.0), None);
+    }
+
+    #[test]
+    fn a_row_counts_old_samples_give_way_to_new_ones() {
+        let mut t = StepCostTable::default();
+        // A slow minute: 8-row passes at 127 ms (the first pass of each count is not kept).
+        for _ in 0..9 {
+            t.observe(1, 0.030);
+            t.observe(8, 0.127);
+        }
+        assert!((t.seconds(8.0).unwrap() - 0.127).abs() < 1e-12);
+        // Long after, with no newer 8-row sample, the old ones still price it (nothing better is known)...
+        for _ in 0..StepCostTable::FRESH_PASSES {
+            t.observe(1, 0.030);
+        }
+        assert_eq!(t.age(8), Some(StepCostTable::FRESH_PASSES));
+        assert!((t.seconds(8.0).unwrap() - 0.127).abs() < 1e-12);
+        // ...until one arrives: then the new one alone, not a median that the old ones outvote.
+        t.observe(8, 0.088);
+        assert_eq!(t.age(8), Some(0));
+        assert!((t.seconds(8.0).unwrap() - 0.088).abs() < 1e-12);
+        assert_eq!(t.age(5), None);
+    }
+
+    /// Session 20's 8-stream CPU server: undrafted 8-row passes measured at 127 ms in a slow minute, then only
+    /// drafted 16-row passes (158 ms) for `drafted_steps` steps, eight requests each accepting `accepted` of
+    /// their one-token drafts.
+    fn stale_baseline(accepted: f64, drafted_steps: usize) -> DraftBudget {
+        let mut b = DraftBudget::new();
+        for _ in 0..9 {
+            b.observe_step(1, 0.030, 0, 0, 0, 0.0, 0.0);
+            b.observe_step(8, 0.127, 0, 0, 0, 0.0, 0.0);
+        }
+        for id in 1..=8 {
+            history(&mut b, id, 1, 40, accepted);
+        }
+        for _ in 0..drafted_steps {
+            b.observe_step(16, 0.158, 0, 0, 0, 0.0, 0.0);
+        }
+        b
+    }
+
+    #[test]
+    fn a_batch_that_drafts_every_step_measures_its_undrafted_pass_again() {
+        let heads: Vec<DraftCandidate> = one_token_candidates(1..=8, true);
+        // Against the old price (8 tokens in 127 ms) drafting (12 in 158) wins by 20%: drafted, while the
+        // undrafted price is recent enough.
+        let recent = DraftBudget::BASELINE_PROBE_EVERY as usize - 2;
+        let plan = stale_baseline(0.5, recent).plan(&heads, 8, 8);
+        assert_eq!(plan.limits, vec![1; 8], "{plan:?}");
+        assert!(!plan.baseline_probe);
+        // Once it is BASELINE_PROBE_EVERY passes old and the win is under BASELINE_DOUBT, one step runs undrafted.
+        let mut b = stale_baseline(0.5, 200);
+        let plan = b.plan(&heads, 8, 8);
+        assert!(plan.baseline_probe, "{plan:?}");
+        assert_eq!(plan.limits, vec![0; 8]);
+        assert!((plan.expected_tokens - 8.0).abs() < 1e-12);
+        // That step takes 88 ms: drafting no longer pays, and is refused by the cost rule, not probed again.
+        b.observe_step(8, 0.088, 0, 0, 0, 0.0, 0.0);
+        let plan = b.plan(&heads, 8, 8);
+        assert!(!plan.baseline_probe);
+        assert_eq!(plan.limits, vec![0; 8]);
+        assert!(plan.refused.is_some(), "{plan:?}");
+        // A draft that wins by far more than the old price could be off is not interrupted to measure it.
+        let plan = stale_baseline(0.95, 200).plan(&heads, 8, 8);
+        assert_eq!(plan.limits, vec![1; 8]);
+        assert!(!plan.baseline_probe);
+        // Nor a batch with a draft model: skipping a step leaves it behind, and it resumes only alone.
+        let models: Vec<DraftCandidate> = one_token_candidates(1..=8, false)
+            .into_iter()
+            .map(|c| DraftCandidate { lag: 2, ..c })
+            .collect();
+        let plan = stale_baseline(0.5, 200).plan(&models, 8, 8);
+        assert_eq!(plan.limits, vec![1; 8], "{plan:?}");
+        assert!(!plan.baseline_probe);
+        // Nor a step with prompt rows beside the decoding ones (that row count may never come again).
+        let plan = stale_baseline(0.5, 200).plan(&heads, 8, 7);
+        assert!(plan.limits.iter().any(|&l| l > 0), "{plan:?}");
+        assert!(!plan.baseline_probe, "{plan:?}");
     }
 
     /// This CPU's shape (qwen 1.5B, 2 threads): one row 30 ms, two 33.6, four 46, eight 73, sixteen 150.
