@@ -219,6 +219,41 @@ pub struct Engine {
     pub options: EngineOptions,
 }
 
+/// Prepares the target's steps before the server takes requests ([`specula::model::Model::prepare_steps`]: on a
+/// GPU, its step buffers at their final size and a CUDA graph for every decoding and verifying row count), so a
+/// load level's first steps do not pay for it. A failure only costs that: the steps prepare themselves on demand.
+fn prepare_steps(model: &LoadedModel, draft: &DraftSetup, options: &EngineOptions) {
+    let config = model.model.config();
+    let mut capture = match draft {
+        DraftSetup::Eagle3(head, _, _) => head
+            .config
+            .target_layers(config.num_layers)
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    };
+    capture.sort_unstable();
+    capture.dedup();
+    let speculating = !matches!(draft, DraftSetup::None);
+    let rows_per_request = 1 + if speculating { options.draft_tokens } else { 0 };
+    let batch = options.max_batch.max(1);
+    let shapes = specula::model::StepShapes {
+        max_rows: options.prefill_chunk + batch * rows_per_request,
+        max_sequences: batch,
+        max_logit_rows: batch * rows_per_request,
+        capture_layers: &capture,
+    };
+    let started = Instant::now();
+    match model.model.prepare_steps(&shapes) {
+        Ok(0) => {}
+        Ok(n) => eprintln!(
+            "prepared {n} step shapes on {} in {:.2} s",
+            model.model.device(),
+            started.elapsed().as_secs_f64()
+        ),
+        Err(e) => eprintln!("warning: preparing the steps failed ({e}); they prepare on demand"),
+    }
+}
+
 /// Why a job was not queued.
 pub enum SubmitError {
     QueueFull,
@@ -245,6 +280,7 @@ impl Engine {
         let tokenizer = model.tokenizer.clone();
         let chat_template = model.chat_template.clone();
         let vocab_size = model.model.config().vocab_size;
+        prepare_steps(&model, &draft, &options);
         let engine_metrics = metrics.clone();
         let profiling: Profiling = Arc::default();
         let engine_profiling = profiling.clone();

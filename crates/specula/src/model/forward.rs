@@ -71,6 +71,75 @@ pub trait Model: Send + Sync {
         let _ = exact;
         Box::new(crate::profile::MonotonicClock::new())
     }
+
+    /// Prepares the steps a server is about to run, before its first request: a backend that sizes its step
+    /// buffers on demand and captures each step shape's CUDA graph the first time it runs would otherwise
+    /// spend a serving level's first steps doing so (on an H200, 3-5 ms a new shape against 1.5 for a step).
+    /// Returns how many step shapes it prepared; nothing to do by default (the CPU).
+    fn prepare_steps(&self, shapes: &StepShapes<'_>) -> Result<usize> {
+        let _ = shapes;
+        Ok(0)
+    }
+}
+
+/// The steps a server will run ([`Model::prepare_steps`]).
+#[derive(Debug, Clone, Copy)]
+pub struct StepShapes<'a> {
+    /// The most rows of a step: a prompt chunk beside every decoding request's rows.
+    pub max_rows: usize,
+    /// The most sequences of a step.
+    pub max_sequences: usize,
+    /// The most rows of a step that need logits: every decoding request's pending token and drafts.
+    pub max_logit_rows: usize,
+    /// The layers every step captures (an EAGLE-3 head's), sorted.
+    pub capture_layers: &'a [usize],
+}
+
+/// Runs throwaway forward passes of the shapes in `shapes` (each sequence in a fresh cache, dropped after):
+/// first the largest step (its rows, then its sequences and logit rows), so the buffers sized on demand reach
+/// their final size before anything depends on them, then one pass of every row count up to
+/// `min(max_logit_rows, chain_rows)` with logits for every row (a decoding or verifying step of that many
+/// rows, whatever sequences they belong to). Returns the passes of the second kind.
+pub fn run_step_shapes(
+    model: &dyn Model,
+    shapes: &StepShapes<'_>,
+    chain_rows: usize,
+) -> Result<usize> {
+    let context = model.config().context_length;
+    let opts = ForwardOptions {
+        capture_layers: shapes.capture_layers,
+        vocab_limit: None,
+    };
+    let prof = Profiler::disabled();
+    let pass = |sequences: &[(usize, LogitsFor)]| -> Result<()> {
+        let tokens: Vec<Vec<u32>> = sequences.iter().map(|&(n, _)| vec![0u32; n]).collect();
+        let mut caches = sequences
+            .iter()
+            .map(|&(n, _)| model.new_cache(n))
+            .collect::<Result<Vec<_>>>()?;
+        let mut batch: Vec<SequenceInput<'_>> = caches
+            .iter_mut()
+            .zip(&tokens)
+            .zip(sequences)
+            .map(|((cache, tokens), &(_, logits))| SequenceInput {
+                tokens,
+                cache: cache.as_mut(),
+                logits,
+                tree: None,
+            })
+            .collect();
+        model.forward(&mut batch, &opts, &prof).map(|_| ())
+    };
+    let max_rows = shapes.max_rows.clamp(1, context);
+    pass(&[(max_rows, LogitsFor::Last)])?;
+    let sequences = shapes.max_sequences.max(1);
+    let per_sequence = shapes.max_logit_rows.div_ceil(sequences).clamp(1, context);
+    pass(&vec![(per_sequence, LogitsFor::All); sequences])?;
+    let last = shapes.max_logit_rows.min(chain_rows).min(context);
+    for rows in 1..=last {
+        pass(&[(rows, LogitsFor::All)])?;
+    }
+    Ok(last)
 }
 
 impl dyn Model + '_ {

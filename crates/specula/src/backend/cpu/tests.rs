@@ -386,3 +386,102 @@ fn vocab_limited_logits_are_a_prefix_of_the_full_logits() {
         }
     }
 }
+
+/// One forward pass as [`Recording`] saw it: each sequence's new rows and logits choice, and the captured layers.
+type RecordedPass = (Vec<(usize, LogitsFor)>, Vec<usize>);
+
+/// A model that records the batches it is asked to run.
+struct Recording<'a> {
+    inner: &'a dyn Model,
+    passes: std::sync::Mutex<Vec<RecordedPass>>,
+}
+
+impl Model for Recording<'_> {
+    fn config(&self) -> &crate::model::Config {
+        self.inner.config()
+    }
+    fn device(&self) -> String {
+        self.inner.device()
+    }
+    fn new_cache(&self, capacity: usize) -> crate::Result<Box<dyn SequenceCache>> {
+        self.inner.new_cache(capacity)
+    }
+    fn forward(
+        &self,
+        batch: &mut [SequenceInput<'_>],
+        opts: &ForwardOptions<'_>,
+        prof: &Profiler,
+    ) -> crate::Result<Vec<crate::model::ForwardOutput>> {
+        let seqs = batch.iter().map(|s| (s.tokens.len(), s.logits)).collect();
+        self.passes
+            .lock()
+            .unwrap()
+            .push((seqs, opts.capture_layers.to_vec()));
+        self.inner.forward(batch, opts, prof)
+    }
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
+    }
+    fn weight_types(&self) -> String {
+        self.inner.weight_types()
+    }
+    fn check_kernels(
+        &self,
+        tokens: &[u32],
+    ) -> crate::Result<Vec<crate::model::forward::KernelCheck>> {
+        self.inner.check_kernels(tokens)
+    }
+}
+
+#[test]
+fn preparing_steps_runs_the_largest_step_first_then_every_row_count() {
+    let (_dir, m) = load_tiny(&TinySpec::default());
+    let rec = Recording {
+        inner: m.model.as_ref(),
+        passes: Default::default(),
+    };
+    let capture = [0usize, 1];
+    let shapes = crate::model::StepShapes {
+        max_rows: 40,
+        max_sequences: 4,
+        max_logit_rows: 16,
+        capture_layers: &capture,
+    };
+    // The CPU has nothing to prepare.
+    assert_eq!(m.model.prepare_steps(&shapes).unwrap(), 0);
+    // What a GPU runs: rows up to 10 get a pass each (its graphs' limit), each with logits for every row.
+    assert_eq!(
+        crate::model::run_step_shapes(&rec, &shapes, 10).unwrap(),
+        10
+    );
+    let passes = rec.passes.into_inner().unwrap();
+    assert_eq!(passes.len(), 12);
+    assert!(passes.iter().all(|(_, c)| c == &capture));
+    assert_eq!(passes[0].0, vec![(40, LogitsFor::Last)]);
+    assert_eq!(passes[1].0, vec![(4, LogitsFor::All); 4]);
+    for (rows, (seqs, _)) in (1..=10).zip(&passes[2..]) {
+        assert_eq!(seqs, &vec![(rows, LogitsFor::All)]);
+    }
+    // Without a graph limit below it, every logit row count up to 16; a context shorter than a step is kept to.
+    let rec = Recording {
+        inner: m.model.as_ref(),
+        passes: Default::default(),
+    };
+    let n = crate::model::run_step_shapes(&rec, &shapes, usize::MAX).unwrap();
+    assert_eq!(n, 16);
+    let context = m.model.config().context_length;
+    let huge = crate::model::StepShapes {
+        max_rows: context * 4,
+        max_logit_rows: 3,
+        ..shapes
+    };
+    let rec = Recording {
+        inner: m.model.as_ref(),
+        passes: Default::default(),
+    };
+    crate::model::run_step_shapes(&rec, &huge, 64).unwrap();
+    assert_eq!(
+        rec.passes.lock().unwrap()[0].0,
+        vec![(context, LogitsFor::Last)]
+    );
+}

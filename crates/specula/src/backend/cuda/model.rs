@@ -13,8 +13,8 @@ use crate::error::{Error, Result};
 use crate::model::config::{Config, RopeStyle};
 use crate::model::dtype::GgmlType;
 use crate::model::forward::{
-    check_batch, ForwardOptions, ForwardOutput, KernelCheck, LogitsFor, Model, RowMatrix,
-    SequenceCache, SequenceInput,
+    check_batch, run_step_shapes, ForwardOptions, ForwardOutput, KernelCheck, LogitsFor, Model,
+    RowMatrix, SequenceCache, SequenceInput, StepShapes,
 };
 use crate::model::tensors::{LayerTensor, RawTensor, TensorNames, WeightSource};
 use crate::profile::Profiler;
@@ -1396,6 +1396,15 @@ impl Model for CudaModel {
             &self.config,
             capacity.min(self.config.context_length),
         )?))
+    }
+
+    /// The workspace at the server's largest step, and a captured graph for every row count up to the graphs'
+    /// limit (a verify of that many rows, or a plain step of that many sequences: one shape).
+    fn prepare_steps(&self, shapes: &StepShapes<'_>) -> Result<usize> {
+        if !graphs_enabled() {
+            return Ok(0);
+        }
+        run_step_shapes(self, shapes, MAX_GRAPH_ROWS)
     }
 
     fn forward(
