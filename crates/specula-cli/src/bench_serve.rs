@@ -1,6 +1,13 @@
 //! `specula bench-serve`: a load generator for OpenAI-compatible servers (specula's own, or llama.cpp's
 //! llama-server, vLLM, SGLang by URL), like vLLM's benchmark_serving: the same prompts at several concurrency
 //! levels, streaming, with throughput and TTFT / inter-token / end-to-end latency percentiles per level.
+//!
+//! Besides the level's throughput (its tokens over its wall time), the throughput while every client had a
+//! request in flight: a level of N requests ends with a drain, its last requests running beside fewer and fewer
+//! others, and a server whose requests finish at different times (speculation) spends longer there than one
+//! whose requests run in lock step. With few requests a level the drain can be a sixth of it (an H200, 32
+//! requests at 8 streams: 166 of 974 ms), so the level's throughput says more about the benchmark than the
+//! server; the steady figure is what a server under constant load delivers.
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::PathBuf;
@@ -62,6 +69,12 @@ struct Sample {
     /// Gaps between consecutive text chunks.
     itl_s: Vec<f64>,
     output_tokens: usize,
+    /// When it was sent and when each text chunk arrived (seconds since the level began), and each chunk's
+    /// length in characters (a chunk may carry several tokens: its share of the request's tokens is estimated
+    /// by its share of the text).
+    sent_s: f64,
+    chunk_s: Vec<f64>,
+    chunk_chars: Vec<usize>,
     /// From the final usage chunk, when the server sends one: prompt tokens, and those it took from a prefix
     /// cache (OpenAI's `prompt_tokens_details.cached_tokens`).
     prompt_tokens: Option<usize>,
@@ -77,7 +90,37 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-fn request(args: &BenchServeArgs, model: &str, prompt: &str) -> Sample {
+/// Output tokens per second while all `clients` had a request in flight: from the moment the last of the first
+/// `clients` requests was sent to the moment the level's last request was sent (each client sends its next
+/// request as soon as one returns, so every client is busy in between). None when that window is empty (no
+/// more requests than clients) or holds no text.
+fn steady_tokens_per_s(samples: &[&Sample], clients: usize) -> Option<f64> {
+    let mut sent: Vec<f64> = samples.iter().map(|s| s.sent_s).collect();
+    sent.sort_by(f64::total_cmp);
+    if sent.len() <= clients || clients == 0 {
+        return None;
+    }
+    let (from, to) = (sent[clients - 1], sent[sent.len() - 1]);
+    if to <= from {
+        return None;
+    }
+    let mut tokens = 0.0;
+    for s in samples {
+        let chars: usize = s.chunk_chars.iter().sum();
+        if chars == 0 {
+            continue;
+        }
+        let per_char = s.output_tokens as f64 / chars as f64;
+        for (&at, &n) in s.chunk_s.iter().zip(&s.chunk_chars) {
+            if at >= from && at < to {
+                tokens += n as f64 * per_char;
+            }
+        }
+    }
+    (tokens > 0.0).then(|| tokens / (to - from))
+}
+
+fn request(args: &BenchServeArgs, model: &str, prompt: &str, level_start: Instant) -> Sample {
     let (path, mut body) = if args.raw {
         (
             "/v1/completions",
@@ -97,6 +140,7 @@ fn request(args: &BenchServeArgs, model: &str, prompt: &str) -> Sample {
         body["ignore_eos"] = json!(true);
     }
     let start = Instant::now();
+    let sent_s = (start - level_start).as_secs_f64();
     let mut req = ureq::post(&format!("{}{path}", args.url.trim_end_matches('/')))
         .set("Content-Type", "application/json");
     if let Some(k) = &args.api_key {
@@ -120,7 +164,10 @@ fn request(args: &BenchServeArgs, model: &str, prompt: &str) -> Sample {
             }
         }
     };
-    let mut sample = Sample::default();
+    let mut sample = Sample {
+        sent_s,
+        ..Default::default()
+    };
     let mut last: Option<Instant> = None;
     let mut chunks = 0;
     let mut usage_tokens = None;
@@ -150,8 +197,10 @@ fn request(args: &BenchServeArgs, model: &str, prompt: &str) -> Sample {
         } else {
             &c["delta"]["content"]
         };
-        if text.as_str().is_some_and(|t| !t.is_empty()) {
+        if let Some(t) = text.as_str().filter(|t| !t.is_empty()) {
             let now = Instant::now();
+            sample.chunk_s.push((now - level_start).as_secs_f64());
+            sample.chunk_chars.push(t.chars().count());
             match last {
                 None => sample.ttft_s = (now - start).as_secs_f64(),
                 Some(t) => sample.itl_s.push((now - t).as_secs_f64()),
@@ -207,7 +256,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
         args.url, args.max_tokens, args.concurrency
     );
     println!(
-        "{:>5} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+        "{:>5} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>12}",
         "conc",
         "req/s",
         "out tok/s",
@@ -218,7 +267,8 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
         "e2e p50",
         "e2e p99",
         "errors",
-        "cached"
+        "cached",
+        "steady tok/s"
     );
     let prompts = Arc::new(prompts);
     let mut levels = Vec::new();
@@ -235,7 +285,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
                     if i >= n {
                         break;
                     }
-                    let s = request(args, model, &prompts[i % prompts.len()].prompt);
+                    let s = request(args, model, &prompts[i % prompts.len()].prompt, start);
                     let mut all = samples.lock().expect("samples");
                     all.push(s);
                     if show {
@@ -277,6 +327,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
             "requests_per_s": ok.len() as f64 / wall,
             "output_tokens": out_tokens,
             "output_tok_s": out_tokens as f64 / wall,
+            "steady_output_tok_s": steady_tokens_per_s(&ok, c),
             "prompt_tokens": prompt_tokens,
             "cached_prompt_tokens": cached,
             "ttft_s": {"p50": percentile(&ttft, 0.5), "p90": percentile(&ttft, 0.9), "p99": percentile(&ttft, 0.99)},
@@ -285,7 +336,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
         });
         let ms = |v: &Value| v.as_f64().unwrap_or(0.0) * 1e3;
         println!(
-            "{:>5} {:>8.2} {:>10.1} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.0}ms {:>7.0}ms {:>7} {:>7}",
+            "{:>5} {:>8.2} {:>10.1} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.0}ms {:>7.0}ms {:>7} {:>7} {:>12}",
             c,
             level["requests_per_s"].as_f64().unwrap_or(0.0),
             level["output_tok_s"].as_f64().unwrap_or(0.0),
@@ -299,7 +350,10 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
             match cached {
                 Some(c) if prompt_tokens > 0 => format!("{:.0}%", 100.0 * c as f64 / prompt_tokens as f64),
                 _ => "-".into(),
-            }
+            },
+            level["steady_output_tok_s"]
+                .as_f64()
+                .map_or("-".into(), |v| format!("{v:.1}"))
         );
         if let Some(e) = errors.first() {
             eprintln!(
@@ -317,4 +371,36 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
         eprintln!("results: {}", path.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(sent_s: f64, tokens: usize, chunks: &[(f64, usize)]) -> Sample {
+        Sample {
+            sent_s,
+            output_tokens: tokens,
+            chunk_s: chunks.iter().map(|c| c.0).collect(),
+            chunk_chars: chunks.iter().map(|c| c.1).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn steady_throughput_counts_only_while_every_client_is_busy() {
+        // Two clients, three requests: both busy from 0.0 (the second request's send) until 1.0 (the third's).
+        let a = sample(0.0, 10, &[(0.2, 5), (0.6, 5)]); // 10 tokens inside the window
+        let b = sample(0.0, 20, &[(0.5, 10), (1.5, 10)]); // 10 of its 20 inside
+        let c = sample(1.0, 8, &[(1.2, 2), (1.4, 2)]); // after the last send: the drain
+        let v = steady_tokens_per_s(&[&a, &b, &c], 2).unwrap();
+        assert!((v - 20.0).abs() < 1e-9, "{v}");
+        // A chunk of several tokens counts by its share of the request's text.
+        let d = sample(0.0, 9, &[(0.5, 2), (2.0, 1)]); // 6 tokens in the window, 3 after
+        let v = steady_tokens_per_s(&[&a, &d, &c], 2).unwrap();
+        assert!((v - 16.0).abs() < 1e-9, "{v}");
+        // No more requests than clients: no window where all were busy before the last was sent.
+        assert_eq!(steady_tokens_per_s(&[&a, &b], 2), None);
+        assert_eq!(steady_tokens_per_s(&[&a, &b, &c], 0), None);
+    }
 }

@@ -91,6 +91,10 @@ fn serve_answers_over_http_and_checks_its_flags() {
             "{l}"
         );
     }
+    // One client, three requests: it is busy from the first send to the third, so there is a steady window.
+    let steady = levels[0]["steady_output_tok_s"].as_f64();
+    assert!(steady.is_some_and(|v| v > 0.0), "{}", levels[0]);
+    assert!(stdout.contains("steady tok/s"), "{stdout}");
     assert_eq!(v["model"], m);
     // The second level sends the prompts the first did: their chat template's start, at least, comes from the
     // server's prefix cache, and bench-serve reports it.
