@@ -3,7 +3,8 @@
 # docs/gpu.md "Real models"):
 #   scripts/gpu-serve-real.sh BINARY OUTDIR MODELDIR PROMPTS.jsonl
 # `specula serve` plain, with prompt lookup, the 0.5B draft model or the EAGLE-3 head (adaptive draft lengths), each driven by
-# `specula bench-serve` (chat completions, ignore_eos, 128 tokens, 32 requests per level, 1-32 streams).
+# `specula bench-serve` (chat completions, ignore_eos, 128 tokens, REQUESTS (default 32) requests per level, 1-32
+# streams; its steady tok/s column is the throughput while every client is busy, without the level's drain).
 set -uo pipefail
 bin="$1"; out="$2"; models="$3"; prompts="$4"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -30,7 +31,7 @@ for name in ${CONFIGS:-plain ngram model}; do
     echo "== serve $name ($flags)"
     grep -i -E "speculat|draft" "$out/serve-$name.log" | head -3
     timeout 240 "$bin" bench-serve --url "http://127.0.0.1:$port" --prompts "$prompts" --ignore-eos -n 128 \
-        --requests 32 --concurrency "${LEVELS:-1,2,4,8,16,32}" --quiet --json "$out/bench-serve-$name.json" 2>&1
+        --requests "${REQUESTS:-32}" --concurrency "${LEVELS:-1,2,4,8,16,32}" --quiet --json "$out/bench-serve-$name.json" 2>&1
     curl -s "localhost:$port/metrics" > "$out/metrics-$name.txt"
     grep -E "^specula:spec_decode_num_(draft|accepted)_tokens |^specula:step_batch_size_(sum|count)" "$out/metrics-$name.txt"
     kill "$pid"; wait "$pid" 2>/dev/null
