@@ -1038,6 +1038,21 @@ impl<'a> EngineLoop<'a> {
             .zip(&before)
             .map(|(r, &b)| r.generation.generated().len() - b)
             .sum();
+        // How the step turned out against the budget's expectation (decoding steps only: a prompt chunk's first
+        // token and its rows are priced roughly), so the budget can tell whether its drafted steps keep their
+        // promises as well as its undrafted ones.
+        if let (Some((expected_s, expected_tokens)), 0) = (expected, report.prefill_rows) {
+            self.budget.borrow_mut().observe_outcome(
+                drafts_allowed > 0,
+                expected_s,
+                step_start.elapsed().as_secs_f64(),
+                expected_tokens,
+                committed as f64,
+            );
+            self.metrics
+                .outcome_calibration
+                .set(self.budget.borrow().outcome_calibration());
+        }
         self.record_step(
             &prof,
             step_start,

@@ -49,6 +49,9 @@ pub struct Metrics {
     /// What adaptive speculation currently prices (DraftBudget's measurements), by cost: draft_token,
     /// draft_pass, catch_up_token, step_overhead.
     pub draft_costs: GaugeVec,
+    /// How drafted steps turn out against the draft budget's expectations relative to undrafted ones (its
+    /// final comparison multiplies the drafted rate by this; 1 until measured).
+    pub outcome_calibration: Gauge,
 }
 
 impl Metrics {
@@ -135,8 +138,21 @@ impl Metrics {
         registry
             .register(Box::new(draft_costs.clone()))
             .expect("unique name");
+        let outcome_calibration = Gauge::new(
+            "specula:spec_decode_outcome_calibration",
+            "Adaptive speculation's check on itself: (committed / expected tokens of drafted steps) x (measured / \
+             expected time of undrafted steps) / (measured / expected time of drafted steps) over recent steps, \
+             within 0.8-1.25; the drafted steps' expected rate is multiplied by it before it is compared with not \
+             drafting. 1 until both kinds of step have been seen.",
+        )
+        .expect("valid gauge");
+        outcome_calibration.set(1.0);
+        registry
+            .register(Box::new(outcome_calibration.clone()))
+            .expect("unique name");
         Metrics {
             draft_costs,
+            outcome_calibration,
             batch_size: counts(
                 "specula:step_batch_size",
                 "Requests in each engine step's forward pass (continuous batching).",

@@ -251,6 +251,9 @@ pub struct DraftBudget {
     samples: [VecDeque<f64>; 4],
     requests: HashMap<u64, PositionCounts>,
     pooled: PositionCounts,
+    /// Recent steps' (expected seconds, measured seconds, expected tokens, committed tokens), undrafted [0] and
+    /// drafted [1] apart ([`Self::observe_outcome`]).
+    outcomes: [VecDeque<(f64, f64, f64, f64)>; 2],
 }
 
 impl DraftBudget {
@@ -275,6 +278,10 @@ impl DraftBudget {
     pub const BASELINE_PROBE_EVERY: u64 = 32;
     /// How far a stale price may be off: drafting expected to win by more than this needs no fresh baseline.
     pub const BASELINE_DOUBT: f64 = 0.25;
+    /// Steps of each kind (drafted, undrafted) whose outcomes calibrate the final comparison, and the fewest it
+    /// needs ([`Self::observe_outcome`]).
+    pub const OUTCOME_WINDOW: usize = 32;
+    pub const MIN_OUTCOMES: usize = 8;
     /// Steps kept for the round-cost fit, and the fewest it needs.
     const ROUND_WINDOW: usize = 48;
     const ROUND_MIN_STEPS: usize = 8;
@@ -408,6 +415,51 @@ impl DraftBudget {
             self.catch_up_token_s,
             self.overhead_s,
         )
+    }
+
+    /// A step's outcome beside what [`Self::plan`] expected of it: `drafted` whether it allowed drafts, its
+    /// expected and measured wall time, its expected and committed tokens (steps without prompt rows).
+    pub fn observe_outcome(
+        &mut self,
+        drafted: bool,
+        expected_s: f64,
+        measured_s: f64,
+        expected_tokens: f64,
+        tokens: f64,
+    ) {
+        let ok = |v: f64| v.is_finite() && v > 0.0;
+        if !(ok(expected_s) && ok(measured_s) && ok(expected_tokens) && tokens.is_finite()) {
+            return;
+        }
+        let w = &mut self.outcomes[usize::from(drafted)];
+        if w.len() == Self::OUTCOME_WINDOW {
+            w.pop_front();
+        }
+        // One hiccup (a page fault storm, another process) must not set the calibration: each step counts at
+        // most twice its expectation.
+        let measured_s = measured_s.clamp(0.5 * expected_s, 2.0 * expected_s);
+        w.push_back((expected_s, measured_s, expected_tokens, tokens));
+    }
+
+    /// How much better or worse drafted steps turn out against their expectations than undrafted ones: the ratio
+    /// (committed / expected tokens of drafted steps) x (measured / expected time of undrafted steps) / (measured
+    /// / expected time of drafted steps), over recent steps, within [0.8, 1.25]; 1 until both kinds have
+    /// [`Self::MIN_OUTCOMES`] steps. Totals, not medians: a step's time is a curve of its rows, and where that
+    /// curve bends up (on 2 CPU cores a pass of 6, 7, 8 rows costs 84, 104, 135 ms against 50 for 4) a drafted
+    /// step whose rows spread around their expected count costs more on average than the pass at that count.
+    pub fn outcome_calibration(&self) -> f64 {
+        let [undrafted, drafted] = &self.outcomes;
+        if undrafted.len() < Self::MIN_OUTCOMES || drafted.len() < Self::MIN_OUTCOMES {
+            return 1.0;
+        }
+        let sums = |w: &VecDeque<(f64, f64, f64, f64)>| {
+            w.iter().fold((0.0, 0.0, 0.0, 0.0), |a, b| {
+                (a.0 + b.0, a.1 + b.1, a.2 + b.2, a.3 + b.3)
+            })
+        };
+        let (ue, um, _, _) = sums(undrafted);
+        let (de, dm, dt, dc) = sums(drafted);
+        ((dc / dt) * (um / ue) / (dm / de)).clamp(0.8, 1.25)
     }
 
     /// A request's cycle: it was allowed `limit` tokens, drafted `drafted`, and `accepted` were accepted.
@@ -711,8 +763,11 @@ impl DraftBudget {
         // estimates' own error is larger than the gain (measured on a 4-stream CPU server: tokens over-estimated by
         // 5%, time by 6%), and a draft still costs what a gain of zero cannot repay (requests of equal length
         // fall out of step, so prompts arrive one at a time, in more and smaller prefills).
+        // Calibrated by how drafted and undrafted steps have turned out against these expectations: on 2 CPU
+        // cores at 4 streams drafted steps expected to win by 2% ran 15% slower than undrafted ones.
+        let calibration = self.outcome_calibration();
         let undrafted = base_tokens as f64 / step_time(base_rows as f64, 0.0);
-        let drafted = tokens / step_time(rows, draft_s);
+        let drafted = tokens / step_time(rows, draft_s) * calibration;
         if !probed.contains(&true)
             && limits.iter().any(|&l| l > 0)
             && drafted < undrafted * (1.0 + Self::STEP_MARGIN)
@@ -734,7 +789,7 @@ impl DraftBudget {
         // The undrafted pass this step is compared with, measured again when its price is old and the decision
         // close. Only a batch of decoding rows (a prompt chunk's row count may never recur), and only where an
         // undrafted step leaves no drafter behind (a draft model that skips a step lags, and resumes only alone).
-        let drafted = tokens / step_time(rows, draft_s);
+        let drafted = tokens / step_time(rows, draft_s) * calibration;
         let baseline_probe = limits.iter().any(|&l| l > 0)
             && base_rows == base_tokens
             && candidates
@@ -953,6 +1008,81 @@ mod tests {
         let plan = stale_baseline(0.5, 200).plan(&heads, 8, 7);
         assert!(plan.limits.iter().any(|&l| l > 0), "{plan:?}");
         assert!(!plan.baseline_probe, "{plan:?}");
+    }
+
+    #[test]
+    fn drafts_that_run_slower_than_expected_lose_their_narrow_win() {
+        // Alone on the CPU-like table a draft right 20% of the time is expected to raise the step's rate ~7%.
+        let one = [DraftCandidate {
+            id: 1,
+            max_tokens: 1,
+            lag: 0,
+            shared_by: 1,
+            cheap_catch_up: false,
+        }];
+        let budget = || {
+            let mut b = cpu_like();
+            history(&mut b, 1, 1, 400, 0.2);
+            b
+        };
+        let plan = budget().plan(&one, 1, 1);
+        assert_eq!(plan.limits, vec![1]);
+        let undrafted_s = budget().forward.seconds(1.0).unwrap() + 0.0005;
+        let (drafted_s, drafted_tokens) = (plan.expected_s.unwrap(), plan.expected_tokens);
+        let outcomes =
+            |b: &mut DraftBudget, n: usize, drafted_slowdown: f64, undrafted_slowdown: f64| {
+                for _ in 0..n {
+                    b.observe_outcome(
+                        true,
+                        drafted_s,
+                        drafted_s * drafted_slowdown,
+                        drafted_tokens,
+                        drafted_tokens,
+                    );
+                    b.observe_outcome(
+                        false,
+                        undrafted_s,
+                        undrafted_s * undrafted_slowdown,
+                        1.0,
+                        1.0,
+                    );
+                }
+            };
+        // Drafted steps take 12% longer than expected, undrafted ones as expected: drafting is refused.
+        let mut b = budget();
+        outcomes(&mut b, DraftBudget::MIN_OUTCOMES, 1.12, 1.0);
+        assert!((b.outcome_calibration() - 1.0 / 1.12).abs() < 1e-9);
+        let plan = b.plan(&one, 1, 1);
+        assert_eq!(plan.limits, vec![0], "{plan:?}");
+        assert!(plan.refused.is_some());
+        // Both kinds 12% slower (the machine, not the drafts): the decision stands.
+        let mut b = budget();
+        outcomes(&mut b, DraftBudget::MIN_OUTCOMES, 1.12, 1.12);
+        assert!((b.outcome_calibration() - 1.0).abs() < 1e-9);
+        assert_eq!(b.plan(&one, 1, 1).limits, vec![1]);
+        // Too few steps to judge: no correction.
+        let mut b = budget();
+        outcomes(&mut b, DraftBudget::MIN_OUTCOMES - 1, 1.12, 1.0);
+        assert_eq!(b.outcome_calibration(), 1.0);
+        assert_eq!(b.plan(&one, 1, 1).limits, vec![1]);
+        // A hiccup counts as twice its expectation at most, and the correction stays within [0.8, 1.25].
+        let mut b = budget();
+        outcomes(&mut b, DraftBudget::MIN_OUTCOMES, 50.0, 1.0);
+        assert_eq!(b.outcome_calibration(), 0.8);
+        // Fewer tokens than expected count against drafting too.
+        let mut b = budget();
+        for _ in 0..DraftBudget::MIN_OUTCOMES {
+            b.observe_outcome(
+                true,
+                drafted_s,
+                drafted_s,
+                drafted_tokens,
+                0.9 * drafted_tokens,
+            );
+            b.observe_outcome(false, undrafted_s, undrafted_s, 1.0, 1.0);
+        }
+        assert!((b.outcome_calibration() - 0.9).abs() < 1e-9);
+        assert_eq!(b.plan(&one, 1, 1).limits, vec![0]);
     }
 
     /// This CPU's shape (qwen 1.5B, 2 threads): one row 30 ms, two 33.6, four 46, eight 73, sixteen 150.
