@@ -1404,7 +1404,22 @@ impl Model for CudaModel {
         if !graphs_enabled() {
             return Ok(0);
         }
-        run_step_shapes(self, shapes, MAX_GRAPH_ROWS)
+        // The workspace is sized for the largest step the flags allow, which a full batch would ask for anyway;
+        // but its split-K scratch grows with rows x the vocabulary (2.5 GB at the default 512 rows of a
+        // 152k-vocabulary model), and `--max-batch 1024` with long drafts would ask for tens of GB at start.
+        // Beyond 8 GiB of scratch the workspace grows on demand, as before.
+        let c = &self.config;
+        let width = (c.q_dim() + 2 * c.kv_dim())
+            .max(c.hidden_size)
+            .max(c.vocab_size);
+        let cap = ((8usize << 30) / (MAX_SPLITS * width * std::mem::size_of::<f32>()))
+            .max(MAX_GRAPH_ROWS);
+        let shapes = StepShapes {
+            max_rows: shapes.max_rows.min(cap),
+            max_logit_rows: shapes.max_logit_rows.min(cap),
+            ..*shapes
+        };
+        run_step_shapes(self, &shapes, MAX_GRAPH_ROWS)
     }
 
     fn forward(
