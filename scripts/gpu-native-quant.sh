@@ -5,8 +5,10 @@
 # reference; verify = steps), greedy output native = bf16 (plain and with the head), then decode speed both ways
 # alternating, and the head's chain with native weights. Summary last (OUTDIR/native.txt).
 #   scripts/gpu-native-quant.sh BINARY OUTDIR MODELDIR PROMPTS.jsonl [HEAD_DIR]
-# Without HEAD_DIR the head's parts are left out.
+# Without HEAD_DIR the head's parts are left out. TOGGLE=SPECULA_CUDA_NATIVE_MIXED compares Q/K/V of mixed types
+# as mixed parts (the default) against the same stacked as bf16, instead of native against bf16.
 set -uo pipefail
+toggle="${TOGGLE:-SPECULA_CUDA_NATIVE_QUANT}"
 bin="$1"; out="$2"; models="$3"; prompts="$4"; head="${5:-}"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SPECULA_CACHE="$models"
@@ -31,17 +33,17 @@ for cfg in "${configs[@]}"; do
   [ "$cfg" = head ] && flags=(--draft eagle3 --draft-model "$head" --draft-tokens 3)
   same=0
   for p in "${texts[@]}"; do
-    a=$(SPECULA_CUDA_NATIVE_QUANT=0 timeout 120 "$bin" generate -m qwen2.5-coder-1.5b --device cuda -p "$p" -n 96 "${flags[@]}" 2>/dev/null)
-    b=$(SPECULA_CUDA_NATIVE_QUANT=1 timeout 120 "$bin" generate -m qwen2.5-coder-1.5b --device cuda -p "$p" -n 96 "${flags[@]}" 2>/dev/null)
+    a=$(env "$toggle=0" timeout 120 "$bin" generate -m qwen2.5-coder-1.5b --device cuda -p "$p" -n 96 "${flags[@]}" 2>/dev/null)
+    b=$(env "$toggle=1" timeout 120 "$bin" generate -m qwen2.5-coder-1.5b --device cuda -p "$p" -n 96 "${flags[@]}" 2>/dev/null)
     [ -n "$a" ] && [ "$a" = "$b" ] && same=$((same + 1))
   done
-  echo "greedy $cfg, native = bf16: $same of ${#texts[@]} prompts" >> "$summary"
+  echo "greedy $cfg, $toggle 0 = 1: $same of ${#texts[@]} prompts" >> "$summary"
 done
 for round in 1 2; do
   for native in 0 1; do
-    SPECULA_CUDA_NATIVE_QUANT=$native timeout 120 "$bin" bench -m qwen2.5-coder-1.5b --device cuda --prompts "$prompts" \
+    env "$toggle=$native" timeout 120 "$bin" bench -m qwen2.5-coder-1.5b --device cuda --prompts "$prompts" \
       -n 128 --quiet --json "$out/plain-$native-$round.json" > "$out/plain-$native-$round.txt" 2>&1
-    echo "round $round native=$native: $(grep -E '^plain' "$out/plain-$native-$round.txt")" >> "$summary"
+    echo "round $round $toggle=$native: $(grep -E '^plain' "$out/plain-$native-$round.txt")" >> "$summary"
   done
 done
 [ -n "$head" ] && SPECULA_CUDA_NATIVE_QUANT=1 timeout 150 "$bin" bench -m qwen2.5-coder-1.5b --device cuda --prompts "$prompts" -n 128 \

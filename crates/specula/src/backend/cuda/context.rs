@@ -25,6 +25,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_i8_8_d2",
     "gemv_i8_16",
     "gemv_i8_32",
+    "gemv_mixed_8_d4",
+    "gemv_mixed_8_d2",
+    "gemv_mixed_16",
+    "gemv_mixed_32",
     "gemm_mma_32",
     "gemm_mma_64",
     "splitk_reduce",
@@ -55,6 +59,9 @@ pub struct Kernels {
     pub gemv_q4k: [CudaFunction; 4],
     /// And over scaled-int8 weights (native Q6_K, Q8_0, Q5_0: layout.rs `tile_q6k` ...).
     pub gemv_i8: [CudaFunction; 4],
+    /// And over a matrix stacked from parts of different formats (`layout::MixedParts`), each row block
+    /// through its part's path.
+    pub gemv_mixed: [CudaFunction; 4],
     /// The same sums for many tokens, four row blocks a block: 32 and 64 tokens a block (off unless
     /// `SPECULA_CUDA_GEMM_ROWS` asks for it: slower than the GEMV since activations come split).
     pub gemm_mma: [CudaFunction; 2],
@@ -120,8 +127,28 @@ pub fn compile_kernels(arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
     check_library_present("NVRTC (libnvrtc.so)", || unsafe {
         cudarc::nvrtc::sys::is_culib_present()
     })?;
+    // Kernel work on the device: `SPECULA_CUDA_KERNELS_SOURCE=FILE` compiles a variant of kernels.cu instead of
+    // the built-in one (same kernel names and arguments), so variants can be compared with one binary.
+    let source: std::borrow::Cow<'static, str> = match std::env::var_os(
+        "SPECULA_CUDA_KERNELS_SOURCE",
+    ) {
+        Some(path) => {
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                Error::Cuda(format!(
+                    "reading SPECULA_CUDA_KERNELS_SOURCE {}: {e}",
+                    std::path::Path::new(&path).display()
+                ))
+            })?;
+            eprintln!(
+                "kernels: compiling {} (SPECULA_CUDA_KERNELS_SOURCE) instead of the built-in kernels.cu",
+                std::path::Path::new(&path).display()
+            );
+            text.into()
+        }
+        None => KERNELS_SOURCE.into(),
+    };
     compile_ptx_with_opts(
-        KERNELS_SOURCE,
+        source,
         CompileOptions {
             arch: Some(arch),
             options: vec!["--std=c++17".into()],
@@ -201,6 +228,12 @@ impl Gpu {
                 f("gemv_i8_8_d2")?,
                 f("gemv_i8_16")?,
                 f("gemv_i8_32")?,
+            ],
+            gemv_mixed: [
+                f("gemv_mixed_8_d4")?,
+                f("gemv_mixed_8_d2")?,
+                f("gemv_mixed_16")?,
+                f("gemv_mixed_32")?,
             ],
             gemm_mma: [f("gemm_mma_32")?, f("gemm_mma_64")?],
             splitk_reduce: f("splitk_reduce")?,

@@ -338,16 +338,18 @@ struct ScaledI8Weights {
 // the weights are read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT. (8 tiles
 // a block, at one chunk in flight a warp for want of registers, was slower on an H200: 5.75 ms against 3.71 for a
 // 64-row pass of the qwen2.5-1.5b shape.)
+// `w` holds the tiles of row blocks `first_block` on (a part of a mixed matrix, or the whole one).
 template <typename W, int NT, int DEPTH>
 __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const uint4* __restrict__ xs,
                                               float* __restrict__ y, int n, int k, int chunks, int m, int accumulate,
-                                              int splits, float* __restrict__ scratch, int silu_pairs) {
+                                              int splits, float* __restrict__ scratch, int silu_pairs,
+                                              int first_block = 0) {
     __shared__ float partial[MMA_WARPS - 1][NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int block = blockIdx.x;
     const int per_split = (chunks + splits - 1) / splits;
     const int c_begin = blockIdx.z * per_split, c_end = min(chunks, c_begin + per_split);
-    const uint4* tiles = w + (size_t)block * chunks * W::TILE_U4;
+    const uint4* tiles = w + (size_t)(block - first_block) * chunks * W::TILE_U4;
     if (block * 16 < n) {
         // Weights never depend on an earlier kernel: start pulling the warp's first four chunks into L2 (lanes
         // 8j..8j+7 take the 128-byte lines of chunk j) while the previous kernel finishes.
@@ -454,6 +456,48 @@ GEMV_MMA_KERNEL(gemv_i8_8_d4, ScaledI8Weights, 1, 4)
 GEMV_MMA_KERNEL(gemv_i8_8_d2, ScaledI8Weights, 1, 2)
 GEMV_MMA_KERNEL(gemv_i8_16, ScaledI8Weights, 2, 2)
 GEMV_MMA_KERNEL(gemv_i8_32, ScaledI8Weights, 4, 2)
+
+// A matrix stacked from parts of different formats (Q, K and V of mixed GGUF types): row blocks [0, first1) in
+// format f & 3, [first1, first2) in (f >> 2) & 3, [first2, ...) in (f >> 4) & 3 (0 bf16, 1 nibble, 2 scaled int8),
+// each part's tiles at its offset (in 16-byte units) into `w`. Every block takes one part's path, so every output
+// is that format's kernel's bits, which are the bf16 GEMV's.
+template <int NT, int DEPTH>
+__device__ __forceinline__ void gemv_mixed_tile(const uint4* __restrict__ w, const uint4* __restrict__ xs,
+                                                float* __restrict__ y, int n, int k, int chunks, int m,
+                                                int accumulate, int splits, float* __restrict__ scratch,
+                                                int silu_pairs, int first1, int first2, u64 offset1, u64 offset2,
+                                                int formats) {
+    const int block = blockIdx.x;
+    const int part = block >= first2 ? 2 : (block >= first1 ? 1 : 0);
+    const int first = part == 2 ? first2 : (part == 1 ? first1 : 0);
+    const uint4* tiles = w + (part == 2 ? offset2 : (part == 1 ? offset1 : 0));
+    switch ((formats >> (2 * part)) & 3) {
+        case 1:
+            gemv_mma_tile<Q4kWeights, NT, DEPTH>(tiles, xs, y, n, k, chunks, m, accumulate, splits, scratch,
+                                                 silu_pairs, first);
+            break;
+        case 2:
+            gemv_mma_tile<ScaledI8Weights, NT, DEPTH>(tiles, xs, y, n, k, chunks, m, accumulate, splits, scratch,
+                                                      silu_pairs, first);
+            break;
+        default:
+            gemv_mma_tile<Bf16Weights, NT, DEPTH>(tiles, xs, y, n, k, chunks, m, accumulate, splits, scratch,
+                                                  silu_pairs, first);
+    }
+}
+
+#define GEMV_MIXED_KERNEL(name, NT, DEPTH)                                                                      \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                                 \
+        name(const uint4* __restrict__ w, const uint4* __restrict__ xs, float* __restrict__ y, int n, int k,       \
+             int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs,        \
+             int first1, int first2, u64 offset1, u64 offset2, int formats) {                                  \
+        gemv_mixed_tile<NT, DEPTH>(w, xs, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs, first1,  \
+                                   first2, offset1, offset2, formats);                                         \
+    }
+GEMV_MIXED_KERNEL(gemv_mixed_8_d4, 1, 4)
+GEMV_MIXED_KERNEL(gemv_mixed_8_d2, 1, 2)
+GEMV_MIXED_KERNEL(gemv_mixed_16, 2, 2)
+GEMV_MIXED_KERNEL(gemv_mixed_32, 4, 2)
 
 // The GEMV's sums for many tokens at once (prefill, wide verifies and trees, batched serving), bit for bit: a
 // block of GEMM_ROW_BLOCKS x GEMM_TOKEN_GROUPS warps owns GEMM_ROW_BLOCKS row blocks and GEMM_TOKEN_GROUPS * NT

@@ -325,6 +325,132 @@ pub fn scaled_i8_tile_value(tile: &[u16], i: usize, c: usize) -> u16 {
     half::bf16::from_f32(f * f32::from(q)).to_bits()
 }
 
+/// The tile formats the GEMV reads, numbered as the mixed GEMV (kernels.cu `gemv_mixed_tile`) numbers them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileFormat {
+    Bf16 = 0,
+    /// Q4_K and Q4_1 (`tile_q4k`, `tile_q4_1`).
+    Nibble = 1,
+    /// Q6_K, Q8_0, Q5_0 and Q4_0 (`tile_q6k` ...).
+    ScaledI8 = 2,
+}
+
+impl TileFormat {
+    pub fn tile_bytes(self) -> usize {
+        match self {
+            TileFormat::Bf16 => 2 * TILE,
+            TileFormat::Nibble => Q4K_TILE_BYTES,
+            TileFormat::ScaledI8 => I8_TILE_BYTES,
+        }
+    }
+
+    /// The bf16 value of (row i, input c) of one tile, as the GEMV computes it.
+    pub fn tile_value(self, tile: &[u16], i: usize, c: usize) -> u16 {
+        match self {
+            TileFormat::Bf16 => tile[tiled_index(i, c, 1)],
+            TileFormat::Nibble => q4k_tile_value(tile, i, c),
+            TileFormat::ScaledI8 => scaled_i8_tile_value(tile, i, c),
+        }
+    }
+}
+
+/// Up to three parts of different tile formats stacked by rows (Q, K and V of mixed GGUF types): row blocks
+/// `[0, first[0])` are part 0, `[first[0], first[1])` part 1, the rest part 2; part p's tiles start at
+/// `offsets[p]` 16-byte units into the buffer (kernels.cu `gemv_mixed_tile` takes exactly these).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MixedParts {
+    pub formats: [TileFormat; 3],
+    pub first: [usize; 2],
+    pub offsets: [usize; 3],
+}
+
+impl MixedParts {
+    /// The formats packed two bits a part, as the kernel's `formats` argument.
+    pub fn packed_formats(&self) -> i32 {
+        self.formats
+            .iter()
+            .enumerate()
+            .map(|(p, &f)| (f as i32) << (2 * p))
+            .sum()
+    }
+
+    /// The part row block `block` belongs to, and that part's first row block.
+    fn part_of(&self, block: usize) -> (usize, usize) {
+        if block >= self.first[1] {
+            (2, self.first[1])
+        } else if block >= self.first[0] {
+            (1, self.first[0])
+        } else {
+            (0, 0)
+        }
+    }
+
+    /// The bf16 value of (row, col) of the stacked matrix (`chunks` chunks a row block) as the mixed GEMV reads
+    /// it from `data` (u16 words).
+    pub fn value(&self, data: &[u16], chunks: usize, row: usize, col: usize) -> u16 {
+        let block = row / ROW_BLOCK;
+        let (part, first) = self.part_of(block);
+        let format = self.formats[part];
+        let words = format.tile_bytes() / 2;
+        let start = self.offsets[part] * 8 + ((block - first) * chunks + col / CHUNK) * words;
+        format.tile_value(&data[start..start + words], row % ROW_BLOCK, col % CHUNK)
+    }
+}
+
+/// Tiled parts (format, tiles as u16 words, rows) of a `k`-input matrix stacked into one buffer for the mixed
+/// GEMV. At most three parts; every part but the last must be whole row blocks (its rows a multiple of 16), and
+/// each part's tiles must be its whole tiled size.
+pub fn stack_tiled_parts(
+    parts: &[(TileFormat, &[u16], usize)],
+    k: usize,
+) -> Result<(Vec<u16>, MixedParts), String> {
+    if parts.is_empty() || parts.len() > 3 {
+        return Err(format!(
+            "a mixed matrix takes 1 to 3 parts, got {}",
+            parts.len()
+        ));
+    }
+    let chunks = k.div_ceil(CHUNK);
+    let mut data = Vec::new();
+    let mut formats = [parts[parts.len() - 1].0; 3];
+    let mut offsets = [0usize; 3];
+    let mut first = [usize::MAX; 2];
+    let mut block = 0usize;
+    for (p, &(format, tiles, rows)) in parts.iter().enumerate() {
+        if p + 1 < parts.len() && rows % ROW_BLOCK != 0 {
+            return Err(format!(
+                "part {p} of a mixed matrix has {rows} rows, not a multiple of {ROW_BLOCK}"
+            ));
+        }
+        let want = rows.div_ceil(ROW_BLOCK) * chunks * format.tile_bytes() / 2;
+        if tiles.len() != want {
+            return Err(format!(
+                "part {p} of a mixed matrix ({rows} x {k}, {format:?}) has {} tile words, expected {want}",
+                tiles.len()
+            ));
+        }
+        if p > 0 {
+            first[p - 1] = block;
+        }
+        formats[p] = format;
+        offsets[p] = data.len() / 8;
+        data.extend_from_slice(tiles);
+        block += rows.div_ceil(ROW_BLOCK);
+    }
+    // Parts not present start past the last row block, so no block takes them.
+    for f in first.iter_mut() {
+        *f = (*f).min(block);
+    }
+    Ok((
+        data,
+        MixedParts {
+            formats,
+            first,
+            offsets,
+        },
+    ))
+}
+
 /// u32 words of a split activation buffer for `rows` tokens of `k` inputs (kernels.cu `store_split_pair`):
 /// each input is a bf16 hi + lo pair (4 bytes), tokens padded to whole 8-token tiles and inputs to whole chunks.
 pub fn split_len(rows: usize, k: usize) -> usize {
@@ -473,6 +599,87 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Q (Q4_K), K (Q4_K) and V (Q6_K) of different types stacked for the mixed GEMV: every value read through
+    /// the stacked layout equals the host's bf16 of that part's dequantization; a ragged inner part is refused.
+    #[test]
+    fn mixed_parts_read_each_part_as_its_own_format() {
+        let k = 256;
+        let make = |rows: usize, ty: GgmlType, seed: u64| {
+            let values: Vec<f32> = (0..rows * k)
+                .map(|i| {
+                    let h = (i as u64 + seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                    (h as f32 / (1u64 << 24) as f32) - 0.5
+                })
+                .collect();
+            let raw = Weight::quantize(&values, rows, k, ty).unwrap().raw_bytes();
+            let host: Vec<u16> = Weight::from_raw(ty, &raw, rows, k)
+                .unwrap()
+                .to_f32()
+                .into_iter()
+                .map(|v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            (raw, host)
+        };
+        let (q_raw, q_host) = make(32, GgmlType::Q4K, 1);
+        let (k_raw, k_host) = make(16, GgmlType::Q4K, 2);
+        let (v_raw, v_host) = make(16, GgmlType::Q6K, 3);
+        // Q and K share a format: two parts, Q4_K (48 rows) then Q6_K.
+        let qk_raw = [q_raw.clone(), k_raw].concat();
+        let qk = tile_q4k(&qk_raw, 48, k).unwrap();
+        let v = tile_q6k(&v_raw, 16, k).unwrap();
+        let (data, parts) = stack_tiled_parts(
+            &[
+                (TileFormat::Nibble, &qk, 48),
+                (TileFormat::ScaledI8, &v, 16),
+            ],
+            k,
+        )
+        .unwrap();
+        assert_eq!(parts.first, [3, 4]);
+        assert_eq!(parts.packed_formats(), 1 | (2 << 2) | (2 << 4));
+        let host = [q_host.clone(), k_host, v_host].concat();
+        let chunks = k / CHUNK;
+        for row in 0..64 {
+            for col in 0..k {
+                assert_eq!(
+                    parts.value(&data, chunks, row, col),
+                    host[row * k + col],
+                    "({row}, {col})"
+                );
+            }
+        }
+        // A bf16 part beside a native one: three parts, the middle one bf16.
+        let mid = random_bf16(16 * k, 9);
+        let mid_tiled = tile_matrix(&mid, 16, k);
+        let q_tiled = tile_q4k(&q_raw, 32, k).unwrap();
+        let (data, parts) = stack_tiled_parts(
+            &[
+                (TileFormat::Nibble, &q_tiled, 32),
+                (TileFormat::Bf16, &mid_tiled, 16),
+                (TileFormat::ScaledI8, &v, 16),
+            ],
+            k,
+        )
+        .unwrap();
+        assert_eq!(parts.first, [2, 3]);
+        for col in 0..k {
+            assert_eq!(parts.value(&data, chunks, 5, col), q_host[5 * k + col]);
+            assert_eq!(parts.value(&data, chunks, 32 + 7, col), mid[7 * k + col]);
+        }
+        let ragged = tile_matrix(&random_bf16(8 * k, 4), 8, k);
+        let e = stack_tiled_parts(
+            &[
+                (TileFormat::Bf16, &ragged, 8),
+                (TileFormat::ScaledI8, &v, 16),
+            ],
+            k,
+        )
+        .unwrap_err();
+        assert!(e.contains("8 rows"), "{e}");
+        let e = stack_tiled_parts(&[(TileFormat::ScaledI8, &v[1..], 16)], k).unwrap_err();
+        assert!(e.contains("tile words"), "{e}");
     }
 
     #[test]

@@ -99,6 +99,32 @@ fn native_quant() -> bool {
     })
 }
 
+/// Whether matrices stacked from parts of different native types (Q, K and V of a Q4_K_M model) stay native as
+/// mixed parts (the default; `SPECULA_CUDA_NATIVE_MIXED=0` stacks them as bf16, as before the mixed GEMV).
+fn native_mixed() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("SPECULA_CUDA_NATIVE_MIXED").as_deref(),
+            Ok("0")
+        )
+    })
+}
+
+/// Kernel kinds a step leaves out (`SPECULA_CUDA_SKIP_KERNELS=norm,qkv,qkv_post,attention,out,gate_up,down`),
+/// to measure what each kind costs inside a captured step by difference (scripts/gpu-step-breakdown.sh). The
+/// step's outputs are meaningless while it is set; it is never set in use.
+fn skipped(kind: &str) -> bool {
+    static SKIP: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    SKIP.get_or_init(|| {
+        std::env::var("SPECULA_CUDA_SKIP_KERNELS")
+            .map(|v| v.split(',').map(|k| k.trim().to_string()).collect())
+            .unwrap_or_default()
+    })
+    .iter()
+    .any(|k| k == kind)
+}
+
 /// Weights a block of a GGUF type with a native GPU format holds (its rows must be whole blocks); None for the
 /// others (uploaded as bf16).
 fn native_block(ty: GgmlType) -> Option<usize> {
@@ -109,10 +135,12 @@ fn native_block(ty: GgmlType) -> Option<usize> {
     }
 }
 
-/// A matrix on the host before upload: bf16 values, or a quantized tensor's GGUF bytes kept for a native GEMV.
+/// A matrix on the host before upload: bf16 values, or a quantized tensor's GGUF bytes kept for a native GEMV,
+/// or parts of both kinds stacked by rows (each `(part, rows)`; the mixed GEMV).
 enum HostMatrix {
     Bf16(Vec<u16>),
     Native(GgmlType, Vec<u8>),
+    Parts(Vec<(HostMatrix, usize)>),
 }
 
 impl HostMatrix {
@@ -128,32 +156,56 @@ impl HostMatrix {
             .into_iter()
             .map(|v| half::bf16::from_f32(v).to_bits())
             .collect()),
+            HostMatrix::Parts(parts) => {
+                let mut values = Vec::with_capacity(rows * cols);
+                for (p, r) in parts {
+                    values.extend(p.into_bf16(r, cols)?);
+                }
+                Ok(values)
+            }
         }
     }
 
     fn native_type(&self) -> Option<GgmlType> {
         match self {
             HostMatrix::Native(ty, _) => Some(*ty),
-            HostMatrix::Bf16(_) => None,
+            HostMatrix::Bf16(_) | HostMatrix::Parts(_) => None,
         }
     }
 }
 
 /// Row-stacked parts (each `(matrix, rows)`, `cols` wide) as one matrix: native when every part is of the same
-/// native type, else bf16.
+/// native type; mixed parts (the mixed GEMV) when some are native and every part but the last is whole row blocks
+/// (neighbours of one native type merged, at most three parts); else bf16.
 fn stack_parts(parts: Vec<(HostMatrix, usize)>, cols: usize) -> Result<HostMatrix> {
-    let first = parts.first().and_then(|(p, _)| p.native_type());
-    if let Some(ty) = first.filter(|_| parts.iter().all(|(p, _)| p.native_type() == first)) {
-        let mut bytes = Vec::new();
-        for (p, _) in parts {
-            if let HostMatrix::Native(_, b) = p {
-                bytes.extend(b);
+    let mut merged: Vec<(HostMatrix, usize)> = Vec::new();
+    for (p, rows) in parts {
+        if let (Some((HostMatrix::Native(prev_ty, prev), prev_rows)), HostMatrix::Native(ty, b)) =
+            (merged.last_mut(), &p)
+        {
+            if prev_ty == ty {
+                prev.extend_from_slice(b);
+                *prev_rows += rows;
+                continue;
             }
         }
-        return Ok(HostMatrix::Native(ty, bytes));
+        merged.push((p, rows));
+    }
+    if merged.len() == 1 {
+        return Ok(merged
+            .pop()
+            .map(|(p, _)| p)
+            .unwrap_or(HostMatrix::Bf16(Vec::new())));
+    }
+    let any_native = merged.iter().any(|(p, _)| p.native_type().is_some());
+    let whole_blocks = merged[..merged.len() - 1]
+        .iter()
+        .all(|(_, rows)| rows % layout::ROW_BLOCK == 0);
+    if any_native && whole_blocks && merged.len() <= 3 && native_mixed() {
+        return Ok(HostMatrix::Parts(merged));
     }
     let mut values = Vec::new();
-    for (p, rows) in parts {
+    for (p, rows) in merged {
         values.extend(p.into_bf16(rows, cols)?);
     }
     Ok(HostMatrix::Bf16(values))
@@ -275,6 +327,32 @@ impl CudaModel {
                     }
                     Ok(native)
                 }
+                HostMatrix::Parts(parts) => {
+                    natives += 1;
+                    let mut tiled = Vec::with_capacity(parts.len());
+                    for (p, r) in &parts {
+                        tiled.push(match p {
+                            HostMatrix::Native(ty, b) => {
+                                let (t, f) = super::ops::tile_native(*ty, b, *r, cols, what)?;
+                                (f, t, *r)
+                            }
+                            HostMatrix::Bf16(v) => (
+                                layout::TileFormat::Bf16,
+                                layout::tile_matrix(v, *r, cols),
+                                *r,
+                            ),
+                            HostMatrix::Parts(_) => {
+                                return Err(Error::Cuda(format!("{what}: nested mixed parts")))
+                            }
+                        });
+                    }
+                    let mixed = Matrix::upload_mixed(&gpu, tiled, cols, what)?;
+                    if layer == 0 {
+                        let values = HostMatrix::Parts(parts).into_bf16(rows, cols)?;
+                        layer0_bf16.push((what, upload(&values, rows, cols, what)?));
+                    }
+                    Ok(mixed)
+                }
             }
         };
         let vector_host =
@@ -296,7 +374,7 @@ impl CudaModel {
         let tied_native = embed_host.native_type();
         let embed_bytes = match &embed_host {
             HostMatrix::Native(_, b) => Some(b.clone()),
-            HostMatrix::Bf16(_) => None,
+            HostMatrix::Bf16(_) | HostMatrix::Parts(_) => None,
         };
         let embed = upload(
             &embed_host.into_bf16(c.vocab_size, h)?,
@@ -461,6 +539,7 @@ impl CudaModel {
                 cols,
                 chunks,
                 format: super::ops::WeightFormat::Bf16,
+                parts: None,
             })
         };
         let ones = |n: usize| -> Result<CudaSlice<f32>> {
@@ -773,113 +852,135 @@ impl CudaModel {
             // Attention: norm (adding the last layer's deferred down projection), one QKV GEMV, its partial sums +
             // biases + RoPE + cache write in one kernel, attention, and the output projection, whose partial sums
             // the MLP's norm adds into the residual stream.
-            launch!(
-                gpu,
-                rms_norm,
-                (r32, 1, 1),
-                1024,
-                px,
-                p(&layer.attn_norm),
-                pn,
-                h as i32,
-                eps,
-                pscratch,
-                pending as i32,
-                (rows * h) as u64,
-                chunks(h)
-            );
+            if !skipped("norm") {
+                launch!(
+                    gpu,
+                    rms_norm,
+                    (r32, 1, 1),
+                    1024,
+                    px,
+                    p(&layer.attn_norm),
+                    pn,
+                    h as i32,
+                    eps,
+                    pscratch,
+                    pending as i32,
+                    (rows * h) as u64,
+                    chunks(h)
+                );
+            }
             let qkv_width = q_dim + 2 * kv_dim;
-            let qkv_splits = self.gemv(
-                &layer.wqkv,
-                qkv_width,
-                pn,
-                pqkv,
-                rows,
-                false,
-                false,
-                pscratch,
-                true,
-            )?;
+            let qkv_splits = if skipped("qkv") {
+                0
+            } else {
+                self.gemv(
+                    &layer.wqkv,
+                    qkv_width,
+                    pn,
+                    pqkv,
+                    rows,
+                    false,
+                    false,
+                    pscratch,
+                    true,
+                )?
+            };
             let (bias, has_bias) = layer.bqkv.as_ref().map_or((0u64, 0i32), |b| (p(b), 1));
-            launch!(
-                gpu,
-                qkv_post,
-                (r32, segments, 1),
-                64,
-                if qkv_splits > 0 { pscratch } else { pqkv },
-                qkv_splits as i32,
-                (rows * qkv_width) as u64,
-                bias,
-                has_bias,
-                p(&ws.angles),
-                p_rows,
-                p_seqs,
-                li as i32,
-                heads as i32,
-                kv_heads as i32,
-                hd as i32,
-                halves,
-                pq
-            );
-            launch_fn!(
-                gpu,
-                attention,
-                "attention",
-                (r32, heads as u32, 1),
-                att_block,
-                pq,
-                pa,
-                chunks(q_dim),
-                p_rows,
-                p_seqs,
-                li as i32,
-                heads as i32,
-                kv_heads as i32,
-                hd as i32,
-                scale
-            );
-            let o_splits = self.gemv(&layer.wo, h, pa, px, rows, true, false, pscratch, true)?;
+            if !skipped("qkv_post") {
+                launch!(
+                    gpu,
+                    qkv_post,
+                    (r32, segments, 1),
+                    64,
+                    if qkv_splits > 0 { pscratch } else { pqkv },
+                    qkv_splits as i32,
+                    (rows * qkv_width) as u64,
+                    bias,
+                    has_bias,
+                    p(&ws.angles),
+                    p_rows,
+                    p_seqs,
+                    li as i32,
+                    heads as i32,
+                    kv_heads as i32,
+                    hd as i32,
+                    halves,
+                    pq
+                );
+            }
+            if !skipped("attention") {
+                launch_fn!(
+                    gpu,
+                    attention,
+                    "attention",
+                    (r32, heads as u32, 1),
+                    att_block,
+                    pq,
+                    pa,
+                    chunks(q_dim),
+                    p_rows,
+                    p_seqs,
+                    li as i32,
+                    heads as i32,
+                    kv_heads as i32,
+                    hd as i32,
+                    scale
+                );
+            }
+            let o_splits = if skipped("out") {
+                0
+            } else {
+                self.gemv(&layer.wo, h, pa, px, rows, true, false, pscratch, true)?
+            };
             // MLP: norm (adding the output projection), one gate/up GEMV ending in SiLU(gate) * up, and the down
             // projection, added in by the next layer's norm (or here, when this layer's output is read next).
-            launch!(
-                gpu,
-                rms_norm,
-                (r32, 1, 1),
-                1024,
-                px,
-                p(&layer.ffn_norm),
-                pn,
-                h as i32,
-                eps,
-                pscratch,
-                o_splits as i32,
-                (rows * h) as u64,
-                chunks(h)
-            );
-            self.gemv(
-                &layer.w_gate_up,
-                2 * ff,
-                pn,
-                pact,
-                rows,
-                false,
-                true,
-                pscratch,
-                false,
-            )?;
+            if !skipped("norm") {
+                launch!(
+                    gpu,
+                    rms_norm,
+                    (r32, 1, 1),
+                    1024,
+                    px,
+                    p(&layer.ffn_norm),
+                    pn,
+                    h as i32,
+                    eps,
+                    pscratch,
+                    o_splits as i32,
+                    (rows * h) as u64,
+                    chunks(h)
+                );
+            }
+            if !skipped("gate_up") {
+                self.gemv(
+                    &layer.w_gate_up,
+                    2 * ff,
+                    pn,
+                    pact,
+                    rows,
+                    false,
+                    true,
+                    pscratch,
+                    false,
+                )?;
+            }
             let captured = shape.capture.iter().position(|&l| l == li);
             let defer_down = li != last && captured.is_none();
-            pending = self.gemv(
-                &layer.w_down,
-                h,
-                pact,
-                px,
-                rows,
-                true,
-                false,
-                pscratch,
-                defer_down,
-            )?;
+            pending = if skipped("down") {
+                0
+            } else {
+                self.gemv(
+                    &layer.w_down,
+                    h,
+                    pact,
+                    px,
+                    rows,
+                    true,
+                    false,
+                    pscratch,
+                    defer_down,
+                )?
+            };
             if let Some(i) = captured {
                 // SAFETY: both buffers hold at least rows * h floats (Workspace::fit), on this stream.
                 unsafe {
@@ -1703,8 +1804,64 @@ mod tests {
         Weight::quantize(&v, rows, cols, ty).unwrap().raw_bytes()
     }
 
-    /// Q, K and V stay native only when all share one native type; otherwise the stack is bf16, each part
-    /// dequantized as the bf16 path does.
+    /// Q, K and V of one native type stack natively; of mixed types as parts (neighbours of one type merged)
+    /// when the inner parts are whole row blocks; otherwise as bf16, each part dequantized as the bf16 path does.
+    #[test]
+    fn mixed_types_stack_as_parts_when_row_blocks_allow() {
+        let cols = 256;
+        let q = quantized(32, cols, GgmlType::Q4K, 1);
+        let k = quantized(16, cols, GgmlType::Q4K, 2);
+        let v = quantized(16, cols, GgmlType::Q6K, 3);
+        let native = |ty, b: &Vec<u8>| HostMatrix::Native(ty, b.clone());
+        let stacked = stack_parts(
+            vec![
+                (native(GgmlType::Q4K, &q), 32),
+                (native(GgmlType::Q4K, &k), 16),
+                (native(GgmlType::Q6K, &v), 16),
+            ],
+            cols,
+        )
+        .unwrap();
+        let HostMatrix::Parts(parts) = &stacked else {
+            panic!("Q4_K, Q4_K, Q6_K stack as parts");
+        };
+        assert_eq!(parts.len(), 2, "Q and K merge into one Q4_K part");
+        match &parts[0] {
+            (HostMatrix::Native(GgmlType::Q4K, b), 48) => assert_eq!(*b, [q.clone(), k].concat()),
+            _ => panic!("the first part is Q and K as one Q4_K part of 48 rows"),
+        }
+        assert!(matches!(
+            parts[1],
+            (HostMatrix::Native(GgmlType::Q6K, _), 16)
+        ));
+        // Its bf16 values are each part's, in order.
+        let mut want = native(GgmlType::Q4K, &q).into_bf16(32, cols).unwrap();
+        want.extend(
+            native(GgmlType::Q4K, &quantized(16, cols, GgmlType::Q4K, 2))
+                .into_bf16(16, cols)
+                .unwrap(),
+        );
+        want.extend(native(GgmlType::Q6K, &v).into_bf16(16, cols).unwrap());
+        assert_eq!(stacked.into_bf16(64, cols).unwrap(), want);
+        // A bf16 part with no native neighbour stays a part of its own; four parts are too many.
+        let four = stack_parts(
+            vec![
+                (native(GgmlType::Q4K, &q), 32),
+                (HostMatrix::Bf16(vec![0x3f80; 16 * cols]), 16),
+                (native(GgmlType::Q6K, &v), 16),
+                (native(GgmlType::Q4K, &q), 32),
+            ],
+            cols,
+        )
+        .unwrap();
+        assert!(
+            matches!(four, HostMatrix::Bf16(_)),
+            "four parts fall back to bf16"
+        );
+    }
+
+    /// Parts whose inner row counts are not whole row blocks stack as bf16, each part dequantized as the bf16
+    /// path does.
     #[test]
     fn stacked_parts_stay_native_only_when_they_share_a_type() {
         let (cols, rows) = (256, 4);

@@ -52,6 +52,8 @@ pub(crate) enum WeightFormat {
     /// GGUF Q6_K, Q8_0, Q5_0 and Q4_0, native: 640-byte tiles of signed bytes and a factor per 16 inputs
     /// (layout.rs `tile_q6k`, `tile_q8_0`, `tile_q5_0`, `tile_q4_0`), likewise.
     ScaledI8,
+    /// Parts of different formats stacked by rows (`Matrix::parts`): Q, K and V of mixed GGUF types.
+    Mixed,
 }
 
 impl WeightFormat {
@@ -60,6 +62,7 @@ impl WeightFormat {
             WeightFormat::Bf16 => "bf16",
             WeightFormat::Q4k => "nibble",
             WeightFormat::ScaledI8 => "scaled int8",
+            WeightFormat::Mixed => "mixed",
         }
     }
 }
@@ -72,6 +75,8 @@ pub(crate) struct Matrix {
     pub(crate) cols: usize,
     pub(crate) chunks: usize,
     pub(crate) format: WeightFormat,
+    /// Where each part lives, for `WeightFormat::Mixed`.
+    pub(crate) parts: Option<layout::MixedParts>,
 }
 
 impl Matrix {
@@ -106,7 +111,47 @@ impl Matrix {
             cols,
             chunks: layout::tiles(rows, cols).1,
             format,
+            parts: None,
         })
+    }
+
+    /// Parts (each `(format, tiles, rows)`, `cols` wide, every part but the last whole row blocks) stacked by
+    /// rows as one matrix. Neighbours of one tile format become one part (Q5_0 beside Q8_0 are both scaled int8);
+    /// one part left is a plain matrix of its format, several are multiplied by the mixed GEMV.
+    pub(crate) fn upload_mixed(
+        gpu: &Gpu,
+        parts: Vec<(layout::TileFormat, Vec<u16>, usize)>,
+        cols: usize,
+        what: &str,
+    ) -> Result<Self> {
+        let rows = parts.iter().map(|p| p.2).sum();
+        let mut merged: Vec<(layout::TileFormat, Vec<u16>, usize)> = Vec::new();
+        for (format, tiles, r) in parts {
+            match merged.last_mut() {
+                Some(last) if last.0 == format && last.2 % layout::ROW_BLOCK == 0 => {
+                    last.1.extend_from_slice(&tiles);
+                    last.2 += r;
+                }
+                _ => merged.push((format, tiles, r)),
+            }
+        }
+        if let [(format, tiles, _)] = merged.as_slice() {
+            let format = match format {
+                layout::TileFormat::Bf16 => WeightFormat::Bf16,
+                layout::TileFormat::Nibble => WeightFormat::Q4k,
+                layout::TileFormat::ScaledI8 => WeightFormat::ScaledI8,
+            };
+            return Self::from_tiles(gpu, tiles, rows, cols, format, what);
+        }
+        let views: Vec<(layout::TileFormat, &[u16], usize)> = merged
+            .iter()
+            .map(|(f, t, r)| (*f, t.as_slice(), *r))
+            .collect();
+        let (tiled, layout_parts) = layout::stack_tiled_parts(&views, cols)
+            .map_err(|e| crate::error::Error::Cuda(format!("{what}: {e}")))?;
+        let mut m = Self::from_tiles(gpu, &tiled, rows, cols, WeightFormat::Mixed, what)?;
+        m.parts = Some(layout_parts);
+        Ok(m)
     }
 
     /// Uploads a GGUF matrix of a type with a native format (`rows x cols`, row-major bytes) as tiles of it.
@@ -118,21 +163,39 @@ impl Matrix {
         cols: usize,
         what: &str,
     ) -> Result<Self> {
-        let (tiled, format) = match ty {
-            GgmlType::Q4K => (layout::tile_q4k(raw, rows, cols), WeightFormat::Q4k),
-            GgmlType::Q6K => (layout::tile_q6k(raw, rows, cols), WeightFormat::ScaledI8),
-            GgmlType::Q8_0 => (layout::tile_q8_0(raw, rows, cols), WeightFormat::ScaledI8),
-            GgmlType::Q5_0 => (layout::tile_q5_0(raw, rows, cols), WeightFormat::ScaledI8),
-            GgmlType::Q4_1 => (layout::tile_q4_1(raw, rows, cols), WeightFormat::Q4k),
-            GgmlType::Q4_0 => (layout::tile_q4_0(raw, rows, cols), WeightFormat::ScaledI8),
-            other => (
-                Err(format!("{} has no native GPU format", other.name())),
-                WeightFormat::Bf16,
-            ),
+        let (tiled, format) = tile_native(ty, raw, rows, cols, what)?;
+        let format = match format {
+            layout::TileFormat::Bf16 => WeightFormat::Bf16,
+            layout::TileFormat::Nibble => WeightFormat::Q4k,
+            layout::TileFormat::ScaledI8 => WeightFormat::ScaledI8,
         };
-        let tiled = tiled.map_err(|e| crate::error::Error::Cuda(format!("{what}: {e}")))?;
         Self::from_tiles(gpu, &tiled, rows, cols, format, what)
     }
+}
+
+/// A GGUF matrix of a type with a native format (`rows x cols`, row-major bytes) as tiles of that format.
+pub(crate) fn tile_native(
+    ty: GgmlType,
+    raw: &[u8],
+    rows: usize,
+    cols: usize,
+    what: &str,
+) -> Result<(Vec<u16>, layout::TileFormat)> {
+    use layout::TileFormat;
+    let (tiled, format) = match ty {
+        GgmlType::Q4K => (layout::tile_q4k(raw, rows, cols), TileFormat::Nibble),
+        GgmlType::Q6K => (layout::tile_q6k(raw, rows, cols), TileFormat::ScaledI8),
+        GgmlType::Q8_0 => (layout::tile_q8_0(raw, rows, cols), TileFormat::ScaledI8),
+        GgmlType::Q5_0 => (layout::tile_q5_0(raw, rows, cols), TileFormat::ScaledI8),
+        GgmlType::Q4_1 => (layout::tile_q4_1(raw, rows, cols), TileFormat::Nibble),
+        GgmlType::Q4_0 => (layout::tile_q4_0(raw, rows, cols), TileFormat::ScaledI8),
+        other => (
+            Err(format!("{} has no native GPU format", other.name())),
+            TileFormat::Bf16,
+        ),
+    };
+    let tiled = tiled.map_err(|e| crate::error::Error::Cuda(format!("{what}: {e}")))?;
+    Ok((tiled, format))
 }
 
 /// Which kernel computes a GEMV: both give the same bits for every row (kernels.cu), so the choice is speed only.
@@ -340,6 +403,35 @@ fn launch_gemv_tile(
         WeightFormat::Bf16 => (&gpu.kernels.gemv_mma, "gemv_mma"),
         WeightFormat::Q4k => (&gpu.kernels.gemv_q4k, "gemv_q4k"),
         WeightFormat::ScaledI8 => (&gpu.kernels.gemv_i8, "gemv_i8"),
+        WeightFormat::Mixed => {
+            let parts = w.parts.as_ref().ok_or_else(|| {
+                crate::error::Error::Cuda("a mixed matrix without its parts".into())
+            })?;
+            launch_fn!(
+                gpu,
+                &gpu.kernels.gemv_mixed[variant],
+                "gemv_mixed",
+                (blocks as u32, m.div_ceil(tokens) as u32, splits as u32),
+                (layout::WARPS * 32) as u32,
+                ptr(&w.data, gpu),
+                x,
+                y,
+                n as i32,
+                w.cols as i32,
+                w.chunks as i32,
+                m as i32,
+                accumulate as i32,
+                splits as i32,
+                scratch,
+                silu_pairs as i32,
+                parts.first[0] as i32,
+                parts.first[1] as i32,
+                parts.offsets[1] as u64,
+                parts.offsets[2] as u64,
+                parts.packed_formats()
+            );
+            return Ok(());
+        }
     };
     launch_fn!(
         gpu,
