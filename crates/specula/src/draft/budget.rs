@@ -21,8 +21,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 /// Recent forward-pass times by row count.
 #[derive(Debug, Clone, Default)]
 pub struct StepCostTable {
-    /// Per row count, (pass number, seconds) of its recent passes.
-    by_rows: BTreeMap<usize, VecDeque<(u64, f64)>>,
+    /// Per row count, its recent passes and their current price.
+    by_rows: BTreeMap<usize, RowWindow>,
     /// Row counts seen at least once: the first pass of a row count is not kept (on a GPU it captures the
     /// step's CUDA graph: 2.5-3.2 ms against 1.5 for a qwen2.5-coder-1.5b step on an H200). Kept, a row count
     /// seen twice (a request's last steps draft 1 or 2 tokens) had that capture as its median, a 2-row pass
@@ -30,6 +30,18 @@ pub struct StepCostTable {
     seen: BTreeSet<usize>,
     /// Passes observed so far (the clock samples are aged by).
     passes: u64,
+}
+
+/// One row count's recent passes, (pass number, seconds), and its price kept up to date by
+/// [`StepCostTable::observe`]: the median of the fresh samples, recomputed when a sample arrives or the oldest
+/// fresh one goes stale (`expires`), not at every [`StepCostTable::curve`] (sorting every row count's window there
+/// was most of the engine's per-step budget work: ~15 us a step with 100 row counts seen).
+#[derive(Debug, Clone, Default)]
+struct RowWindow {
+    samples: VecDeque<(u64, f64)>,
+    median: f64,
+    /// The pass at which the fresh samples change without a new one (u64::MAX: none is fresh).
+    expires: u64,
 }
 
 impl StepCostTable {
@@ -45,34 +57,52 @@ impl StepCostTable {
             return;
         }
         self.passes += 1;
+        let passes = self.passes;
+        // Prices whose fresh samples changed with this pass's ageing.
+        for w in self.by_rows.values_mut() {
+            if w.expires <= passes {
+                Self::reprice(w, passes);
+            }
+        }
         if self.seen.insert(rows) {
             return;
         }
         let w = self.by_rows.entry(rows).or_default();
-        if w.len() == Self::WINDOW {
-            w.pop_front();
+        if w.samples.len() == Self::WINDOW {
+            w.samples.pop_front();
         }
-        w.push_back((self.passes, seconds));
+        w.samples.push_back((passes, seconds));
+        Self::reprice(w, passes);
     }
 
-    /// The median of a row count's samples taken within [`Self::FRESH_PASSES`] passes, or of all of them when
-    /// none is that recent.
-    fn fresh_median(&self, w: &VecDeque<(u64, f64)>) -> f64 {
-        let fresh: Vec<f64> = w
+    /// A row count's price at pass `passes`: the median of its samples taken within [`Self::FRESH_PASSES`]
+    /// passes, or of all of them when none is that recent.
+    fn reprice(w: &mut RowWindow, passes: u64) {
+        let fresh = |at: u64| passes - at < Self::FRESH_PASSES;
+        let fresh_samples: Vec<f64> = w
+            .samples
             .iter()
-            .filter(|(at, _)| self.passes - at < Self::FRESH_PASSES)
+            .filter(|&&(at, _)| fresh(at))
             .map(|&(_, s)| s)
             .collect();
-        if fresh.is_empty() {
-            median(w.iter().map(|&(_, s)| s))
+        if fresh_samples.is_empty() {
+            w.median = median(w.samples.iter().map(|&(_, s)| s));
+            w.expires = u64::MAX;
         } else {
-            median(fresh.into_iter())
+            w.median = median(fresh_samples.into_iter());
+            w.expires = w
+                .samples
+                .iter()
+                .filter(|&&(at, _)| fresh(at))
+                .map(|&(at, _)| at + Self::FRESH_PASSES)
+                .min()
+                .unwrap_or(u64::MAX);
         }
     }
 
     /// Passes since `rows` rows were last measured (None: never kept).
     pub fn age(&self, rows: usize) -> Option<u64> {
-        let (at, _) = self.by_rows.get(&rows)?.back()?;
+        let (at, _) = self.by_rows.get(&rows)?.samples.back()?;
         Some(self.passes - at)
     }
 
@@ -93,7 +123,7 @@ impl StepCostTable {
         let mut points: Vec<(f64, f64)> = self
             .by_rows
             .iter()
-            .map(|(&r, w)| (r as f64, self.fresh_median(w)))
+            .map(|(&r, w)| (r as f64, w.median))
             .collect();
         let mut cap = f64::INFINITY;
         for p in points.iter_mut().rev() {
@@ -204,6 +234,36 @@ impl PositionCounts {
         for j in 0..accepted {
             self.accepted[j] += 1.0;
         }
+    }
+}
+
+/// A candidate's next draft position in [`DraftBudget::plan`]'s order: the highest score first, then the lowest
+/// candidate index.
+struct NextPosition {
+    score: f64,
+    candidate: usize,
+    position: usize,
+}
+
+impl PartialEq for NextPosition {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
+
+impl Eq for NextPosition {}
+
+impl PartialOrd for NextPosition {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for NextPosition {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.score
+            .total_cmp(&other.score)
+            .then_with(|| other.candidate.cmp(&self.candidate))
     }
 }
 
@@ -585,6 +645,21 @@ impl DraftBudget {
                     .collect()
             })
             .collect();
+        // Each position's gain per row (the order's key), divided once here rather than at every visit below
+        // (the divisions were most of plan's time: ~20 us a step for 32 requests).
+        let score: Vec<Vec<f64>> = est
+            .iter()
+            .map(|e| {
+                e.iter()
+                    .map(|&(gain, extra)| gain / extra.max(1e-6))
+                    .collect()
+            })
+            .collect();
+        // A lagging draft model (its catch-up is not cheap), per candidate.
+        let lagging: Vec<bool> = candidates
+            .iter()
+            .map(|c| catch_up_tokens(c) > 0 && !c.cheap_catch_up)
+            .collect();
         let draft_cost = |i: usize, j: usize, extra: f64, round_open: bool| {
             let c = &candidates[i];
             // A lagging drafter reaches here only alone (skipped below otherwise), so nobody else waits through
@@ -641,28 +716,49 @@ impl DraftBudget {
             !(j >= c.max_tokens
                 || (j == 0 && !alone && catch_up_tokens(c) > 0 && (!c.cheap_catch_up || too_far)))
         };
+        // Whether candidate i's position j may be a probe, before the step's state is consulted (see below).
+        let probe_candidate = |i: usize, j: usize, probed: &[bool]| {
+            (!probed[i] && (j > 0 || !lagging[i]) && due[i][j])
+                || (j == 0
+                    && lagging[i]
+                    && alone
+                    && self.catch_up_token_s.is_none()
+                    && self.draft_token_s.is_some())
+        };
+        // Candidates that may probe at all this step (usually none): only they are looked at in full each round;
+        // every other next position waits in a heap by score (best first, then the lowest index, as a scan in
+        // index order would choose). Scanning every candidate each round cost ~20-40 us a step at 32 requests.
+        let may_probe: Vec<usize> = (0..candidates.len())
+            .filter(|&i| {
+                due[i].iter().any(|&d| d)
+                    || (lagging[i] && alone && self.catch_up_token_s.is_none())
+            })
+            .collect();
+        let mut order: std::collections::BinaryHeap<NextPosition> = candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| may_draft(c, 0))
+            .map(|(i, _)| NextPosition {
+                score: score[i][0],
+                candidate: i,
+                position: 0,
+            })
+            .collect();
         loop {
-            // The best next position over all candidates: most expected tokens per expected row.
+            // The best next position over all candidates: a probe first, then most expected tokens per expected
+            // row.
             let mut best: Option<(usize, f64, f64, bool)> = None;
-            for (i, c) in candidates.iter().enumerate() {
+            for &i in &may_probe {
+                let c = &candidates[i];
                 let j = limits[i];
-                if !may_draft(c, j) {
+                if !may_draft(c, j) || !probe_candidate(i, j, &probed) {
                     continue;
                 }
                 let (gain, extra) = est[i][j];
-                // A long-cut position is probed, unless that means a long catch-up (a draft model cut while
-                // the batch was large resumes only when the cost rule says so, catch-up included).
-                let lagging = catch_up_tokens(c) > 0 && !c.cheap_catch_up;
                 // (Probing lagging draft models too, when alone and their catch-up cost less than the step,
                 // or even beside others, was measured in the server and lost: docs/benchmarks.md.)
                 // One probed position a request a step: a probe that ran on through every cut position drafted
                 // the whole length each time (a 4-stream CPU server probed in 46% of its steps).
-                let probe = (!probed[i] && (j > 0 || !lagging) && due[i][j])
-                    || (j == 0
-                        && lagging
-                        && alone
-                        && self.catch_up_token_s.is_none()
-                        && self.draft_token_s.is_some());
                 // Beside other requests probes may slow the step by at most MAX_PROBE_SLOWDOWN of its undrafted
                 // time, all of them together: every request in it waits through their rows and catch-ups (on an
                 // 8-stream CPU server probes were the only drafting, 18% of the steps, each expected to halve its
@@ -671,17 +767,27 @@ impl DraftBudget {
                 // passes (a large batch, where a row costs what a step earns), no acceptance it could find would
                 // change the decision, and it is skipped (a 16-stream CPU server spent 45% of its steps probing,
                 // 7% slower each).
-                let probe = probe && {
-                    let cost = draft_cost(i, j, extra, round_open(&limits, j));
-                    let with_cost = step_time(rows + extra, draft_s + cost);
-                    let could_pay =
-                        (tokens + extra) / with_cost > tokens / step_time(rows, draft_s);
-                    could_pay
-                        && (alone || with_cost <= undrafted_time * (1.0 + Self::MAX_PROBE_SLOWDOWN))
-                };
-                let score = gain / extra.max(1e-6);
-                if best.is_none_or(|(_, s, _, p)| (probe && !p) || (probe == p && score > s)) {
-                    best = Some((i, score, gain, probe));
+                let cost = draft_cost(i, j, extra, round_open(&limits, j));
+                let with_cost = step_time(rows + extra, draft_s + cost);
+                let could_pay = (tokens + extra) / with_cost > tokens / step_time(rows, draft_s);
+                if !(could_pay
+                    && (alone || with_cost <= undrafted_time * (1.0 + Self::MAX_PROBE_SLOWDOWN)))
+                {
+                    continue;
+                }
+                let score = score[i][j];
+                if best.is_none_or(|(_, s, _, _)| score > s) {
+                    best = Some((i, score, gain, true));
+                }
+            }
+            if best.is_none() {
+                // The heap's best position still current (entries of positions taken as probes are stale).
+                while let Some(next) = order.pop() {
+                    if limits[next.candidate] == next.position {
+                        let gain = est[next.candidate][next.position].0;
+                        best = Some((next.candidate, next.score, gain, false));
+                        break;
+                    }
                 }
             }
             let Some((i, _, gain, probe)) = best else {
@@ -692,6 +798,13 @@ impl DraftBudget {
             let cost = draft_cost(i, j, extra, round_open(&limits, j));
             probed[i] |= probe;
             limits[i] += 1;
+            if may_draft(&candidates[i], j + 1) {
+                order.push(NextPosition {
+                    score: score[i][j + 1],
+                    candidate: i,
+                    position: j + 1,
+                });
+            }
             rows += extra;
             draft_s += cost;
             tokens += gain;
