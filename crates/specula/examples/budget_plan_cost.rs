@@ -12,10 +12,13 @@ use std::time::Instant;
 use specula::draft::budget::{DraftBudget, DraftCandidate};
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("arguments are numbers"))
-        .collect();
+    let args: Vec<usize> = match std::env::args().skip(1).map(|a| a.parse()).collect() {
+        Ok(args) => args,
+        Err(_) => {
+            eprintln!("usage: budget_plan_cost [REQUESTS] [DRAFT_TOKENS] [STEPS] (whole numbers)");
+            std::process::exit(2);
+        }
+    };
     let requests = args.first().copied().unwrap_or(32);
     let k = args.get(1).copied().unwrap_or(3);
     let steps = args.get(2).copied().unwrap_or(2000);
