@@ -70,6 +70,9 @@ pub struct Kernels {
     pub rope_angles: CudaFunction,
     /// Attention for head dimensions up to 128 and up to 256.
     pub attention: [CudaFunction; 2],
+    /// Their block sizes: each kernel's `__launch_bounds__` (kernels.cu ATT_WARPS x 32), read from the compiled
+    /// function so a kernel variant (`SPECULA_CUDA_KERNELS_SOURCE`) may choose its own.
+    pub attention_threads: [u32; 2],
     pub gather_rows: CudaFunction,
     pub argmax_partial: CudaFunction,
     pub argmax_final: CudaFunction,
@@ -207,6 +210,17 @@ impl Gpu {
                 .load_function(name)
                 .map_err(|e| cuda_err(&format!("finding kernel {name}"), e))
         };
+        let threads = |name: &str| -> Result<u32> {
+            let t = f(name)?
+                .max_threads_per_block()
+                .map_err(|e| cuda_err(&format!("reading kernel {name}'s block size"), e))?;
+            if t < 32 || t % 32 != 0 {
+                return Err(Error::Cuda(format!(
+                    "kernel {name} allows blocks of {t} threads; it needs whole warps"
+                )));
+            }
+            Ok(t as u32)
+        };
         let kernels = Kernels {
             embed_rows: f("embed_rows")?,
             rms_norm: f("rms_norm")?,
@@ -240,6 +254,7 @@ impl Gpu {
             qkv_post: f("qkv_post")?,
             rope_angles: f("rope_angles")?,
             attention: [f("attention_128")?, f("attention_256")?],
+            attention_threads: [threads("attention_128")?, threads("attention_256")?],
             gather_rows: f("gather_rows")?,
             argmax_partial: f("argmax_partial")?,
             argmax_final: f("argmax_final")?,

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaSlice;
 
 use super::layout::{self, MAX_SPLITS};
-use super::ops::{alloc_split, gemv, ptr, split_rows, Matrix};
+use super::ops::{self, alloc_split, gemv, ptr, split_rows, AttentionSplits, Matrix};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::draft::eagle3::compute::{check_pass, run_one_by_one, top_log_probs};
 use crate::draft::eagle3::{
@@ -108,6 +108,7 @@ struct Buffers {
     picked: CudaSlice<f32>,
     picked_normed: CudaSlice<u32>,
     logits: CudaSlice<f32>,
+    attention: AttentionSplits,
     /// Each wanted row's top draft token and probability (kernels.cu top_token), or its best draft tokens and
     /// log-probabilities (top_k_log_probs).
     top: CudaSlice<f32>,
@@ -305,6 +306,7 @@ impl CudaHead {
             picked: f(r * h, "final rows")?,
             picked_normed: split(h, "final rows")?,
             logits: f(r * dv, "logits")?,
+            attention: AttentionSplits::new(gpu, r, c.num_heads, c.head_dim, "the head's")?,
             top: f(2 * r * MAX_DEVICE_TOP_K, "top tokens")?,
             ints: u(words::TOTAL, "tables")?,
         })
@@ -365,7 +367,7 @@ impl CudaHead {
                 gpu,
                 rms_norm,
                 (r32, 1, 1),
-                1024,
+                ops::norm_threads(h),
                 p(input),
                 p(weight),
                 ptr(out, gpu),
@@ -424,23 +426,19 @@ impl CudaHead {
             1i32,
             p(&ws.q)
         );
-        launch_fn!(
+        ops::attention(
             gpu,
-            &gpu.kernels.attention[usize::from(hd > 128)],
-            "attention",
-            (r32, heads as u32, 1),
-            256,
+            &ws.attention,
+            m,
             p(&ws.q),
             ptr(&ws.attn, gpu),
-            q_dim.div_ceil(layout::CHUNK) as i32,
             p_rows,
             p_seqs,
-            0i32,
-            heads as i32,
-            kv_heads as i32,
-            hd as i32,
-            1.0f32 / (hd as f32).sqrt()
-        );
+            0,
+            heads,
+            kv_heads,
+            hd,
+        )?;
         // r1 = x + o_proj(attention); the post-attention norm adds the projection's split-K sums into x.
         let o_splits = gemv(
             gpu,
@@ -458,7 +456,7 @@ impl CudaHead {
             gpu,
             rms_norm,
             (r32, 1, 1),
-            1024,
+            ops::norm_threads(h),
             px,
             p(&self.post_attention_norm),
             ptr(&ws.normed, gpu),
@@ -522,7 +520,7 @@ impl CudaHead {
             gpu,
             rms_norm,
             (wanted as u32, 1, 1),
-            1024,
+            ops::norm_threads(c.hidden_size),
             p(&ws.picked),
             p(&self.final_norm),
             ptr(&ws.picked_normed, gpu),

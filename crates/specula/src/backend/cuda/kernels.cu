@@ -127,9 +127,10 @@ extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u3
 }
 
 // out[r] = x[r] * w / sqrt(mean(x[r]^2) + eps), written split for the GEMV that reads it (out_chunks = ceil(h /
-// 32)), for h % 4 == 0, h <= 16384; grid (rows), block 1024. Each thread
-// loads its (up to 4) 16-byte pieces of the row at once and keeps them in registers; threads sum their pieces in
-// order, warps reduce by butterfly, warp 0 sums the 32 warp totals in order: a fixed order for a given h.
+// 32)), for h % 4 == 0, h <= 16384; grid (rows), block ops.rs norm_threads(h) (a thread for each 16-byte piece
+// of the row, at most 1024, which then take up to 4 pieces each). Each thread loads its pieces of the row at once
+// and keeps them in registers; threads sum their pieces in order, warps reduce by butterfly, warp 0 sums the warp
+// totals in order: a fixed order for a given h.
 #define NORM_PIECES 4
 // With splits > 0 it first adds a deferred split-K residual update (the output or down projection's partial sums,
 // partials[z][r] for z < splits, summed in split order as splitk_reduce would) into x and writes x back: one
@@ -138,11 +139,19 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ 
                                                             u32* __restrict__ out, int h, float eps,
                                                             const float* __restrict__ partials, int splits,
                                                             u64 split_stride, int out_chunks) {
-    PDL_ENTER();
     __shared__ float partial[32];
     const int r = blockIdx.x;
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * h);
     const int pieces = h >> 2;
+    // The weights never come from a kernel: load them while the previous kernel drains.
+    const float4* wr = reinterpret_cast<const float4*>(w);
+    float4 g[NORM_PIECES];
+#pragma unroll
+    for (int j = 0; j < NORM_PIECES; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        g[j] = i < pieces ? wr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    PDL_ENTER();
     float4 v[NORM_PIECES];
     float s = 0.f;
 #pragma unroll
@@ -179,14 +188,12 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ 
     }
     __syncthreads();
     const float scale = partial[0];
-    const float4* wr = reinterpret_cast<const float4*>(w);
 #pragma unroll
     for (int j = 0; j < NORM_PIECES; j++) {
         const int i = threadIdx.x + j * blockDim.x;
         if (i < pieces) {
-            const float4 g = wr[i];
-            store_split_pair(out, out_chunks, r, 4 * i, v[j].x * scale * g.x, v[j].y * scale * g.y);
-            store_split_pair(out, out_chunks, r, 4 * i + 2, v[j].z * scale * g.z, v[j].w * scale * g.w);
+            store_split_pair(out, out_chunks, r, 4 * i, v[j].x * scale * g[j].x, v[j].y * scale * g[j].y);
+            store_split_pair(out, out_chunks, r, 4 * i + 2, v[j].z * scale * g[j].z, v[j].w * scale * g[j].w);
         }
     }
 }
@@ -611,6 +618,7 @@ extern "C" __global__ void splitk_reduce(const float* __restrict__ scratch, floa
     }
 }
 
+
 // The sum of a GEMV output's split-K partial sums in split order (splitk_reduce's order), or the output itself.
 __device__ __forceinline__ float split_sum(const float* __restrict__ p, int splits, u64 stride, size_t i) {
     if (splits <= 1) return p[i];
@@ -622,13 +630,15 @@ __device__ __forceinline__ float split_sum(const float* __restrict__ p, int spli
 // After the fused QKV GEMV: adds the biases, rotates queries and keys, writes the queries to q and the keys and
 // values to the row's sequence cache. qkv[r] holds q (heads * hd), then k and v (kv_heads * hd each); with
 // splits > 1 qkv holds the GEMV's split-K partial sums (split_stride apart), added up here in split order.
-// grid (rows, heads + 2 * kv_heads), block 64.
-extern "C" __global__ void qkv_post(const float* __restrict__ qkv, int splits, u64 split_stride,
-                                    const float* __restrict__ bias, int has_bias,
-                                    const float2* __restrict__ angles, const RowInfo* __restrict__ rows,
-                                    const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd,
-                                    int halves, float* __restrict__ q) {
-    PDL_ENTER();
+// grid (rows, heads + 2 * kv_heads), block QKV_POST_THREADS (hd <= 256: a thread takes at most 2 pairs or 4
+// values). The tables, biases and angles (rope_angles runs at least two kernels earlier: complete once this
+// kernel starts under PDL) are read before waiting on the GEMV.
+#define QKV_POST_THREADS 64
+extern "C" __global__ void __launch_bounds__(QKV_POST_THREADS)
+    qkv_post(const float* __restrict__ qkv, int splits, u64 split_stride, const float* __restrict__ bias,
+             int has_bias, const float2* __restrict__ angles, const RowInfo* __restrict__ rows,
+             const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd, int halves,
+             float* __restrict__ q) {
     const int r = blockIdx.x, seg = blockIdx.y, half = hd / 2;
     const int width = (heads + 2 * kv_heads) * hd;
     const size_t src = (size_t)r * width + (size_t)seg * hd;
@@ -644,18 +654,44 @@ extern "C" __global__ void qkv_post(const float* __restrict__ qkv, int splits, u
             const int h = seg - heads;
             dst = sc.base + ((((size_t)layer * 2 + 0) * kv_heads + h) * sc.capacity + ri.slot) * hd;
         }
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            const float2 a = angles[(size_t)r * half + i];
+        float2 a[2];
+        float ba[2], bb[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int i = threadIdx.x + u * QKV_POST_THREADS;
             const int ia = halves ? i : 2 * i, ib = halves ? i + half : 2 * i + 1;
-            const float x0 = split_sum(qkv, splits, split_stride, src + ia) + (b ? b[ia] : 0.f);
-            const float x1 = split_sum(qkv, splits, split_stride, src + ib) + (b ? b[ib] : 0.f);
-            dst[ia] = x0 * a.y - x1 * a.x;
-            dst[ib] = x0 * a.x + x1 * a.y;
+            const bool in = i < half;
+            a[u] = in ? angles[(size_t)r * half + i] : make_float2(0.f, 0.f);
+            ba[u] = in && b ? b[ia] : 0.f;
+            bb[u] = in && b ? b[ib] : 0.f;
+        }
+        PDL_ENTER();
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int i = threadIdx.x + u * QKV_POST_THREADS;
+            if (i < half) {
+                const int ia = halves ? i : 2 * i, ib = halves ? i + half : 2 * i + 1;
+                const float x0 = split_sum(qkv, splits, split_stride, src + ia) + ba[u];
+                const float x1 = split_sum(qkv, splits, split_stride, src + ib) + bb[u];
+                dst[ia] = x0 * a[u].y - x1 * a[u].x;
+                dst[ib] = x0 * a[u].x + x1 * a[u].y;
+            }
         }
     } else {
         const int h = seg - heads - kv_heads;
         float* dst = sc.base + ((((size_t)layer * 2 + 1) * kv_heads + h) * sc.capacity + ri.slot) * hd;
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) dst[d] = split_sum(qkv, splits, split_stride, src + d) + (b ? b[d] : 0.f);
+        float bv[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int d = threadIdx.x + u * QKV_POST_THREADS;
+            bv[u] = d < hd && b ? b[d] : 0.f;
+        }
+        PDL_ENTER();
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int d = threadIdx.x + u * QKV_POST_THREADS;
+            if (d < hd) dst[d] = split_sum(qkv, splits, split_stride, src + d) + bv[u];
+        }
     }
 }
 
@@ -673,16 +709,36 @@ extern "C" __global__ void rope_angles(const u32* __restrict__ positions, const 
 }
 
 // Attention of row r, head h over its sequence's cache: slots 0..=slot, skipping new rows its tree mask hides.
-// grid (rows, heads), block ATT_WARPS * 32. Keys are taken in "visible order" (the cached context, then the row's
-// ancestors among the new rows and itself; for a chain that is slot order) in chunks of ATT_CHUNK; warp w takes
-// chunks w, w + ATT_WARPS, ... in order. For a chunk a warp issues every key and value load at once (lanes split
-// the head dimension in 16-byte pieces, so each key is one coalesced read), reduces the scores by butterfly,
-// updates an online softmax and adds the chunk's values in slot order; then the warps are merged in warp order.
-// The order is fixed by visible positions alone, so a row's result does not depend on the other rows of the
-// launch, and a tree row's visible keys land in the same chunks as the same keys of its branch run as a chain
-// (bitwise the same result). P is the number of 16-byte pieces a lane holds (head dimension <= 128 * P).
-#define ATT_WARPS 8
-#define ATT_CHUNK 8
+// grid (rows, heads, max_splits), block ATT_WARPS * 32. Keys are taken in "visible order" (the cached context,
+// then the row's ancestors among the new rows and itself; for a chain that is slot order). A row's V visible keys
+// are cut into n = ceil(V / per) splits of `per` keys, per = CH * ceil(ceil(V / min(max_splits,
+// ceil(V / (ATT_WARPS * CH * ATT_SPLIT_PASSES)))) / CH): block z takes split z (blocks past n have nothing to do), so a long
+// context is spread over many multiprocessors instead of one block's warps taking chunk after chunk. In a split,
+// keys go in chunks of CH; warp w takes chunks w, w + ATT_WARPS, ... in order. For a chunk a warp issues
+// every key and value load at once (lanes split the head dimension in 16-byte pieces, so each key is one
+// coalesced read), reduces the scores by butterfly, updates an online softmax and adds the chunk's values in slot
+// order; then the warps are merged in warp order. With one split that is the output; with several, each block
+// writes its split's (max, sum, values) to partials, and the block that finishes last (a counter per row and
+// head, which that block puts back to zero) merges the splits in split order. The cut and every order are fixed
+// by V and max_splits alone, so a row's result does not depend on the other rows of the launch, and a tree row's
+// visible keys land in the same chunks and splits as the same keys of its branch run as a chain (bitwise the same
+// result). P is the number of 16-byte pieces a lane holds (head dimension <= 128 * P).
+//
+// Before waiting on the previous kernel (qkv_post, which writes the queries and this step's keys and values),
+// each warp loads its first chunk's cached keys and values (slots before the row's new ones, written by earlier
+// steps): under PDL a kernel starts once the previous one has passed its own wait, so everything written two
+// kernels back or earlier is complete, and the cache's memory latency overlaps qkv_post.
+// Warps and keys a chunk measured on the H200 (docs/benchmarks.md, session 23; decode tok/s at 1024 tokens,
+// qwen2.5-1.5b / llama-3.1-8b shapes): 16 warps x 2 keys 703 / 226, 16 x 4 685 / 221, 32 x 2 676 / 220 (spills),
+// 8 x 4 671 / 217, 8 x 8 631 / 211. Short chunks keep more loads in flight over more warps at fewer registers.
+#define ATT_WARPS 16
+// Keys a chunk: CH = ATT_CHUNK / P (at least 1: ATT_CHUNK >= 2), so a lane holds the same number of 16-byte
+// pieces at any P (8 keys at P = 2 needed 255 registers and spilled).
+#define ATT_CHUNK 2
+// Passes (chunks a warp) a split holds at least before the keys spread over another block.
+#define ATT_SPLIT_PASSES 1
+// A split's partial: max, sum, two floats of padding, then the head dimension's unnormalized values.
+#define ATT_PARTIAL_HEADER 4
 
 // The position of the n-th (0-based) set bit of m.
 __device__ __forceinline__ int nth_set_bit(u64 m, int n) {
@@ -695,25 +751,70 @@ __device__ __forceinline__ int nth_set_bit(u64 m, int n) {
     return 63;
 }
 
+// Loads the keys and values of the chunk starting at visible index `first` whose indices fall in [lo, hi);
+// leaves the chunk's other entries as they were.
+template <int P, int CH>
+__device__ __forceinline__ void attention_fetch(const float4* __restrict__ keys, const float4* __restrict__ values,
+                                                const RowInfo& ri, int first, int lo, int hi, int lane, int pieces,
+                                                float4 (&kv)[CH][P], float4 (&vv)[CH][P]) {
+#pragma unroll
+    for (int t = 0; t < CH; t++) {
+        const int li = first + t;
+        if (li >= lo && li < hi) {
+            const int s =
+                (!ri.is_tree || li < (int)ri.base) ? li : (int)ri.base + nth_set_bit(ri.tree_mask, li - (int)ri.base);
+#pragma unroll
+            for (int j = 0; j < P; j++) {
+                const int i = lane + 32 * j;
+                if (i < pieces) {
+                    kv[t][j] = keys[(size_t)s * pieces + i];
+                    vv[t][j] = values[(size_t)s * pieces + i];
+                }
+            }
+        }
+    }
+}
+
 template <int P>
 __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
                                                const RowInfo* __restrict__ rows, const SeqCache* __restrict__ caches,
-                                               int layer, int heads, int kv_heads, int hd, float scale) {
-    PDL_ENTER();
+                                               int layer, int heads, int kv_heads, int hd, float scale,
+                                               float* __restrict__ partials, u32* __restrict__ counters) {
+    constexpr int CH = ATT_CHUNK / P, SPLIT_KEYS = ATT_WARPS * CH * ATT_SPLIT_PASSES;
+    static_assert(CH >= 1, "ATT_CHUNK must be at least the pieces a lane holds");
     __shared__ float s_max[ATT_WARPS], s_sum[ATT_WARPS];
     __shared__ float4 s_acc[ATT_WARPS][32 * P];
-    const int r = blockIdx.x, head = blockIdx.y;
+    const int r = blockIdx.x, head = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int pieces = hd >> 2;
+    // The step's tables come from the host before the step: readable before the wait.
     const RowInfo ri = rows[r];
+    const int visible_count = ri.is_tree ? (int)ri.base + __popcll(ri.tree_mask) : (int)ri.slot + 1;
+    const int wanted_splits = min(max_splits, (visible_count + SPLIT_KEYS - 1) / SPLIT_KEYS);
+    const int per = ((visible_count + wanted_splits - 1) / wanted_splits + CH - 1) / CH * CH;
+    const int splits = (visible_count + per - 1) / per;
+    const int begin = split * per, end = min(visible_count, begin + per);
+    // A split past the row's keys has nothing to do. (Block z = 0 always has keys: it waits and triggers for
+    // the launch.)
+    if (begin >= end) return;
     const SeqCache sc = caches[ri.seq];
     const int kvh = head / (heads / kv_heads);
     const float4* keys =
         reinterpret_cast<const float4*>(sc.base + (((size_t)layer * 2 + 0) * kv_heads + kvh) * sc.capacity * hd);
     const float4* values =
         reinterpret_cast<const float4*>(sc.base + (((size_t)layer * 2 + 1) * kv_heads + kvh) * sc.capacity * hd);
-    const float4* qh = reinterpret_cast<const float4*>(q + ((size_t)r * heads + head) * hd);
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    // Keys before the row's first new slot were written by earlier steps.
+    const int cached = min((int)ri.base, end);
+    float4 kv[CH][P], vv[CH][P];
+#pragma unroll
+    for (int t = 0; t < CH; t++)
+#pragma unroll
+        for (int j = 0; j < P; j++) kv[t][j] = vv[t][j] = zero;
+    const int first_chunk = begin + warp * CH;
+    if (first_chunk < end) attention_fetch<P, CH>(keys, values, ri, first_chunk, begin, cached, lane, pieces, kv, vv);
+    PDL_ENTER();
+    const float4* qh = reinterpret_cast<const float4*>(q + ((size_t)r * heads + head) * hd);
     float4 qv[P], acc[P];
 #pragma unroll
     for (int j = 0; j < P; j++) {
@@ -722,28 +823,21 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
         acc[j] = zero;
     }
     float m = NEG_INF, l = 0.f;
-    const int visible_count = ri.is_tree ? (int)ri.base + __popcll(ri.tree_mask) : (int)ri.slot + 1;
-    const int chunks = (visible_count + ATT_CHUNK - 1) / ATT_CHUNK;
-    for (int chunk = warp; chunk < chunks; chunk += ATT_WARPS) {
-        const int first = chunk * ATT_CHUNK;
-        float4 kv[ATT_CHUNK][P], vv[ATT_CHUNK][P];
+    for (int first = first_chunk; first < end; first += ATT_WARPS * CH) {
+        if (first == first_chunk) {
+            // The chunk's new keys (this step's, written by qkv_post).
+            attention_fetch<P, CH>(keys, values, ri, first, max(begin, cached), end, lane, pieces, kv, vv);
+        } else {
 #pragma unroll
-        for (int t = 0; t < ATT_CHUNK; t++) {
-            const int li = first + t;
-            const bool visible = li < visible_count;
-            const int s = (!ri.is_tree || li < (int)ri.base) ? li : (int)ri.base + nth_set_bit(ri.tree_mask, li - (int)ri.base);
+            for (int t = 0; t < CH; t++)
 #pragma unroll
-            for (int j = 0; j < P; j++) {
-                const int i = lane + 32 * j;
-                const bool load = visible && i < pieces;
-                kv[t][j] = load ? keys[(size_t)s * pieces + i] : zero;
-                vv[t][j] = load ? values[(size_t)s * pieces + i] : zero;
-            }
+                for (int j = 0; j < P; j++) kv[t][j] = vv[t][j] = zero;
+            attention_fetch<P, CH>(keys, values, ri, first, begin, end, lane, pieces, kv, vv);
         }
-        float score[ATT_CHUNK];
+        float score[CH];
         float chunk_max = NEG_INF;
 #pragma unroll
-        for (int t = 0; t < ATT_CHUNK; t++) {
+        for (int t = 0; t < CH; t++) {
             float d = 0.f;
 #pragma unroll
             for (int j = 0; j < P; j++) {
@@ -752,7 +846,7 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
                 d = fmaf(qv[j].z, kv[t][j].z, d);
                 d = fmaf(qv[j].w, kv[t][j].w, d);
             }
-            score[t] = first + t < visible_count ? warp_sum(d) * scale : NEG_INF;
+            score[t] = first + t < end ? warp_sum(d) * scale : NEG_INF;
             chunk_max = fmaxf(chunk_max, score[t]);
         }
         // Every chunk holds at least one visible key, so chunk_max is finite.
@@ -764,8 +858,8 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
             acc[j].x *= correction; acc[j].y *= correction; acc[j].z *= correction; acc[j].w *= correction;
         }
 #pragma unroll
-        for (int t = 0; t < ATT_CHUNK; t++) {
-            const float pt = first + t < visible_count ? expf(score[t] - m_new) : 0.f;
+        for (int t = 0; t < CH; t++) {
+            const float pt = first + t < end ? expf(score[t] - m_new) : 0.f;
             psum += pt;
 #pragma unroll
             for (int j = 0; j < P; j++) {
@@ -785,32 +879,73 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
 #pragma unroll
     for (int j = 0; j < P; j++) s_acc[warp][lane + 32 * j] = acc[j];
     __syncthreads();
-    if (warp == 0) {
-        float gm = NEG_INF;
-        for (int w = 0; w < ATT_WARPS; w++) gm = fmaxf(gm, s_max[w]);
-        float gl = 0.f;
-        float4 total[P];
+    if (warp != 0) return;
+    float gm = NEG_INF;
+    for (int w = 0; w < ATT_WARPS; w++) gm = fmaxf(gm, s_max[w]);
+    float gl = 0.f;
+    float4 total[P];
 #pragma unroll
-        for (int j = 0; j < P; j++) total[j] = zero;
-        for (int w = 0; w < ATT_WARPS; w++) {
-            if (s_max[w] == NEG_INF) continue;
-            const float f = expf(s_max[w] - gm);
-            gl += s_sum[w] * f;
+    for (int j = 0; j < P; j++) total[j] = zero;
+    for (int w = 0; w < ATT_WARPS; w++) {
+        if (s_max[w] == NEG_INF) continue;
+        const float f = expf(s_max[w] - gm);
+        gl += s_sum[w] * f;
 #pragma unroll
-            for (int j = 0; j < P; j++) {
-                const float4 a = s_acc[w][lane + 32 * j];
-                total[j].x += a.x * f; total[j].y += a.y * f; total[j].z += a.z * f; total[j].w += a.w * f;
-            }
+        for (int j = 0; j < P; j++) {
+            const float4 a = s_acc[w][lane + 32 * j];
+            total[j].x += a.x * f; total[j].y += a.y * f; total[j].z += a.z * f; total[j].w += a.w * f;
         }
-        // Written split for the output projection's GEMV (row r's inputs head * hd ...).
+    }
+    if (splits > 1) {
+        const size_t stride = (size_t)hd + ATT_PARTIAL_HEADER;
+        float* mine = partials + ((size_t)(r * heads + head) * max_splits + split) * stride;
 #pragma unroll
         for (int j = 0; j < P; j++) {
             const int i = lane + 32 * j;
-            if (i < pieces) {
-                const int col = head * hd + 4 * i;
-                store_split_pair(out, out_chunks, r, col, total[j].x / gl, total[j].y / gl);
-                store_split_pair(out, out_chunks, r, col + 2, total[j].z / gl, total[j].w / gl);
+            if (i < pieces) reinterpret_cast<float4*>(mine + ATT_PARTIAL_HEADER)[i] = total[j];
+        }
+        if (lane == 0) {
+            mine[0] = gm;
+            mine[1] = gl;
+        }
+        // Publish the partial before counting it; the last block to count sees every split's.
+        __threadfence();
+        __syncwarp();
+        u32* counter = counters + (size_t)r * heads + head;
+        u32 done = 0;
+        if (lane == 0) done = atomicAdd(counter, 1u);
+        done = __shfl_sync(0xffffffffu, done, 0);
+        if ((int)done != splits - 1) return;
+        __threadfence();
+        if (lane == 0) *counter = 0u;  // ready for the next launch
+        const float* all = partials + (size_t)(r * heads + head) * max_splits * stride;
+        gm = NEG_INF;
+        for (int z = 0; z < splits; z++) gm = fmaxf(gm, __ldcg(all + z * stride));
+        gl = 0.f;
+#pragma unroll
+        for (int j = 0; j < P; j++) total[j] = zero;
+        for (int z = 0; z < splits; z++) {
+            const float* part = all + z * stride;
+            const float f = expf(__ldcg(part) - gm);
+            gl += __ldcg(part + 1) * f;
+#pragma unroll
+            for (int j = 0; j < P; j++) {
+                const int i = lane + 32 * j;
+                if (i < pieces) {
+                    const float4 a = __ldcg(reinterpret_cast<const float4*>(part + ATT_PARTIAL_HEADER) + i);
+                    total[j].x += a.x * f; total[j].y += a.y * f; total[j].z += a.z * f; total[j].w += a.w * f;
+                }
             }
+        }
+    }
+    // Written split for the output projection's GEMV (row r's inputs head * hd ...).
+#pragma unroll
+    for (int j = 0; j < P; j++) {
+        const int i = lane + 32 * j;
+        if (i < pieces) {
+            const int col = head * hd + 4 * i;
+            store_split_pair(out, out_chunks, r, col, total[j].x / gl, total[j].y / gl);
+            store_split_pair(out, out_chunks, r, col + 2, total[j].z / gl, total[j].w / gl);
         }
     }
 }
@@ -818,8 +953,9 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
 #define ATTENTION_KERNEL(name, P)                                                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                                  \
         name(const float* __restrict__ q, u32* __restrict__ out, int out_chunks, const RowInfo* __restrict__ rows, \
-             const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd, float scale) {       \
-        attention_rows<P>(q, out, out_chunks, rows, caches, layer, heads, kv_heads, hd, scale);                   \
+             const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd, float scale,         \
+             float* __restrict__ partials, u32* __restrict__ counters) {                                           \
+        attention_rows<P>(q, out, out_chunks, rows, caches, layer, heads, kv_heads, hd, scale, partials, counters); \
     }
 ATTENTION_KERNEL(attention_128, 1)
 ATTENTION_KERNEL(attention_256, 2)

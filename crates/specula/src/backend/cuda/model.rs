@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaSlice;
 
 use super::layout::{self, MAX_SPLITS};
-use super::ops::{alloc_split, gemv, ptr, Matrix, WeightFormat};
+use super::ops::{self, alloc_split, gemv, ptr, AttentionSplits, Matrix, WeightFormat};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::error::{Error, Result};
 use crate::model::config::{Config, RopeStyle};
@@ -51,6 +51,9 @@ pub struct CudaModel {
     /// native GEMV against bit for bit.
     layer0_bf16: Vec<(&'static str, Matrix)>,
     workspace: std::sync::Mutex<Workspace>,
+    /// Device blocks of dropped step outputs, reused by later steps (an allocation and a free a step cost host
+    /// time a server pays on every step).
+    output_pool: Arc<OutputPool>,
 }
 
 /// A tensor's values as bf16 (the GGUF quant types are dequantized on the host first).
@@ -500,6 +503,7 @@ impl CudaModel {
             },
             layer0_bf16,
             workspace: Default::default(),
+            output_pool: Default::default(),
         })
     }
 
@@ -584,6 +588,7 @@ impl CudaModel {
             source_types: format!("random bf16 (seed {seed})"),
             layer0_bf16: Vec::new(),
             workspace: Default::default(),
+            output_pool: Default::default(),
         })
     }
 
@@ -840,12 +845,10 @@ impl CudaModel {
             half as i32
         );
         let halves = (c.rope_style == RopeStyle::Halves) as i32;
-        let scale = 1.0 / (hd as f32).sqrt();
         let segments = (heads + 2 * kv_heads) as u32;
-        let attention = &gpu.kernels.attention[usize::from(hd > 128)];
-        let att_block = 256u32; // kernels.cu ATT_WARPS * 32
-                                // Split-K partial sums of the last residual update (down projection) not yet added into x: the next
-                                // RMSNorm adds them (0: none pending).
+        let norm_threads = ops::norm_threads(h);
+        // Split-K partial sums of the last residual update (down projection) not yet added into x: the next
+        // RMSNorm adds them (0: none pending).
         let mut pending = 0usize;
         let last = self.layers.len() - 1;
         for (li, layer) in self.layers.iter().enumerate() {
@@ -857,7 +860,7 @@ impl CudaModel {
                     gpu,
                     rms_norm,
                     (r32, 1, 1),
-                    1024,
+                    norm_threads,
                     px,
                     p(&layer.attn_norm),
                     pn,
@@ -909,23 +912,19 @@ impl CudaModel {
                 );
             }
             if !skipped("attention") {
-                launch_fn!(
+                ops::attention(
                     gpu,
-                    attention,
-                    "attention",
-                    (r32, heads as u32, 1),
-                    att_block,
+                    &ws.attention,
+                    rows,
                     pq,
                     pa,
-                    chunks(q_dim),
                     p_rows,
                     p_seqs,
-                    li as i32,
-                    heads as i32,
-                    kv_heads as i32,
-                    hd as i32,
-                    scale
-                );
+                    li,
+                    heads,
+                    kv_heads,
+                    hd,
+                )?;
             }
             let o_splits = if skipped("out") {
                 0
@@ -939,7 +938,7 @@ impl CudaModel {
                     gpu,
                     rms_norm,
                     (r32, 1, 1),
-                    1024,
+                    norm_threads,
                     px,
                     p(&layer.ffn_norm),
                     pn,
@@ -1011,7 +1010,7 @@ impl CudaModel {
                 gpu,
                 rms_norm,
                 (nw as u32, 1, 1),
-                1024,
+                norm_threads,
                 p(&ws.picked),
                 p(&self.final_norm),
                 ptr(&ws.picked_normed, gpu),
@@ -1050,7 +1049,11 @@ impl CudaModel {
         if all.is_empty() {
             return Ok(Vec::new());
         }
-        let mut data = self.alloc((size * all.len()).max(1), "output rows")?;
+        let len = size * all.len();
+        let mut data = match self.output_pool.take(len) {
+            Some(d) => d,
+            None => self.alloc(len.max(1), "output rows")?,
+        };
         if size > 0 {
             for (i, src) in all.iter().enumerate() {
                 let src = src.slice(0..size);
@@ -1062,9 +1065,10 @@ impl CudaModel {
             }
         }
         let block = Arc::new(OutputBlock {
-            data,
-            len: size * all.len(),
+            data: Some(data),
+            len,
             host: Mutex::new(None),
+            pool: self.output_pool.clone(),
         });
         Ok((0..all.len())
             .map(|i| {
@@ -1162,6 +1166,7 @@ struct Buffers {
     picked: CudaSlice<f32>,
     picked_normed: CudaSlice<u32>,
     logits: CudaSlice<f32>,
+    attention: AttentionSplits,
     captured: Vec<CudaSlice<f32>>,
     tokens: CudaSlice<u32>,
     positions: CudaSlice<u32>,
@@ -1237,6 +1242,7 @@ impl Workspace {
             picked: f(w * c.hidden_size, "final rows")?,
             picked_normed: alloc_split(&model.gpu, w, c.hidden_size, "final rows")?,
             logits: f(w * self.vocab, "logits")?,
+            attention: AttentionSplits::new(&model.gpu, r, c.num_heads, c.head_dim, "the step's")?,
             captured: (0..self.captures)
                 .map(|_| f(r * c.hidden_size, "captured hidden states"))
                 .collect::<Result<_>>()?,
@@ -1263,11 +1269,71 @@ pub struct StepMatrix {
 }
 
 /// Device memory holding one or more step matrices copied out together (a step's captured layers), and its host
-/// copy, read back whole on the first read of any of them.
+/// copy, read back whole on the first read of any of them. Dropped, its memory goes back to the model's pool.
 struct OutputBlock {
-    data: CudaSlice<f32>,
+    /// Always Some until the drop hands it to the pool.
+    data: Option<CudaSlice<f32>>,
     len: usize,
     host: Mutex<Option<Vec<f32>>>,
+    pool: Arc<OutputPool>,
+}
+
+impl OutputBlock {
+    fn data(&self) -> &CudaSlice<f32> {
+        self.data
+            .as_ref()
+            .expect("an output block's memory leaves only when it drops")
+    }
+}
+
+impl Drop for OutputBlock {
+    fn drop(&mut self) {
+        if let Some(data) = self.data.take() {
+            self.pool.give(data);
+        }
+    }
+}
+
+/// Free output blocks. Everything on the model's stream runs in order, so a block handed back after its last
+/// read (the views read synchronously) can take the next step's copy at once.
+#[derive(Default)]
+struct OutputPool(Mutex<Vec<CudaSlice<f32>>>);
+
+/// Whether dropped output blocks are kept for reuse (default; `SPECULA_CUDA_OUTPUT_POOL=0` allocates and frees
+/// a block every step, as before the pool, to compare).
+fn output_pool_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_OUTPUT_POOL").map_or(true, |v| v != "0"))
+}
+
+/// Blocks the pool keeps (a step's logits and captured rows, a few steps' worth in flight).
+const OUTPUT_POOL_BLOCKS: usize = 16;
+
+impl OutputPool {
+    /// A free block of at least `len` elements and at most twice that (so small steps do not pin big blocks).
+    fn take(&self, len: usize) -> Option<CudaSlice<f32>> {
+        if !output_pool_enabled() {
+            return None;
+        }
+        let mut free = self.0.lock().ok()?;
+        let want = len.max(1);
+        let i = free
+            .iter()
+            .position(|d| d.len() >= want && d.len() <= 2 * want)?;
+        Some(free.swap_remove(i))
+    }
+
+    fn give(&self, data: CudaSlice<f32>) {
+        if !output_pool_enabled() {
+            return;
+        }
+        if let Ok(mut free) = self.0.lock() {
+            if free.len() >= OUTPUT_POOL_BLOCKS {
+                free.remove(0);
+            }
+            free.push(data);
+        }
+    }
 }
 
 /// Matrices at most this wide come back to the host whole on the first read of any view (hidden states: 6 KB a
@@ -1302,7 +1368,7 @@ impl StepMatrix {
             *cached = Some(
                 self.gpu
                     .stream
-                    .clone_dtoh(&block.data.slice(0..block.len))
+                    .clone_dtoh(&block.data().slice(0..block.len))
                     .map_err(|e| cuda_err("reading a step's outputs", e))?,
             );
         }
@@ -1314,13 +1380,13 @@ impl StepMatrix {
 
     /// The device address of the matrix's first element.
     fn device_ptr(&self) -> u64 {
-        ptr(&self.block.data, &self.gpu) + (4 * self.offset) as u64
+        ptr(self.block.data(), &self.gpu) + (4 * self.offset) as u64
     }
 
     /// Elements `range` of the matrix, as a slice of its block.
     fn slice(&self, range: std::ops::Range<usize>) -> cudarc::driver::CudaView<'_, f32> {
         self.block
-            .data
+            .data()
             .slice(self.offset + range.start..self.offset + range.end)
     }
 }

@@ -245,6 +245,112 @@ pub(crate) fn alloc_split(gpu: &Gpu, rows: usize, k: usize, what: &str) -> Resul
         .map_err(|e| cuda_err(&format!("allocating {what}"), e))
 }
 
+/// Threads of an rms_norm block for rows of `h` floats (kernels.cu): one a 16-byte piece, at most 1024 (then up
+/// to 4 pieces each). A function of `h` alone, so a row's sum has one order whatever the launch.
+pub(crate) fn norm_threads(h: usize) -> u32 {
+    (h / 4).div_ceil(32).clamp(1, 32) as u32 * 32
+}
+
+/// kernels.cu ATT_PARTIAL_HEADER: floats ahead of a split partial's values.
+const ATTENTION_PARTIAL_HEADER: usize = 4;
+/// The most blocks a row and head may split its keys over.
+const MAX_ATTENTION_SPLITS: usize = 64;
+
+/// The attention kernel's split-over-keys state for up to `rows` rows (kernels.cu attention_rows): each split's
+/// partial (max, sum, values), and a counter a row and head that tells the last block to merge them.
+pub(crate) struct AttentionSplits {
+    partials: CudaSlice<f32>,
+    /// Zeroed once; the merging block puts its counter back to zero.
+    counters: CudaSlice<u32>,
+    rows: usize,
+    /// Blocks a row and head: the grid's third dimension.
+    splits: usize,
+}
+
+impl AttentionSplits {
+    /// How many blocks a row and head may take: enough that one row's heads cover the multiprocessors
+    /// (`SPECULA_CUDA_ATTENTION_SPLITS=N` sets it; 1 keeps each row and head in one block). It depends on the
+    /// model and the GPU, never on a step's rows, so a row's result is the same in any launch.
+    pub(crate) fn splits_for(gpu: &Gpu, heads: usize) -> Result<usize> {
+        match std::env::var("SPECULA_CUDA_ATTENTION_SPLITS") {
+            Ok(v) => match v.trim().parse::<usize>() {
+                Ok(n) if (1..=MAX_ATTENTION_SPLITS).contains(&n) => Ok(n),
+                _ => Err(crate::error::Error::InvalidArgument(format!(
+                    "SPECULA_CUDA_ATTENTION_SPLITS={v:?}: want a number of blocks from 1 to {MAX_ATTENTION_SPLITS}"
+                ))),
+            },
+            Err(_) => Ok((gpu.sm_count / heads.max(1)).clamp(1, 16)),
+        }
+    }
+
+    pub(crate) fn new(
+        gpu: &Gpu,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        what: &str,
+    ) -> Result<Self> {
+        let splits = Self::splits_for(gpu, heads)?;
+        // One split never touches the partials or counters.
+        let (partial_rows, counter_rows) = if splits > 1 { (rows, rows) } else { (0, 0) };
+        let n = partial_rows * heads * splits * (head_dim + ATTENTION_PARTIAL_HEADER);
+        // SAFETY: a split's partial is written before the merging block reads it.
+        let partials = unsafe { gpu.stream.alloc::<f32>(n.max(1)) }
+            .map_err(|e| cuda_err(&format!("allocating {what} attention partials"), e))?;
+        let counters = gpu
+            .stream
+            .alloc_zeros::<u32>((counter_rows * heads).max(1))
+            .map_err(|e| cuda_err(&format!("allocating {what} attention counters"), e))?;
+        Ok(Self {
+            partials,
+            counters,
+            rows,
+            splits,
+        })
+    }
+}
+
+/// Attention of `rows` rows (queries at `q`, row and cache tables at `row_table`, `seq_table`) over layer
+/// `layer` of their caches, written split to `out` for the output projection.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    gpu: &Gpu,
+    splits: &AttentionSplits,
+    rows: usize,
+    q: u64,
+    out: u64,
+    row_table: u64,
+    seq_table: u64,
+    layer: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    debug_assert!(rows <= splits.rows);
+    let q_dim = heads * head_dim;
+    let variant = usize::from(head_dim > 128);
+    launch_fn!(
+        gpu,
+        &gpu.kernels.attention[variant],
+        "attention",
+        (rows as u32, heads as u32, splits.splits as u32),
+        gpu.kernels.attention_threads[variant],
+        q,
+        out,
+        q_dim.div_ceil(layout::CHUNK) as i32,
+        row_table,
+        seq_table,
+        layer as i32,
+        heads as i32,
+        kv_heads as i32,
+        head_dim as i32,
+        1.0f32 / (head_dim as f32).sqrt(),
+        ptr(&splits.partials, gpu),
+        ptr(&splits.counters, gpu)
+    );
+    Ok(())
+}
+
 /// `xs` = `x` (`m x k` f32, k even) split for a GEMV, where no producing kernel writes it so.
 pub(crate) fn split_rows(gpu: &Gpu, x: u64, xs: u64, m: usize, k: usize) -> Result<()> {
     launch!(
@@ -453,3 +559,4 @@ fn launch_gemv_tile(
     );
     Ok(())
 }
+
