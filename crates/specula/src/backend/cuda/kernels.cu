@@ -126,6 +126,28 @@ extern "C" __global__ void embed_rows(const bf16_t* __restrict__ table, const u3
         out[(size_t)r * h + i] = bf16_to_f32(table[tiled_index(token, i, chunks)]);
 }
 
+// Split-K partitions a GEMV has at most (layout.rs MAX_SPLITS).
+#define SPLITK_MAX 8
+
+// 0 + p[0] + p[stride] + ... over `splits` partial sums, in split order, every load issued before the first add
+// (a loop adding as it loads waits out one L2 round trip a split).
+__device__ __forceinline__ float ordered_split_sum(const float* __restrict__ p, int splits, u64 stride) {
+    float v[SPLITK_MAX];
+#pragma unroll
+    for (int z = 0; z < SPLITK_MAX; z++) v[z] = z < splits ? p[z * stride] : 0.f;
+    float s = 0.f;
+#pragma unroll
+    for (int z = 0; z < SPLITK_MAX; z++)
+        if (z < splits) s += v[z];
+    return s;
+}
+
+// The sum of a GEMV output's split-K partial sums in split order (splitk_reduce's order), or the output itself.
+__device__ __forceinline__ float split_sum(const float* __restrict__ p, int splits, u64 stride, size_t i) {
+    if (splits <= 1) return p[i];
+    return ordered_split_sum(p + i, splits, stride);
+}
+
 // out[r] = x[r] * w / sqrt(mean(x[r]^2) + eps), written split for the GEMV that reads it (out_chunks = ceil(h /
 // 32)), for h % 4 == 0, h <= 16384; grid (rows), block ops.rs norm_threads(h) (a thread for each 16-byte piece
 // of the row, at most 1024, which then take up to 4 pieces each). Each thread loads its pieces of the row at once
@@ -165,10 +187,18 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ 
         for (int j = 0; j < NORM_PIECES; j++) {
             const int i = threadIdx.x + j * blockDim.x;
             if (i < pieces) {
+                // Every split's piece loaded at once, then added in split order.
+                float4 pz[SPLITK_MAX];
+#pragma unroll
+                for (int z = 0; z < SPLITK_MAX; z++)
+                    pz[z] = z < splits ? reinterpret_cast<const float4*>(partials + z * split_stride + (size_t)r * h)[i]
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
                 float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
-                for (int z = 0; z < splits; z++) {
-                    const float4 pz = reinterpret_cast<const float4*>(partials + z * split_stride + (size_t)r * h)[i];
-                    t.x += pz.x; t.y += pz.y; t.z += pz.z; t.w += pz.w;
+#pragma unroll
+                for (int z = 0; z < SPLITK_MAX; z++) {
+                    if (z < splits) {
+                        t.x += pz[z].x; t.y += pz[z].y; t.z += pz[z].z; t.w += pz[z].w;
+                    }
                 }
                 v[j] = make_float4(v[j].x + t.x, v[j].y + t.y, v[j].z + t.z, v[j].w + t.w);
                 xw[i] = v[j];
@@ -612,20 +642,11 @@ extern "C" __global__ void splitk_reduce(const float* __restrict__ scratch, floa
     PDL_ENTER();
     const size_t total = (size_t)m * n;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        float s = 0.f;
-        for (int z = 0; z < splits; z++) s += scratch[(size_t)z * total + i];
+        const float s = ordered_split_sum(scratch + i, splits, total);
         y[i] = accumulate ? y[i] + s : s;
     }
 }
 
-
-// The sum of a GEMV output's split-K partial sums in split order (splitk_reduce's order), or the output itself.
-__device__ __forceinline__ float split_sum(const float* __restrict__ p, int splits, u64 stride, size_t i) {
-    if (splits <= 1) return p[i];
-    float s = 0.f;
-    for (int z = 0; z < splits; z++) s += p[z * stride + i];
-    return s;
-}
 
 // After the fused QKV GEMV: adds the biases, rotates queries and keys, writes the queries to q and the keys and
 // values to the row's sequence cache. qkv[r] holds q (heads * hd), then k and v (kv_heads * hd each); with
@@ -739,6 +760,10 @@ extern "C" __global__ void rope_angles(const u32* __restrict__ positions, const 
 #define ATT_SPLIT_PASSES 1
 // A split's partial: max, sum, two floats of padding, then the head dimension's unnormalized values.
 #define ATT_PARTIAL_HEADER 4
+// The most splits a row and head may take (a lane each when they are merged; ops.rs MAX_ATTENTION_SPLITS).
+#define ATT_MAX_SPLITS 32
+// Splits whose values the merging warp loads at once.
+#define ATT_MERGE_BATCH 4
 
 // The position of the n-th (0-based) set bit of m.
 __device__ __forceinline__ int nth_set_bit(u64 m, int n) {
@@ -880,12 +905,16 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
     for (int j = 0; j < P; j++) s_acc[warp][lane + 32 * j] = acc[j];
     __syncthreads();
     if (warp != 0) return;
+    // Unrolled (ATT_WARPS is fixed), so the shared-memory loads and exponentials of all warps overlap; the adds
+    // stay in warp order.
     float gm = NEG_INF;
+#pragma unroll
     for (int w = 0; w < ATT_WARPS; w++) gm = fmaxf(gm, s_max[w]);
     float gl = 0.f;
     float4 total[P];
 #pragma unroll
     for (int j = 0; j < P; j++) total[j] = zero;
+#pragma unroll
     for (int w = 0; w < ATT_WARPS; w++) {
         if (s_max[w] == NEG_INF) continue;
         const float f = expf(s_max[w] - gm);
@@ -919,21 +948,44 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
         __threadfence();
         if (lane == 0) *counter = 0u;  // ready for the next launch
         const float* all = partials + (size_t)(r * heads + head) * max_splits * stride;
-        gm = NEG_INF;
-        for (int z = 0; z < splits; z++) gm = fmaxf(gm, __ldcg(all + z * stride));
+        // Lane z reads split z's max and sum (splits <= 32), so all of them arrive in one round trip; the values
+        // come ATT_MERGE_BATCH splits a round trip. The merge itself runs in split order.
+        const float mz = lane < splits ? __ldcg(all + lane * stride) : NEG_INF;
+        const float sz = lane < splits ? __ldcg(all + lane * stride + 1) : 0.f;
+        gm = mz;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, o));
+        const float fz = lane < splits ? expf(mz - gm) : 0.f;
         gl = 0.f;
 #pragma unroll
         for (int j = 0; j < P; j++) total[j] = zero;
-        for (int z = 0; z < splits; z++) {
-            const float* part = all + z * stride;
-            const float f = expf(__ldcg(part) - gm);
-            gl += __ldcg(part + 1) * f;
+        for (int z0 = 0; z0 < splits; z0 += ATT_MERGE_BATCH) {
+            float4 a[ATT_MERGE_BATCH][P];
 #pragma unroll
-            for (int j = 0; j < P; j++) {
-                const int i = lane + 32 * j;
-                if (i < pieces) {
-                    const float4 a = __ldcg(reinterpret_cast<const float4*>(part + ATT_PARTIAL_HEADER) + i);
-                    total[j].x += a.x * f; total[j].y += a.y * f; total[j].z += a.z * f; total[j].w += a.w * f;
+            for (int u = 0; u < ATT_MERGE_BATCH; u++) {
+#pragma unroll
+                for (int j = 0; j < P; j++) {
+                    const int i = lane + 32 * j;
+                    a[u][j] = z0 + u < splits && i < pieces
+                                  ? __ldcg(reinterpret_cast<const float4*>(all + (z0 + u) * stride + ATT_PARTIAL_HEADER) + i)
+                                  : zero;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < ATT_MERGE_BATCH; u++) {
+                const int z = z0 + u;
+                const float f = __shfl_sync(0xffffffffu, fz, z & 31);
+                const float sum = __shfl_sync(0xffffffffu, sz, z & 31);
+                if (z < splits) {
+                    gl += sum * f;
+#pragma unroll
+                    for (int j = 0; j < P; j++) {
+                        const int i = lane + 32 * j;
+                        if (i < pieces) {
+                            total[j].x += a[u][j].x * f; total[j].y += a[u][j].y * f;
+                            total[j].z += a[u][j].z * f; total[j].w += a[u][j].w * f;
+                        }
+                    }
                 }
             }
         }

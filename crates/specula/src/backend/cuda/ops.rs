@@ -253,8 +253,9 @@ pub(crate) fn norm_threads(h: usize) -> u32 {
 
 /// kernels.cu ATT_PARTIAL_HEADER: floats ahead of a split partial's values.
 const ATTENTION_PARTIAL_HEADER: usize = 4;
-/// The most blocks a row and head may split its keys over.
-const MAX_ATTENTION_SPLITS: usize = 64;
+/// The most blocks a row and head may split its keys over (kernels.cu ATT_MAX_SPLITS: the merging warp reads a
+/// split a lane).
+const MAX_ATTENTION_SPLITS: usize = 32;
 
 /// The attention kernel's split-over-keys state for up to `rows` rows (kernels.cu attention_rows): each split's
 /// partial (max, sum, values), and a counter a row and head that tells the last block to merge them.
@@ -560,3 +561,49 @@ fn launch_gemv_tile(
     Ok(())
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of `#define NAME VALUE` in kernels.cu.
+    fn kernel_define(name: &str) -> usize {
+        let prefix = format!("#define {name} ");
+        let line = crate::backend::cuda::KERNELS_SOURCE
+            .lines()
+            .find(|l| l.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("kernels.cu has no #define {name}"));
+        line[prefix.len()..]
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("#define {name}: {e}"))
+    }
+
+    #[test]
+    fn kernel_constants_match_the_host_side() {
+        assert_eq!(
+            kernel_define("ATT_PARTIAL_HEADER"),
+            ATTENTION_PARTIAL_HEADER
+        );
+        // The merge reads a split a lane.
+        assert_eq!(kernel_define("ATT_MAX_SPLITS"), MAX_ATTENTION_SPLITS);
+        assert!(kernel_define("ATT_MAX_SPLITS") <= 32);
+        assert_eq!(
+            kernel_define("SPLITK_MAX"),
+            super::super::layout::MAX_SPLITS
+        );
+    }
+
+    #[test]
+    fn norm_threads_cover_every_row_width_the_kernel_takes() {
+        let pieces_a_thread = kernel_define("NORM_PIECES");
+        for h in [4, 64, 576, 896, 1536, 2048, 3584, 4096, 5120, 8192, 16384] {
+            let threads = norm_threads(h) as usize;
+            assert_eq!(threads % 32, 0, "h {h}: whole warps");
+            assert!(threads <= 1024, "h {h}: {threads} threads");
+            assert!(
+                threads * pieces_a_thread * 4 >= h,
+                "h {h}: {threads} threads of {pieces_a_thread} pieces miss some of the row"
+            );
+        }
+    }
+}
