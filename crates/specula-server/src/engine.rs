@@ -408,6 +408,10 @@ struct StepDecision {
     refused: Option<specula::draft::budget::Refusal>,
     baseline_probe: bool,
     prices: (Option<f64>, Option<f64>, Option<f64>, Option<f64>),
+    /// Host wall time of the draft budget's plan and of the decode step proper (its forward passes, drafting and
+    /// acceptance); the rest of `wall_ms` is the engine's bookkeeping around them.
+    host_plan_s: f64,
+    host_decode_s: f64,
 }
 
 /// A step's time as the draft budget prices it: the forward pass, the drafters, and the rest.
@@ -951,17 +955,20 @@ impl<'a> EngineLoop<'a> {
         // Tokens each drafter must catch up on before drafting (a draft model cut in earlier steps).
         let lags: Vec<usize> = running.iter().map(|r| r.generation.draft_lag()).collect();
         let prices = self.budget.borrow().costs();
+        let plan_start = Instant::now();
         let LimitChoice {
             limits,
             expected,
             refused,
             baseline_probe,
         } = self.choose_draft_limits(running, &lags);
+        let plan_s = plan_start.elapsed().as_secs_f64();
         let spec_before: Vec<SpecCounts> = running
             .iter()
             .map(|r| SpecCounts::of(&r.generation).unwrap_or_default())
             .collect();
         let mut texts: Vec<(usize, String)> = Vec::new();
+        let decode_start = Instant::now();
         let (results, report) = {
             let mut batch: Vec<&mut Generation<'a>> =
                 running.iter_mut().map(|r| &mut r.generation).collect();
@@ -985,6 +992,7 @@ impl<'a> EngineLoop<'a> {
             )
         };
         let now = Instant::now();
+        let decode_s = now.duration_since(decode_start).as_secs_f64();
         for (i, t) in texts {
             running[i].out.take_text(&t);
         }
@@ -1064,6 +1072,8 @@ impl<'a> EngineLoop<'a> {
                 refused,
                 baseline_probe,
                 prices,
+                host_plan_s: plan_s,
+                host_decode_s: decode_s,
             },
         );
         results
@@ -1275,6 +1285,8 @@ impl<'a> EngineLoop<'a> {
         // and the tokens it committed), so a profile shows where the cost model is wrong.
         let mut args = serde_json::json!({
             "wall_ms": step_start.elapsed().as_secs_f64() * 1e3,
+            "plan_ms": decision.host_plan_s * 1e3,
+            "decode_ms": decision.host_decode_s * 1e3,
             "tokens": decision.committed,
         });
         if let Some((s, tokens)) = decision.expected {

@@ -1,0 +1,40 @@
+//! Writes a random EAGLE-3 head for a `--random-weights` shape (its width, heads and vocabulary; MLP 2x the width,
+//! f32 safetensors). It accepts next to nothing, which is the point: a head server over a random-weights target
+//! then pays the head's per-step bookkeeping (captured hidden states, the draft budget) while drafting little, the
+//! regime where session 22 measured it 2-5% under plain on the H200 (scripts/gpu-serve-random.sh).
+//! `cargo run --release -p specula --example write_random_head -- OUT_DIR SHAPE [DRAFT_VOCAB]`
+
+use specula::model::config::Config;
+use specula::testing::{write_tiny_eagle3_head, TinyHeadSpec};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let usage = "usage: write_random_head OUT_DIR SHAPE [DRAFT_VOCAB] (SHAPE: llama-3.1-8b, qwen2.5-1.5b, qwen2.5-0.5b)";
+    let args: Vec<String> = std::env::args().collect();
+    let out = args.get(1).ok_or(usage)?;
+    let shape = args.get(2).ok_or(usage)?;
+    let target = Config::shape(shape)?;
+    let draft_vocab: usize = match args.get(3) {
+        Some(s) => s
+            .parse()
+            .map_err(|_| format!("DRAFT_VOCAB {s:?} is not a number; {usage}"))?,
+        None => 32000.min(target.vocab_size),
+    };
+    if draft_vocab == 0 || draft_vocab > target.vocab_size {
+        return Err(format!(
+            "DRAFT_VOCAB {draft_vocab} must be between 1 and the shape's vocabulary ({})",
+            target.vocab_size
+        )
+        .into());
+    }
+    let n = target.num_layers;
+    let spec = TinyHeadSpec {
+        draft_vocab,
+        first: 0,
+        stride: 1,
+        // SpecForge's default wiring: layers 2, n/2 and n-3.
+        aux_layers: Some(vec![1, n / 2 - 1, n - 4]),
+        ..Default::default()
+    };
+    write_tiny_eagle3_head(std::path::Path::new(out), &target, &spec)?;
+    Ok(())
+}
