@@ -26,13 +26,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
-    let n = target.num_layers;
     let spec = TinyHeadSpec {
         draft_vocab,
         first: 0,
         stride: 1,
-        // SpecForge's default wiring: layers 2, n/2 and n-3.
-        aux_layers: Some(vec![1, n / 2 - 1, n - 4]),
+        // No layer ids in config.json: the loader's default wiring applies.
+        aux_layers: None,
         ..Default::default()
     };
     write_tiny_eagle3_head(std::path::Path::new(out), &target, &spec)?;
