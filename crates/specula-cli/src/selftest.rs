@@ -729,6 +729,13 @@ fn against_cpu(
         // check below is the check).
         println!("logits vs the CPU's quantized kernels (relative L2 error): {detail}");
     }
+    checks.extend(captured_layer_checks(
+        gpu,
+        cpu,
+        tokens,
+        &g.logits.data,
+        cpu_is_exact,
+    )?);
     // Embedding rows as an EAGLE-3 head reads them (the GPU's come from its bf16 table).
     let (ge, ce) = (
         gpu.model.embed_tokens(tokens)?,
@@ -780,6 +787,72 @@ fn against_cpu(
         gt.len().max(ct.len())
     );
     Ok((checks, (agree, gt.len())))
+}
+
+/// Hidden states captured for an EAGLE-3 head (a low, a middle and the last layer: the GPU writes the last
+/// one apart) against the CPU's, and capturing leaves the logits bit for bit as they are without it (greedy
+/// speculation with a head verifies with captures; plain decoding runs without).
+fn captured_layer_checks(
+    gpu: &LoadedModel,
+    cpu: &LoadedModel,
+    tokens: &[u32],
+    uncaptured_logits: &[f32],
+    cpu_is_exact: bool,
+) -> anyhow::Result<Vec<Check>> {
+    let n = gpu.model.config().num_layers;
+    let mut layers = vec![0, n / 2, n - 1];
+    layers.dedup();
+    let run = |m: &LoadedModel| -> anyhow::Result<(Vec<f32>, Vec<Vec<f32>>)> {
+        let mut cache = m.model.new_cache(tokens.len() + 8)?;
+        let out = m.model.forward_one(
+            tokens,
+            cache.as_mut(),
+            &ForwardOptions {
+                capture_layers: &layers,
+                ..Default::default()
+            },
+            LogitsFor::All,
+            &Profiler::disabled(),
+        )?;
+        let mut hidden = Vec::new();
+        for &l in &layers {
+            let (_, rows) = out
+                .hidden
+                .iter()
+                .find(|(x, _)| *x == l)
+                .ok_or_else(|| anyhow::anyhow!("layer {l} was not captured"))?;
+            hidden.push(rows.to_host()?.into_owned());
+        }
+        Ok((out.logits.to_host()?.into_owned(), hidden))
+    };
+    let (g_logits, g_hidden) = run(gpu)?;
+    let (_, c_hidden) = run(cpu)?;
+    let mut checks = vec![bitwise(
+        "logits with captured layers = without",
+        &g_logits,
+        uncaptured_logits,
+    )];
+    let mut details = Vec::new();
+    let mut passed = true;
+    for ((l, g), c) in layers.iter().zip(&g_hidden).zip(&c_hidden) {
+        let (relative, _, _) = logits_distance(g, c);
+        passed &= g.len() == c.len() && relative <= 2e-2;
+        details.push(format!("layer {l}: {relative:.2e}"));
+    }
+    if cpu_is_exact {
+        checks.push(Check {
+            name: "captured hidden states vs CPU (relative L2 error)".into(),
+            passed,
+            detail: format!("{} (tolerance 2e-2)", details.join(", ")),
+        });
+    } else {
+        // As for the logits: the CPU's quantized kernels are a distance, not a reference.
+        println!(
+            "captured hidden states vs the CPU's quantized kernels (relative L2 error): {}",
+            details.join(", ")
+        );
+    }
+    Ok(checks)
 }
 
 /// Median forward time over 1..=9 rows after the prompt (a verify pass of k = 0..8), as bench measures it.

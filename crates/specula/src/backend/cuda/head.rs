@@ -376,7 +376,8 @@ impl CudaHead {
                 0u64,
                 0i32,
                 0u64,
-                hc
+                hc,
+                0u64
             );
         }
         let qkv_width = q_dim + 2 * kv_dim;
@@ -465,7 +466,8 @@ impl CudaHead {
             pscratch,
             o_splits as i32,
             (m * h) as u64,
-            hc
+            hc,
+            0u64
         );
         gemv(
             gpu,
@@ -529,7 +531,8 @@ impl CudaHead {
             0u64,
             0i32,
             0u64,
-            c.hidden_size.div_ceil(layout::CHUNK) as i32
+            c.hidden_size.div_ceil(layout::CHUNK) as i32,
+            0u64
         );
         gemv(
             gpu,

@@ -157,10 +157,14 @@ __device__ __forceinline__ float split_sum(const float* __restrict__ p, int spli
 // With splits > 0 it first adds a deferred split-K residual update (the output or down projection's partial sums,
 // partials[z][r] for z < splits, summed in split order as splitk_reduce would) into x and writes x back: one
 // launch instead of a reduction kernel and a norm.
+// With copy_out set it also writes the row of x it normalized (after that addition) there: a captured layer's
+// output for an EAGLE-3 head, without a copy in the graph (a memcpy node also breaks the chain of programmatic
+// launches) and without finishing the down projection's split-K in place for it.
 extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ x, const float* __restrict__ w,
                                                             u32* __restrict__ out, int h, float eps,
                                                             const float* __restrict__ partials, int splits,
-                                                            u64 split_stride, int out_chunks) {
+                                                            u64 split_stride, int out_chunks,
+                                                            float* __restrict__ copy_out) {
     __shared__ float partial[32];
     const int r = blockIdx.x;
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * h);
@@ -203,6 +207,14 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ 
                 v[j] = make_float4(v[j].x + t.x, v[j].y + t.y, v[j].z + t.z, v[j].w + t.w);
                 xw[i] = v[j];
             }
+        }
+    }
+    if (copy_out != nullptr) {
+        float4* cw = reinterpret_cast<float4*>(copy_out + (size_t)r * h);
+#pragma unroll
+        for (int j = 0; j < NORM_PIECES; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < pieces) cw[i] = v[j];
         }
     }
 #pragma unroll

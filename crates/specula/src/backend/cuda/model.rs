@@ -850,6 +850,9 @@ impl CudaModel {
         // Split-K partial sums of the last residual update (down projection) not yet added into x: the next
         // RMSNorm adds them (0: none pending).
         let mut pending = 0usize;
+        // Where the next attention norm writes the residual stream it completes (the previous layer's output,
+        // when that layer is captured): 0 for none.
+        let mut capture_into = 0u64;
         let last = self.layers.len() - 1;
         for (li, layer) in self.layers.iter().enumerate() {
             // Attention: norm (adding the last layer's deferred down projection), one QKV GEMV, its partial sums +
@@ -869,9 +872,11 @@ impl CudaModel {
                     pscratch,
                     pending as i32,
                     (rows * h) as u64,
-                    chunks(h)
+                    chunks(h),
+                    capture_into
                 );
             }
+            capture_into = 0;
             let qkv_width = q_dim + 2 * kv_dim;
             let qkv_splits = if skipped("qkv") {
                 0
@@ -947,7 +952,8 @@ impl CudaModel {
                     pscratch,
                     o_splits as i32,
                     (rows * h) as u64,
-                    chunks(h)
+                    chunks(h),
+                    0u64
                 );
             }
             if !skipped("gate_up") {
@@ -964,7 +970,9 @@ impl CudaModel {
                 )?;
             }
             let captured = shape.capture.iter().position(|&l| l == li);
-            let defer_down = li != last && captured.is_none();
+            // A captured layer's output is written by the next layer's attention norm, which completes it (the
+            // last layer's is copied here: the final norm reads only the rows that want logits).
+            let defer_down = li != last && (captured.is_none() || !skipped("norm"));
             pending = if skipped("down") {
                 0
             } else {
@@ -980,17 +988,21 @@ impl CudaModel {
                     defer_down,
                 )?
             };
-            if let Some(i) = captured {
-                // SAFETY: both buffers hold at least rows * h floats (Workspace::fit), on this stream.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(
-                        p(&ws.captured[i]),
-                        px,
-                        rows * h * 4,
-                        gpu.stream.cu_stream(),
-                    )
+            match captured {
+                Some(i) if li != last && !skipped("norm") => capture_into = p(&ws.captured[i]),
+                Some(i) => {
+                    // SAFETY: both buffers hold at least rows * h floats (Workspace::fit), on this stream.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            p(&ws.captured[i]),
+                            px,
+                            rows * h * 4,
+                            gpu.stream.cu_stream(),
+                        )
+                    }
+                    .map_err(|e| cuda_err("capturing hidden states", e))?;
                 }
-                .map_err(|e| cuda_err("capturing hidden states", e))?;
+                None => {}
             }
         }
         let nw = tables.wanted.len();
@@ -1019,7 +1031,8 @@ impl CudaModel {
                 0u64,
                 0i32,
                 0u64,
-                chunks(h)
+                chunks(h),
+                0u64
             );
             self.gemv(
                 head,
