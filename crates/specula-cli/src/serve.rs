@@ -176,6 +176,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         request_timeout,
         adaptive_drafts: args.draft_policy == "adaptive",
         prefix_cache: !args.no_prefix_cache,
+        overlap: None,
     };
     let engine = Engine::start(target, draft, options, metrics.clone());
     let state = Arc::new(AppState {

@@ -84,6 +84,9 @@ pub struct EngineOptions {
     /// Keep finished requests' KV caches in the KV memory running requests leave free, so that later prompts
     /// starting the same way skip that part of their prefill ([`specula::decode::PrefixCache`]).
     pub prefix_cache: bool,
+    /// Do a step's bookkeeping and the next step's plan while its forward pass runs ([`overlap_enabled`]); None:
+    /// on a GPU (`SPECULA_SERVE_OVERLAP` overrides), not on the CPU.
+    pub overlap: Option<bool>,
 }
 
 impl Default for EngineOptions {
@@ -97,6 +100,7 @@ impl Default for EngineOptions {
             request_timeout: None,
             adaptive_drafts: true,
             prefix_cache: true,
+            overlap: None,
         }
     }
 }
@@ -289,6 +293,7 @@ impl Engine {
         std::thread::Builder::new()
             .name("specula-engine".into())
             .spawn(move || {
+                let overlap = overlap_enabled(&model, &engine_options);
                 EngineLoop {
                     model: &model,
                     draft: &draft,
@@ -299,6 +304,8 @@ impl Engine {
                     next_id: std::cell::Cell::new(0),
                     budget: std::cell::RefCell::new(DraftBudget::new()),
                     prefixes: std::cell::RefCell::new(PrefixCache::new()),
+                    overlap,
+                    carry: std::cell::RefCell::default(),
                 }
                 .run()
             })
@@ -412,6 +419,77 @@ struct StepDecision {
     /// acceptance); the rest of `wall_ms` is the engine's bookkeeping around them.
     host_plan_s: f64,
     host_decode_s: f64,
+    /// Host time of the work done while the step's forward pass ran (the last step's bookkeeping, the next
+    /// step's plan); inside `host_decode_s`.
+    host_overlapped_s: f64,
+}
+
+/// The draft budget's plan's view of the running requests ([`EngineLoop::plan_input`]).
+#[derive(Default)]
+struct PlanInput {
+    /// Drafting requests, as the budget knows them.
+    candidates: Vec<DraftCandidate>,
+    base_rows: usize,
+    decoding: usize,
+}
+
+/// A plan's draft lengths by request id, with what the budget expected of the step.
+struct PlannedLimits {
+    ids: Vec<u64>,
+    limits: Vec<usize>,
+    expected: Option<(f64, f64)>,
+    refused: Option<specula::draft::budget::Refusal>,
+    baseline_probe: bool,
+    /// Host time the plan took.
+    plan_s: f64,
+}
+
+/// One drafting request's cycle in a step, for the draft budget ([`cycle_evidence`]).
+struct RequestCycle {
+    id: u64,
+    limit: usize,
+    counts: SpecCounts,
+    lag_before: usize,
+    lag_after: usize,
+    draft_room: usize,
+}
+
+/// A step's bookkeeping that waits for the next step's forward pass (metrics, the budget's observations, the
+/// profile): on a GPU the device then runs while the host does it, where it used to wait for it (at 32 streams on
+/// an H200 the head server spent ~80-190 us a step of host time between forward passes: docs/benchmarks.md).
+struct Aftermath {
+    prof: Profiler,
+    step_start: Instant,
+    /// The step's host wall time, plan to commit.
+    wall_s: f64,
+    report: decode::StepReport,
+    phases: Vec<specula::profile::StepPhases>,
+    costs: Option<StepCosts>,
+    cycles: Vec<RequestCycle>,
+    decision: StepDecision,
+}
+
+/// What one step leaves to the next ([`Aftermath`], requests that left since, the plan made during its pass).
+#[derive(Default)]
+struct Carry {
+    aftermath: Option<Aftermath>,
+    left: Vec<u64>,
+    plan: Option<PlannedLimits>,
+}
+
+/// Whether the engine does a step's bookkeeping and the next plan while the forward pass runs: on a device that
+/// runs the pass asynchronously (a GPU; `SPECULA_SERVE_OVERLAP=0` does them between steps, as before, to compare,
+/// and `=1` forces it on the CPU, for tests). On the CPU the pass is done when it returns: nothing would overlap,
+/// and the plan would only be a step older.
+fn overlap_enabled(model: &LoadedModel, options: &EngineOptions) -> bool {
+    if let Some(on) = options.overlap {
+        return on;
+    }
+    match std::env::var("SPECULA_SERVE_OVERLAP").as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => model.model.device() != "cpu",
+    }
 }
 
 /// A step's time as the draft budget prices it: the forward pass, the drafters, and the rest.
@@ -566,6 +644,9 @@ struct EngineLoop<'a> {
     /// Finished requests' caches (empty unless `options.prefix_cache`), within the KV memory the running
     /// requests leave.
     prefixes: std::cell::RefCell<PrefixCache>,
+    /// See [`overlap_enabled`].
+    overlap: bool,
+    carry: std::cell::RefCell<Carry>,
 }
 
 /// A request taken from the queue, tokenized and checked, waiting for KV memory.
@@ -619,6 +700,17 @@ impl<'a> EngineLoop<'a> {
                             .collect()
                     });
             self.keep_new_prompts(&running, &prefilling, kv_reserved);
+            if running
+                .iter()
+                .zip(&outcomes)
+                .all(|(r, outcome)| outcome.is_err() || r.generation.is_done())
+            {
+                // Every request leaves: no next step hides this one's bookkeeping, so it is done now, before
+                // their answers go out (a client reading /metrics after its answer sees its last step), and no
+                // plan is kept for requests not seen yet.
+                self.settle_carried();
+                self.carry.borrow_mut().plan = None;
+            }
             // Requests that are done, failed, timed out or cancelled leave now, freeing their slot and memory.
             let mut still = Vec::with_capacity(running.len());
             for (r, outcome) in running.drain(..).zip(outcomes) {
@@ -627,7 +719,7 @@ impl<'a> EngineLoop<'a> {
                     continue;
                 }
                 kv_reserved -= r.kv_bytes;
-                self.budget.borrow_mut().remove(r.id);
+                self.forget_request(r.id);
                 // Gauges first: a client that reads /metrics after its answer sees itself gone.
                 self.metrics.running.dec();
                 self.metrics
@@ -956,23 +1048,45 @@ impl<'a> EngineLoop<'a> {
         let lags: Vec<usize> = running.iter().map(|r| r.generation.draft_lag()).collect();
         let prices = self.budget.borrow().costs();
         let plan_start = Instant::now();
+        let planned = self.carry.borrow_mut().plan.take();
         let LimitChoice {
             limits,
             expected,
             refused,
             baseline_probe,
-        } = self.choose_draft_limits(running, &lags);
+        } = match planned {
+            Some(p) => self.apply_planned(running, p),
+            None => self.choose_draft_limits(running, &lags),
+        };
         let plan_s = plan_start.elapsed().as_secs_f64();
         let spec_before: Vec<SpecCounts> = running
             .iter()
             .map(|r| SpecCounts::of(&r.generation).unwrap_or_default())
             .collect();
+        // The next step's plan is made while this step's forward pass runs, from the requests as they are now
+        // (one step old when it applies; what changed is settled when it applies: see `apply_planned`).
+        let next_input = (self.overlap && self.options.adaptive_drafts)
+            .then(|| self.plan_input(running, &lags))
+            .filter(|input| !input.candidates.is_empty());
+        let mut hook_s = 0.0;
         let mut texts: Vec<(usize, String)> = Vec::new();
         let decode_start = Instant::now();
         let (results, report) = {
             let mut batch: Vec<&mut Generation<'a>> =
                 running.iter_mut().map(|r| &mut r.generation).collect();
-            decode::step(
+            // Host work that needs no generation: the last step's bookkeeping and the next step's plan, while
+            // the device runs this step's forward pass.
+            let mut during_forward = || {
+                if !self.overlap {
+                    return;
+                }
+                let start = Instant::now();
+                self.settle_carried();
+                let plan = next_input.as_ref().map(|input| self.plan(input));
+                self.carry.borrow_mut().plan = plan;
+                hook_s = start.elapsed().as_secs_f64();
+            };
+            decode::step_with(
                 self.model.model.as_ref(),
                 &self.model.tokenizer,
                 &mut batch,
@@ -989,6 +1103,7 @@ impl<'a> EngineLoop<'a> {
                 },
                 &prof,
                 &mut |i, t| texts.push((i, t.to_string())),
+                &mut during_forward,
             )
         };
         let now = Instant::now();
@@ -1022,12 +1137,13 @@ impl<'a> EngineLoop<'a> {
             r.last_token_at = Some(now);
         }
         let phases = prof.step_phases();
-        self.metrics.observe_steps(&phases);
         let host_phases = prof.step_phases_host();
-        let costs = phases
-            .first()
-            .map(|s| step_costs(s, host_phases.as_ref().and_then(|h| h.first())));
-        self.observe_for_budget(running, &limits, &lags, &spec_before, costs, report);
+        // The hook's host time is not the step's: on a GPU it ran beside the forward pass.
+        let costs = phases.first().map(|s| {
+            let mut c = step_costs(s, host_phases.as_ref().and_then(|h| h.first()));
+            c.other = (c.other - hook_s).max(0.0);
+            c
+        });
         for (r, _) in running.iter_mut().zip(&took_part).filter(|(_, &t)| t) {
             r.steps += 1;
             for step in &phases {
@@ -1036,36 +1152,41 @@ impl<'a> EngineLoop<'a> {
                 }
             }
         }
-        if report.sequences > 0 {
-            self.metrics.batch_size.observe(report.sequences as f64);
-            self.metrics.step_rows.observe(report.rows as f64);
-        }
+        // What each drafting request's cycle did, for the budget.
+        let cycles: Vec<RequestCycle> = running
+            .iter()
+            .zip(&limits)
+            .zip(&spec_before)
+            .zip(&lags)
+            .filter_map(|(((r, limit), before), &lag)| {
+                let (Some(limit), Some(now)) = (limit, SpecCounts::of(&r.generation)) else {
+                    return None;
+                };
+                Some(RequestCycle {
+                    id: r.id,
+                    limit: *limit,
+                    counts: now.since(before),
+                    lag_before: lag,
+                    lag_after: r.generation.draft_lag(),
+                    draft_room: r.generation.draft_room(),
+                })
+            })
+            .collect();
         let drafts_allowed: usize = limits.iter().flatten().sum();
         let committed: usize = running
             .iter()
             .zip(&before)
             .map(|(r, &b)| r.generation.generated().len() - b)
             .sum();
-        // How the step turned out against the budget's expectation (decoding steps only: a prompt chunk's first
-        // token and its rows are priced roughly), so the budget can tell whether its drafted steps keep their
-        // promises as well as its undrafted ones.
-        if let (Some((expected_s, expected_tokens)), 0) = (expected, report.prefill_rows) {
-            self.budget.borrow_mut().observe_outcome(
-                drafts_allowed > 0,
-                expected_s,
-                step_start.elapsed().as_secs_f64(),
-                expected_tokens,
-                committed as f64,
-            );
-            self.metrics
-                .outcome_calibration
-                .set(self.budget.borrow().outcome_calibration());
-        }
-        self.record_step(
-            &prof,
+        let aftermath = Aftermath {
+            prof,
             step_start,
+            wall_s: step_start.elapsed().as_secs_f64(),
             report,
-            StepDecision {
+            phases,
+            costs,
+            cycles,
+            decision: StepDecision {
                 drafts_allowed,
                 expected,
                 committed,
@@ -1074,9 +1195,142 @@ impl<'a> EngineLoop<'a> {
                 prices,
                 host_plan_s: plan_s,
                 host_decode_s: decode_s,
+                host_overlapped_s: hook_s,
             },
-        );
+        };
+        let mut carry = self.carry.borrow_mut();
+        carry.aftermath = Some(aftermath);
+        if !self.overlap {
+            drop(carry);
+            self.settle_carried();
+        }
         results
+    }
+
+    /// The last step's bookkeeping, if not done yet (metrics, the draft budget's observations, the profile), and
+    /// the budget forgets requests that left since.
+    fn settle_carried(&self) {
+        let (aftermath, left) = {
+            let mut carry = self.carry.borrow_mut();
+            (carry.aftermath.take(), std::mem::take(&mut carry.left))
+        };
+        if let Some(a) = aftermath {
+            self.settle_step(a);
+        }
+        let mut budget = self.budget.borrow_mut();
+        for id in left {
+            budget.remove(id);
+        }
+    }
+
+    /// A request left: the budget forgets it once the bookkeeping that still names it is done.
+    fn forget_request(&self, id: u64) {
+        let mut carry = self.carry.borrow_mut();
+        if carry.aftermath.is_some() {
+            carry.left.push(id);
+        } else {
+            drop(carry);
+            self.budget.borrow_mut().remove(id);
+        }
+    }
+
+    fn settle_step(&self, a: Aftermath) {
+        let Aftermath {
+            prof,
+            step_start,
+            wall_s,
+            report,
+            phases,
+            costs,
+            cycles,
+            decision,
+        } = a;
+        self.metrics.observe_steps(&phases);
+        self.observe_for_budget(&cycles, costs, report);
+        if report.sequences > 0 {
+            self.metrics.batch_size.observe(report.sequences as f64);
+            self.metrics.step_rows.observe(report.rows as f64);
+        }
+        // How the step turned out against the budget's expectation (decoding steps only: a prompt chunk's first
+        // token and its rows are priced roughly), so the budget can tell whether its drafted steps keep their
+        // promises as well as its undrafted ones.
+        if let (Some((expected_s, expected_tokens)), 0) = (decision.expected, report.prefill_rows) {
+            self.budget.borrow_mut().observe_outcome(
+                decision.drafts_allowed > 0,
+                expected_s,
+                wall_s,
+                expected_tokens,
+                decision.committed as f64,
+            );
+            self.metrics
+                .outcome_calibration
+                .set(self.budget.borrow().outcome_calibration());
+        }
+        self.record_step(&prof, step_start, wall_s, report, decision);
+    }
+
+    /// What the draft budget's plan reads of the running requests: each decoding request with a drafter, and
+    /// the rows the step has without drafts.
+    fn plan_input(&self, running: &[Running<'a>], lags: &[usize]) -> PlanInput {
+        let drafting = |r: &Running<'a>| {
+            !r.generation.is_done()
+                && !r.generation.is_prefilling()
+                && r.generation.speculation().is_some()
+        };
+        let mut input = PlanInput::default();
+        for (i, r) in running.iter().enumerate().filter(|(_, r)| drafting(r)) {
+            input.candidates.push(DraftCandidate {
+                id: r.id,
+                max_tokens: r.generation.draft_room(),
+                lag: lags[i],
+                // The prompt (nothing drafted yet) is fed once for the whole request: shared by its steps left
+                // (about two tokens a step); a catch-up after a cut is paid whole.
+                shared_by: if r.generation.speculation().is_some_and(|s| s.drafted == 0) {
+                    r.generation.tokens_left().div_ceil(2)
+                } else {
+                    1
+                },
+                cheap_catch_up: r.generation.draft_catch_up_is_cheap(),
+            });
+        }
+        input.decoding = running
+            .iter()
+            .filter(|r| !r.generation.is_done() && !r.generation.is_prefilling())
+            .count();
+        let prompt_left: usize = running
+            .iter()
+            .filter(|r| r.generation.is_prefilling() && !r.generation.is_done())
+            .map(|r| r.generation.prompt_left())
+            .sum();
+        input.base_rows = input.decoding + prompt_left.min(self.options.prefill_chunk);
+        input
+    }
+
+    /// The draft budget's plan for `input`'s candidates (their configured length without adaptive drafts).
+    fn plan(&self, input: &PlanInput) -> PlannedLimits {
+        let start = Instant::now();
+        let mut planned = PlannedLimits {
+            ids: input.candidates.iter().map(|c| c.id).collect(),
+            limits: Vec::new(),
+            expected: None,
+            refused: None,
+            baseline_probe: false,
+            plan_s: 0.0,
+        };
+        if self.options.adaptive_drafts {
+            let plan =
+                self.budget
+                    .borrow()
+                    .plan(&input.candidates, input.base_rows, input.decoding);
+            planned.expected = plan.expected_s.map(|s| (s, plan.expected_tokens));
+            planned.refused = plan.refused;
+            planned.baseline_probe = plan.baseline_probe;
+            planned.limits = plan.limits;
+        } else {
+            planned.limits = input.candidates.iter().map(|c| c.max_tokens).collect();
+        }
+        planned.plan_s = start.elapsed().as_secs_f64();
+        planned
     }
 
     /// Each decoding request's draft length for the next step (None where it is not drafting: prefilling, done,
@@ -1084,87 +1338,68 @@ impl<'a> EngineLoop<'a> {
     /// Also returns the budget's expectation of the step (seconds, tokens), when it has one, and where its cost
     /// rule stopped.
     fn choose_draft_limits(&self, running: &mut [Running<'a>], lags: &[usize]) -> LimitChoice {
+        let input = self.plan_input(running, lags);
+        if input.candidates.is_empty() {
+            return LimitChoice {
+                limits: vec![None; running.len()],
+                expected: None,
+                refused: None,
+                baseline_probe: false,
+            };
+        }
+        let planned = self.plan(&input);
+        self.apply_planned(running, planned)
+    }
+
+    /// Sets the limits of a plan made from the requests as they were then (this step's, or during the last
+    /// step's forward pass). A request drafting now that the plan did not see (its prompt finished since)
+    /// drafts nothing this step; requests that left are gone; lengths stay within each request's room (the
+    /// generation caps them). The expectation holds only when the plan saw exactly the drafting requests.
+    fn apply_planned(&self, running: &mut [Running<'a>], planned: PlannedLimits) -> LimitChoice {
         let drafting = |r: &Running<'a>| {
             !r.generation.is_done()
                 && !r.generation.is_prefilling()
                 && r.generation.speculation().is_some()
         };
         let mut limits: Vec<Option<usize>> = vec![None; running.len()];
-        let candidates: Vec<(usize, DraftCandidate)> = running
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| drafting(r))
-            .map(|(i, r)| {
-                (
-                    i,
-                    DraftCandidate {
-                        id: r.id,
-                        max_tokens: r.generation.draft_room(),
-                        lag: lags[i],
-                        // The prompt (nothing drafted yet) is fed once for the whole request: shared by
-                        // its steps left (about two tokens a step); a catch-up after a cut is paid whole.
-                        shared_by: if r.generation.speculation().is_some_and(|s| s.drafted == 0) {
-                            r.generation.tokens_left().div_ceil(2)
-                        } else {
-                            1
-                        },
-                        cheap_catch_up: r.generation.draft_catch_up_is_cheap(),
-                    },
-                )
-            })
-            .collect();
-        if candidates.is_empty() {
-            return LimitChoice {
-                limits,
-                expected: None,
-                refused: None,
-                baseline_probe: false,
+        let mut seen = 0;
+        for (i, r) in running.iter_mut().enumerate() {
+            if !drafting(r) {
+                continue;
+            }
+            let k = match planned.ids.iter().position(|&id| id == r.id) {
+                Some(at) => {
+                    seen += 1;
+                    planned.limits[at].min(r.generation.draft_room())
+                }
+                None => 0,
             };
-        }
-        let mut expected = None;
-        let mut refused = None;
-        let mut baseline_probe = false;
-        let chosen: Vec<usize> = if self.options.adaptive_drafts {
-            let decoding = running
-                .iter()
-                .filter(|r| !r.generation.is_done() && !r.generation.is_prefilling())
-                .count();
-            let prompt_left: usize = running
-                .iter()
-                .filter(|r| r.generation.is_prefilling() && !r.generation.is_done())
-                .map(|r| r.generation.prompt_left())
-                .sum();
-            let base_rows = decoding + prompt_left.min(self.options.prefill_chunk);
-            let c: Vec<DraftCandidate> = candidates.iter().map(|(_, c)| *c).collect();
-            let plan = self.budget.borrow().plan(&c, base_rows, decoding);
-            expected = plan.expected_s.map(|s| (s, plan.expected_tokens));
-            refused = plan.refused;
-            baseline_probe = plan.baseline_probe;
-            plan.limits
-        } else {
-            candidates.iter().map(|(_, c)| c.max_tokens).collect()
-        };
-        for ((i, _), k) in candidates.iter().zip(chosen) {
-            running[*i].generation.set_draft_limit(k);
+            r.generation.set_draft_limit(k);
             self.metrics.draft_limit.observe(k as f64);
-            limits[*i] = Some(k);
+            limits[i] = Some(k);
         }
+        if self.options.adaptive_drafts {
+            let mut budget = self.budget.borrow_mut();
+            for (r, k) in running.iter().zip(&limits) {
+                if let Some(k) = k {
+                    budget.note_allowed(r.id, *k);
+                }
+            }
+        }
+        let exact = seen == planned.ids.len() && seen == limits.iter().flatten().count();
         LimitChoice {
             limits,
-            expected,
-            refused,
-            baseline_probe,
+            expected: planned.expected.filter(|_| exact),
+            refused: planned.refused,
+            baseline_probe: planned.baseline_probe,
         }
     }
 
-    /// Feeds the draft budget what the step measured: the forward pass's time for its rows, the drafters' time,
+    /// Feeds the draft budget what a step measured: the forward pass's time for its rows, the drafters' time,
     /// and each drafting request's cycle.
     fn observe_for_budget(
         &self,
-        running: &[Running<'a>],
-        limits: &[Option<usize>],
-        lags: &[usize],
-        spec_before: &[SpecCounts],
+        cycles: &[RequestCycle],
         costs: Option<StepCosts>,
         report: decode::StepReport,
     ) {
@@ -1174,6 +1409,10 @@ impl<'a> EngineLoop<'a> {
             other,
         }) = costs
         else {
+            let mut budget = self.budget.borrow_mut();
+            for c in cycles {
+                budget.skip_cycle(c.id);
+            }
             return;
         };
         let mut budget = self.budget.borrow_mut();
@@ -1184,24 +1423,18 @@ impl<'a> EngineLoop<'a> {
         let mut passes = 0;
         let mut longest = 0;
         let mut catch_up = 0;
-        for (((r, limit), before), &lag) in running.iter().zip(limits).zip(spec_before).zip(lags) {
-            let (Some(limit), Some(now)) = (limit, SpecCounts::of(&r.generation)) else {
-                continue;
-            };
-            let d = now.since(before);
+        for c in cycles {
+            let d = &c.counts;
             drafted_total += d.drafted as usize;
             passes += d.draft_passes as usize;
             longest = longest.max(d.draft_passes as usize);
-            let (fed, cycle) = cycle_evidence(
-                *limit,
-                &d,
-                lag,
-                r.generation.draft_lag(),
-                r.generation.draft_room(),
-            );
+            let (fed, cycle) = cycle_evidence(c.limit, d, c.lag_before, c.lag_after, c.draft_room);
             catch_up += fed;
-            if let Some((limit, drafted, accepted)) = cycle {
-                budget.observe_cycle(r.id, limit, drafted, accepted);
+            match cycle {
+                Some((limit, drafted, accepted)) => {
+                    budget.observe_cycle(c.id, limit, drafted, accepted)
+                }
+                None => budget.skip_cycle(c.id),
             }
         }
         if report.rows > 0 && catch_up == 0 && passes > 0 {
@@ -1244,6 +1477,7 @@ impl<'a> EngineLoop<'a> {
         &self,
         prof: &Profiler,
         step_start: Instant,
+        wall_s: f64,
         report: decode::StepReport,
         decision: StepDecision,
     ) {
@@ -1284,9 +1518,10 @@ impl<'a> EngineLoop<'a> {
         // What the draft budget expected of the step beside what it did (its wall time, by the host's clock,
         // and the tokens it committed), so a profile shows where the cost model is wrong.
         let mut args = serde_json::json!({
-            "wall_ms": step_start.elapsed().as_secs_f64() * 1e3,
+            "wall_ms": wall_s * 1e3,
             "plan_ms": decision.host_plan_s * 1e3,
             "decode_ms": decision.host_decode_s * 1e3,
+            "overlapped_ms": decision.host_overlapped_s * 1e3,
             "tokens": decision.committed,
         });
         if let Some((s, tokens)) = decision.expected {

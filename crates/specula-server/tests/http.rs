@@ -609,7 +609,12 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
     )
     .unwrap();
     let want = expected(&reference, "hello world", 20);
-    for tree in [None, Some(TreeShape::new(2, 3, 5).unwrap())] {
+    // Chain and tree, and the chain with the bookkeeping overlapped (a GPU's default, forced here).
+    for (tree, overlap) in [
+        (None, None),
+        (Some(TreeShape::new(2, 3, 5).unwrap()), None),
+        (None, Some(true)),
+    ] {
         let head = Eagle3Head::load(&head_dir).unwrap();
         let addr = start(
             load_gguf(&p, "t").unwrap(),
@@ -619,7 +624,10 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
                 specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE,
             ),
             None,
-            queue(8),
+            EngineOptions {
+                overlap,
+                ..queue(8)
+            },
         );
         let (s, v) = post(
             addr,
@@ -665,7 +673,13 @@ fn concurrent_requests_are_batched_and_each_gets_its_answer_alone() {
         .iter()
         .map(|(p, n)| expected(&reference, p, *n))
         .collect();
-    for draft in [DraftSetup::None, DraftSetup::Ngram] {
+    // The last run forces the overlapped bookkeeping (a GPU's default) on the CPU: the plans a step old, the
+    // metrics a step late, the answers the same.
+    for (draft, overlap) in [
+        (DraftSetup::None, None),
+        (DraftSetup::Ngram, None),
+        (DraftSetup::Ngram, Some(true)),
+    ] {
         let speculating = !matches!(draft, DraftSetup::None);
         let addr = start(
             tiny(dir.path()),
@@ -674,6 +688,7 @@ fn concurrent_requests_are_batched_and_each_gets_its_answer_alone() {
             EngineOptions {
                 // Small chunks, so prompts enter over several steps beside running requests.
                 prefill_chunk: 7,
+                overlap,
                 ..queue(16)
             },
         );

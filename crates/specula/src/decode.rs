@@ -10,7 +10,7 @@
 pub mod generation;
 pub mod prefix;
 
-pub use generation::{step, CachedPrefix, Generation, StepLimits, StepReport};
+pub use generation::{step, step_with, CachedPrefix, Generation, StepLimits, StepReport};
 pub use prefix::PrefixCache;
 
 use crate::draft::Drafter;

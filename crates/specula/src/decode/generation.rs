@@ -835,6 +835,41 @@ pub fn step(
     prof: &Profiler,
     on_text: &mut dyn FnMut(usize, &str),
 ) -> (Vec<Result<()>>, StepReport) {
+    step_with(model, tokenizer, batch, limits, prof, on_text, &mut || {})
+}
+
+/// Runs `f` once: when [`HookOnce::fire`] is called, or else when dropped (every return path of a step).
+struct HookOnce<'f>(Option<&'f mut dyn FnMut()>);
+
+impl HookOnce<'_> {
+    fn fire(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}
+
+impl Drop for HookOnce<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.fire();
+        }
+    }
+}
+
+/// [`step`], calling `during_forward` exactly once: right after the step's forward pass is launched (on a GPU
+/// the pass then runs while the caller's host work does: its bookkeeping of the previous step, its plan for the
+/// next), or at the end of a step that ran no forward pass. It must not touch the generations of `batch`.
+pub fn step_with(
+    model: &dyn Model,
+    tokenizer: &Tokenizer,
+    batch: &mut [&mut Generation<'_>],
+    limits: StepLimits<'_>,
+    prof: &Profiler,
+    on_text: &mut dyn FnMut(usize, &str),
+    during_forward: &mut dyn FnMut(),
+) -> (Vec<Result<()>>, StepReport) {
+    let mut during_forward = HookOnce(Some(during_forward));
     let mut results: Vec<Result<()>> = batch.iter().map(|_| Ok(())).collect();
     let mut report = StepReport::default();
     for g in batch.iter_mut() {
@@ -938,6 +973,7 @@ pub fn step(
         }
         model.forward(&mut inputs, &opts, prof)
     };
+    during_forward.fire();
     // Host time of the pass: right on the CPU, only the launches on a GPU.
     let forward_host_s = forward_start.elapsed().as_secs_f64();
     let outputs = match outputs {

@@ -185,6 +185,10 @@ struct PositionCounts {
     failed_probes: Vec<u32>,
     /// The position's last allowance was a probe, not yet judged.
     probing: Vec<bool>,
+    /// Limits of steps that ran (or run now) whose cycles are not recorded yet, oldest first: an engine that
+    /// plans the next step while the current one runs must not take a position just allowed for one cut long
+    /// (it would probe twice in a row).
+    unrecorded: VecDeque<usize>,
 }
 
 impl PositionCounts {
@@ -524,11 +528,27 @@ impl DraftBudget {
 
     /// A request's cycle: it was allowed `limit` tokens, drafted `drafted`, and `accepted` were accepted.
     pub fn observe_cycle(&mut self, id: u64, limit: usize, drafted: usize, accepted: usize) {
+        let r = self.requests.entry(id).or_default();
+        r.unrecorded.pop_front();
+        r.record(limit, drafted, accepted);
+        self.pooled.record(limit, drafted, accepted);
+    }
+
+    /// Request `id` was allowed `limit` draft tokens for a step whose cycle [`Self::observe_cycle`] (or
+    /// [`Self::skip_cycle`]) reports later: until then its positions below `limit` are not due for a probe.
+    pub fn note_allowed(&mut self, id: u64, limit: usize) {
         self.requests
             .entry(id)
             .or_default()
-            .record(limit, drafted, accepted);
-        self.pooled.record(limit, drafted, accepted);
+            .unrecorded
+            .push_back(limit);
+    }
+
+    /// The oldest step noted by [`Self::note_allowed`] for request `id` ends without a cycle to count.
+    pub fn skip_cycle(&mut self, id: u64) {
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.unrecorded.pop_front();
+        }
     }
 
     /// Forgets a request that left.
@@ -588,9 +608,23 @@ impl DraftBudget {
         let alone = base_rows <= 1 && base_tokens <= 1;
         let curve = self.forward.curve();
         let Some(_) = curve.seconds(base_rows as f64) else {
-            // Unmeasured: draft fully (the measurements come from those steps), except a lagging draft model
-            // beside others (in a fresh server under load every request's prompt feed at once stalled a step
-            // for a second).
+            // Unmeasured, with one row count kept but not this batch's undrafted one: run undrafted (twice: a row
+            // count's first pass is not kept) for the second point. A fresh server under a steady full load
+            // otherwise drafted fully at one row count for good (32 streams of 4 rows on an H200, a head that
+            // accepted nothing: 0.55x of plain decoding until the batch changed).
+            let base_kept = self.forward.age(base_rows).is_some();
+            if !self.forward.by_rows.is_empty() && !base_kept {
+                return DraftPlan {
+                    limits: vec![0; candidates.len()],
+                    expected_s: None,
+                    expected_tokens: base_tokens as f64,
+                    refused: None,
+                    baseline_probe: true,
+                };
+            }
+            // Else draft fully (the measurements come from those steps), except a lagging draft model beside
+            // others (in a fresh server under load every request's prompt feed at once stalled a step for a
+            // second).
             return DraftPlan {
                 limits: candidates
                     .iter()
@@ -640,7 +674,10 @@ impl DraftBudget {
                 let r = self.requests.get(&c.id);
                 (0..c.max_tokens)
                     .map(|j| {
-                        r.is_some_and(|r| r.cut_for.get(j).is_some_and(|&n| n >= r.probe_wait(j)))
+                        r.is_some_and(|r| {
+                            r.cut_for.get(j).is_some_and(|&n| n >= r.probe_wait(j))
+                                && r.unrecorded.iter().all(|&l| l <= j)
+                        })
                     })
                     .collect()
             })
@@ -1426,6 +1463,75 @@ mod tests {
         b.observe_cycle(5, 1, 1, 1);
         b.observe_cycle(5, 1, 1, 1);
         cut(&mut b, DraftBudget::PROBE_EVERY);
+        assert_eq!(b.choose(&eight, 8, 8)[4], 1);
+    }
+
+    /// A full batch that drafts every step shows the table one row count only: the budget runs the batch
+    /// undrafted until that row count is kept too, then prices drafts as usual.
+    #[test]
+    fn one_measured_row_count_gets_its_undrafted_neighbour_measured() {
+        let mut b = DraftBudget::new();
+        let four = one_token_candidates(1..=4, false)
+            .into_iter()
+            .map(|c| DraftCandidate { max_tokens: 3, ..c })
+            .collect::<Vec<_>>();
+        // Fresh: draft fully.
+        assert_eq!(b.choose(&four, 4, 4), vec![3; 4]);
+        // Passes of 16 rows kept (the first of a row count is not).
+        for _ in 0..3 {
+            b.observe_step(16, 0.010, 12, 12, 0, 0.001, 0.0001);
+        }
+        // The undrafted batch (4 rows) is not kept yet: undrafted, twice.
+        let plan = b.plan(&four, 4, 4);
+        assert_eq!(plan.limits, vec![0; 4]);
+        assert!(plan.baseline_probe);
+        b.observe_step(4, 0.004, 0, 0, 0, 0.0, 0.0001);
+        assert_eq!(b.choose(&four, 4, 4), vec![0; 4]);
+        b.observe_step(4, 0.004, 0, 0, 0, 0.0, 0.0001);
+        // Two row counts: priced. A 16-row pass at 2.5x a 4-row one, acceptance at its prior of 1/2: drafting
+        // 3 tokens a request would not pay.
+        assert!(b.plan(&four, 4, 4).expected_s.is_some());
+    }
+
+    /// An engine that plans a step while the last one runs has not recorded the last one's cycle yet: a probe
+    /// allowed there is not taken again, and once its cycle is in, the probe is judged as usual.
+    #[test]
+    fn a_probe_allowed_but_not_yet_recorded_is_not_taken_again() {
+        let mut b = cpu_like();
+        let eight = one_token_candidates(1..=8, false);
+        for c in &eight {
+            history(&mut b, c.id, 1, 40, 0.1);
+        }
+        for _ in 0..DraftBudget::PROBE_EVERY {
+            b.observe_cycle(5, 0, 0, 0);
+        }
+        let first = b.choose(&eight, 8, 8);
+        assert_eq!(first[4], 1, "{first:?}");
+        for (c, &k) in eight.iter().zip(&first) {
+            b.note_allowed(c.id, k);
+        }
+        // Planned before that step's cycle is recorded: no second probe.
+        assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
+        // The next step (undrafted) is noted too; the first step's cycle comes in (drafted, missed), then the
+        // second's.
+        for c in &eight {
+            b.note_allowed(c.id, 0);
+        }
+        for c in &eight {
+            b.observe_cycle(c.id, first[(c.id - 1) as usize], 0, 0);
+        }
+        assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
+        for c in &eight {
+            b.observe_cycle(c.id, 0, 0, 0);
+        }
+        // The failed probe doubled the wait: nothing due for 2 * PROBE_EVERY - 1 more cut steps.
+        assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
+        // A skipped cycle (nothing to count) still clears what was noted.
+        b.note_allowed(5, 1);
+        b.skip_cycle(5);
+        for _ in 0..2 * DraftBudget::PROBE_EVERY {
+            b.observe_cycle(5, 0, 0, 0);
+        }
         assert_eq!(b.choose(&eight, 8, 8)[4], 1);
     }
 
