@@ -7,7 +7,8 @@
 For decoding steps (no prompt rows) of the most common batch size: the device's decode step (its phases by the
 model's clock), and by the host's clock the draft budget's plan, the decode step proper, the engine's bookkeeping
 after it (texts, metrics, budget observations) and the gap until the next step starts (the engine loop: finished
-requests, admissions, the prefix cache). Mean and median, microseconds.
+requests, admissions, the prefix cache), and the host work done while the step's forward pass ran (the last step's
+bookkeeping and the next step's plan, since session 25; inside "decode"). Mean and median, microseconds.
 """
 import collections
 import gzip
@@ -32,7 +33,7 @@ def stats(values):
 if len(sys.argv) < 2:
     sys.exit(__doc__)
 print(f"{'trace':<28} {'reqs':>4} {'steps':>5}   {'device step':>15}   {'host: plan':>15}   {'decode':>15}"
-      f"   {'after':>15}   {'gap to next':>15}   (mean median, us)")
+      f"   {'after':>15}   {'gap to next':>15}   {'overlapped':>15}   (mean median, us)")
 for path in sys.argv[1:]:
     events = load(path)
     batches = sorted((e for e in events if e.get("name") == "batch"), key=lambda e: e["ts"])
@@ -57,6 +58,8 @@ for path in sys.argv[1:]:
         rows["plan"].append(a["plan_ms"] * 1e3)
         rows["decode"].append(a["decode_ms"] * 1e3)
         rows["after"].append(wall_us - (a["plan_ms"] + a["decode_ms"]) * 1e3)
+        if "overlapped_ms" in a:
+            rows["overlapped"].append(a["overlapped_ms"] * 1e3)
         if i + 1 < len(batches):
             rows["gap"].append(batches[i + 1]["ts"] - (b["ts"] + wall_us))
         # The device step span starts at or just after the counter's time stamp.
@@ -65,4 +68,4 @@ for path in sys.argv[1:]:
             rows["device"].append(device[j])
     name = path.rsplit("/", 1)[-1][:28]
     print(f"{name:<28} {size:>4} {len(rows['plan']):>5}   {stats(rows['device'])}   {stats(rows['plan'])}   "
-          f"{stats(rows['decode'])}   {stats(rows['after'])}   {stats(rows['gap'])}")
+          f"{stats(rows['decode'])}   {stats(rows['after'])}   {stats(rows['gap'])}   {stats(rows['overlapped'])}")
