@@ -240,26 +240,7 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
     let mut placed = Eagle3Head::load_as(&path, HeadPrecision::Stored)?;
     let device = placed.place_on(model)?;
     let layers = cpu.config.target_layers(model.config().num_layers)?;
-    let mut cache = model.new_cache(tokens.len() + 8)?;
-    let out = model.forward_one(
-        tokens,
-        cache.as_mut(),
-        &ForwardOptions {
-            capture_layers: &layers,
-            ..Default::default()
-        },
-        LogitsFor::Last,
-        &Profiler::disabled(),
-    )?;
-    let mut mats = Vec::new();
-    for &l in &layers {
-        let (_, m) = out
-            .hidden
-            .iter()
-            .find(|(x, _)| *x == l)
-            .ok_or_else(|| anyhow::anyhow!("layer {l} was not captured"))?;
-        mats.push(m.to_host()?.into_owned());
-    }
+    let (_, mats) = forward_captured(model, tokens, &layers, LogitsFor::Last)?;
     let h = model.config().hidden_size;
     let n = tokens.len() - 1;
     let mut features = Vec::new();
@@ -789,6 +770,37 @@ fn against_cpu(
     Ok((checks, (agree, gt.len())))
 }
 
+/// One forward pass over `tokens` (a fresh cache) capturing `layers`: its logits and each layer's rows, on the
+/// host.
+fn forward_captured(
+    model: &dyn Model,
+    tokens: &[u32],
+    layers: &[usize],
+    logits: LogitsFor,
+) -> anyhow::Result<(Vec<f32>, Vec<Vec<f32>>)> {
+    let mut cache = model.new_cache(tokens.len() + 8)?;
+    let out = model.forward_one(
+        tokens,
+        cache.as_mut(),
+        &ForwardOptions {
+            capture_layers: layers,
+            ..Default::default()
+        },
+        logits,
+        &Profiler::disabled(),
+    )?;
+    let mut hidden = Vec::new();
+    for &l in layers {
+        let (_, rows) = out
+            .hidden
+            .iter()
+            .find(|(x, _)| *x == l)
+            .ok_or_else(|| anyhow::anyhow!("layer {l} was not captured"))?;
+        hidden.push(rows.to_host()?.into_owned());
+    }
+    Ok((out.logits.to_host()?.into_owned(), hidden))
+}
+
 /// Hidden states captured for an EAGLE-3 head (a low, a middle and the last layer: the GPU writes the last
 /// one apart) against the CPU's, and capturing leaves the logits bit for bit as they are without it (greedy
 /// speculation with a head verifies with captures; plain decoding runs without).
@@ -802,31 +814,9 @@ fn captured_layer_checks(
     let n = gpu.model.config().num_layers;
     let mut layers = vec![0, n / 2, n - 1];
     layers.dedup();
-    let run = |m: &LoadedModel| -> anyhow::Result<(Vec<f32>, Vec<Vec<f32>>)> {
-        let mut cache = m.model.new_cache(tokens.len() + 8)?;
-        let out = m.model.forward_one(
-            tokens,
-            cache.as_mut(),
-            &ForwardOptions {
-                capture_layers: &layers,
-                ..Default::default()
-            },
-            LogitsFor::All,
-            &Profiler::disabled(),
-        )?;
-        let mut hidden = Vec::new();
-        for &l in &layers {
-            let (_, rows) = out
-                .hidden
-                .iter()
-                .find(|(x, _)| *x == l)
-                .ok_or_else(|| anyhow::anyhow!("layer {l} was not captured"))?;
-            hidden.push(rows.to_host()?.into_owned());
-        }
-        Ok((out.logits.to_host()?.into_owned(), hidden))
-    };
-    let (g_logits, g_hidden) = run(gpu)?;
-    let (_, c_hidden) = run(cpu)?;
+    let (g_logits, g_hidden) =
+        forward_captured(gpu.model.as_ref(), tokens, &layers, LogitsFor::All)?;
+    let (_, c_hidden) = forward_captured(cpu.model.as_ref(), tokens, &layers, LogitsFor::All)?;
     let mut checks = vec![bitwise(
         "logits with captured layers = without",
         &g_logits,

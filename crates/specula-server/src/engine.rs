@@ -570,6 +570,15 @@ struct Running<'a> {
     steps: usize,
 }
 
+impl Running<'_> {
+    /// Decoding with a drafter: the draft budget chooses its draft length each step.
+    fn is_drafting(&self) -> bool {
+        !self.generation.is_done()
+            && !self.generation.is_prefilling()
+            && self.generation.speculation().is_some()
+    }
+}
+
 /// Where a running request's text goes: its job's channel, through the stop sequences.
 struct Output {
     job: Job,
@@ -1272,13 +1281,8 @@ impl<'a> EngineLoop<'a> {
     /// What the draft budget's plan reads of the running requests: each decoding request with a drafter, and
     /// the rows the step has without drafts.
     fn plan_input(&self, running: &[Running<'a>], lags: &[usize]) -> PlanInput {
-        let drafting = |r: &Running<'a>| {
-            !r.generation.is_done()
-                && !r.generation.is_prefilling()
-                && r.generation.speculation().is_some()
-        };
         let mut input = PlanInput::default();
-        for (i, r) in running.iter().enumerate().filter(|(_, r)| drafting(r)) {
+        for (i, r) in running.iter().enumerate().filter(|(_, r)| r.is_drafting()) {
             input.candidates.push(DraftCandidate {
                 id: r.id,
                 max_tokens: r.generation.draft_room(),
@@ -1356,15 +1360,10 @@ impl<'a> EngineLoop<'a> {
     /// drafts nothing this step; requests that left are gone; lengths stay within each request's room (the
     /// generation caps them). The expectation holds only when the plan saw exactly the drafting requests.
     fn apply_planned(&self, running: &mut [Running<'a>], planned: PlannedLimits) -> LimitChoice {
-        let drafting = |r: &Running<'a>| {
-            !r.generation.is_done()
-                && !r.generation.is_prefilling()
-                && r.generation.speculation().is_some()
-        };
         let mut limits: Vec<Option<usize>> = vec![None; running.len()];
         let mut seen = 0;
         for (i, r) in running.iter_mut().enumerate() {
-            if !drafting(r) {
+            if !r.is_drafting() {
                 continue;
             }
             let k = match planned.ids.iter().position(|&id| id == r.id) {
