@@ -440,8 +440,6 @@ struct PlannedLimits {
     expected: Option<(f64, f64)>,
     refused: Option<specula::draft::budget::Refusal>,
     baseline_probe: bool,
-    /// Host time the plan took.
-    plan_s: f64,
 }
 
 /// One drafting request's cycle in a step, for the draft budget ([`cycle_evidence`]).
@@ -1312,14 +1310,12 @@ impl<'a> EngineLoop<'a> {
 
     /// The draft budget's plan for `input`'s candidates (their configured length without adaptive drafts).
     fn plan(&self, input: &PlanInput) -> PlannedLimits {
-        let start = Instant::now();
         let mut planned = PlannedLimits {
             ids: input.candidates.iter().map(|c| c.id).collect(),
             limits: Vec::new(),
             expected: None,
             refused: None,
             baseline_probe: false,
-            plan_s: 0.0,
         };
         if self.options.adaptive_drafts {
             let plan =
@@ -1333,7 +1329,6 @@ impl<'a> EngineLoop<'a> {
         } else {
             planned.limits = input.candidates.iter().map(|c| c.max_tokens).collect();
         }
-        planned.plan_s = start.elapsed().as_secs_f64();
         planned
     }
 
