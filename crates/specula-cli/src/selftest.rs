@@ -743,6 +743,7 @@ fn against_cpu(
         passed: same + same / 10 + 1 >= ga.len(),
         detail: format!("{same} of {} rows agree", ga.len()),
     });
+    checks.push(device_top_token_check(gpu.model.as_ref(), tokens)?);
     let req = GenerateRequest {
         prompt_tokens: tokens.to_vec(),
         max_new_tokens: 32,
@@ -768,6 +769,37 @@ fn against_cpu(
         gt.len().max(ct.len())
     );
     Ok((checks, (agree, gt.len())))
+}
+
+/// A draft model on the GPU reads each row's top token and its probability from the device (`top_tokens`, a
+/// kernel) instead of the row: the same token as the host's argmax of the same logits, and the same probability up
+/// to the order of the sum.
+fn device_top_token_check(model: &dyn Model, tokens: &[u32]) -> anyhow::Result<Check> {
+    let mut cache = model.new_cache(tokens.len() + 8)?;
+    let out = model.forward_one(
+        tokens,
+        cache.as_mut(),
+        &ForwardOptions::default(),
+        LogitsFor::All,
+        &Profiler::disabled(),
+    )?;
+    let device = out.logits.top_tokens()?;
+    let mut scratch = Vec::new();
+    let mut same_token = 0;
+    let mut worst = 0f32;
+    for (i, &(token, p)) in device.iter().enumerate() {
+        let (host_token, host_p) = specula::sampling::top_probability(&out.row(i)?, &mut scratch);
+        same_token += usize::from(token == host_token);
+        worst = worst.max((p - host_p).abs() / host_p.max(f32::MIN_POSITIVE));
+    }
+    Ok(Check {
+        name: "top tokens on the device vs the host's (draft models read them)".into(),
+        passed: device.len() == out.rows() && same_token == device.len() && worst <= 1e-4,
+        detail: format!(
+            "{same_token} of {} rows name the same token, probabilities within {worst:.1e} (tolerance 1e-4)",
+            out.rows()
+        ),
+    })
 }
 
 /// One forward pass over `tokens` (a fresh cache) capturing `layers`: its logits and each layer's rows, on the

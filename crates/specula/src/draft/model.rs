@@ -5,7 +5,7 @@ use rand_chacha::ChaCha20Rng;
 
 use crate::draft::{Draft, Drafter};
 use crate::error::{Error, Result};
-use crate::model::{ForwardOptions, LoadedModel, LogitsFor, Model, SequenceCache};
+use crate::model::{ForwardOptions, ForwardOutput, LoadedModel, LogitsFor, Model, SequenceCache};
 use crate::profile::Profiler;
 use crate::sampling::{self, SamplingParams};
 
@@ -21,7 +21,6 @@ pub struct ModelDrafter<'a> {
     /// Stop drafting once the draft's own chance that the whole draft is accepted falls below this (see
     /// `with_min_confidence`); 0 drafts k tokens.
     min_confidence: f64,
-    scratch: Vec<f32>,
 }
 
 impl<'a> ModelDrafter<'a> {
@@ -35,7 +34,6 @@ impl<'a> ModelDrafter<'a> {
             quiet: Profiler::disabled(),
             vocab_limit: None,
             min_confidence: 0.0,
-            scratch: Vec::new(),
         })
     }
 
@@ -63,8 +61,9 @@ impl<'a> ModelDrafter<'a> {
         Ok(self)
     }
 
-    /// Feeds `tokens` after the cached prefix and returns the logits of the last one.
-    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+    /// Feeds `tokens` after the cached prefix and returns the logits of the last one (where the model keeps
+    /// them: a GPU draft model's stay there unless sampling needs the whole row).
+    fn feed(&mut self, tokens: &[u32]) -> Result<ForwardOutput> {
         let opts = ForwardOptions {
             capture_layers: &[],
             vocab_limit: self.vocab_limit,
@@ -77,7 +76,7 @@ impl<'a> ModelDrafter<'a> {
             &self.quiet,
         )?;
         self.cached.extend_from_slice(tokens);
-        Ok(out.last()?.into_owned())
+        Ok(out)
     }
 }
 
@@ -128,10 +127,11 @@ impl Drafter for ModelDrafter<'_> {
         let mut all_accepted = 1.0f64;
         for i in 0..k {
             let token = if sampling.is_greedy() {
+                // Only the top token (and its probability for the bar) comes back, not the row.
                 let (token, p) = if self.min_confidence > 0.0 {
-                    sampling::top_probability(&logits, &mut self.scratch)
+                    last_row(logits.logits.top_tokens()?)?
                 } else {
-                    (sampling::argmax(&logits), 1.0)
+                    (last_row(logits.logits.argmax_rows()?)?, 1.0)
                 };
                 all_accepted *= p as f64;
                 if all_accepted < self.min_confidence {
@@ -139,7 +139,7 @@ impl Drafter for ModelDrafter<'_> {
                 }
                 token
             } else {
-                let dist = sampling::distribution(&logits, sampling);
+                let dist = sampling::distribution(&logits.last()?, sampling);
                 // Decided before the draw: a proposal kept only for some draws would no longer be distributed
                 // as `dist`, and verifying it against `dist` would bias the output.
                 all_accepted *= dist.probs.iter().copied().fold(0.0f32, f32::max) as f64;
@@ -164,6 +164,13 @@ impl Drafter for ModelDrafter<'_> {
             catching_up: false,
         })
     }
+}
+
+/// The last of a pass's per-row results (the drafter asks for the last row's logits only).
+fn last_row<T>(rows: Vec<T>) -> Result<T> {
+    rows.into_iter()
+        .last()
+        .ok_or_else(|| Error::InvalidArgument("the draft model returned no logits".into()))
 }
 
 /// A draft model must speak the target's vocabulary. Embedding tables may differ only in padding rows past the

@@ -412,6 +412,20 @@ pub trait RowMatrix: Send {
     fn cols(&self) -> usize;
     /// Each row's largest element's column (the first on ties), computed where the matrix lives.
     fn argmax_rows(&self) -> Result<Vec<u32>>;
+    /// Each row's largest element's column (the first on ties) with its softmax probability at temperature 1,
+    /// computed where the matrix lives: what a greedy drafter's confidence bar needs of a row (8 bytes instead of
+    /// a vocabulary of logits when the matrix is on a GPU).
+    fn top_tokens(&self) -> Result<Vec<(u32, f32)>> {
+        let mut scratch = Vec::new();
+        (0..self.rows())
+            .map(|i| {
+                Ok(crate::sampling::top_probability(
+                    &self.row(i)?,
+                    &mut scratch,
+                ))
+            })
+            .collect()
+    }
     /// Row `i` in host memory (borrowed when it already is).
     fn row(&self, i: usize) -> Result<Cow<'_, [f32]>>;
     /// The whole matrix in host memory, row-major.
@@ -563,6 +577,29 @@ pub struct KernelCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The default `top_tokens` is the host's argmax and softmax probability of each row.
+    #[test]
+    fn top_tokens_are_each_rows_argmax_and_its_probability() {
+        let m = HostRows {
+            rows: 3,
+            cols: 4,
+            data: vec![
+                0.0, 2.0, 1.0, 2.0, // a tie: the first column wins
+                -1.0, -1.0, -1.0, -1.0, // flat: a quarter each
+                5.0, 0.0, 0.0, 0.0,
+            ],
+        };
+        let top = m.top_tokens().unwrap();
+        assert_eq!(
+            top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            m.argmax_rows().unwrap()
+        );
+        assert_eq!(top[0].0, 1);
+        assert!((top[1].1 - 0.25).abs() < 1e-6);
+        let exact = 5f32.exp() / (5f32.exp() + 3.0);
+        assert!((top[2].1 - exact).abs() < 1e-6, "{} vs {exact}", top[2].1);
+    }
 
     #[test]
     fn tree_masks_know_ancestors_and_depths() {

@@ -694,12 +694,11 @@ impl CudaModel {
         // batch of 32 requests costs one readback, not one each (32 argmax syncs cost 0.85 ms a step).
         let h = c.hidden_size;
         let logits_all = self
-            .step_matrices(&[&ws.logits], tables.wanted.len(), vocab)?
+            .step_matrices(&ws.logits, 1, tables.wanted.len(), vocab)?
             .pop()
             .ok_or_else(|| Error::Cuda("no logits matrix".into()))?;
-        // The captured layers share one block: one allocation and one readback for all of them.
-        let captured: Vec<&CudaSlice<f32>> = ws.captured[..shape.capture.len()].iter().collect();
-        let hidden_all = self.step_matrices(&captured, shape.rows, h)?;
+        // The captured layers share one block: one copy, one allocation and one readback for all of them.
+        let hidden_all = self.step_matrices(&ws.captured, shape.capture.len(), shape.rows, h)?;
         let mut outputs = Vec::with_capacity(batch.len());
         let mut row0 = 0usize;
         for (s, seq) in batch.iter().enumerate() {
@@ -989,12 +988,14 @@ impl CudaModel {
                 )?
             };
             match captured {
-                Some(i) if li != last && !skipped("norm") => capture_into = p(&ws.captured[i]),
+                Some(i) if li != last && !skipped("norm") => {
+                    capture_into = ws.captured_at(gpu, i, rows, h)
+                }
                 Some(i) => {
                     // SAFETY: both buffers hold at least rows * h floats (Workspace::fit), on this stream.
                     unsafe {
                         cudarc::driver::result::memcpy_dtod_async(
-                            p(&ws.captured[i]),
+                            ws.captured_at(gpu, i, rows, h),
                             px,
                             rows * h * 4,
                             gpu.stream.cu_stream(),
@@ -1049,33 +1050,31 @@ impl CudaModel {
         Ok(())
     }
 
-    /// The first `rows` rows of a `? x cols` workspace matrix, copied out as the step's own.
-    /// The first `rows x cols` of each workspace buffer in `all`, copied out into one device block (the next
-    /// step overwrites the workspace); one matrix per buffer, sharing the block's host copy.
+    /// `count` matrices of `rows x cols` lying one after another at the start of workspace buffer `src`, copied
+    /// out in one copy into one device block (the next step overwrites the workspace); they share the block's
+    /// host copy.
     fn step_matrices(
         &self,
-        all: &[&CudaSlice<f32>],
+        src: &CudaSlice<f32>,
+        count: usize,
         rows: usize,
         cols: usize,
     ) -> Result<Vec<Arc<StepMatrix>>> {
         let size = rows * cols;
-        if all.is_empty() {
+        if count == 0 {
             return Ok(Vec::new());
         }
-        let len = size * all.len();
+        let len = size * count;
         let mut data = match self.output_pool.take(len) {
             Some(d) => d,
             None => self.alloc(len.max(1), "output rows")?,
         };
-        if size > 0 {
-            for (i, src) in all.iter().enumerate() {
-                let src = src.slice(0..size);
-                let mut dst = data.slice_mut(i * size..(i + 1) * size);
-                self.gpu
-                    .stream
-                    .memcpy_dtod(&src, &mut dst)
-                    .map_err(|e| cuda_err("copying output rows", e))?;
-            }
+        if len > 0 {
+            let mut dst = data.slice_mut(0..len);
+            self.gpu
+                .stream
+                .memcpy_dtod(&src.slice(0..len), &mut dst)
+                .map_err(|e| cuda_err("copying output rows", e))?;
         }
         let block = Arc::new(OutputBlock {
             data: Some(data),
@@ -1083,7 +1082,7 @@ impl CudaModel {
             host: Mutex::new(None),
             pool: self.output_pool.clone(),
         });
-        Ok((0..all.len())
+        Ok((0..count)
             .map(|i| {
                 Arc::new(StepMatrix {
                     gpu: self.gpu.clone(),
@@ -1180,7 +1179,9 @@ struct Buffers {
     picked_normed: CudaSlice<u32>,
     logits: CudaSlice<f32>,
     attention: AttentionSplits,
-    captured: Vec<CudaSlice<f32>>,
+    /// The captured layers' rows, layer after layer, each `rows x hidden` for the step's own rows (compact, so
+    /// one copy takes them all out): see `captured_at`.
+    captured: CudaSlice<f32>,
     tokens: CudaSlice<u32>,
     positions: CudaSlice<u32>,
     row_table: CudaSlice<u32>,
@@ -1202,6 +1203,13 @@ impl std::ops::DerefMut for Workspace {
         self.buffers
             .as_mut()
             .expect("fit() allocates the buffers first")
+    }
+}
+
+impl Buffers {
+    /// Where captured layer `i` (of the step's captured layers) of a `rows`-row step starts.
+    fn captured_at(&self, gpu: &Gpu, i: usize, rows: usize, hidden: usize) -> u64 {
+        ptr(&self.captured, gpu) + (4 * i * rows * hidden) as u64
     }
 }
 
@@ -1256,9 +1264,7 @@ impl Workspace {
             picked_normed: alloc_split(&model.gpu, w, c.hidden_size, "final rows")?,
             logits: f(w * self.vocab, "logits")?,
             attention: AttentionSplits::new(&model.gpu, r, c.num_heads, c.head_dim, "the step's")?,
-            captured: (0..self.captures)
-                .map(|_| f(r * c.hidden_size, "captured hidden states"))
-                .collect::<Result<_>>()?,
+            captured: f(self.captures * r * c.hidden_size, "captured hidden states")?,
             tokens: u(r, "tokens")?,
             positions: u(r, "positions")?,
             row_table: u(r * 6, "row table")?,
@@ -1471,9 +1477,49 @@ fn device_argmax(gpu: &Arc<Gpu>, data: u64, rows: usize, cols: usize) -> Result<
         .map_err(|e| cuda_err("reading argmax", e))
 }
 
+/// Each row's top token and its softmax probability (kernels.cu top_token), computed on the device: 8 bytes a
+/// row come back.
+fn device_top_tokens(
+    gpu: &Arc<Gpu>,
+    data: u64,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<(u32, f32)>> {
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let gpu = &**gpu;
+    // SAFETY: written by the kernel below before it is read.
+    let out = unsafe { gpu.stream.alloc::<f32>(2 * rows) }
+        .map_err(|e| cuda_err("allocating top tokens", e))?;
+    launch!(
+        gpu,
+        top_token,
+        (rows as u32, 1, 1),
+        256,
+        data,
+        ptr(&out, gpu),
+        cols as i32
+    );
+    let host = gpu
+        .stream
+        .clone_dtoh(&out)
+        .map_err(|e| cuda_err("reading top tokens", e))?;
+    Ok(host
+        .chunks_exact(2)
+        .map(|pair| (pair[0].to_bits(), pair[1]))
+        .collect())
+}
+
 impl RowMatrix for DeviceRows {
     fn rows(&self) -> usize {
         self.rows
+    }
+
+    fn top_tokens(&self) -> Result<Vec<(u32, f32)>> {
+        let cols = self.all.cols;
+        let first = self.all.device_ptr() + (4 * self.from * cols) as u64;
+        device_top_tokens(&self.all.gpu, first, self.rows, cols)
     }
 
     fn cols(&self) -> usize {
