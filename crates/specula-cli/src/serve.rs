@@ -149,7 +149,14 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
             specula::draft::model::check_compatible(&target, &d)?;
             let vocab_limit = args.drafter.draft_vocabs()?.first().copied().flatten();
             specula::draft::model::check_vocab_limit(d.model.as_ref(), vocab_limit)?;
-            DraftSetup::Model(Box::new(d), vocab_limit)
+            let bar = args
+                .drafter
+                .draft_confidences()?
+                .first()
+                .copied()
+                .flatten()
+                .unwrap_or(specula::draft::model::DEFAULT_MIN_CONFIDENCE);
+            DraftSetup::Model(Box::new(d), vocab_limit, bar)
         }
         DraftChoice::Eagle3(dir) => {
             let bar = args

@@ -104,6 +104,41 @@ fn serve_answers_over_http_and_checks_its_flags() {
     assert!(stdout.contains("cached"), "{stdout}");
 }
 
+/// `--draft-confidence` reaches a draft model's drafter (the server once drafted with the default bar whatever
+/// was asked): at 0 every cycle drafts its tokens; at 1 (the draft's own chance of being accepted whole must be
+/// certain) a tiny random model drafts nothing.
+#[test]
+fn serve_gives_a_draft_model_its_confidence_bar() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&model, &TinySpec::default()).unwrap();
+    let m = model.to_str().unwrap();
+    let body = r#"{"prompt": "the tea the tea", "max_tokens": 12, "temperature": 0}"#;
+    let mut drafted = Vec::new();
+    for bar in ["0", "1"] {
+        let flags = [
+            "--draft-model",
+            m,
+            "--draft-confidence",
+            bar,
+            "--draft-policy",
+            "fixed",
+            "--draft-tokens",
+            "3",
+        ];
+        let (mut child, addr) = spawn_server(m, &flags);
+        let (status, resp) = send(&addr, "POST", "/v1/completions", body, false);
+        child.kill().unwrap();
+        let _ = child.wait();
+        assert_eq!(status, 200, "{resp}");
+        let json = &resp[resp.find('{').unwrap()..];
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        drafted.push(v["usage"]["speculation"]["drafted"].as_u64().unwrap());
+    }
+    assert!(drafted[0] > 0, "bar 0 drafted nothing: {drafted:?}");
+    assert_eq!(drafted[1], 0, "bar 1 drafted: {drafted:?}");
+}
+
 /// Starts `specula serve` on a free port with `flags`; returns the child and its address.
 fn spawn_server(model: &str, flags: &[&str]) -> (std::process::Child, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_specula"))

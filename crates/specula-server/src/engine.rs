@@ -117,8 +117,8 @@ pub enum DraftSetup {
     /// Prompt lookup (default settings).
     Ngram,
     /// A draft model sharing the target's tokenizer, drafting from the first token ids only when limited
-    /// (`--draft-vocab`).
-    Model(Box<LoadedModel>, Option<usize>),
+    /// (`--draft-vocab`), with its confidence bar (`--draft-confidence`).
+    Model(Box<LoadedModel>, Option<usize>, f64),
     /// An EAGLE-3 head fed by the target's hidden states (chains, or trees of a shape), and the chains'
     /// confidence bar (`--draft-confidence`; trees ignore it).
     Eagle3(
@@ -245,6 +245,8 @@ fn prepare_steps(model: &LoadedModel, draft: &DraftSetup, options: &EngineOption
         max_sequences: batch,
         max_logit_rows: batch * rows_per_request,
         capture_layers: &capture,
+        vocab_limit: None,
+        last_row_logits_only: false,
     };
     let started = Instant::now();
     match model.model.prepare_steps(&shapes) {
@@ -255,6 +257,30 @@ fn prepare_steps(model: &LoadedModel, draft: &DraftSetup, options: &EngineOption
             started.elapsed().as_secs_f64()
         ),
         Err(e) => eprintln!("warning: preparing the steps failed ({e}); they prepare on demand"),
+    }
+    // A draft model's passes too: one a drafted token, and a catch-up (a new request's prompt) of any length.
+    // Unprepared, each new catch-up length captures a graph mid-request (milliseconds on a GPU), time the draft
+    // budget counts into what a catch-up costs.
+    if let DraftSetup::Model(d, vocab_limit, _) = draft {
+        let shapes = specula::model::StepShapes {
+            max_rows: options.prefill_chunk.max(1),
+            max_sequences: 1,
+            max_logit_rows: 1,
+            capture_layers: &[],
+            vocab_limit: *vocab_limit,
+            last_row_logits_only: true,
+        };
+        let started = Instant::now();
+        match d.model.prepare_steps(&shapes) {
+            Ok(0) => {}
+            Ok(n) => eprintln!(
+                "prepared {n} draft model step shapes in {:.2} s",
+                started.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                eprintln!("warning: preparing the draft model's steps failed ({e}); they prepare on demand")
+            }
+        }
     }
 }
 
@@ -952,7 +978,7 @@ impl<'a> EngineLoop<'a> {
     fn kv_bytes_per_position(&self) -> usize {
         self.model.model.kv_bytes_per_position()
             + match self.draft {
-                DraftSetup::Model(d, _) => d.model.kv_bytes_per_position(),
+                DraftSetup::Model(d, _, _) => d.model.kv_bytes_per_position(),
                 _ => 0,
             }
     }
@@ -977,9 +1003,9 @@ impl<'a> EngineLoop<'a> {
                     None => d.with_min_confidence(*min_confidence)?,
                 }))
             }
-            DraftSetup::Model(d, vocab_limit) => Some(Box::new(
+            DraftSetup::Model(d, vocab_limit, min_confidence) => Some(Box::new(
                 ModelDrafter::new(d.model.as_ref(), seed)?
-                    .with_min_confidence(specula::draft::model::DEFAULT_MIN_CONFIDENCE)?
+                    .with_min_confidence(*min_confidence)?
                     .with_vocab_limit(*vocab_limit)?,
             )),
         })

@@ -887,7 +887,11 @@ fn a_draft_model_with_a_reduced_vocabulary_serves_losslessly() {
     let want = expected(&reference, "the tea the tea", 30);
     let addr = start(
         tiny(dir.path()),
-        DraftSetup::Model(Box::new(tiny(dir.path())), Some(200)),
+        DraftSetup::Model(
+            Box::new(tiny(dir.path())),
+            Some(200),
+            specula::draft::model::DEFAULT_MIN_CONFIDENCE,
+        ),
         None,
         EngineOptions {
             adaptive_drafts: false,

@@ -2,8 +2,9 @@
 //! "Defaults that win"; docs/benchmarks.md has each measurement). In order of preference:
 //! 1. the target's registry EAGLE-3 head, when it has been built here and measured faster than the alternatives
 //!    on this kind of device (on a GPU the head runs there too, with its own measured settings);
-//! 2. on the CPU, the target's registry draft model with the settings measured best on this project's CPU (on a
-//!    GPU a draft model of many layers costs nearly a target step at batch 1 and loses: measured 0.90-0.95x);
+//! 2. the target's registry draft model, when downloaded, with the settings measured best on this kind of device
+//!    (on a GPU a 24-layer 0.5B step costs ~0.55 of a 1.5B step at batch 1, so it wins only with a narrowed draft
+//!    vocabulary and no confidence bar: 1.17x on an H200, against prompt lookup's 1.05x);
 //! 3. prompt lookup, which costs nothing and stops by itself when its matches get unreliable.
 //!
 //! Each drafter also sizes its drafts as it runs (the draft model's confidence bar, prompt lookup's stopping rule),
@@ -18,15 +19,33 @@ pub struct DraftPartner {
     /// `--draft-vocab`: the draft proposes only ids below this (a cheaper LM head).
     pub draft_vocab: Option<usize>,
     pub draft_tokens: usize,
+    /// The settings measured best on a GPU, where the pair beats prompt lookup there; None where it does not.
+    pub on_gpu: Option<GpuDraftSettings>,
+}
+
+/// A draft model's settings measured best on a GPU.
+pub struct GpuDraftSettings {
+    pub draft_vocab: Option<usize>,
+    pub draft_tokens: usize,
+    /// `--draft-confidence`: on a GPU verifying a few more rows costs almost nothing, so stopping a draft early
+    /// saves only draft passes and loses the tokens they would have kept.
+    pub min_confidence: f64,
 }
 
 /// Measured: qwen2.5-coder-1.5b with the 0.5B at `--draft-vocab 65536`, k = 3: 1.21-1.28x plain on unseen code
-/// prompts (docs/benchmarks.md, "The draft model stops where it is unsure").
+/// prompts on the CPU (docs/benchmarks.md, "The draft model stops where it is unsure"); on an H200 (session 26)
+/// `--draft-vocab 65536 --draft-confidence 0` at k = 2 / 3: 1.17x / 1.17x (the CPU's settings there: 1.09x;
+/// prompt lookup 1.05x).
 pub static DRAFT_PARTNERS: &[DraftPartner] = &[DraftPartner {
     target: "qwen2.5-coder-1.5b",
     draft: "qwen2.5-coder-0.5b",
     draft_vocab: Some(65536),
     draft_tokens: 3,
+    on_gpu: Some(GpuDraftSettings {
+        draft_vocab: Some(65536),
+        draft_tokens: 3,
+        min_confidence: 0.0,
+    }),
 }];
 
 /// What `--speculate` chose, as the explicit flags that choose it.
@@ -102,25 +121,36 @@ pub fn choose(
         });
     }
     if let Some(p) = DRAFT_PARTNERS.iter().find(|p| p.target == target_spec) {
-        if on_gpu {
+        let settings = match (on_gpu, &p.on_gpu) {
+            (false, _) => Some((p.draft_vocab, p.draft_tokens, None)),
+            (true, Some(g)) => Some((g.draft_vocab, g.draft_tokens, Some(g.min_confidence))),
+            (true, None) => None,
+        };
+        if settings.is_none() {
             notes.push(format!(
                 "its draft model {} loses on a GPU at batch 1 (each of its steps costs nearly a target step)",
                 p.draft
             ));
-        } else if draft_cached(p.draft) {
+        } else if let (Some((draft_vocab, draft_tokens, min_confidence)), true) =
+            (settings, draft_cached(p.draft))
+        {
             return AutoDrafter {
                 method: "model",
                 draft_model: Some(p.draft.to_string()),
-                draft_vocab: p.draft_vocab,
-                draft_tokens: p.draft_tokens,
-                min_confidence: None,
+                draft_vocab,
+                draft_tokens,
+                min_confidence,
                 reason: format!(
-                    "the draft model {}{} at k = {} (measured best on the CPU){}",
+                    "the draft model {}{}{} at k = {} (measured best on {}){}",
                     p.draft,
-                    p.draft_vocab
+                    draft_vocab
                         .map(|v| format!(" with --draft-vocab {v}"))
                         .unwrap_or_default(),
-                    p.draft_tokens,
+                    min_confidence
+                        .map(|c| format!(" --draft-confidence {c}"))
+                        .unwrap_or_default(),
+                    draft_tokens,
+                    if on_gpu { "a GPU" } else { "the CPU" },
                     if notes.is_empty() {
                         String::new()
                     } else {
@@ -178,9 +208,14 @@ mod tests {
             "{}",
             q.reason
         );
+        // On a GPU the draft model wins with its GPU settings (a narrowed vocabulary, no confidence bar).
         let q = choose("qwen2.5-coder-1.5b", true, &|_| true, &none);
-        assert_eq!(q.method, "ngram");
+        assert_eq!(q.method, "model");
+        assert_eq!((q.draft_vocab, q.draft_tokens), (Some(65536), 3));
+        assert_eq!(q.min_confidence, Some(0.0));
         assert!(q.reason.contains("GPU"), "{}", q.reason);
+        let q = choose("qwen2.5-coder-1.5b", true, &|_| false, &none);
+        assert_eq!(q.method, "ngram");
         // SmolLM2's head measured slower than prompt lookup: prompt lookup, saying so, even when built.
         let built = |h: &registry::RegistryHead| Some(PathBuf::from(format!("/heads/{}", h.name)));
         let s = choose("smollm2-135m", false, &|_| true, &built);

@@ -646,11 +646,28 @@ impl DraftBudget {
         };
         let overhead = self.overhead_s.unwrap_or(0.0);
         let per_draft = self.draft_token_s.unwrap_or(0.0);
-        // Until a catch-up has been measured it is priced as drafting (an overestimate), and the first one that
-        // would hold up no other request is allowed once so that it gets measured.
-        let per_catch_up = self.catch_up_token_s.unwrap_or(per_draft);
         let step_time =
             |rows: f64, draft_s: f64| curve.seconds(rows).unwrap_or(0.0) + overhead + draft_s;
+        // What feeding `tokens` missed tokens costs a draft model. Measured: per token. Until then (the first
+        // one that would hold up no other request is allowed once so that it gets measured, below): a catch-up
+        // widens the drafter's first pass, which feeds the last step's two tokens anyway, by `tokens` rows,
+        // priced as a draft pass grown the way the target's own passes grow with rows. Flat on a GPU (a
+        // 60-token prompt costs a 0.5B draft model ~0.3 ms beside its 0.75 ms passes on an H200), steep on a
+        // CPU. Priced as `tokens` draft tokens instead, a GPU server's draft model never drafted at one stream
+        // (each new request's prompt alone outweighed the draft, so the catch-up was never measured).
+        let catch_up_s = |tokens: f64| -> f64 {
+            if tokens <= 0.0 {
+                return 0.0;
+            }
+            if let Some(per_token) = self.catch_up_token_s {
+                return per_token * tokens;
+            }
+            let pass = self.draft_pass_s.unwrap_or(per_draft);
+            match (curve.seconds(2.0), curve.seconds(2.0 + tokens)) {
+                (Some(usual), Some(wider)) if usual > 0.0 => pass * (wider / usual - 1.0).max(0.0),
+                _ => per_draft * tokens,
+            }
+        };
         // The drafter time position j of candidate c adds: its expected rows, plus at its first position this
         // step's share of the catch-up.
         // Drafter passes: per request, plus per batched round when requests drafting together share one (fitted
@@ -704,7 +721,7 @@ impl DraftBudget {
             // drafter that drafted last step lags by that step's tokens (up to max_tokens + 1); feeding them is
             // part of every draft and already in the per-token cost. Only lag beyond that is a catch-up.
             let catch_up = if j == 0 {
-                catch_up_tokens(c) as f64 / c.shared_by.max(1) as f64
+                catch_up_s(catch_up_tokens(c) as f64) / c.shared_by.max(1) as f64
             } else {
                 0.0
             };
@@ -717,7 +734,7 @@ impl DraftBudget {
                 }
                 None => per_draft * extra,
             };
-            drafting + per_catch_up * catch_up
+            drafting + catch_up
         };
         let mut rows = base_rows as f64;
         let mut draft_s = 0.0;
@@ -1704,6 +1721,53 @@ mod tests {
         assert_eq!(unmeasured.choose(&c(100, 60), 1, 1), vec![0]);
         // Charged whole (fell behind while cut), 100 tokens are still too many for one step.
         assert_eq!(b.choose(&c(100, 1), 1, 1), vec![0]);
+    }
+
+    /// On a GPU a draft model's catch-up (a new request's prompt) widens one pass, which costs about what the
+    /// pass costs anyway: priced as that many draft tokens (the old rule: 60 x 0.75 ms, a third of a millisecond
+    /// a step even shared by the request's 64 steps) the one stream that pays for a 0.5B draft model (1.17x in
+    /// `bench` on an H200) never drafted, and the catch-up was never measured to correct the price.
+    #[test]
+    fn an_unmeasured_catch_up_is_priced_by_how_passes_grow_with_rows() {
+        let mut b = DraftBudget::new();
+        // A flat forward curve (qwen2.5-coder-1.5b on an H200) and 0.75 ms draft passes.
+        for (rows, ms) in [
+            (1, 1.25),
+            (2, 1.28),
+            (4, 1.30),
+            (8, 1.35),
+            (16, 1.45),
+            (64, 1.90),
+        ] {
+            for _ in 0..3 {
+                b.observe_step(rows, ms * 1e-3, 0, 0, 0, 0.0, 0.07e-3);
+            }
+        }
+        for _ in 0..3 {
+            b.observe_step(4, 1.30e-3, 3, 3, 0, 2.25e-3, 0.07e-3);
+        }
+        // Earlier requests accepted most drafts.
+        for c in 0..40 {
+            b.observe_cycle(100, 3, 3, if c % 7 == 0 { 1 } else { 3 });
+        }
+        let fresh = |lag, shared_by| {
+            [DraftCandidate {
+                id: 1,
+                max_tokens: 3,
+                lag,
+                shared_by,
+                cheap_catch_up: false,
+            }]
+        };
+        assert_eq!(b.catch_up_token_s, None);
+        // Alone with its 60-token prompt to feed: drafts.
+        assert!(b.choose(&fresh(60, 64), 1, 1)[0] >= 1);
+        // Beside another request a lagging draft model still waits.
+        assert_eq!(b.choose(&fresh(60, 64), 2, 2), vec![0]);
+        // Measured at 10 ms a token (a slow device), the same catch-up does not pay.
+        let mut slow = b.clone();
+        slow.catch_up_token_s = Some(0.010);
+        assert_eq!(slow.choose(&fresh(60, 64), 1, 1), vec![0]);
     }
 
     /// A draft model whose confidence bar stops most drafts after one token costs three passes a kept token:

@@ -93,13 +93,19 @@ pub struct StepShapes<'a> {
     pub max_logit_rows: usize,
     /// The layers every step captures (an EAGLE-3 head's), sorted.
     pub capture_layers: &'a [usize],
+    /// Logits from the first `vocab_limit` ids only (a draft model's `--draft-vocab`).
+    pub vocab_limit: Option<usize>,
+    /// A draft model's steps: one sequence a pass wanting its last row's logits only, of any row count up to
+    /// `max_rows` (a catch-up feeds whatever the drafter missed), rather than decoding and verifying steps.
+    pub last_row_logits_only: bool,
 }
 
 /// Runs throwaway forward passes of the shapes in `shapes` (each sequence in a fresh cache, dropped after):
 /// first the largest step (its rows, then its sequences and logit rows), so the buffers sized on demand reach
 /// their final size before anything depends on them, then one pass of every row count up to
 /// `min(max_logit_rows, chain_rows)` with logits for every row (a decoding or verifying step of that many
-/// rows, whatever sequences they belong to). Returns the passes of the second kind.
+/// rows, whatever sequences they belong to), or, for a draft model's steps, of every row count up to
+/// `min(max_rows, chain_rows)` with the last row's logits. Returns the passes of the second kind.
 pub fn run_step_shapes(
     model: &dyn Model,
     shapes: &StepShapes<'_>,
@@ -108,7 +114,7 @@ pub fn run_step_shapes(
     let context = model.config().context_length;
     let opts = ForwardOptions {
         capture_layers: shapes.capture_layers,
-        vocab_limit: None,
+        vocab_limit: shapes.vocab_limit,
     };
     let prof = Profiler::disabled();
     let pass = |sequences: &[(usize, LogitsFor)]| -> Result<()> {
@@ -135,9 +141,14 @@ pub fn run_step_shapes(
     let sequences = shapes.max_sequences.max(1);
     let per_sequence = shapes.max_logit_rows.div_ceil(sequences).clamp(1, context);
     pass(&vec![(per_sequence, LogitsFor::All); sequences])?;
-    let last = shapes.max_logit_rows.min(chain_rows).min(context);
+    let (last, logits) = if shapes.last_row_logits_only {
+        (max_rows, LogitsFor::Last)
+    } else {
+        (shapes.max_logit_rows, LogitsFor::All)
+    };
+    let last = last.min(chain_rows).min(context);
     for rows in 1..=last {
-        pass(&[(rows, LogitsFor::All)])?;
+        pass(&[(rows, logits)])?;
     }
     Ok(last)
 }

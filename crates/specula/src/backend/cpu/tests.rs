@@ -446,6 +446,8 @@ fn preparing_steps_runs_the_largest_step_first_then_every_row_count() {
         max_sequences: 4,
         max_logit_rows: 16,
         capture_layers: &capture,
+        vocab_limit: None,
+        last_row_logits_only: false,
     };
     // The CPU has nothing to prepare.
     assert_eq!(m.model.prepare_steps(&shapes).unwrap(), 0);
@@ -484,4 +486,24 @@ fn preparing_steps_runs_the_largest_step_first_then_every_row_count() {
         rec.passes.lock().unwrap()[0].0,
         vec![(context, LogitsFor::Last)]
     );
+    // A draft model's steps: one sequence, every row count up to the graphs' limit with its last row's logits
+    // (a catch-up of any length short of it replays a graph instead of capturing one mid-request).
+    let draft = crate::model::StepShapes {
+        max_rows: 24,
+        max_sequences: 1,
+        max_logit_rows: 1,
+        capture_layers: &[],
+        vocab_limit: Some(100),
+        last_row_logits_only: true,
+    };
+    let rec = Recording {
+        inner: m.model.as_ref(),
+        passes: Default::default(),
+    };
+    assert_eq!(crate::model::run_step_shapes(&rec, &draft, 10).unwrap(), 10);
+    let passes = rec.passes.into_inner().unwrap();
+    assert_eq!(passes.len(), 12);
+    for (rows, (seqs, _)) in (1..=10).zip(&passes[2..]) {
+        assert_eq!(seqs, &vec![(rows, LogitsFor::Last)]);
+    }
 }
