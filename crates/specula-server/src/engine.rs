@@ -248,16 +248,7 @@ fn prepare_steps(model: &LoadedModel, draft: &DraftSetup, options: &EngineOption
         vocab_limit: None,
         last_row_logits_only: false,
     };
-    let started = Instant::now();
-    match model.model.prepare_steps(&shapes) {
-        Ok(0) => {}
-        Ok(n) => eprintln!(
-            "prepared {n} step shapes on {} in {:.2} s",
-            model.model.device(),
-            started.elapsed().as_secs_f64()
-        ),
-        Err(e) => eprintln!("warning: preparing the steps failed ({e}); they prepare on demand"),
-    }
+    prepare(model, &shapes, "the target");
     // A draft model's passes too: one a drafted token, and a catch-up (a new request's prompt) of any length.
     // Unprepared, each new catch-up length captures a graph mid-request (milliseconds on a GPU), time the draft
     // budget counts into what a catch-up costs.
@@ -270,16 +261,22 @@ fn prepare_steps(model: &LoadedModel, draft: &DraftSetup, options: &EngineOption
             vocab_limit: *vocab_limit,
             last_row_logits_only: true,
         };
-        let started = Instant::now();
-        match d.model.prepare_steps(&shapes) {
-            Ok(0) => {}
-            Ok(n) => eprintln!(
-                "prepared {n} draft model step shapes in {:.2} s",
-                started.elapsed().as_secs_f64()
-            ),
-            Err(e) => {
-                eprintln!("warning: preparing the draft model's steps failed ({e}); they prepare on demand")
-            }
+        prepare(d, &shapes, "the draft model");
+    }
+}
+
+/// Prepares `model`'s `shapes`, saying what it did; a failure is only a warning.
+fn prepare(model: &LoadedModel, shapes: &specula::model::StepShapes<'_>, what: &str) {
+    let started = Instant::now();
+    match model.model.prepare_steps(shapes) {
+        Ok(0) => {}
+        Ok(n) => eprintln!(
+            "prepared {n} step shapes of {what} on {} in {:.2} s",
+            model.model.device(),
+            started.elapsed().as_secs_f64()
+        ),
+        Err(e) => {
+            eprintln!("warning: preparing {what}'s steps failed ({e}); they prepare on demand")
         }
     }
 }
