@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use specula::chat::ChatMessage;
 use specula::decode::{self, GenerateRequest, Generation, PrefixCache, StepLimits, StopReason};
 use specula::draft::budget::{DraftBudget, DraftCandidate};
-use specula::draft::model::ModelDrafter;
+use specula::draft::eagle3::compute::HeadCompute;
+use specula::draft::model::{DraftModelRounds, ModelDrafter};
 use specula::draft::ngram::NgramDrafter;
 use specula::draft::Drafter;
 use specula::model::LoadedModel;
@@ -105,7 +106,8 @@ impl Default for EngineOptions {
     }
 }
 
-/// Whether requests drafting with one EAGLE-3 head share its passes (default; `SPECULA_SHARED_HEAD=0` turns it off).
+/// Whether requests drafting with one EAGLE-3 head (or one draft model) share its passes (default;
+/// `SPECULA_SHARED_HEAD=0` turns it off).
 fn shared_head_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SPECULA_SHARED_HEAD").map_or(true, |v| v != "0"))
@@ -959,9 +961,13 @@ impl<'a> EngineLoop<'a> {
         })
     }
 
-    /// Whether requests' EAGLE-3 chains share the head's passes (one batched pass a round).
+    /// Whether requests' EAGLE-3 chains share the head's passes, or their draft models the draft model's (one
+    /// batched pass a round).
     fn head_is_shared(&self) -> bool {
-        matches!(self.draft, DraftSetup::Eagle3(_, None, _)) && shared_head_enabled()
+        matches!(
+            self.draft,
+            DraftSetup::Eagle3(_, None, _) | DraftSetup::Model(..)
+        ) && shared_head_enabled()
     }
 
     fn draft_room(&self) -> usize {
@@ -1116,17 +1122,28 @@ impl<'a> EngineLoop<'a> {
                 self.carry.borrow_mut().plan = plan;
                 hook_s = start.elapsed().as_secs_f64();
             };
+            let model_rounds = match self.draft {
+                DraftSetup::Model(d, vocab_limit, _) => Some(DraftModelRounds {
+                    model: d.model.as_ref(),
+                    vocab_limit: *vocab_limit,
+                }),
+                _ => None,
+            };
             decode::step_with(
                 self.model.model.as_ref(),
                 &self.model.tokenizer,
                 &mut batch,
                 StepLimits {
                     prefill_tokens: self.options.prefill_chunk,
-                    // EAGLE-3 chains share the head: one batched head pass per round for every request
-                    // (`SPECULA_SHARED_HEAD=0` drafts one request after the other, to compare).
-                    shared_head: match self.draft {
-                        DraftSetup::Eagle3(head, None, _) if self.head_is_shared() => {
+                    // EAGLE-3 chains share the head, and draft models their model: one batched pass per round
+                    // for every request (`SPECULA_SHARED_HEAD=0` drafts one request after the other, to
+                    // compare).
+                    shared_head: match (self.draft, &model_rounds) {
+                        (DraftSetup::Eagle3(head, None, _), _) if self.head_is_shared() => {
                             Some(head.compute())
+                        }
+                        (_, Some(rounds)) if self.head_is_shared() => {
+                            Some(rounds as &dyn HeadCompute)
                         }
                         _ => None,
                     },

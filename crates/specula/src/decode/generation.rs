@@ -779,7 +779,7 @@ fn draft_in_batches(
                         let _ = d.batched_finish();
                     }
                     results[i] = Err(Error::InvalidArgument(format!(
-                        "the batched EAGLE-3 head pass failed: {message}"
+                        "the batched draft pass failed: {message}"
                     )));
                 }
                 return;

@@ -1353,3 +1353,148 @@ fn a_batched_step_takes_one_span_per_phase() {
     assert_eq!(spans_of(1), [1, 1, 1, 1, 1]);
     assert_eq!(spans_of(4), spans_of(1));
 }
+
+/// Several generations whose draft models run their passes in shared rounds (one batched forward of the draft
+/// model a round, what a server does: `DraftModelRounds`) draft exactly what each drafts alone: the same
+/// outputs, drafted and accepted counts and passes, greedy and sampled, with and without a confidence bar; greedy
+/// output equals plain decoding.
+#[test]
+fn draft_model_rounds_draft_what_each_request_drafts_alone() {
+    use crate::draft::eagle3::compute::{
+        HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant,
+    };
+    use crate::draft::model::DraftModelRounds;
+    use crate::model::SequenceCache;
+    /// Draft-model rounds that remember the most passes one round held.
+    struct CountedRounds<'m> {
+        inner: DraftModelRounds<'m>,
+        widest: std::sync::atomic::AtomicUsize,
+    }
+    impl HeadCompute for CountedRounds<'_> {
+        fn device(&self) -> String {
+            self.inner.device()
+        }
+        fn new_cache(&self, capacity: usize) -> crate::Result<Box<dyn SequenceCache>> {
+            self.inner.new_cache(capacity)
+        }
+        fn run(
+            &self,
+            target: &dyn crate::model::Model,
+            tokens: &[u32],
+            input: HeadInput<'_>,
+            rows: HeadRows<'_>,
+            cache: &mut dyn SequenceCache,
+            want: HeadWant,
+        ) -> crate::Result<HeadOutput> {
+            self.inner.run(target, tokens, input, rows, cache, want)
+        }
+        fn run_many(
+            &self,
+            target: &dyn crate::model::Model,
+            passes: &mut [HeadPass<'_>],
+        ) -> crate::Result<Vec<HeadOutput>> {
+            self.widest
+                .fetch_max(passes.len(), std::sync::atomic::Ordering::Relaxed);
+            self.inner.run_many(target, passes)
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            seed: 3,
+            ..Default::default()
+        },
+    );
+    let close = tiny(
+        dir.path(),
+        "c.gguf",
+        TinySpec {
+            seed: 3,
+            weight_type: GgmlType::Q4_0,
+            logit_scale: 0.3,
+            ..Default::default()
+        },
+    );
+    let prompts: [&[u32]; 3] = [&PROMPT[2..], &PROMPT[..], &[72, 101, 108, 32, 111, 114]];
+    for (temperature, bar, vocab) in [(0.0, 0.0, None), (0.0, 0.3, Some(200)), (0.8, 0.0, None)] {
+        let run_all = |shared: bool| {
+            let mut gens: Vec<Generation<'_>> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let sampling = SamplingParams {
+                        temperature,
+                        seed: 11 + i as u64,
+                        ..Default::default()
+                    };
+                    let d = ModelDrafter::new(close.model.as_ref(), 7 + i as u64)
+                        .unwrap()
+                        .with_min_confidence(bar)
+                        .unwrap()
+                        .with_vocab_limit(vocab)
+                        .unwrap();
+                    let req = request(p, 24 + 3 * i, sampling);
+                    Generation::with_drafter(target.model.as_ref(), req, Box::new(d), 3).unwrap()
+                })
+                .collect();
+            let rounds = CountedRounds {
+                inner: DraftModelRounds {
+                    model: close.model.as_ref(),
+                    vocab_limit: vocab,
+                },
+                widest: Default::default(),
+            };
+            let limits = StepLimits {
+                shared_head: shared.then_some(&rounds as &dyn HeadCompute),
+                ..Default::default()
+            };
+            for _ in 0..200 {
+                let mut refs: Vec<&mut Generation<'_>> = gens.iter_mut().collect();
+                let (results, _) = step(
+                    target.model.as_ref(),
+                    &target.tokenizer,
+                    &mut refs,
+                    limits,
+                    &Profiler::disabled(),
+                    &mut |_, _| {},
+                );
+                for r in results {
+                    r.unwrap();
+                }
+                if gens.iter().all(|g| g.is_done()) {
+                    break;
+                }
+            }
+            // The shared rounds ran, several requests in one pass.
+            let widest = rounds.widest.load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(widest > 1, shared, "widest round {widest}");
+            gens.into_iter()
+                .map(|g| {
+                    let out = g.finish(&target.tokenizer, &mut |_| {}).unwrap();
+                    let st = out.speculation.clone().unwrap();
+                    (out.tokens, st.drafted, st.accepted, st.draft_passes)
+                })
+                .collect::<Vec<_>>()
+        };
+        let alone = run_all(false);
+        let batched = run_all(true);
+        let case = format!("temperature {temperature}, bar {bar}, vocab {vocab:?}");
+        assert_eq!(batched, alone, "{case}");
+        assert!(
+            alone.iter().all(|a| a.1 > 0),
+            "every generation drafted: {case}"
+        );
+        if temperature == 0.0 {
+            for (i, p) in prompts.iter().enumerate() {
+                let plain = run(
+                    &target,
+                    &request(p, 24 + 3 * i, SamplingParams::default()),
+                    None,
+                );
+                assert_eq!(batched[i].0, plain.tokens, "prompt {i}: {case}");
+            }
+        }
+    }
+}

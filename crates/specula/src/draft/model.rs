@@ -3,11 +3,16 @@
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
 
-use crate::draft::{Draft, Drafter};
+use crate::draft::eagle3::compute::{
+    HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant,
+};
+use crate::draft::{BatchedPass, BatchedStart, Draft, Drafter};
 use crate::error::{Error, Result};
-use crate::model::{ForwardOptions, ForwardOutput, LoadedModel, LogitsFor, Model, SequenceCache};
+use crate::model::{
+    ForwardOptions, ForwardOutput, LoadedModel, LogitsFor, Model, SequenceCache, SequenceInput,
+};
 use crate::profile::Profiler;
-use crate::sampling::{self, SamplingParams};
+use crate::sampling::{self, Distribution, SamplingParams};
 
 pub struct ModelDrafter<'a> {
     model: &'a dyn Model,
@@ -21,6 +26,8 @@ pub struct ModelDrafter<'a> {
     /// Stop drafting once the draft's own chance that the whole draft is accepted falls below this (see
     /// `with_min_confidence`); 0 drafts k tokens.
     min_confidence: f64,
+    /// The draft a batched round is building ([`Drafter::batched_begin`] .. [`Drafter::batched_finish`]).
+    batched: Option<DraftInProgress>,
 }
 
 impl<'a> ModelDrafter<'a> {
@@ -34,6 +41,7 @@ impl<'a> ModelDrafter<'a> {
             quiet: Profiler::disabled(),
             vocab_limit: None,
             min_confidence: 0.0,
+            batched: None,
         })
     }
 
@@ -61,23 +69,138 @@ impl<'a> ModelDrafter<'a> {
         Ok(self)
     }
 
-    /// Feeds `tokens` after the cached prefix and returns the logits of the last one (where the model keeps
-    /// them: a GPU draft model's stay there unless sampling needs the whole row).
-    fn feed(&mut self, tokens: &[u32]) -> Result<ForwardOutput> {
+    /// Runs one draft pass feeding `tokens` after the cached prefix (`begin` and `advance` note them as cached);
+    /// the logits of its last row stay where the model keeps them (a GPU draft model's stay there unless sampling
+    /// needs the whole row).
+    fn run_pass(&mut self, tokens: &[u32]) -> Result<ForwardOutput> {
         let opts = ForwardOptions {
             capture_layers: &[],
             vocab_limit: self.vocab_limit,
         };
-        let out = self.model.forward_one(
+        self.model.forward_one(
             tokens,
             self.cache.as_mut(),
             &opts,
             LogitsFor::Last,
             &self.quiet,
-        )?;
-        self.cached.extend_from_slice(tokens);
-        Ok(out)
+        )
     }
+
+    /// Rolls the cache back to the longest prefix it shares with `context` (rejected drafts drop out here) and
+    /// starts a draft of up to `k` tokens: the tokens its first pass feeds (at least one, so there are logits to
+    /// draw from), or None when there is nothing to draft or no room.
+    fn begin(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        sampling: &SamplingParams,
+    ) -> Option<(DraftInProgress, Vec<u32>)> {
+        if k == 0 || context.is_empty() {
+            return None;
+        }
+        let common = self.common_prefix(context);
+        self.cache.truncate(common);
+        self.cached.truncate(common);
+        let room = self
+            .model
+            .config()
+            .context_length
+            .saturating_sub(context.len());
+        let k = k.min(room);
+        if k == 0 {
+            return None;
+        }
+        let feed = context[common..].to_vec();
+        self.cached.extend_from_slice(&feed);
+        let draft = DraftInProgress {
+            k,
+            greedy: sampling.is_greedy(),
+            tokens: Vec::with_capacity(k),
+            distributions: Vec::new(),
+            all_accepted: 1.0,
+            passes: 1,
+        };
+        Some((draft, feed))
+    }
+
+    /// Takes a pass's last row: the token the next pass feeds while the draft goes on, None once it is complete
+    /// (k tokens, or the confidence bar reached).
+    fn advance(
+        &mut self,
+        d: &mut DraftInProgress,
+        row: RowResult<'_>,
+        sampling: &SamplingParams,
+    ) -> Option<u32> {
+        let token = match row {
+            RowResult::Top(token, p) => {
+                d.all_accepted *= p as f64;
+                if d.all_accepted < self.min_confidence {
+                    return None;
+                }
+                token
+            }
+            RowResult::Logits(logits) => {
+                let dist = sampling::distribution(logits, sampling);
+                // Decided before the draw: a proposal kept only for some draws would no longer be distributed
+                // as `dist`, and verifying it against `dist` would bias the output.
+                d.all_accepted *= dist.probs.iter().copied().fold(0.0f32, f32::max) as f64;
+                if d.all_accepted < self.min_confidence {
+                    return None;
+                }
+                let token = sampling::draw(&dist, &mut self.rng);
+                d.distributions.push(dist);
+                token
+            }
+        };
+        d.tokens.push(token);
+        if d.tokens.len() == d.k {
+            return None;
+        }
+        self.cached.push(token);
+        d.passes += 1;
+        Some(token)
+    }
+
+    /// What a batched pass should return for draft `d`: the top token and its probability when greedy, else the
+    /// row.
+    fn want(d: &DraftInProgress) -> HeadWant {
+        HeadWant {
+            top_only: d.greedy,
+            ..Default::default()
+        }
+    }
+}
+
+/// A draft being built pass by pass: [`ModelDrafter::propose`] runs the passes one after the other; a server's
+/// requests run theirs in shared rounds ([`DraftModelRounds`]).
+#[derive(Debug)]
+struct DraftInProgress {
+    k: usize,
+    greedy: bool,
+    tokens: Vec<u32>,
+    distributions: Vec<Distribution>,
+    all_accepted: f64,
+    passes: usize,
+}
+
+impl DraftInProgress {
+    fn into_draft(self) -> Draft {
+        Draft {
+            tokens: self.tokens,
+            distributions: (!self.greedy).then_some(self.distributions),
+            parents: None,
+            passes: self.passes,
+            catching_up: false,
+        }
+    }
+}
+
+/// What a draft pass's last row gives the drafter.
+enum RowResult<'r> {
+    /// Its top token and that token's probability (greedy; 1 when no bar needs it).
+    Top(u32, f32),
+    /// The whole row (sampling).
+    Logits(&'r [f32]),
 }
 
 impl ModelDrafter<'_> {
@@ -103,66 +226,185 @@ impl Drafter for ModelDrafter<'_> {
     }
 
     fn propose(&mut self, context: &[u32], k: usize, sampling: &SamplingParams) -> Result<Draft> {
-        if k == 0 || context.is_empty() {
+        let Some((mut d, feed)) = self.begin(context, k, sampling) else {
             return Ok(Draft::default());
-        }
-        // Roll the cache back to the longest prefix it shares with the context (rejected drafts drop out here),
-        // keeping at least one token to feed so there are logits to draw from.
-        let common = self.common_prefix(context);
-        self.cache.truncate(common);
-        self.cached.truncate(common);
-        let room = self
-            .model
-            .config()
-            .context_length
-            .saturating_sub(context.len());
-        let k = k.min(room);
-        if k == 0 {
-            return Ok(Draft::default());
-        }
-        let mut logits = self.feed(&context[common..])?;
-        let mut passes = 1;
-        let mut tokens = Vec::with_capacity(k);
-        let mut distributions = Vec::with_capacity(k);
-        let mut all_accepted = 1.0f64;
-        for i in 0..k {
-            let token = if sampling.is_greedy() {
+        };
+        let mut out = self.run_pass(&feed)?;
+        loop {
+            let next = if d.greedy {
                 // Only the top token (and its probability for the bar) comes back, not the row.
                 let (token, p) = if self.min_confidence > 0.0 {
-                    last_row(logits.logits.top_tokens()?)?
+                    last_row(out.logits.top_tokens()?)?
                 } else {
-                    (last_row(logits.logits.argmax_rows()?)?, 1.0)
+                    (last_row(out.logits.argmax_rows()?)?, 1.0)
                 };
-                all_accepted *= p as f64;
-                if all_accepted < self.min_confidence {
-                    break;
-                }
-                token
+                self.advance(&mut d, RowResult::Top(token, p), sampling)
             } else {
-                let dist = sampling::distribution(&logits.last()?, sampling);
-                // Decided before the draw: a proposal kept only for some draws would no longer be distributed
-                // as `dist`, and verifying it against `dist` would bias the output.
-                all_accepted *= dist.probs.iter().copied().fold(0.0f32, f32::max) as f64;
-                if all_accepted < self.min_confidence {
-                    break;
-                }
-                let token = sampling::draw(&dist, &mut self.rng);
-                distributions.push(dist);
-                token
+                let row = out.last()?;
+                self.advance(&mut d, RowResult::Logits(&row), sampling)
             };
-            tokens.push(token);
-            if i + 1 < k {
-                logits = self.feed(&[token])?;
-                passes += 1;
+            match next {
+                Some(token) => out = self.run_pass(&[token])?,
+                None => break,
             }
         }
-        Ok(Draft {
-            tokens,
-            distributions: (!sampling.is_greedy()).then_some(distributions),
-            parents: None,
-            passes,
-            catching_up: false,
+        Ok(d.into_draft())
+    }
+
+    fn batched_begin(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        sampling: &SamplingParams,
+        _beside_others: bool,
+    ) -> Result<BatchedStart> {
+        Ok(match self.begin(context, k, sampling) {
+            None => BatchedStart::Nothing,
+            Some((d, feed)) => {
+                let want = Self::want(&d);
+                self.batched = Some(d);
+                BatchedStart::Pass(BatchedPass {
+                    tokens: feed,
+                    features: None,
+                    want,
+                })
+            }
         })
+    }
+
+    fn batched_cache(&mut self) -> Option<&mut dyn SequenceCache> {
+        Some(self.cache.as_mut())
+    }
+
+    fn batched_after(
+        &mut self,
+        output: HeadOutput,
+        sampling: &SamplingParams,
+    ) -> Result<Option<BatchedPass>> {
+        let mut d = self.batched.take().ok_or_else(|| {
+            Error::InvalidArgument(
+                "a draft model's batched pass came back with no draft begun".into(),
+            )
+        })?;
+        let row = if d.greedy {
+            let (token, p) = last_row(output.top)?;
+            RowResult::Top(token, p)
+        } else {
+            RowResult::Logits(&output.logits)
+        };
+        let next = self.advance(&mut d, row, sampling);
+        let want = Self::want(&d);
+        self.batched = Some(d);
+        Ok(next.map(|token| BatchedPass {
+            tokens: vec![token],
+            features: None,
+            want,
+        }))
+    }
+
+    fn batched_finish(&mut self) -> Result<Draft> {
+        Ok(self
+            .batched
+            .take()
+            .map(DraftInProgress::into_draft)
+            .unwrap_or_default())
+    }
+}
+
+/// A draft model's passes for several requests at once: one forward pass of the draft model a round, each
+/// request's rows on its own cache, through the interface a shared EAGLE-3 head's rounds use
+/// ([`crate::decode::StepLimits::shared_head`]). Each request's result is what its pass alone gives (the
+/// backends' kernels are row-independent). On a GPU a round costs about one pass whatever the requests (a pass
+/// is latency-bound there); on a CPU the draft's weights are read once a round instead of once a request.
+pub struct DraftModelRounds<'m> {
+    pub model: &'m dyn Model,
+    /// `--draft-vocab`: logits of the first ids only.
+    pub vocab_limit: Option<usize>,
+}
+
+impl HeadCompute for DraftModelRounds<'_> {
+    fn device(&self) -> String {
+        self.model.device()
+    }
+
+    fn new_cache(&self, capacity: usize) -> Result<Box<dyn SequenceCache>> {
+        self.model.new_cache(capacity)
+    }
+
+    fn run(
+        &self,
+        target: &dyn Model,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        rows: HeadRows<'_>,
+        cache: &mut dyn SequenceCache,
+        want: HeadWant,
+    ) -> Result<HeadOutput> {
+        if !matches!(rows, HeadRows::Chain) {
+            return Err(Error::InvalidArgument(
+                "a draft model drafts chains, not trees".into(),
+            ));
+        }
+        let mut passes = [HeadPass {
+            tokens,
+            input,
+            cache,
+            want,
+        }];
+        last_row(self.run_many(target, &mut passes)?)
+    }
+
+    fn run_many(
+        &self,
+        _target: &dyn Model,
+        passes: &mut [HeadPass<'_>],
+    ) -> Result<Vec<HeadOutput>> {
+        if let Some(p) = passes.iter().find(|p| p.want.outputs || p.want.top_k > 0) {
+            return Err(Error::InvalidArgument(format!(
+                "a draft model's pass returns a top token or a row, not {:?}",
+                p.want
+            )));
+        }
+        let mut batch: Vec<SequenceInput<'_>> = passes
+            .iter_mut()
+            .map(|p| SequenceInput {
+                tokens: p.tokens,
+                cache: &mut *p.cache,
+                logits: LogitsFor::Last,
+                tree: None,
+            })
+            .collect();
+        let opts = ForwardOptions {
+            capture_layers: &[],
+            vocab_limit: self.vocab_limit,
+        };
+        let outputs = self
+            .model
+            .forward(&mut batch, &opts, &Profiler::disabled())?;
+        if outputs.len() != passes.len() {
+            return Err(Error::InvalidArgument(format!(
+                "the draft model returned {} outputs for {} passes",
+                outputs.len(),
+                passes.len()
+            )));
+        }
+        outputs
+            .iter()
+            .zip(passes.iter())
+            .map(|(out, p)| {
+                Ok(if p.want.top_only {
+                    HeadOutput {
+                        top: out.logits.top_tokens()?,
+                        ..Default::default()
+                    }
+                } else {
+                    HeadOutput {
+                        logits: out.last()?.into_owned(),
+                        ..Default::default()
+                    }
+                })
+            })
+            .collect()
     }
 }
 

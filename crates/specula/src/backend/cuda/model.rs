@@ -1091,6 +1091,7 @@ impl CudaModel {
                     rows,
                     cols,
                     argmax: Mutex::new(None),
+                    top: Mutex::new(None),
                 })
             })
             .collect())
@@ -1285,6 +1286,9 @@ pub struct StepMatrix {
     rows: usize,
     cols: usize,
     argmax: Mutex<Option<Vec<u32>>>,
+    /// Each row's top token and its probability, computed for every row on the first ask (a round of a draft
+    /// model's passes asks once for each request).
+    top: Mutex<Option<Vec<(u32, f32)>>>,
 }
 
 /// Device memory holding one or more step matrices copied out together (a step's captured layers), and its host
@@ -1367,6 +1371,22 @@ impl StepMatrix {
             .map_err(|_| Error::Cuda("a step output's lock is poisoned".into()))?;
         if cached.is_none() {
             *cached = Some(device_argmax(
+                &self.gpu,
+                self.device_ptr(),
+                self.rows,
+                self.cols,
+            )?);
+        }
+        Ok(cached.clone().unwrap_or_default())
+    }
+
+    fn top_tokens(&self) -> Result<Vec<(u32, f32)>> {
+        let mut cached = self
+            .top
+            .lock()
+            .map_err(|_| Error::Cuda("a step output's lock is poisoned".into()))?;
+        if cached.is_none() {
+            *cached = Some(device_top_tokens(
                 &self.gpu,
                 self.device_ptr(),
                 self.rows,
@@ -1517,9 +1537,10 @@ impl RowMatrix for DeviceRows {
     }
 
     fn top_tokens(&self) -> Result<Vec<(u32, f32)>> {
-        let cols = self.all.cols;
-        let first = self.all.device_ptr() + (4 * self.from * cols) as u64;
-        device_top_tokens(&self.all.gpu, first, self.rows, cols)
+        if self.rows == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(self.all.top_tokens()?[self.from..self.from + self.rows].to_vec())
     }
 
     fn cols(&self) -> usize {
