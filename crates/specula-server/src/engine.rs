@@ -963,7 +963,7 @@ impl<'a> EngineLoop<'a> {
 
     /// Whether requests' EAGLE-3 chains share the head's passes, or their draft models the draft model's (one
     /// batched pass a round).
-    fn head_is_shared(&self) -> bool {
+    fn passes_are_shared(&self) -> bool {
         matches!(
             self.draft,
             DraftSetup::Eagle3(_, None, _) | DraftSetup::Model(..)
@@ -1139,10 +1139,10 @@ impl<'a> EngineLoop<'a> {
                     // for every request (`SPECULA_SHARED_HEAD=0` drafts one request after the other, to
                     // compare).
                     shared_head: match (self.draft, &model_rounds) {
-                        (DraftSetup::Eagle3(head, None, _), _) if self.head_is_shared() => {
+                        (DraftSetup::Eagle3(head, None, _), _) if self.passes_are_shared() => {
                             Some(head.compute())
                         }
-                        (_, Some(rounds)) if self.head_is_shared() => {
+                        (_, Some(rounds)) if self.passes_are_shared() => {
                             Some(rounds as &dyn HeadCompute)
                         }
                         _ => None,
@@ -1474,7 +1474,7 @@ impl<'a> EngineLoop<'a> {
         if report.rows > 0 && catch_up == 0 && passes > 0 {
             // Chains sharing the head run in rounds (one batched pass each, as many as the longest chain has
             // passes); other drafters run one pass at a time.
-            let rounds = if self.head_is_shared() {
+            let rounds = if self.passes_are_shared() {
                 longest
             } else {
                 passes

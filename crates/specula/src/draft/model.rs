@@ -365,6 +365,11 @@ impl HeadCompute for DraftModelRounds<'_> {
                 p.want
             )));
         }
+        if passes.iter().any(|p| !matches!(p.input, HeadInput::Last)) {
+            return Err(Error::InvalidArgument(
+                "a draft model's pass reads token ids only, not hidden states".into(),
+            ));
+        }
         let mut batch: Vec<SequenceInput<'_>> = passes
             .iter_mut()
             .map(|p| SequenceInput {

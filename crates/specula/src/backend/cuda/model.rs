@@ -1363,37 +1363,34 @@ impl OutputPool {
 /// row); wider ones (logits: 600 KB a row) row by row.
 const HOST_COPY_MAX_COLS: usize = 16384;
 
+/// The value in `cell`, computed by `compute` on the first ask (every row of a step's matrix at once: each
+/// sequence's view asks for its own rows).
+fn computed_once<T: Clone>(
+    cell: &Mutex<Option<T>>,
+    compute: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let mut cached = cell
+        .lock()
+        .map_err(|_| Error::Cuda("a step output's lock is poisoned".into()))?;
+    if cached.is_none() {
+        *cached = Some(compute()?);
+    }
+    cached
+        .clone()
+        .ok_or_else(|| Error::Cuda("a step output's value went missing".into()))
+}
+
 impl StepMatrix {
     fn argmax(&self) -> Result<Vec<u32>> {
-        let mut cached = self
-            .argmax
-            .lock()
-            .map_err(|_| Error::Cuda("a step output's lock is poisoned".into()))?;
-        if cached.is_none() {
-            *cached = Some(device_argmax(
-                &self.gpu,
-                self.device_ptr(),
-                self.rows,
-                self.cols,
-            )?);
-        }
-        Ok(cached.clone().unwrap_or_default())
+        computed_once(&self.argmax, || {
+            device_argmax(&self.gpu, self.device_ptr(), self.rows, self.cols)
+        })
     }
 
     fn top_tokens(&self) -> Result<Vec<(u32, f32)>> {
-        let mut cached = self
-            .top
-            .lock()
-            .map_err(|_| Error::Cuda("a step output's lock is poisoned".into()))?;
-        if cached.is_none() {
-            *cached = Some(device_top_tokens(
-                &self.gpu,
-                self.device_ptr(),
-                self.rows,
-                self.cols,
-            )?);
-        }
-        Ok(cached.clone().unwrap_or_default())
+        computed_once(&self.top, || {
+            device_top_tokens(&self.gpu, self.device_ptr(), self.rows, self.cols)
+        })
     }
 
     /// Runs `f` on the whole matrix on the host (its block read back on first use).
