@@ -1325,13 +1325,8 @@ impl<'a> EngineLoop<'a> {
                 id: r.id,
                 max_tokens: r.generation.draft_room(),
                 lag: lags[i],
-                // The prompt (nothing drafted yet) is fed once for the whole request: shared by its steps left
-                // (about two tokens a step); a catch-up after a cut is paid whole.
-                shared_by: if r.generation.speculation().is_some_and(|s| s.drafted == 0) {
-                    r.generation.tokens_left().div_ceil(2)
-                } else {
-                    1
-                },
+                // Set below, once the step's other rows are known.
+                shared_by: 1,
                 cheap_catch_up: r.generation.draft_catch_up_is_cheap(),
             });
         }
@@ -1345,6 +1340,15 @@ impl<'a> EngineLoop<'a> {
             .map(|r| r.generation.prompt_left())
             .sum();
         input.base_rows = input.decoding + prompt_left.min(self.options.prefill_chunk);
+        let alone = input.decoding == 1 && prompt_left == 0;
+        for (c, r) in input
+            .candidates
+            .iter_mut()
+            .zip(running.iter().filter(|r| r.is_drafting()))
+        {
+            let drafted_yet = r.generation.speculation().is_some_and(|s| s.drafted > 0);
+            c.shared_by = catch_up_shared_by(drafted_yet, r.generation.tokens_left(), alone);
+        }
         input
     }
 
@@ -1579,6 +1583,8 @@ impl<'a> EngineLoop<'a> {
                     "tokens_per_s": r.tokens_per_s, "tokens_per_s_with": r.tokens_per_s_with,
                     "draft_token_ms": ms(per_token), "draft_pass_ms": ms(per_pass),
                     "catch_up_token_ms": ms(per_catch_up), "step_overhead_ms": ms(overhead),
+                    "catch_up_tokens": r.catch_up_tokens, "shared_by": r.shared_by,
+                    "calibration": r.calibration,
                 },
             }));
         }
@@ -1707,9 +1713,24 @@ impl<'a> EngineLoop<'a> {
     }
 }
 
+/// Steps a draft model's catch-up is spread over in the draft budget ([`DraftCandidate::shared_by`]). The prompt
+/// (nothing drafted yet) is fed once for the whole request: shared by its steps left (about two tokens a step).
+/// What it missed while cut is paid whole beside other requests (shared, a request would resume and be cut again
+/// as the batch changes, paying a catch-up each time), but alone it is shared too: charged whole, each step it
+/// stayed cut raised the price of resuming, and it never resumed (one stream on an H200: a 0.5B draft model cut
+/// once by a 2% margin, 95 tokens behind later, its catch-up priced at 3.4 ms against a 1.3 ms step, drafted
+/// nothing for the rest of every request).
+fn catch_up_shared_by(drafted_yet: bool, tokens_left: usize, alone: bool) -> usize {
+    if drafted_yet && !alone {
+        1
+    } else {
+        tokens_left.div_ceil(2).max(1)
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{cycle_evidence, holdback, step_costs, SpecCounts, StepCosts};
+    use super::{catch_up_shared_by, cycle_evidence, holdback, step_costs, SpecCounts, StepCosts};
     use specula::profile::{Phase, StepKind, StepPhases};
 
     #[test]
@@ -1773,6 +1794,18 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(cycle_evidence(4, &stopped, 1, 0, 4), (0, Some((4, 0, 0))));
+    }
+
+    #[test]
+    fn a_catch_up_is_charged_whole_only_beside_other_requests() {
+        // A new request's prompt: spread over its steps left, alone or not.
+        assert_eq!(catch_up_shared_by(false, 128, false), 64);
+        assert_eq!(catch_up_shared_by(false, 128, true), 64);
+        // Fell behind while cut: whole beside others, spread alone.
+        assert_eq!(catch_up_shared_by(true, 100, false), 1);
+        assert_eq!(catch_up_shared_by(true, 100, true), 50);
+        // Never zero steps.
+        assert_eq!(catch_up_shared_by(true, 0, true), 1);
     }
 
     #[test]

@@ -346,12 +346,15 @@ impl DraftBudget {
     /// needs ([`Self::observe_outcome`]).
     pub const OUTCOME_WINDOW: usize = 32;
     pub const MIN_OUTCOMES: usize = 8;
+    /// The fewest catch-up tokens a step must feed for its drafter time to price them.
+    pub const MIN_CATCH_UP_SAMPLE: usize = 8;
     /// Steps kept for the round-cost fit, and the fewest it needs.
     const ROUND_WINDOW: usize = 48;
     const ROUND_MIN_STEPS: usize = 8;
     /// Weight of the pooled estimate in a request's own (pseudo-cycles).
     const POOLED_WEIGHT: f64 = 4.0;
-    /// Weight of the prior in the pooled estimate: acceptance 1/2, drafting 1.
+    /// Weight of the prior in the pooled estimate: acceptance 1/2 at the first position and the measured decay
+    /// further on ([`Self::pooled_gains`]), drafting 1.
     const PRIOR_WEIGHT: f64 = 2.0;
 
     pub fn new() -> Self {
@@ -405,10 +408,13 @@ impl DraftBudget {
             _ => None,
         };
         if let Some(usual) = usual {
-            // Only steps whose drafter time is mostly the catch-up: elsewhere the difference of two noisy
-            // numbers says little (and a catch-up priced near zero would stall a whole batch for real).
+            // Only steps whose drafter time is mostly the catch-up, and a catch-up of a few rows at least:
+            // elsewhere the difference of two noisy numbers says little (a catch-up priced near zero would stall
+            // a whole batch for real; one token beside a draft pass that ran twice its usual time on 2 busy CPU
+            // cores priced every catch-up token at a whole draft pass, 30 ms, and a draft model cut once never
+            // resumed).
             let fed = draft_s - usual;
-            if fed >= 0.5 * draft_s {
+            if catch_up >= Self::MIN_CATCH_UP_SAMPLE && fed >= 0.5 * draft_s {
                 self.catch_up_token_s = median_with(3, fed / catch_up as f64);
             }
         }
@@ -556,16 +562,41 @@ impl DraftBudget {
         self.requests.remove(&id);
     }
 
-    /// (expected accepted tokens, expected drafted rows) of request `id`'s position `j` (0-based).
-    fn estimate(&self, id: u64, j: usize) -> (f64, f64) {
+    /// The pooled expected accepted tokens of positions `0..k`. Each position's prior (weight PRIOR_WEIGHT)
+    /// continues the decay measured before it: position j is expected to keep the conditional acceptance of
+    /// position j - 1 (1/2 for the first). A flat prior of 1/2 kept deep positions of a good drafter priced at
+    /// a coin flip: a position cut at 1/2 is measured only by rare probes, so it stayed there (a 0.5B draft
+    /// model on an H200, right 89% of the time at its first position, was held to one token a step, 1.06x,
+    /// where three give 1.16x). Too high a prior corrects itself: the position is drafted, and measured.
+    fn pooled_gains(&self, k: usize) -> Vec<f64> {
         let p = &self.pooled;
-        let (pa, pd, pn) = (
-            p.accepted.get(j).copied().unwrap_or(0.0),
+        let prior = Self::PRIOR_WEIGHT;
+        let mut gains: Vec<f64> = Vec::with_capacity(k);
+        for j in 0..k {
+            let expected = match j {
+                0 => 0.5,
+                1 => gains[0] * gains[0],
+                _ => gains[j - 1] * (gains[j - 1] / gains[j - 2].max(1e-9)).min(1.0),
+            };
+            let (pa, pn) = (
+                p.accepted.get(j).copied().unwrap_or(0.0),
+                p.allowed.get(j).copied().unwrap_or(0.0),
+            );
+            gains.push((pa + expected * prior) / (pn + prior));
+        }
+        gains
+    }
+
+    /// (expected accepted tokens, expected drafted rows) of request `id`'s position `j` (0-based), given the
+    /// pooled gains of [`Self::pooled_gains`].
+    fn estimate(&self, id: u64, j: usize, pooled_gains: &[f64]) -> (f64, f64) {
+        let p = &self.pooled;
+        let (pd, pn) = (
             p.drafted.get(j).copied().unwrap_or(0.0),
             p.allowed.get(j).copied().unwrap_or(0.0),
         );
         let prior = Self::PRIOR_WEIGHT;
-        let pooled_gain = (pa + 0.5 * prior) / (pn + prior);
+        let pooled_gain = pooled_gains[j];
         let pooled_rows = (pd + prior) / (pn + prior);
         let Some(r) = self.requests.get(&id) else {
             return (pooled_gain, pooled_rows);
@@ -681,9 +712,15 @@ impl DraftBudget {
         // share of the catch-up.
         // Each candidate's estimates and probe dues per position, looked up once: the order below visits every
         // position of every request (up to 32 x k), scanning all candidates each time.
+        let pooled_gains =
+            self.pooled_gains(candidates.iter().map(|c| c.max_tokens).max().unwrap_or(0));
         let est: Vec<Vec<(f64, f64)>> = candidates
             .iter()
-            .map(|c| (0..c.max_tokens).map(|j| self.estimate(c.id, j)).collect())
+            .map(|c| {
+                (0..c.max_tokens)
+                    .map(|j| self.estimate(c.id, j, &pooled_gains))
+                    .collect()
+            })
             .collect();
         let due: Vec<Vec<bool>> = candidates
             .iter()
@@ -771,8 +808,30 @@ impl DraftBudget {
                 || (j == 0 && !alone && catch_up_tokens(c) > 0 && (!c.cheap_catch_up || too_far)))
         };
         // Whether candidate i's position j may be a probe, before the step's state is consulted (see below).
+        // A lagging draft model alone may probe its first position when the probe's whole price (the catch-up
+        // paid now, and the pass) stays within MAX_PROBE_SLOWDOWN of the steps it has been cut for. Never probed,
+        // a request whose first few drafts missed stayed cut to its end: its estimate could not change (one
+        // stream on an H200: a 0.5B draft model right 90% of the time, cut for 60 steps in a row after a new
+        // request's first misses, 1.05x where drafting every step gave 1.13x). On 2 CPU cores a catch-up token
+        // costs more than a tenth of a step, so there it never probes.
+        let lagging_probe_affordable: Vec<bool> = candidates
+            .iter()
+            .zip(&lagging)
+            .map(|(c, &lagging)| {
+                let cut_for = self
+                    .requests
+                    .get(&c.id)
+                    .and_then(|r| r.cut_for.first().copied())
+                    .unwrap_or(0);
+                let pass = per_pass_s.map_or(per_draft, |p| p + round_s);
+                lagging
+                    && alone
+                    && catch_up_s(catch_up_tokens(c) as f64) + pass
+                        <= Self::MAX_PROBE_SLOWDOWN * cut_for as f64 * undrafted_time
+            })
+            .collect();
         let probe_candidate = |i: usize, j: usize, probed: &[bool]| {
-            (!probed[i] && (j > 0 || !lagging[i]) && due[i][j])
+            (!probed[i] && (j > 0 || !lagging[i] || lagging_probe_affordable[i]) && due[i][j])
                 || (j == 0
                     && lagging[i]
                     && alone
@@ -917,6 +976,7 @@ impl DraftBudget {
             .iter()
             .find(|t| limits[t.candidate] <= t.position)
         {
+            let c = &candidates[next.candidate];
             refused = Some(Refusal {
                 position: next.position,
                 gain: next.gain,
@@ -924,6 +984,9 @@ impl DraftBudget {
                 cost_s: next.cost_s,
                 tokens_per_s: best_rate,
                 tokens_per_s_with: next.rate,
+                catch_up_tokens: catch_up_tokens(c),
+                shared_by: c.shared_by,
+                calibration: self.outcome_calibration(),
             });
         }
         // A step that drafts must beat the same step undrafted by a margin, unless it probes: below that the
@@ -940,6 +1003,11 @@ impl DraftBudget {
             && drafted < undrafted * (1.0 + Self::STEP_MARGIN)
         {
             let position = limits.iter().copied().max().unwrap_or(0) - 1;
+            // The request drafting furthest (the first such).
+            let deepest = limits
+                .iter()
+                .position(|&l| l == position + 1)
+                .map(|i| &candidates[i]);
             refused = Some(Refusal {
                 position,
                 gain: tokens - base_tokens as f64,
@@ -947,6 +1015,9 @@ impl DraftBudget {
                 cost_s: draft_s,
                 tokens_per_s: undrafted,
                 tokens_per_s_with: drafted,
+                catch_up_tokens: deepest.map_or(0, catch_up_tokens),
+                shared_by: deepest.map_or(1, |c| c.shared_by),
+                calibration,
             });
             limits.iter_mut().for_each(|l| *l = 0);
             rows = base_rows as f64;
@@ -1000,6 +1071,12 @@ pub struct Refusal {
     /// The step's expected tokens per second without it and with it.
     pub tokens_per_s: f64,
     pub tokens_per_s_with: f64,
+    /// The refused request's catch-up (tokens its drafter must feed beyond the last step's) and the steps its
+    /// price was spread over ([`DraftCandidate::shared_by`]).
+    pub catch_up_tokens: usize,
+    pub shared_by: usize,
+    /// [`DraftBudget::outcome_calibration`] when the plan was made.
+    pub calibration: f64,
 }
 
 /// A step's draft lengths as [`DraftBudget::plan`] chose them, and what it expects of the step.
@@ -1628,7 +1705,8 @@ mod tests {
         // The same prompt with 2 steps left, or 60 tokens missed while cut (charged whole): not this step.
         assert_eq!(b.choose(&alone(60, 2), 1, 1), vec![0]);
         assert_eq!(b.choose(&alone(60, 1), 1, 1), vec![0]);
-        // A weak drafter cut for PROBE_EVERY steps: probed when caught up, not when lagging.
+        // A weak drafter cut for PROBE_EVERY steps: probed when caught up, or behind by a catch-up that costs
+        // little beside the steps it was cut for, not when far behind.
         history(&mut b, 2, 1, 40, 0.05);
         let weak = |lag| {
             [DraftCandidate {
@@ -1645,7 +1723,13 @@ mod tests {
         }
         assert_eq!(b.choose(&weak(0), 1, 1), vec![1]);
         assert_eq!(b.choose(&weak(40), 1, 1), vec![0]);
-        assert_eq!(b.choose(&weak(6), 1, 1), vec![0]);
+        assert_eq!(b.choose(&weak(6), 1, 1), vec![1]);
+        // Not beside another request.
+        let other = DraftCandidate {
+            id: 3,
+            ..weak(0)[0]
+        };
+        assert_eq!(b.choose(&[weak(6)[0], other], 2, 2)[0], 0);
     }
 
     /// An EAGLE-3 head (a cheap pass a token) whose prompt features still wait resumes beside other requests
@@ -1710,6 +1794,10 @@ mod tests {
         // A step whose drafter time is mostly drafting says nothing about a 2-token catch-up.
         b.observe_step(2, 0.034, 3, 0, 2, 0.031, 0.0005);
         assert_eq!(b.catch_up_token_s, None);
+        // Nor does a draft token that took twice its usual time beside a one-token catch-up (noise, not 10 ms
+        // of catch-up).
+        b.observe_step(2, 0.034, 1, 0, 1, 0.020, 0.0005);
+        assert_eq!(b.catch_up_token_s, None);
         // Measured: 100 tokens fed in 250 ms beside 3 drafted tokens (30 ms): 2.5 ms a token.
         b.observe_step(2, 0.034, 3, 0, 100, 0.280, 0.0005);
         assert!((b.catch_up_token_s.unwrap() - 0.0025).abs() < 1e-9);
@@ -1768,6 +1856,55 @@ mod tests {
         let mut slow = b.clone();
         slow.catch_up_token_s = Some(0.010);
         assert_eq!(slow.choose(&fresh(60, 64), 1, 1), vec![0]);
+    }
+
+    /// A position never measured is expected to keep the decay measured before it, not a coin flip: a 0.5B draft
+    /// model on an H200 (draft passes 0.85 ms beside a 1.23 ms target step), right 89% of the time at the first
+    /// position and drafting one token a step ever since, drafts deeper again. Where the first position is right
+    /// half the time, the second is still not worth its pass.
+    #[test]
+    fn unmeasured_positions_are_expected_to_keep_the_measured_decay() {
+        let gpu_like = |first: f64| {
+            let mut b = DraftBudget::new();
+            for (rows, ms) in [(1, 1.23), (2, 1.24), (4, 1.26), (8, 1.3)] {
+                for _ in 0..3 {
+                    b.observe_step(rows, ms * 1e-3, 0, 0, 0, 0.0, 0.0);
+                }
+            }
+            for _ in 0..3 {
+                b.observe_step(1, 1.24e-3, 1, 1, 0, 0.85e-3, 0.0);
+            }
+            // Earlier requests drafted one token a step.
+            for id in 10..20 {
+                history(&mut b, id, 1, 50, first);
+            }
+            b
+        };
+        let c = [DraftCandidate {
+            id: 1,
+            max_tokens: 3,
+            lag: 0,
+            shared_by: 1,
+            cheap_catch_up: false,
+        }];
+        let b = gpu_like(0.89);
+        let gains = b.pooled_gains(3);
+        assert!((gains[0] - 0.9).abs() < 0.01, "{gains:?}");
+        assert!((gains[1] - gains[0].powi(2)).abs() < 1e-9, "{gains:?}");
+        assert!((gains[2] - gains[0].powi(3)).abs() < 1e-9, "{gains:?}");
+        assert!(b.choose(&c, 1, 1)[0] >= 2, "{:?}", b.choose(&c, 1, 1));
+        // Measured, the second position decides for itself: right 30% of the time, it is not drafted.
+        let mut measured = b.clone();
+        for _ in 0..40 {
+            measured.observe_cycle(30, 2, 2, 1);
+        }
+        for _ in 0..17 {
+            measured.observe_cycle(30, 2, 2, 2);
+        }
+        assert!(measured.pooled_gains(2)[1] < 0.4);
+        assert_eq!(measured.choose(&c, 1, 1), vec![1]);
+        // A first position right half the time: one token pays at most.
+        assert!(gpu_like(0.5).choose(&c, 1, 1)[0] <= 1);
     }
 
     /// A draft model whose confidence bar stops most drafts after one token costs three passes a kept token:

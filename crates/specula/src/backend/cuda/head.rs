@@ -551,7 +551,7 @@ impl CudaHead {
                 gpu,
                 top_token,
                 (wanted as u32, 1, 1),
-                256,
+                super::model::TOP_TOKEN_THREADS,
                 p(&ws.logits),
                 p(&ws.top),
                 self.draft_vocab as i32

@@ -1100,31 +1100,66 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part_val, cons
 
 // Each row's largest element (the first on ties) and its softmax probability, packed as out[2r] = index bits,
 // out[2r + 1] = 1 / sum(exp(x - max)): what a greedy drafter needs of a row, 8 bytes instead of the whole row.
-// grid (rows), block 256.
-extern "C" __global__ void top_token(const float* __restrict__ x, float* __restrict__ out, int n) {
+// grid (rows), block TOP_TOKEN_THREADS. One pass (an online softmax: each thread keeps its largest value and its
+// sum of exp relative to it, rescaled when the largest grows) with four independent loads in flight a thread: a
+// block of 256 threads taking a max pass and then a sum pass, one dependent load at a time, took ~0.1 ms over a
+// 65536-column row, a seventh of a 0.5B draft model's step on an H200. Deterministic: each thread visits its
+// columns in a fixed order and the block combines in a fixed tree, whatever the number of rows.
+#define TOP_TOKEN_THREADS 1024
+extern "C" __global__ void __launch_bounds__(TOP_TOKEN_THREADS) top_token(const float* __restrict__ x,
+                                                                         float* __restrict__ out, int n) {
     PDL_ENTER();
-    __shared__ float s_val[256];
-    __shared__ u32 s_idx[256];
+    __shared__ float s_max[TOP_TOKEN_THREADS];
+    __shared__ u32 s_idx[TOP_TOKEN_THREADS];
+    __shared__ float s_sum[TOP_TOKEN_THREADS];
     const float* row = x + (size_t)blockIdx.x * n;
-    float v = NEG_INF;
+    const int bd = blockDim.x;
+    float m = NEG_INF, sum = 0.f;
     u32 idx = 0xffffffffu;
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        const float e = row[c];
-        if (idx == 0xffffffffu || e > v) { v = e; idx = c; }
+    // Takes column c's value e (columns come in increasing order within a thread: the first wins ties).
+    auto take = [&](float e, int c) {
+        if (idx == 0xffffffffu || e > m) {
+            // exp(-inf - e) = 0: nothing to rescale before the first finite value.
+            sum = (m == NEG_INF ? 0.f : sum * expf(m - e)) + 1.f;
+            m = e;
+            idx = c;
+        } else if (e != NEG_INF) {
+            sum += expf(e - m);
+        }
+    };
+    int c = threadIdx.x;
+    for (; c + 3 * bd < n; c += 4 * bd) {
+        const float e0 = row[c], e1 = row[c + bd], e2 = row[c + 2 * bd], e3 = row[c + 3 * bd];
+        take(e0, c);
+        take(e1, c + bd);
+        take(e2, c + 2 * bd);
+        take(e3, c + 3 * bd);
     }
-    argmax_block(v, idx, s_val, s_idx);
+    for (; c < n; c += bd) take(row[c], c);
+    s_max[threadIdx.x] = m;
+    s_idx[threadIdx.x] = idx;
+    s_sum[threadIdx.x] = sum;
     __syncthreads();
-    float sum = 0.f;
-    for (int c = threadIdx.x; c < n; c += blockDim.x) sum += expf(row[c] - v);
-    s_val[threadIdx.x] = sum;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) s_val[threadIdx.x] += s_val[threadIdx.x + stride];
+    for (int stride = bd / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            const float om = s_max[threadIdx.x + stride], mm = s_max[threadIdx.x];
+            const u32 oi = s_idx[threadIdx.x + stride];
+            const float hi = fmaxf(om, mm);
+            // Both sums relative to the larger maximum (an empty side, -inf, adds nothing).
+            const float scaled = (mm == NEG_INF ? 0.f : s_sum[threadIdx.x] * expf(mm - hi)) +
+                                 (om == NEG_INF ? 0.f : s_sum[threadIdx.x + stride] * expf(om - hi));
+            if (argmax_beats(om, oi, mm, s_idx[threadIdx.x])) {
+                s_max[threadIdx.x] = om;
+                s_idx[threadIdx.x] = oi;
+            }
+            s_sum[threadIdx.x] = scaled;
+        }
         __syncthreads();
     }
     if (threadIdx.x == 0) {
-        out[2 * blockIdx.x] = __uint_as_float(idx);
-        out[2 * blockIdx.x + 1] = 1.f / s_val[0];
+        out[2 * blockIdx.x] = __uint_as_float(s_idx[0]);
+        // A row of -inf only: every column equally (un)likely.
+        out[2 * blockIdx.x + 1] = s_max[0] == NEG_INF ? 1.f / n : 1.f / s_sum[0];
     }
 }
 

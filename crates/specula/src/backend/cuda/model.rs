@@ -34,6 +34,8 @@ struct Layer {
 
 /// Blocks per row of the argmax's first pass (kernels.cu ARGMAX_PARTS).
 const ARGMAX_PARTS: usize = 64;
+/// Threads of a top_token block (kernels.cu TOP_TOKEN_THREADS).
+pub(super) const TOP_TOKEN_THREADS: u32 = 1024;
 
 pub struct CudaModel {
     pub config: Config,
@@ -1513,7 +1515,7 @@ fn device_top_tokens(
         gpu,
         top_token,
         (rows as u32, 1, 1),
-        256,
+        TOP_TOKEN_THREADS,
         data,
         ptr(&out, gpu),
         cols as i32
