@@ -1319,18 +1319,7 @@ impl<'a> EngineLoop<'a> {
     /// What the draft budget's plan reads of the running requests: each decoding request with a drafter, and
     /// the rows the step has without drafts.
     fn plan_input(&self, running: &[Running<'a>], lags: &[usize]) -> PlanInput {
-        let mut input = PlanInput::default();
-        for (i, r) in running.iter().enumerate().filter(|(_, r)| r.is_drafting()) {
-            input.candidates.push(DraftCandidate {
-                id: r.id,
-                max_tokens: r.generation.draft_room(),
-                lag: lags[i],
-                // Set below, once the step's other rows are known.
-                shared_by: 1,
-                cheap_catch_up: r.generation.draft_catch_up_is_cheap(),
-            });
-        }
-        input.decoding = running
+        let decoding = running
             .iter()
             .filter(|r| !r.generation.is_done() && !r.generation.is_prefilling())
             .count();
@@ -1339,15 +1328,21 @@ impl<'a> EngineLoop<'a> {
             .filter(|r| r.generation.is_prefilling() && !r.generation.is_done())
             .map(|r| r.generation.prompt_left())
             .sum();
-        input.base_rows = input.decoding + prompt_left.min(self.options.prefill_chunk);
-        let alone = input.decoding == 1 && prompt_left == 0;
-        for (c, r) in input
-            .candidates
-            .iter_mut()
-            .zip(running.iter().filter(|r| r.is_drafting()))
-        {
+        let mut input = PlanInput {
+            candidates: Vec::new(),
+            base_rows: decoding + prompt_left.min(self.options.prefill_chunk),
+            decoding,
+        };
+        let alone = decoding == 1 && prompt_left == 0;
+        for (i, r) in running.iter().enumerate().filter(|(_, r)| r.is_drafting()) {
             let drafted_yet = r.generation.speculation().is_some_and(|s| s.drafted > 0);
-            c.shared_by = catch_up_shared_by(drafted_yet, r.generation.tokens_left(), alone);
+            input.candidates.push(DraftCandidate {
+                id: r.id,
+                max_tokens: r.generation.draft_room(),
+                lag: lags[i],
+                shared_by: catch_up_shared_by(drafted_yet, r.generation.tokens_left(), alone),
+                cheap_catch_up: r.generation.draft_catch_up_is_cheap(),
+            });
         }
         input
     }
