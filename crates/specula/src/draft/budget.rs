@@ -178,6 +178,13 @@ struct PositionCounts {
     allowed: Vec<f64>,
     drafted: Vec<f64>,
     accepted: Vec<f64>,
+    /// Cycles whose draft got to the position: allowed there, every earlier token accepted. Acceptance at a
+    /// position is judged among these (conditional on the draft getting there), so a miss is evidence about its
+    /// own position only: counted against every later position too, one early miss kept a request's deeper
+    /// positions cut for tens of steps, with nothing to measure them again but a rare probe (one stream on an
+    /// H200: a 0.5B draft model right 90% of the time at each position held mostly to one token, 0.95-1.03x
+    /// plain where three tokens every step gave 1.14x).
+    reached: Vec<f64>,
     /// Steps since the position was last allowed.
     cut_for: Vec<usize>,
     /// Probes in a row after which the cost rule cut the position again: each doubles the wait before the
@@ -197,6 +204,7 @@ impl PositionCounts {
             self.allowed.resize(k, 0.0);
             self.drafted.resize(k, 0.0);
             self.accepted.resize(k, 0.0);
+            self.reached.resize(k, 0.0);
             self.cut_for.resize(k, 0);
             self.failed_probes.resize(k, 0);
             self.probing.resize(k, false);
@@ -216,6 +224,7 @@ impl PositionCounts {
             .iter_mut()
             .chain(&mut self.drafted)
             .chain(&mut self.accepted)
+            .chain(&mut self.reached)
         {
             *v *= kept;
         }
@@ -249,6 +258,9 @@ impl PositionCounts {
         }
         for j in 0..accepted {
             self.accepted[j] += 1.0;
+        }
+        for j in 0..limit.min(accepted + 1) {
+            self.reached[j] += 1.0;
         }
     }
 }
@@ -376,7 +388,7 @@ impl DraftBudget {
     /// what one more row costs in a full batch).
     const POOLED_WEIGHT: f64 = 2.0;
     /// Weight of the prior in the pooled estimate: acceptance 1/2 at the first position and the measured decay
-    /// further on ([`Self::pooled_gains`]), drafting 1.
+    /// further on ([`Self::pooled_conditionals`]), drafting 1.
     const PRIOR_WEIGHT: f64 = 2.0;
 
     pub fn new() -> Self {
@@ -586,55 +598,74 @@ impl DraftBudget {
         self.requests.remove(&id);
     }
 
-    /// The pooled expected accepted tokens of positions `0..k`. Each position's prior (weight PRIOR_WEIGHT)
-    /// continues the decay measured before it: position j is expected to keep the conditional acceptance of
-    /// position j - 1 (1/2 for the first). A flat prior of 1/2 kept deep positions of a good drafter priced at
-    /// a coin flip: a position cut at 1/2 is measured only by rare probes, so it stayed there (a 0.5B draft
-    /// model on an H200, right 89% of the time at its first position, was held to one token a step, 1.06x,
-    /// where three give 1.16x). Too high a prior corrects itself: the position is drafted, and measured.
-    fn pooled_gains(&self, k: usize) -> Vec<f64> {
+    /// The pooled acceptance of positions `0..k`, each conditional on the draft getting there (every earlier
+    /// token accepted). Each position's prior (weight PRIOR_WEIGHT) is the measured acceptance of the position
+    /// before it (1/2 for the first): the decay measured so far continues. A flat prior of 1/2 kept deep
+    /// positions of a good drafter priced at a coin flip: a position cut at 1/2 is measured only by rare
+    /// probes, so it stayed there (a 0.5B draft model on an H200, right 89% of the time at its first position,
+    /// was held to one token a step, 1.06x, where three give 1.16x). Too high a prior corrects itself: the
+    /// position is drafted, and measured.
+    fn pooled_conditionals(&self, k: usize) -> Vec<f64> {
         let p = &self.pooled;
         let prior = Self::PRIOR_WEIGHT;
-        let mut gains: Vec<f64> = Vec::with_capacity(k);
+        let mut conditionals: Vec<f64> = Vec::with_capacity(k);
         for j in 0..k {
-            let expected = match j {
-                0 => 0.5,
-                1 => gains[0] * gains[0],
-                _ => gains[j - 1] * (gains[j - 1] / gains[j - 2].max(1e-9)).min(1.0),
-            };
+            let expected = if j == 0 { 0.5 } else { conditionals[j - 1] };
             let (pa, pn) = (
                 p.accepted.get(j).copied().unwrap_or(0.0),
-                p.allowed.get(j).copied().unwrap_or(0.0),
+                p.reached.get(j).copied().unwrap_or(0.0),
             );
-            gains.push((pa + expected * prior) / (pn + prior));
+            conditionals.push((pa + expected * prior) / (pn + prior));
         }
-        gains
+        conditionals
     }
 
-    /// (expected accepted tokens, expected drafted rows) of request `id`'s position `j` (0-based), given the
-    /// pooled gains of [`Self::pooled_gains`].
-    fn estimate(&self, id: u64, j: usize, pooled_gains: &[f64]) -> (f64, f64) {
+    /// The pooled expected accepted tokens of positions `0..k` (products of [`Self::pooled_conditionals`]).
+    #[cfg(test)]
+    fn pooled_gains(&self, k: usize) -> Vec<f64> {
+        let mut gain = 1.0;
+        self.pooled_conditionals(k)
+            .iter()
+            .map(|c| {
+                gain *= c;
+                gain
+            })
+            .collect()
+    }
+
+    /// (expected accepted tokens, expected drafted rows) of request `id`'s positions `0..k`, given the pooled
+    /// conditional acceptances of [`Self::pooled_conditionals`]: at each position the request's own evidence
+    /// (among its drafts that got there) weighs against POOLED_WEIGHT pseudo-cycles of the pool's, and a
+    /// position's expected tokens are the product of the acceptances up to it.
+    fn estimates(&self, id: u64, k: usize, pooled_conditionals: &[f64]) -> Vec<(f64, f64)> {
         let p = &self.pooled;
-        let (pd, pn) = (
-            p.drafted.get(j).copied().unwrap_or(0.0),
-            p.allowed.get(j).copied().unwrap_or(0.0),
-        );
         let prior = Self::PRIOR_WEIGHT;
-        let pooled_gain = pooled_gains[j];
-        let pooled_rows = (pd + prior) / (pn + prior);
-        let Some(r) = self.requests.get(&id) else {
-            return (pooled_gain, pooled_rows);
-        };
-        let (a, d, n) = (
-            r.accepted.get(j).copied().unwrap_or(0.0),
-            r.drafted.get(j).copied().unwrap_or(0.0),
-            r.allowed.get(j).copied().unwrap_or(0.0),
-        );
+        let r = self.requests.get(&id);
         let w = Self::POOLED_WEIGHT;
-        (
-            (a + w * pooled_gain) / (n + w),
-            (d + w * pooled_rows) / (n + w),
-        )
+        let mut gain = 1.0;
+        (0..k)
+            .map(|j| {
+                let (pd, pn) = (
+                    p.drafted.get(j).copied().unwrap_or(0.0),
+                    p.allowed.get(j).copied().unwrap_or(0.0),
+                );
+                let pooled_conditional = pooled_conditionals[j];
+                let pooled_rows = (pd + prior) / (pn + prior);
+                let Some(r) = r else {
+                    gain *= pooled_conditional;
+                    return (gain, pooled_rows);
+                };
+                let get = |v: &Vec<f64>| v.get(j).copied().unwrap_or(0.0);
+                let (a, reached, d, n) = (
+                    get(&r.accepted),
+                    get(&r.reached),
+                    get(&r.drafted),
+                    get(&r.allowed),
+                );
+                gain *= (a + w * pooled_conditional) / (reached + w);
+                (gain, (d + w * pooled_rows) / (n + w))
+            })
+            .collect()
     }
 
     /// Chooses each candidate's draft length for a step whose forward pass also has `base_rows` rows without
@@ -736,15 +767,11 @@ impl DraftBudget {
         // share of the catch-up.
         // Each candidate's estimates and probe dues per position, looked up once: the order below visits every
         // position of every request (up to 32 x k), scanning all candidates each time.
-        let pooled_gains =
-            self.pooled_gains(candidates.iter().map(|c| c.max_tokens).max().unwrap_or(0));
+        let pooled_conditionals =
+            self.pooled_conditionals(candidates.iter().map(|c| c.max_tokens).max().unwrap_or(0));
         let est: Vec<Vec<(f64, f64)>> = candidates
             .iter()
-            .map(|c| {
-                (0..c.max_tokens)
-                    .map(|j| self.estimate(c.id, j, &pooled_gains))
-                    .collect()
-            })
+            .map(|c| self.estimates(c.id, c.max_tokens, &pooled_conditionals))
             .collect();
         let due: Vec<Vec<bool>> = candidates
             .iter()
@@ -1935,12 +1962,74 @@ mod tests {
         assert!(gpu_like(0.5).choose(&c, 1, 1)[0] <= 1);
     }
 
+    /// A miss is evidence about its own position: a request whose first three-token draft missed at once has
+    /// learnt nothing about its second and third positions, and once its first tokens are accepted again it
+    /// drafts deep, as the pool's 90% at every position says it should. Counted as misses at every position,
+    /// that one draft kept its second position cut until the miss aged away (one stream on an H200: a 0.5B draft
+    /// model held mostly to one token, 0.95-1.03x plain where three tokens every step gave 1.14x).
+    #[test]
+    fn an_early_miss_is_evidence_about_its_own_position_only() {
+        let mut b = DraftBudget::new();
+        for (rows, ms) in [(1, 1.23), (2, 1.24), (4, 1.26), (8, 1.3)] {
+            for _ in 0..3 {
+                b.observe_step(rows, ms * 1e-3, 0, 0, 0, 0.0, 0.0);
+            }
+        }
+        for _ in 0..3 {
+            b.observe_step(4, 1.26e-3, 3, 3, 0, 2.4e-3, 0.0);
+        }
+        // Earlier requests drafted three tokens a step, each accepted 90% of the time once the draft got there.
+        let mut rng = 0x2545_F491_4F6C_DD1Du64;
+        for id in 10..20 {
+            for _ in 0..40 {
+                let mut accepted = 0;
+                while accepted < 3 {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    if (rng >> 11) as f64 / (1u64 << 53) as f64 >= 0.9 {
+                        break;
+                    }
+                    accepted += 1;
+                }
+                b.observe_cycle(id, 3, 3, accepted);
+            }
+        }
+        let c = [DraftCandidate {
+            id: 1,
+            max_tokens: 3,
+            lag: 0,
+            shared_by: 1,
+            cheap_catch_up: false,
+        }];
+        let fresh = b.plan(&c, 1, 1);
+        assert!(fresh.limits[0] >= 2, "{fresh:?}");
+        // The new request's first draft misses at once, then one-token drafts are accepted three times.
+        b.observe_cycle(1, 3, 3, 0);
+        for _ in 0..3 {
+            b.observe_cycle(1, 1, 1, 1);
+        }
+        let pooled = b.pooled_gains(3);
+        let est = b.estimates(1, 3, &b.pooled_conditionals(3));
+        // Its first position is judged by its own four drafts (three of four) and the pool; the later ones by
+        // the pool alone: nothing was learnt there.
+        assert!(
+            est[0].0 > 0.75 && est[0].0 < pooled[0],
+            "{est:?} {pooled:?}"
+        );
+        assert!(
+            (est[1].0 / est[0].0 - pooled[1] / pooled[0]).abs() < 1e-9,
+            "{est:?} {pooled:?}"
+        );
+        assert!(b.choose(&c, 1, 1)[0] >= 2, "{:?}", b.choose(&c, 1, 1));
+    }
+
     /// One stream through the budget as a server drives it, on a GPU-like machine (the real Qwen pair on an H200:
     /// 1.23 ms target steps, 0.8 ms draft passes, a catch-up token 0.036 ms): requests of 128 tokens, each
     /// opening with 12 tokens guessed 30% of the time (in the server's traces a request's first drafts missed
     /// more), then accepted at its own rate. Returns tokens per second, and with
     /// `fixed` every step drafts that many tokens instead of asking the budget.
-    fn one_stream_gpu_like(fixed: Option<usize>, rates: &[f64]) -> f64 {
+    pub(super) fn one_stream_gpu_like(fixed: Option<usize>, rates: &[f64], opening: usize) -> f64 {
         let mut rng = 0x9E37_79B9_7F4A_7C15u64;
         let mut uniform = move || {
             rng ^= rng << 13;
@@ -1975,7 +2064,7 @@ mod tests {
                 };
                 b.note_allowed(id, limit);
                 // The first tokens of an answer are harder to guess.
-                let p = if generated < 12 { 0.3 } else { rate };
+                let p = if generated < opening { 0.3 } else { rate };
                 let mut accepted = 0;
                 while accepted < limit && uniform() < p {
                     accepted += 1;
@@ -2022,11 +2111,11 @@ mod tests {
         let rates = [
             0.92, 0.9, 0.88, 0.93, 0.85, 0.9, 0.8, 0.91, 0.89, 0.94, 0.87, 0.9,
         ];
-        let plain = one_stream_gpu_like(Some(0), &rates);
+        let plain = one_stream_gpu_like(Some(0), &rates, 12);
         let best = (1..=3)
-            .map(|k| one_stream_gpu_like(Some(k), &rates))
+            .map(|k| one_stream_gpu_like(Some(k), &rates, 12))
             .fold(0.0, f64::max);
-        let adaptive = one_stream_gpu_like(None, &rates);
+        let adaptive = one_stream_gpu_like(None, &rates, 12);
         assert!(
             best > 1.08 * plain,
             "plain {plain:.1}, best fixed {best:.1}"
@@ -2037,9 +2126,9 @@ mod tests {
         );
         // A drafter right 40% of the time does not pay: the budget stays near plain decoding.
         let weak = [0.4; 6];
-        let plain = one_stream_gpu_like(Some(0), &weak);
-        let one = one_stream_gpu_like(Some(1), &weak);
-        let adaptive = one_stream_gpu_like(None, &weak);
+        let plain = one_stream_gpu_like(Some(0), &weak, 12);
+        let one = one_stream_gpu_like(Some(1), &weak, 12);
+        let adaptive = one_stream_gpu_like(None, &weak, 12);
         assert!(one < plain, "plain {plain:.1}, k = 1 {one:.1}");
         assert!(
             adaptive > 0.95 * plain,
