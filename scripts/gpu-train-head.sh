@@ -4,8 +4,12 @@
 # holding qwen2.5-coder-1.5b.gguf (reassembled from chunks: docs/gpu.md), OUT the call's $OUT.
 #   scripts/gpu-train-head.sh data  BIN MODELS OUT [PROBE_MINUTES]  # prompts, answers, corpus -> data.jsonl; then
 #                                                                  # a short training probe in a scratch directory
-#   scripts/gpu-train-head.sh train BIN MODELS OUT [train-eagle3 args]   # the head; copied to OUT in 15 MiB pieces
-# Reassemble the pieces with `cat model.safetensors.part* > model.safetensors` (sha256 in OUT/head.sha256).
+#   scripts/gpu-train-head.sh train BIN MODELS OUT [train-eagle3 args]   # the head; its first 4 pieces of 15 MiB
+#   scripts/gpu-train-head.sh rest  BIN MODELS OUT                       # the pieces after those
+# A call returns at most 64 MiB (8 files of 16 MiB at most), so a 94.5 MB head comes back in two calls: make the
+# `rest` call at once, since an idle machine is given back after 30 s and the head with it (session 28 lost one).
+# Reassemble the pieces with `cat model.safetensors.part* > model.safetensors` (sha256 in head.sha256 of the
+# head-meta.tar).
 # STAGE=k names the stage (1: from random weights; k > 1: from stage k-1's head, which must be in
 # MODELS/heads/NAME.stage<k-1>).
 set -uo pipefail
@@ -45,12 +49,20 @@ case "$mode" in
     cat "$logs/train.log"
     if [ -s "$head/model.safetensors" ]; then
       (cd "$head" && sha256sum model.safetensors) | tee "$logs/head.sha256"
-      split -b 15M -d "$head/model.safetensors" "$out/model.safetensors.part"
+      split -b 15M -d "$head/model.safetensors" "$head/model.safetensors.part"
+      cp "$head"/model.safetensors.part0[0-3] "$out/"
       cp "$head/config.json" "$logs/"
       cp "$head/training-report.json" "$logs/" 2>/dev/null
     fi
     tar -C "$logs" -cf "$out/head-meta.tar" .
     ;;
+  rest)
+    ls "$head"/model.safetensors.part* > /dev/null || { echo "no head pieces in $head: run train first" >&2; exit 1; }
+    for f in "$head"/model.safetensors.part*; do
+      case "$f" in *part0[0-3]) ;; *) cp "$f" "$out/" ;; esac
+    done
+    ls -l "$out"
+    ;;
   *)
-    echo "mode must be data or train" >&2; exit 2 ;;
+    echo "mode must be data, train or rest" >&2; exit 2 ;;
 esac

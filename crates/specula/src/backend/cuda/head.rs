@@ -29,8 +29,8 @@ const CHUNK_ROWS: usize = 64;
 /// prompt's features are fed once, not worth capturing.
 const MAX_GRAPH_ROWS: usize = 8;
 
-/// The most best tokens a row's top-k is taken on the device for (kernels.cu top_k_log_probs, TOP_K_MAX; trees
-/// expand a node by its top-k); larger k reads the row's logits back and ranks them on the host.
+/// The most best tokens a row's top-k is taken on the device for (kernels.cu top_k_log_probs; trees expand a
+/// node by its top-k); larger k reads the row's logits back and ranks them on the host.
 const MAX_DEVICE_TOP_K: usize = 16;
 
 /// Where each table lives in the pass's one upload of u32 words (kernels.cu layouts).
@@ -561,7 +561,7 @@ impl CudaHead {
                 gpu,
                 top_k_log_probs,
                 (wanted as u32, 1, 1),
-                super::model::TOP_TOKEN_THREADS,
+                256,
                 p(&ws.logits),
                 p(&ws.top),
                 self.draft_vocab as i32,

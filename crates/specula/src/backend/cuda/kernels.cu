@@ -1163,80 +1163,55 @@ extern "C" __global__ void __launch_bounds__(TOP_TOKEN_THREADS) top_token(const 
     }
 }
 
-// Each row's k (<= TOP_K_MAX) largest elements, best first (ties: the earlier column), with their log-softmax
-// values, packed as out[2(rk + i)] = index bits, out[2(rk + i) + 1] = x - max - log(sum(exp(x - max))): what a tree
-// drafter needs to expand a node (2k floats instead of the draft vocabulary's logits). grid (rows), block
-// TOP_TOKEN_THREADS. One pass: each thread keeps its own k best in order (and an online softmax, as top_token),
-// then k rounds each take the best of the threads' next candidates. The ranking (larger, or equal at an earlier
-// column) does not depend on the order of comparisons. A block of 256 threads making k passes over the row, one
-// dependent load at a time, took a few tenths of a millisecond at k = 8 over a 32k draft vocabulary.
-#define TOP_K_MAX 16
-extern "C" __global__ void __launch_bounds__(TOP_TOKEN_THREADS) top_k_log_probs(const float* __restrict__ x,
-                                                                               float* __restrict__ out, int n,
-                                                                               int k) {
+// Each row's k largest elements, best first (ties: the earlier column), with their log-softmax values, packed as
+// out[2(rk + i)] = index bits, out[2(rk + i) + 1] = x - max - log(sum(exp(x - max))): what a tree drafter needs to
+// expand a node (2k floats instead of the draft vocabulary's logits). k passes over the row, each taking the best
+// element ranked below the previous pick, so the result does not depend on the order of comparisons.
+// grid (rows), block 256. (A one-pass variant, each of 1024 threads keeping its own k best and k merge rounds, was
+// no faster in tree drafting on the H200, and slower at k = 8 over a 32k draft vocabulary: docs/benchmarks.md,
+// session 28.)
+extern "C" __global__ void top_k_log_probs(const float* __restrict__ x, float* __restrict__ out, int n, int k) {
     PDL_ENTER();
-    __shared__ float s_val[TOP_TOKEN_THREADS];
-    __shared__ u32 s_idx[TOP_TOKEN_THREADS];
-    __shared__ float s_sum[TOP_TOKEN_THREADS];
+    __shared__ float s_val[256];
+    __shared__ u32 s_idx[256];
     __shared__ float s_max, s_log_z;
     const float* row = x + (size_t)blockIdx.x * n;
     float* dst = out + 2 * (size_t)blockIdx.x * k;
-    const int bd = blockDim.x, t = threadIdx.x;
-    k = min(k, TOP_K_MAX);
-    float best_v[TOP_K_MAX];
-    u32 best_i[TOP_K_MAX];
-    int have = 0;
-    float m = NEG_INF, sum = 0.f;
-    for (int c = t; c < n; c += bd) {
-        const float e = row[c];
-        if (e > m) {
-            sum = (m == NEG_INF ? 0.f : sum * expf(m - e)) + 1.f;
-            m = e;
-        } else if (e != NEG_INF) {
-            sum += expf(e - m);
-        }
-        // Columns come in increasing order: an equal value ranks after the ones kept.
-        if (have < k || e > best_v[k - 1]) {
-            int at = have < k ? have++ : k - 1;
-            while (at > 0 && e > best_v[at - 1]) {
-                best_v[at] = best_v[at - 1];
-                best_i[at] = best_i[at - 1];
-                --at;
-            }
-            best_v[at] = e;
-            best_i[at] = c;
-        }
-    }
-    // The row's maximum and log-normalizer (as top_token combines them).
-    s_val[t] = m;
-    s_sum[t] = sum;
-    __syncthreads();
-    for (int stride = bd / 2; stride > 0; stride >>= 1) {
-        if (t < stride) {
-            const float om = s_val[t + stride], mm = s_val[t];
-            const float hi = fmaxf(om, mm);
-            s_sum[t] = (mm == NEG_INF ? 0.f : s_sum[t] * expf(mm - hi)) +
-                       (om == NEG_INF ? 0.f : s_sum[t + stride] * expf(om - hi));
-            s_val[t] = hi;
-        }
-        __syncthreads();
-    }
-    if (t == 0) {
-        s_max = s_val[0];
-        s_log_z = logf(s_sum[0]);
-    }
-    __syncthreads();
-    int next = 0;
+    float prev_v = __int_as_float(0x7f800000);
+    u32 prev_i = 0xffffffffu;
     for (int pick = 0; pick < k; ++pick) {
-        float v = next < have ? best_v[next] : NEG_INF;
-        u32 idx = next < have ? best_i[next] : 0xffffffffu;
+        float v = NEG_INF;
+        u32 idx = 0xffffffffu;
+        for (int c = threadIdx.x; c < n; c += blockDim.x) {
+            const float e = row[c];
+            // Ranked below the previous pick: smaller, or equal at a later column.
+            const bool below = pick == 0 || e < prev_v || (e == prev_v && (u32)c > prev_i);
+            if (below && (idx == 0xffffffffu || e > v)) { v = e; idx = c; }
+        }
         argmax_block(v, idx, s_val, s_idx);
-        if (t == 0) {
+        __syncthreads();
+        if (pick == 0) {
+            // The row's log-normalizer, from its largest element.
+            float sum = 0.f;
+            for (int c = threadIdx.x; c < n; c += blockDim.x) sum += expf(row[c] - v);
+            s_val[threadIdx.x] = sum;
+            __syncthreads();
+            for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+                if (threadIdx.x < stride) s_val[threadIdx.x] += s_val[threadIdx.x + stride];
+                __syncthreads();
+            }
+            if (threadIdx.x == 0) {
+                s_max = v;
+                s_log_z = logf(s_val[0]);
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
             dst[2 * pick] = __uint_as_float(idx);
             dst[2 * pick + 1] = idx == 0xffffffffu ? NEG_INF : v - s_max - s_log_z;
         }
-        // Column c is thread c % bd's.
-        if (idx != 0xffffffffu && (int)(idx % bd) == t) ++next;
+        prev_v = v;
+        prev_i = idx;
         __syncthreads();
     }
 }
