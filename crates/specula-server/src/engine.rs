@@ -1300,14 +1300,12 @@ impl<'a> EngineLoop<'a> {
         }
         // How the step turned out against the budget's expectation (decoding steps only: a prompt chunk's first
         // token and its rows are priced roughly), so the budget can tell whether its drafted steps keep their
-        // promises as well as its undrafted ones.
-        if let (Some((expected_s, expected_tokens)), 0) = (decision.expected, report.prefill_rows) {
+        // time as well as its undrafted ones.
+        if let (Some((expected_s, _)), 0) = (decision.expected, report.prefill_rows) {
             self.budget.borrow_mut().observe_outcome(
                 decision.drafts_allowed > 0,
                 expected_s,
                 wall_s,
-                expected_tokens,
-                decision.committed as f64,
             );
             self.metrics
                 .outcome_calibration

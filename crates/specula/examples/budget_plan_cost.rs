@@ -75,13 +75,7 @@ fn main() {
             }
         }
         if let Some(s) = plan.expected_s {
-            budget.observe_outcome(
-                drafted > 0,
-                s,
-                forward,
-                plan.expected_tokens,
-                requests as f64,
-            );
+            budget.observe_outcome(drafted > 0, s, forward);
         }
         observe_s.push(t1.elapsed().as_secs_f64());
         // Requests come and go: one replaced every 64 steps.
