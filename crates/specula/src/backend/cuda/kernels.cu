@@ -489,8 +489,10 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
     }
 // DEPTH only changes how many chunks' loads are in flight, never which warp sums which chunk, so every variant
 // gives the same bits. Measured on an H200 (docs/benchmarks.md): DEPTH 4 streams the large unsplit gate/up
-// matrices best (87.8% of DRAM bandwidth against 83.7% at DEPTH 2), DEPTH 2 the split-K ones (the 8b shape's down
-// projection 30.5 us against 36.1 us).
+// matrices best (87.8% of DRAM bandwidth against 83.7% at DEPTH 2) and split-K ones of few chunks a warp, DEPTH 2
+// split-K ones of many (the 8b shape's down projection 30.5 us against 36.1 us): ops.rs split_depth4_max.
+// (Loading a warp's first group of weights into registers before the PDL wait, instead of into L2, lost 8-9% on
+// every shape: docs/benchmarks.md, session 30.)
 GEMV_MMA_KERNEL(gemv_mma_8_d4, Bf16Weights, 1, 4)
 GEMV_MMA_KERNEL(gemv_mma_8_d2, Bf16Weights, 1, 2)
 GEMV_MMA_KERNEL(gemv_mma_16, Bf16Weights, 2, 2)

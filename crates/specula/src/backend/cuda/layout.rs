@@ -470,13 +470,17 @@ pub fn split_index(token: usize, col: usize, chunks: usize) -> usize {
 }
 
 /// Split-K partitions for a GEMV of `n` outputs over `k` inputs on a GPU of `sm_count` multiprocessors: enough
-/// warps (WARPS a row block) to keep about 16 a multiprocessor streaming weights, at most MAX_SPLITS, at least 4
-/// chunks per warp and split. A function of the matrix's shape only, never of the number of tokens, so a row's
-/// result never depends on what else is in the batch.
+/// warps (WARPS a row block) to keep about 16 a multiprocessor streaming weights, at most MAX_SPLITS, and no more
+/// than it takes for each warp to get about 4 chunks a split (rounded up: a matrix of 28 chunks a row, the
+/// qwen2.5-0.5b shape's QKV and output projections, splits in two; rounded down it did not split, and its 56-72
+/// row blocks left most of an H200 idle: the 0.5B's decode step 1330 -> 1410-1435 tok/s, docs/benchmarks.md,
+/// session 30). A function of the matrix's shape only, never of the number of tokens, so a row's result never
+/// depends on what else is in the batch.
 pub fn splits_for(n: usize, k: usize, sm_count: usize) -> usize {
     let (blocks, chunks) = tiles(n, k);
     let want = (16 * sm_count).div_ceil(blocks.max(1) * WARPS);
-    want.clamp(1, MAX_SPLITS).min((chunks / (4 * WARPS)).max(1))
+    want.clamp(1, MAX_SPLITS)
+        .min(chunks.div_ceil(4 * WARPS).max(1))
 }
 
 #[cfg(test)]
@@ -863,13 +867,18 @@ mod tests {
         assert_eq!(splits_for(128_256, 4096, 132), 1);
         // qwen2.5-1.5b: QKV and the output projection have few row blocks and 48 chunks.
         assert_eq!(splits_for(2048, 1536, 132), 3);
-        // Tiny inputs never split below 4 chunks a warp.
+        // qwen2.5-0.5b: QKV and the output projection's 28 chunks split in two (about 4 chunks a warp, rounded up).
+        assert_eq!(splits_for(1152, 896, 132), 2);
+        assert_eq!(splits_for(896, 896, 132), 2);
+        // Tiny inputs never split: 16 chunks or fewer are one round of 4 chunks a warp.
         assert_eq!(splits_for(16, 64, 132), 1);
+        assert_eq!(splits_for(16, 512, 132), 1);
         for n in [16, 100, 1536, 4096, 151_936] {
             for k in [32, 96, 1536, 8960] {
                 let s = splits_for(n, k, 132);
                 assert!((1..=MAX_SPLITS).contains(&s));
-                assert!(s == 1 || k.div_ceil(CHUNK) / s >= 4 * WARPS);
+                // Every split keeps at least 2 chunks a warp.
+                assert!(s == 1 || k.div_ceil(CHUNK).div_ceil(s) >= 2 * WARPS);
             }
         }
     }

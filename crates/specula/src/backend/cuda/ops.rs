@@ -482,6 +482,21 @@ pub(crate) fn gemv_with(
     Ok(0)
 }
 
+/// Split matrices at 8 tokens whose warps take at most this many chunks a split keep 4 chunks in flight a warp,
+/// the others 2 (`SPECULA_CUDA_SPLIT_DEPTH4_MAX` overrides it, for kernel work on the device). With few chunks a
+/// warp, 4 in flight save round trips (qwen2.5-1.5b, whose split QKV, output and down projections take 4, 4 and
+/// 12 chunks a warp: 750 -> 762-786 tok/s); with many, 2 keep more blocks resident (llama-3.1-8b's down
+/// projection, 37 chunks a warp: 4 in flight lost 2%). Measured on an H200, docs/benchmarks.md, session 30.
+fn split_depth4_max() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("SPECULA_CUDA_SPLIT_DEPTH4_MAX")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(12)
+    })
+}
+
 /// The GEMV's own launch: a block per row block and 8, 16 or 32 tokens.
 #[allow(clippy::too_many_arguments)]
 fn launch_gemv_tile(
@@ -497,12 +512,15 @@ fn launch_gemv_tile(
     splits: usize,
     blocks: usize,
 ) -> Result<()> {
-    // 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices, 2 for split
-    // ones: the faster of each on an H200), 16 up to 16 rows (long verifies, trees), 32 past that (batches,
+    // 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices and split ones of
+    // few chunks a warp, 2 for the other split ones: split_depth4_max), 16 up to 16 rows (long verifies, trees), 32 past that (batches,
     // prefill). The same arithmetic per output whichever runs.
     let (variant, tokens) = match (m.div_ceil(layout::TOKENS), splits > 1) {
         (0 | 1, false) => (0, layout::TOKENS),
-        (0 | 1, true) => (1, layout::TOKENS),
+        (0 | 1, true) if w.chunks.div_ceil(splits).div_ceil(layout::WARPS) > split_depth4_max() => {
+            (1, layout::TOKENS)
+        }
+        (0 | 1, true) => (0, layout::TOKENS),
         (2, _) => (2, 2 * layout::TOKENS),
         _ => (3, 4 * layout::TOKENS),
     };
