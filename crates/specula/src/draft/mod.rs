@@ -7,6 +7,8 @@
 
 pub mod auto;
 pub mod budget;
+#[cfg(test)]
+mod budget_traces;
 pub mod eagle3;
 pub mod model;
 pub mod ngram;
