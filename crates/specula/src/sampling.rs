@@ -77,7 +77,16 @@ pub fn top_probability(logits: &[f32], scratch: &mut Vec<f32>) -> (u32, f32) {
     crate::backend::cpu::ops::exp_in_place(scratch);
     // Summed in f64: one f32 accumulator over a 152k-token vocabulary drops the many tiny terms below half its
     // unit in the last place (the real 0.5B's top probabilities came out 7e-4 high against the GPU's tree sum).
-    let sum: f64 = scratch.iter().map(|&v| f64::from(v)).sum();
+    // Four accumulators, added in a fixed order: independent adds rather than one chain of 152k dependent ones.
+    let mut lanes = [0f64; 4];
+    let mut quads = scratch.chunks_exact(4);
+    for q in &mut quads {
+        for (lane, &v) in lanes.iter_mut().zip(q) {
+            *lane += f64::from(v);
+        }
+    }
+    let rest: f64 = quads.remainder().iter().map(|&v| f64::from(v)).sum();
+    let sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) + rest;
     (best, (1.0 / sum) as f32)
 }
 
@@ -275,6 +284,11 @@ mod tests {
             vec![1.0f32, 3.0, 2.0, -1.0],
             vec![0.0; 7],
             (0..5000).map(|i| ((i * 37 % 101) as f32) * 0.07).collect(),
+            // A vocabulary's worth of terms each below half an f32 accumulator's last place (e^-20 beside 1):
+            // together 3e-4 of the sum, all of it lost by one f32 accumulator.
+            (0..152_000)
+                .map(|i| if i == 7 { 20.0 } else { 0.0 })
+                .collect(),
         ] {
             let (token, p) = top_probability(&logits, &mut scratch);
             assert_eq!(token, argmax(&logits));
