@@ -299,6 +299,52 @@ fn vocab_limited_draft_model_is_lossless() {
 }
 
 #[test]
+fn a_draft_model_feeds_a_long_catch_up_in_pieces() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(dir.path(), "t.gguf", TinySpec::default());
+    let greedy = SamplingParams::default();
+    let mut whole = ModelDrafter::new(target.model.as_ref(), 0).unwrap();
+    let expected = whole.propose(&PROMPT, 2, &greedy).unwrap();
+    assert_eq!(expected.tokens.len(), 2);
+    let mut pieces = ModelDrafter::new(target.model.as_ref(), 0)
+        .unwrap()
+        .with_catch_up_piece(Some(4))
+        .unwrap();
+    // 12 prompt tokens: two cycles feed 4 each and draft nothing, the third feeds the last 4 and drafts.
+    for lag_after in [8, 4] {
+        let d = pieces.propose(&PROMPT, 2, &greedy).unwrap();
+        assert!(d.catching_up && d.tokens.is_empty(), "{d:?}");
+        assert_eq!(pieces.lag(&PROMPT), lag_after);
+    }
+    let d = pieces.propose(&PROMPT, 2, &greedy).unwrap();
+    assert!(!d.catching_up);
+    assert_eq!(d.tokens, expected.tokens);
+
+    // Decoding with it is lossless, and the pieces are counted as catch-up cycles.
+    let req = request(&PROMPT, 24, greedy);
+    let plain = run(&target, &req, None);
+    let mut drafter = ModelDrafter::new(target.model.as_ref(), 0)
+        .unwrap()
+        .with_catch_up_piece(Some(4))
+        .unwrap();
+    let out = run(
+        &target,
+        &req,
+        Some(Speculation {
+            drafter: &mut drafter,
+            draft_tokens: 2,
+            simulate_acceptance: None,
+        }),
+    );
+    assert_eq!(out.tokens, plain.tokens);
+    assert!(out.speculation.unwrap().catch_up_cycles >= 2);
+    assert!(ModelDrafter::new(target.model.as_ref(), 0)
+        .unwrap()
+        .with_catch_up_piece(Some(0))
+        .is_err());
+}
+
+#[test]
 fn rollback_after_partial_acceptance_leaves_the_cache_where_plain_decoding_is() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny(dir.path(), "t.gguf", TinySpec::default());
