@@ -73,6 +73,11 @@ pub struct Kernels {
     /// Their block sizes: each kernel's `__launch_bounds__` (kernels.cu ATT_WARPS x 32), read from the compiled
     /// function so a kernel variant (`SPECULA_CUDA_KERNELS_SOURCE`) may choose its own.
     pub attention_threads: [u32; 2],
+    /// The same attention as a list of (row, head, split) items taken by a grid sized to the GPU (kernels.cu
+    /// attention_list), for launches of up to `ops::ATTENTION_LIST_MAX_ROWS` rows.
+    pub attention_list: [CudaFunction; 2],
+    /// Blocks of each list kernel the GPU holds at once (its grid: multiprocessors x blocks each).
+    pub attention_list_blocks: [u32; 2],
     pub gather_rows: CudaFunction,
     pub argmax_partial: CudaFunction,
     pub argmax_final: CudaFunction,
@@ -221,6 +226,20 @@ impl Gpu {
             }
             Ok(t as u32)
         };
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| cuda_err("reading the multiprocessor count", e))?
+            .max(1) as usize;
+        // Blocks of a kernel at its full block size the whole GPU runs at once.
+        let resident = |name: &str| -> Result<u32> {
+            let kernel = f(name)?;
+            let per_sm = kernel
+                .occupancy_max_active_blocks_per_multiprocessor(threads(name)?, 0, None)
+                .map_err(|e| cuda_err(&format!("reading kernel {name}'s occupancy"), e))?;
+            Ok(per_sm.max(1) * sm_count as u32)
+        };
         let kernels = Kernels {
             embed_rows: f("embed_rows")?,
             rms_norm: f("rms_norm")?,
@@ -255,6 +274,11 @@ impl Gpu {
             rope_angles: f("rope_angles")?,
             attention: [f("attention_128")?, f("attention_256")?],
             attention_threads: [threads("attention_128")?, threads("attention_256")?],
+            attention_list: [f("attention_list_128")?, f("attention_list_256")?],
+            attention_list_blocks: [
+                resident("attention_list_128")?,
+                resident("attention_list_256")?,
+            ],
             gather_rows: f("gather_rows")?,
             argmax_partial: f("argmax_partial")?,
             argmax_final: f("argmax_final")?,
@@ -266,12 +290,6 @@ impl Gpu {
             _module: module,
         };
         let card = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        let sm_count = ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(|e| cuda_err("reading the multiprocessor count", e))?
-            .max(1) as usize;
         let pdl = major >= 9 && std::env::var("SPECULA_PDL").map_or(true, |v| v != "0");
         Ok(Gpu {
             pdl,

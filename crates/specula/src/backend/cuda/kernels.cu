@@ -814,28 +814,41 @@ __device__ __forceinline__ void attention_fetch(const float4* __restrict__ keys,
     }
 }
 
+// A row's visible keys and their cut into splits (see above): a function of the row and max_splits alone.
+struct AttentionCut {
+    int visible;
+    int per;
+    int splits;
+};
+
 template <int P>
-__device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
-                                               const RowInfo* __restrict__ rows, const SeqCache* __restrict__ caches,
-                                               int layer, int heads, int kv_heads, int hd, float scale,
-                                               float* __restrict__ partials, u32* __restrict__ counters) {
+__device__ __forceinline__ AttentionCut attention_cut(const RowInfo& ri, int max_splits) {
     constexpr int CH = ATT_CHUNK / P, SPLIT_KEYS = ATT_WARPS * CH * ATT_SPLIT_PASSES;
+    const int visible = ri.is_tree ? (int)ri.base + __popcll(ri.tree_mask) : (int)ri.slot + 1;
+    const int wanted_splits = min(max_splits, (visible + SPLIT_KEYS - 1) / SPLIT_KEYS);
+    const int per = ((visible + wanted_splits - 1) / wanted_splits + CH - 1) / CH * CH;
+    return AttentionCut{visible, per, (visible + per - 1) / per};
+}
+
+// Split `split` of row r and head `head` (its keys non-empty): the block's share of the row's attention, merged
+// by the block that finishes the row and head's last split. With `enter`, the block's first item: its first
+// chunk of cached keys is loaded before the PDL wait. Warps other than 0 return after the warp merge; warp 0
+// returns once it has written a partial or the output.
+template <int P>
+__device__ __forceinline__ void attention_item(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
+                                               const RowInfo& ri, int r, int head, int split, int max_splits,
+                                               const SeqCache* __restrict__ caches, int layer, int heads,
+                                               int kv_heads, int hd, float scale, float* __restrict__ partials,
+                                               u32* __restrict__ counters, bool enter) {
+    constexpr int CH = ATT_CHUNK / P;
     static_assert(CH >= 1, "ATT_CHUNK must be at least the pieces a lane holds");
     __shared__ float s_max[ATT_WARPS], s_sum[ATT_WARPS];
     __shared__ float4 s_acc[ATT_WARPS][32 * P];
-    const int r = blockIdx.x, head = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int pieces = hd >> 2;
-    // The step's tables come from the host before the step: readable before the wait.
-    const RowInfo ri = rows[r];
-    const int visible_count = ri.is_tree ? (int)ri.base + __popcll(ri.tree_mask) : (int)ri.slot + 1;
-    const int wanted_splits = min(max_splits, (visible_count + SPLIT_KEYS - 1) / SPLIT_KEYS);
-    const int per = ((visible_count + wanted_splits - 1) / wanted_splits + CH - 1) / CH * CH;
-    const int splits = (visible_count + per - 1) / per;
+    const AttentionCut cut = attention_cut<P>(ri, max_splits);
+    const int visible_count = cut.visible, per = cut.per, splits = cut.splits;
     const int begin = split * per, end = min(visible_count, begin + per);
-    // A split past the row's keys has nothing to do. (Block z = 0 always has keys: it waits and triggers for
-    // the launch.)
-    if (begin >= end) return;
     const SeqCache sc = caches[ri.seq];
     const int kvh = head / (heads / kv_heads);
     const float4* keys =
@@ -852,7 +865,9 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
         for (int j = 0; j < P; j++) kv[t][j] = vv[t][j] = zero;
     const int first_chunk = begin + warp * CH;
     if (first_chunk < end) attention_fetch<P, CH>(keys, values, ri, first_chunk, begin, cached, lane, pieces, kv, vv);
-    PDL_ENTER();
+    if (enter) {
+        PDL_ENTER();
+    }
     const float4* qh = reinterpret_cast<const float4*>(q + ((size_t)r * heads + head) * hd);
     float4 qv[P], acc[P];
 #pragma unroll
@@ -1016,15 +1031,93 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
     }
 }
 
-#define ATTENTION_KERNEL(name, P)                                                                                  \
+// Grid (rows, heads, max_splits): block (r, head, z) takes split z of row r and head `head` (blocks past the
+// row's splits have nothing to do; block z = 0 always has keys: it waits and triggers for the launch).
+template <int P>
+__device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
+                                               const RowInfo* __restrict__ rows, const SeqCache* __restrict__ caches,
+                                               int layer, int heads, int kv_heads, int hd, float scale,
+                                               float* __restrict__ partials, u32* __restrict__ counters) {
+    const int r = blockIdx.x, head = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
+    // The step's tables come from the host before the step: readable before the wait.
+    const RowInfo ri = rows[r];
+    if (split >= attention_cut<P>(ri, max_splits).splits) return;
+    attention_item<P>(q, out, out_chunks, ri, r, head, split, max_splits, caches, layer, heads, kv_heads, hd, scale,
+                      partials, counters, true);
+}
+
+// The most rows attention_list takes (ops.rs ATTENTION_LIST_MAX_ROWS): a table of each row's first item.
+#define ATT_LIST_MAX_ROWS 64
+
+// The same items as attention_rows (row r, head, split z < the row's splits; the same arithmetic in each, so the
+// same bits), listed (rows in order, then heads, then splits) and taken by a grid of `gridDim.x` blocks, block b
+// items b, b + gridDim.x, ...: attention_rows' grid of rows x heads x max_splits blocks is mostly empty at short
+// contexts (64 keys: 2 of 11 splits), and its blocks (one a multiprocessor at 512 threads) came in waves, ~1.3
+// us a row and layer on the H200. An item runs slower than the grid's block, though (1 row: 1.35 against 1.26 ms
+// a qwen2.5-1.5b pass), so ops.rs takes the list from 12 rows (16 rows: 1.92 against 1.97 ms, 32: 2.69 against
+// 3.04). Block 0 always has item 0: it waits and triggers for the launch.
+template <int P>
+__device__ __forceinline__ void attention_list(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
+                                               const RowInfo* __restrict__ rows, int n_rows,
+                                               const SeqCache* __restrict__ caches, int layer, int heads,
+                                               int kv_heads, int hd, float scale, int max_splits,
+                                               float* __restrict__ partials, u32* __restrict__ counters) {
+    __shared__ int s_first[ATT_LIST_MAX_ROWS + 1];
+    // Each row's items (a thread a row, two a lane of warp 0), summed by a scan in warp 0.
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const int r0 = 2 * lane, r1 = 2 * lane + 1;
+        const int c0 = r0 < n_rows ? heads * attention_cut<P>(rows[r0], max_splits).splits : 0;
+        const int c1 = r1 < n_rows ? heads * attention_cut<P>(rows[r1], max_splits).splits : 0;
+        int incl = c0 + c1;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int excl = incl - c0 - c1;
+        if (r0 <= n_rows) s_first[r0] = excl;
+        if (r1 <= n_rows) s_first[r1] = excl + c0;
+        if (lane == 31 && n_rows == ATT_LIST_MAX_ROWS) s_first[ATT_LIST_MAX_ROWS] = incl;
+    }
+    __syncthreads();
+    const int total = s_first[n_rows];
+    int r = 0;
+    // The first item loads its first chunk of cached keys before the PDL wait (peeled: as a constant `enter`
+    // the item compiles as attention_rows' does).
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        while (s_first[r + 1] <= t) r++;
+        const int splits = (s_first[r + 1] - s_first[r]) / heads;
+        const int i = t - s_first[r];
+        if (t == (int)blockIdx.x) {
+            attention_item<P>(q, out, out_chunks, rows[r], r, i / splits, i % splits, max_splits, caches, layer,
+                              heads, kv_heads, hd, scale, partials, counters, true);
+        } else {
+            // The last item's shared memory is read (warp 0's merge) before this one's is written.
+            __syncthreads();
+            attention_item<P>(q, out, out_chunks, rows[r], r, i / splits, i % splits, max_splits, caches, layer,
+                              heads, kv_heads, hd, scale, partials, counters, false);
+        }
+    }
+}
+
+#define ATTENTION_KERNEL(name, list_name, P)                                                                       \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                                  \
         name(const float* __restrict__ q, u32* __restrict__ out, int out_chunks, const RowInfo* __restrict__ rows, \
              const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd, float scale,         \
              float* __restrict__ partials, u32* __restrict__ counters) {                                           \
         attention_rows<P>(q, out, out_chunks, rows, caches, layer, heads, kv_heads, hd, scale, partials, counters); \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 1)                                               \
+        list_name(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,                              \
+                  const RowInfo* __restrict__ rows, int n_rows, const SeqCache* __restrict__ caches, int layer,    \
+                  int heads, int kv_heads, int hd, float scale, int max_splits, float* __restrict__ partials,      \
+                  u32* __restrict__ counters) {                                                                    \
+        attention_list<P>(q, out, out_chunks, rows, n_rows, caches, layer, heads, kv_heads, hd, scale, max_splits, \
+                          partials, counters);                                                                     \
     }
-ATTENTION_KERNEL(attention_128, 1)
-ATTENTION_KERNEL(attention_256, 2)
+ATTENTION_KERNEL(attention_128, attention_list_128, 1)
+ATTENTION_KERNEL(attention_256, attention_list_256, 2)
 
 // out[j] = x[src[j]] for the rows that need logits; grid (rows), block 256.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ src,

@@ -637,6 +637,7 @@ impl CudaModel {
             wanted: tables.wanted.len(),
             vocab,
             capture: opts.capture_layers.to_vec(),
+            attention_list: ops::attention_as_list(tables.tokens.len()),
         };
         let mut ws = self
             .workspace
@@ -1131,6 +1132,8 @@ struct Shape {
     wanted: usize,
     vocab: usize,
     capture: Vec<usize>,
+    /// Attention as a list of items or as a grid (`ops::attention_as_list`; the selftest runs both).
+    attention_list: bool,
 }
 
 #[derive(Default)]
@@ -1749,6 +1752,7 @@ impl Model for CudaModel {
         // how many rows a pass has, or outputs on the weight format.
         let mut checks = self.check_gemm_tile()?;
         checks.extend(self.check_native_q4k()?);
+        checks.extend(self.check_attention_list(_tokens)?);
         Ok(checks)
     }
 }
@@ -1814,6 +1818,79 @@ impl CudaModel {
             results.push(words.into_iter().map(f32::from_bits).collect::<Vec<_>>());
         }
         Ok(results)
+    }
+
+    /// Attention taken as a list of items (decode and verify steps, kernels.cu attention_list) against the grid
+    /// of rows x heads x splits: two sequences, one after a 200-token prompt (several splits a row; shorter in a
+    /// short context), one after a short one, then verify-shaped steps of 5 and 3 rows; every logit the same
+    /// bits.
+    fn check_attention_list(&self, tokens: &[u32]) -> Result<Vec<KernelCheck>> {
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let vocab = self.config.vocab_size as u32;
+        // 200 tokens where the context allows (and room for the steps after).
+        let long_len = 200.min(self.config.context_length.saturating_sub(8));
+        let long: Vec<u32> = tokens.iter().copied().cycle().take(long_len).collect();
+        let short = &tokens[..tokens.len().min(12).min(long_len)];
+        if long.is_empty() || short.is_empty() {
+            return Ok(Vec::new());
+        }
+        let next: Vec<u32> = (0..5u32).map(|i| (i * 7919 + 3) % vocab).collect();
+        let opts = ForwardOptions::default();
+        let run = |list: bool| -> Result<Vec<f32>> {
+            ops::set_attention_list(Some(list));
+            let capacity = long.len() + next.len() + 1;
+            let (mut a, mut b) = (self.new_cache(capacity)?, self.new_cache(capacity)?);
+            let mut values = Vec::new();
+            let steps: [(&[u32], &[u32]); 3] = [
+                (&long, short),
+                (&next, &next[..3]),
+                (&next[..1], &next[..1]),
+            ];
+            for (i, (ta, tb)) in steps.into_iter().enumerate() {
+                // The first step's rows are a prompt (more than the list takes: the grid in both runs at 200
+                // tokens); then verify-shaped steps.
+                let logits = if i == 0 {
+                    LogitsFor::Last
+                } else {
+                    LogitsFor::All
+                };
+                let mut batch = [
+                    SequenceInput {
+                        tokens: ta,
+                        cache: a.as_mut(),
+                        logits,
+                        tree: None,
+                    },
+                    SequenceInput {
+                        tokens: tb,
+                        cache: b.as_mut(),
+                        logits,
+                        tree: None,
+                    },
+                ];
+                for out in self.forward_batch(&mut batch, &opts)? {
+                    for r in 0..out.logits.rows() {
+                        values.extend_from_slice(&out.logits.row(r)?);
+                    }
+                }
+            }
+            Ok(values)
+        };
+        let grid = run(false);
+        let list = run(true);
+        ops::set_attention_list(None);
+        let (grid, list) = (grid?, list?);
+        Ok(vec![Self::bitwise_check(
+            format!(
+                "attention as a list = as a grid bitwise, 2 sequences, {} logits",
+                list.len()
+            ),
+            "f32",
+            &grid,
+            &list,
+        )])
     }
 
     /// A bitwise comparison of two results as a check (any differing value fails, however small).
