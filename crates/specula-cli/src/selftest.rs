@@ -408,13 +408,27 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
     } else {
         None
     };
+    // A device head reads the target's captured rows where they lie (the server's default): against the same
+    // rows read to the host and uploaded, alone and batched beside a host-fed pass.
+    let device_check = if placed.compute().reads_device_features() {
+        Some(device_features_check(
+            model,
+            placed.compute(),
+            tokens,
+            &layers,
+            &features,
+            &device,
+        )?)
+    } else {
+        None
+    };
     let names = [
         "outputs of fed rows",
         "logits of fed rows",
         "logits of a chain step",
         "logits of tree rows",
     ];
-    let mut checks: Vec<Check> = batched_check.into_iter().collect();
+    let mut checks: Vec<Check> = batched_check.into_iter().chain(device_check).collect();
     checks.push(Check {
         name: format!("eagle3 head on {device}: top token of a chain step"),
         passed: top_ref.0 == top_other.0 && (top_ref.1 - top_other.1).abs() <= 2e-2,
@@ -804,6 +818,99 @@ fn device_top_token_check(model: &dyn Model, tokens: &[u32]) -> anyhow::Result<C
 
 /// One forward pass over `tokens` (a fresh cache) capturing `layers`: its logits and each layer's rows, on the
 /// host.
+/// A head pass fed the target's captured rows where they lie on the device (`WaitingFeatures::take_device_rows`)
+/// against the same rows from the host (`features`: tokens.len() - 1 rows), alone and batched beside a host-fed
+/// pass of one row fewer: the same bits.
+fn device_features_check(
+    model: &dyn Model,
+    compute: &dyn specula::draft::eagle3::HeadCompute,
+    tokens: &[u32],
+    layers: &[usize],
+    features: &[f32],
+    device: &str,
+) -> anyhow::Result<Check> {
+    use specula::draft::eagle3::waiting::WaitingFeatures;
+    use specula::draft::eagle3::{HeadInput, HeadPass, HeadRows, HeadWant};
+    let n = tokens.len() - 1;
+    let width = features.len() / n.max(1);
+    let mut cache = model.new_cache(tokens.len() + 8)?;
+    let out = model.forward_one(
+        tokens,
+        cache.as_mut(),
+        &ForwardOptions {
+            capture_layers: layers,
+            ..Default::default()
+        },
+        LogitsFor::Last,
+        &Profiler::disabled(),
+    )?;
+    let mats = layers
+        .iter()
+        .map(|&l| {
+            out.hidden
+                .iter()
+                .find(|(x, _)| *x == l)
+                .map(|(_, m)| m.as_ref())
+                .ok_or_else(|| anyhow::anyhow!("layer {l} was not captured"))
+        })
+        .collect::<anyhow::Result<Vec<&dyn specula::model::RowMatrix>>>()?;
+    let mut waiting = WaitingFeatures::new(width);
+    waiting.push(&mats, &(0..n).collect::<Vec<_>>())?;
+    let rows = waiting.take_device_rows(n)?.ok_or_else(|| {
+        anyhow::anyhow!("the target's captured rows are not in the device's memory")
+    })?;
+    let want = HeadWant {
+        outputs: true,
+        ..Default::default()
+    };
+    let run = |input: HeadInput<'_>, len: usize| -> anyhow::Result<Vec<f32>> {
+        let mut c = compute.new_cache(n + 16)?;
+        let o = compute.run(
+            model,
+            &tokens[1..=len],
+            input,
+            HeadRows::Chain,
+            c.as_mut(),
+            want,
+        )?;
+        Ok(o.outputs.into_iter().chain(o.logits).collect())
+    };
+    // Alone: the device-fed pass against the host-fed one. Batched: a device-fed pass beside a host-fed one of
+    // a row fewer, against each alone from the host.
+    let host_n = run(HeadInput::Features(features), n)?;
+    let mut dev = run(HeadInput::DeviceFeatures(&rows), n)?;
+    let mut host = host_n.clone();
+    if n > 1 {
+        let m = n - 1;
+        let mut caches = [compute.new_cache(n + 16)?, compute.new_cache(n + 16)?];
+        let [a, b] = &mut caches;
+        let mut passes = [
+            HeadPass {
+                tokens: &tokens[1..=n],
+                input: HeadInput::DeviceFeatures(&rows),
+                cache: a.as_mut(),
+                want,
+            },
+            HeadPass {
+                tokens: &tokens[1..=m],
+                input: HeadInput::Features(&features[..m * width]),
+                cache: b.as_mut(),
+                want,
+            },
+        ];
+        for o in compute.run_many(model, &mut passes)? {
+            dev.extend(o.outputs.into_iter().chain(o.logits));
+        }
+        host.extend(host_n);
+        host.extend(run(HeadInput::Features(&features[..m * width]), m)?);
+    }
+    Ok(bitwise(
+        &format!("eagle3 head on {device}: fed rows read where they lie on the device = uploaded from the host"),
+        &dev,
+        &host,
+    ))
+}
+
 fn forward_captured(
     model: &dyn Model,
     tokens: &[u32],

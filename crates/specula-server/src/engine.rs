@@ -490,6 +490,8 @@ struct Aftermath {
     costs: Option<StepCosts>,
     cycles: Vec<RequestCycle>,
     decision: StepDecision,
+    /// The drafter captured a CUDA graph during the step (a new pass shape): its time is no price of drafting.
+    captured: bool,
 }
 
 /// What one step leaves to the next ([`Aftermath`], requests that left since, the plan made during its pass).
@@ -1107,6 +1109,7 @@ impl<'a> EngineLoop<'a> {
             .filter(|input| !input.candidates.is_empty());
         let mut hook_s = 0.0;
         let mut texts: Vec<(usize, String)> = Vec::new();
+        let captures_before = self.head_graphs_captured();
         let decode_start = Instant::now();
         let (results, report) = {
             let mut batch: Vec<&mut Generation<'a>> =
@@ -1234,6 +1237,7 @@ impl<'a> EngineLoop<'a> {
             phases,
             costs,
             cycles,
+            captured: self.head_graphs_captured() != captures_before,
             decision: StepDecision {
                 drafts_allowed,
                 expected,
@@ -1253,6 +1257,14 @@ impl<'a> EngineLoop<'a> {
             self.settle_carried();
         }
         results
+    }
+
+    /// Graphs the EAGLE-3 head has captured so far (0 without a head, or on the CPU).
+    fn head_graphs_captured(&self) -> u64 {
+        match self.draft {
+            DraftSetup::Eagle3(head, _, _) => head.compute().graphs_captured(),
+            _ => 0,
+        }
     }
 
     /// The last step's bookkeeping, if not done yet (metrics, the draft budget's observations, the profile), and
@@ -1292,8 +1304,22 @@ impl<'a> EngineLoop<'a> {
             costs,
             cycles,
             decision,
+            captured,
         } = a;
         self.metrics.observe_steps(&phases);
+        // A step whose head captured a graph (a pass shape seen for the first time: a capture costs several
+        // passes) prices no drafting: such steps priced a head's catch-up at ~0.02 ms a row on an H200 where the
+        // pass itself adds a few microseconds, and a head cut once beside other requests never resumed.
+        let costs = costs.map(|c| {
+            if captured {
+                StepCosts {
+                    draft: f64::NAN,
+                    ..c
+                }
+            } else {
+                c
+            }
+        });
         self.observe_for_budget(&cycles, costs, report);
         if report.sequences > 0 {
             self.metrics.batch_size.observe(report.sequences as f64);
@@ -1305,9 +1331,11 @@ impl<'a> EngineLoop<'a> {
         // A drafter that fed only a piece of its catch-up ran a different step from the plan's, which held the
         // catch-up whole.
         let fed_a_piece = cycles.iter().any(|c| c.counts.catch_up_cycles > 0);
-        if let (Some((expected_s, _)), 0, false) =
-            (decision.expected, report.prefill_rows, fed_a_piece)
-        {
+        if let (Some((expected_s, _)), 0, false) = (
+            decision.expected,
+            report.prefill_rows,
+            fed_a_piece || captured,
+        ) {
             self.budget.borrow_mut().observe_outcome(
                 decision.drafts_allowed > 0,
                 expected_s,

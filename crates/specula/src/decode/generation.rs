@@ -752,9 +752,10 @@ fn draft_in_batches(
                 };
                 passes.push(HeadPass {
                     tokens: &p.tokens,
-                    input: match &p.features {
-                        Some(f) => HeadInput::Features(f),
-                        None => HeadInput::Last,
+                    input: match (&p.features, &p.device_features) {
+                        (Some(f), _) => HeadInput::Features(f),
+                        (None, Some(d)) => HeadInput::DeviceFeatures(d),
+                        (None, None) => HeadInput::Last,
                     },
                     cache,
                     want: p.want,

@@ -61,8 +61,10 @@ impl Draft {
 #[derive(Debug, Clone)]
 pub struct BatchedPass {
     pub tokens: Vec<u32>,
-    /// Target features of the rows the pass feeds (3H a row); None: one row fed from the last output.
+    /// Target features of the rows the pass feeds (3H a row); None: one row fed from the last output (or, with
+    /// `device_features`, the rows where they lie on the head's device).
     pub features: Option<Vec<f32>>,
+    pub device_features: Option<eagle3::waiting::DeviceFeatureRows>,
     pub want: eagle3::HeadWant,
 }
 

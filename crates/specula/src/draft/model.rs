@@ -300,6 +300,7 @@ impl Drafter for ModelDrafter<'_> {
                 BatchedStart::Pass(BatchedPass {
                     tokens: feed,
                     features: None,
+                    device_features: None,
                     want,
                 })
             }
@@ -332,6 +333,7 @@ impl Drafter for ModelDrafter<'_> {
         Ok(next.map(|token| BatchedPass {
             tokens: vec![token],
             features: None,
+            device_features: None,
             want,
         }))
     }

@@ -446,6 +446,11 @@ pub trait RowMatrix: Send {
     fn share(&self) -> Option<Box<dyn RowMatrix>> {
         None
     }
+    /// The device address of element (0, 0) when the rows live in a device's memory (row-major, `cols` f32 a
+    /// row), so a consumer on that device can read them where they are; None in host memory.
+    fn device_address(&self) -> Option<u64> {
+        None
+    }
     /// Columns `cols` of every row in host memory, row-major (`rows x cols.len()`), gathered where the matrix
     /// lives: a caller that needs a few columns of a wide matrix (EAGLE-3 training reads the draft vocabulary's
     /// logits, 8k of 152k columns) copies only those.

@@ -79,6 +79,7 @@ pub struct Kernels {
     /// Blocks of each list kernel the GPU holds at once (its grid: multiprocessors x blocks each).
     pub attention_list_blocks: [u32; 2],
     pub gather_rows: CudaFunction,
+    pub gather_feature_rows: CudaFunction,
     pub argmax_partial: CudaFunction,
     pub argmax_final: CudaFunction,
     pub gather_columns: CudaFunction,
@@ -280,6 +281,7 @@ impl Gpu {
                 resident("attention_list_256")?,
             ],
             gather_rows: f("gather_rows")?,
+            gather_feature_rows: f("gather_feature_rows")?,
             argmax_partial: f("argmax_partial")?,
             argmax_final: f("argmax_final")?,
             gather_columns: f("gather_columns")?,

@@ -48,14 +48,22 @@ mod words {
     pub const WANTED: usize = 8 * R;
     /// SeqCache of each sequence's head cache, 4 words each (a batched pass has up to R sequences).
     pub const SEQ: usize = 9 * R;
-    pub const TOTAL: usize = 13 * R;
+    /// Device features: each row's captured layers' addresses (u64 as two words, low first; 0: the row came from
+    /// the host), MAX_FEATURE_LAYERS a row (kernels.cu gather_feature_rows).
+    pub const FEATURE_SRC: usize = 13 * R;
+    pub const TOTAL: usize = FEATURE_SRC + 2 * super::MAX_FEATURE_LAYERS * R;
 }
+
+/// Captured layers a device feature row may come from (an EAGLE-3 head reads 3).
+const MAX_FEATURE_LAYERS: usize = 4;
 
 /// What a captured pass depends on besides the uploaded values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct PassShape {
     rows: usize,
     features: bool,
+    /// Some feature rows are gathered from the target's outputs on the device (the others uploaded).
+    gather: bool,
     wanted: usize,
     top_only: bool,
     /// Each wanted row's best `top_k` with log-probabilities on the device (0: none).
@@ -90,6 +98,8 @@ pub struct CudaHead {
     lm_head: Matrix,
     rope_inv_freqs: CudaSlice<f32>,
     workspace: Mutex<Buffers>,
+    /// Passes captured as CUDA graphs so far (`HeadCompute::graphs_captured`).
+    captured: std::sync::atomic::AtomicU64,
 }
 
 /// Device buffers every pass reuses (fixed addresses, so captured passes stay valid), sized for CHUNK_ROWS rows.
@@ -245,6 +255,7 @@ impl CudaHead {
             lm_head: upload(&w.lm_head, hc.draft_vocab, h, "the head's LM head")?,
             rope_inv_freqs,
             workspace: Mutex::new(Self::buffers(&gpu, &c, hc.target_hidden, hc.draft_vocab)?),
+            captured: Default::default(),
             target_hidden: hc.target_hidden,
             draft_vocab: hc.draft_vocab,
             layer: c,
@@ -623,6 +634,19 @@ impl CudaHead {
     fn record_pass(&self, ws: &Buffers, shape: PassShape) -> Result<()> {
         if shape.features {
             let gpu = &*self.gpu;
+            if shape.gather {
+                launch!(
+                    gpu,
+                    gather_feature_rows,
+                    (shape.rows as u32, MAX_FEATURE_LAYERS as u32, 1),
+                    256,
+                    ptr(&ws.ints, gpu) + 4 * words::FEATURE_SRC as u64,
+                    ptr(&ws.features, gpu),
+                    MAX_FEATURE_LAYERS as i32,
+                    self.target_hidden as i32,
+                    (3 * self.target_hidden) as i32
+                );
+            }
             split_rows(
                 gpu,
                 ptr(&ws.features, gpu),
@@ -674,12 +698,23 @@ impl CudaHead {
                     Error::Cuda("capturing the head's pass: nothing was captured".into())
                 })?;
             ws.graphs.insert(shape, PassGraph(graph));
+            self.captured
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         ws.graphs[&shape]
             .0
             .launch()
             .map_err(|e| cuda_err("launching the head's CUDA graph", e))
     }
+}
+
+/// Whether the head reads target features where they lie on the device (default; `SPECULA_CUDA_HEAD_DEVICE_FEATURES=0`
+/// reads them to the host and uploads them, as before, to compare).
+fn device_features_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("SPECULA_CUDA_HEAD_DEVICE_FEATURES").map_or(true, |v| v != "0")
+    })
 }
 
 /// Whether `run_many` runs several sequences' passes as one (default; `SPECULA_CUDA_HEAD_BATCH=0` runs them one
@@ -736,6 +771,15 @@ impl CudaHead {
 }
 
 impl HeadCompute for CudaHead {
+    fn graphs_captured(&self) -> u64 {
+        self.captured.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn reads_device_features(&self) -> bool {
+        // Target features still in the target's step outputs on this GPU (the server's one device).
+        device_features_enabled()
+    }
+
     fn device(&self) -> String {
         self.gpu.name.clone()
     }
@@ -745,7 +789,7 @@ impl HeadCompute for CudaHead {
     fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
         let rows: usize = passes.iter().map(|p| p.tokens.len()).sum();
         let kind = |p: &HeadPass<'_>| match p.input {
-            HeadInput::Features(_) => 0,
+            HeadInput::Features(_) | HeadInput::DeviceFeatures(_) => 0,
             HeadInput::Hidden(_) => 1,
             HeadInput::Last => 2,
         };
@@ -767,6 +811,8 @@ impl HeadCompute for CudaHead {
         let mut ints = vec![0u32; words::TOTAL];
         let mut caches: Vec<&mut CudaHeadCache> = Vec::with_capacity(passes.len());
         let mut features = Vec::new();
+        let (mut gathered, mut uploaded) = (false, false);
+        let width = 3 * self.target_hidden;
         let mut row = 0;
         for (s, p) in passes.iter_mut().enumerate() {
             if (p.want.top_only, p.want.top_k) != (first_want.top_only, first_want.top_k) {
@@ -800,8 +846,18 @@ impl HeadCompute for CudaHead {
                 row += 1;
             }
             ints[words::WANTED + s] = (row - 1) as u32;
-            if let HeadInput::Features(f) = p.input {
-                features.extend_from_slice(f);
+            match p.input {
+                HeadInput::Features(f) => {
+                    features.extend_from_slice(f);
+                    uploaded = true;
+                }
+                HeadInput::DeviceFeatures(d) => {
+                    // Zeros where the device rows go (uploaded only when some pass fed host rows).
+                    features.resize(features.len() + n * width, 0.0);
+                    feature_sources(&mut ints, row - n, &d.rows, self.target_hidden)?;
+                    gathered = true;
+                }
+                _ => {}
             }
             caches.push(cache);
         }
@@ -816,7 +872,10 @@ impl HeadCompute for CudaHead {
             .map_err(|e| cuda_err("uploading the head's tables", e))?;
         let fed_features = !features.is_empty();
         if fed_features {
-            self.upload_f32(&features, &mut ws.features, "features")?;
+            // Host rows are uploaded (zeros where device rows go); device rows are gathered by the pass itself.
+            if uploaded {
+                self.upload_f32(&features, &mut ws.features, "features")?;
+            }
         } else {
             // One row a sequence, each from its own last output.
             for (s, cache) in caches.iter().enumerate() {
@@ -831,6 +890,7 @@ impl HeadCompute for CudaHead {
             PassShape {
                 rows,
                 features: fed_features,
+                gather: gathered,
                 wanted: count,
                 top_only: first_want.top_only,
                 top_k: device_top_k(first_want),
@@ -968,6 +1028,9 @@ impl HeadCompute for CudaHead {
                 (true, HeadRows::Tree(_)) => m,
             };
             // One upload of every table.
+            if let HeadInput::DeviceFeatures(d) = input {
+                feature_sources(&mut ints, 0, &d.rows[r0..r1], self.target_hidden)?;
+            }
             ints[words::TOKENS..words::TOKENS + m].copy_from_slice(&tokens[r0..r1]);
             ints[words::POSITIONS..words::POSITIONS + m].copy_from_slice(&positions[r0..r1]);
             ints[words::ROWS..words::ROWS + 6 * m].copy_from_slice(&table[r0 * 6..r1 * 6]);
@@ -982,6 +1045,8 @@ impl HeadCompute for CudaHead {
                     let w = 3 * self.target_hidden;
                     self.upload_f32(&f[r0 * w..r1 * w], &mut ws.features, "features")?;
                 }
+                // Gathered by the pass from the addresses in the tables (uploaded above).
+                HeadInput::DeviceFeatures(_) => {}
                 HeadInput::Hidden(x) => self.upload_f32(&x[r0 * h..r1 * h], &mut ws.x, "inputs")?,
                 HeadInput::Last => {
                     let mut dst = ws.x.slice_mut(0..h);
@@ -992,7 +1057,8 @@ impl HeadCompute for CudaHead {
             }
             let shape = PassShape {
                 rows: m,
-                features: matches!(input, HeadInput::Features(_)),
+                features: matches!(input, HeadInput::Features(_) | HeadInput::DeviceFeatures(_)),
+                gather: matches!(input, HeadInput::DeviceFeatures(_)),
                 wanted,
                 top_only: want.top_only,
                 top_k: device_top_k(want),
@@ -1021,6 +1087,37 @@ impl HeadCompute for CudaHead {
         }
         Ok(out)
     }
+}
+
+/// Writes the addresses of device feature rows (the pass's rows `first..`) into the tables' FEATURE_SRC, each
+/// layer's columns one after the other; every layer must be the target's hidden size wide.
+fn feature_sources(
+    ints: &mut [u32],
+    first: usize,
+    rows: &[Vec<(u64, usize)>],
+    target_hidden: usize,
+) -> Result<()> {
+    for (i, parts) in rows.iter().enumerate() {
+        if parts.len() > MAX_FEATURE_LAYERS || first + i >= CHUNK_ROWS {
+            return Err(Error::InvalidArgument(format!(
+                "a device feature row of {} layers at row {} (the GPU head gathers up to {MAX_FEATURE_LAYERS}                  layers a row, {CHUNK_ROWS} rows a pass)",
+                parts.len(),
+                first + i
+            )));
+        }
+        if parts.iter().any(|&(_, cols)| cols != target_hidden) {
+            return Err(Error::InvalidArgument(format!(
+                "a device feature row's layers are {:?} wide; the GPU head gathers layers of {target_hidden}",
+                parts.iter().map(|p| p.1).collect::<Vec<_>>()
+            )));
+        }
+        for (l, &(address, _)) in parts.iter().enumerate() {
+            let at = words::FEATURE_SRC + 2 * ((first + i) * MAX_FEATURE_LAYERS + l);
+            ints[at] = address as u32;
+            ints[at + 1] = (address >> 32) as u32;
+        }
+    }
+    Ok(())
 }
 
 /// The top-k a pass takes on the device (0: none, or too many for the device's buffer: ranked on the host).

@@ -1119,6 +1119,22 @@ __device__ __forceinline__ void attention_list(const float* __restrict__ q, u32*
 ATTENTION_KERNEL(attention_128, attention_list_128, 1)
 ATTENTION_KERNEL(attention_256, attention_list_256, 2)
 
+// An EAGLE-3 head's feature rows gathered from the target's step outputs where they lie: row r, layer l comes from
+// the address in table[2 * (r * max_layers + l)] (two words, low first), `cols` floats, to out[r * width + l *
+// cols ...]; address 0 (a row uploaded from the host, or no such layer) is left alone. grid (rows, max_layers),
+// block 256. A plain copy: the same bits as the host's readback and upload.
+extern "C" __global__ void gather_feature_rows(const u32* __restrict__ table, float* __restrict__ out, int max_layers,
+                                               int cols, int width) {
+    const int r = blockIdx.x, l = blockIdx.y;
+    const u32* e = table + 2 * ((size_t)r * max_layers + l);
+    const u64 address = (u64)e[0] | ((u64)e[1] << 32);
+    PDL_ENTER();
+    if (address == 0) return;
+    const float* src = reinterpret_cast<const float*>(address);
+    float* dst = out + (size_t)r * width + (size_t)l * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
+}
+
 // out[j] = x[src[j]] for the rows that need logits; grid (rows), block 256.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ src,
                                        float* __restrict__ out, int h) {

@@ -1599,6 +1599,10 @@ impl RowMatrix for DeviceRows {
         Some(Box::new(DeviceRows::view(&self.all, self.from, self.rows)))
     }
 
+    fn device_address(&self) -> Option<u64> {
+        Some(self.all.device_ptr() + (4 * self.from * self.all.cols) as u64)
+    }
+
     fn gather_columns(&self, cols: &[u32]) -> Result<Vec<f32>> {
         crate::model::forward::check_columns(self.all.cols, cols)?;
         if self.rows == 0 || cols.is_empty() {

@@ -12,12 +12,16 @@ use crate::model::forward::SequenceCache;
 use crate::model::Model;
 
 use super::head::{Eagle3Head, TreeRow};
+use super::waiting::DeviceFeatureRows;
 
 /// The hidden input (x) of the rows of a head pass.
 #[derive(Debug, Clone, Copy)]
 pub enum HeadInput<'a> {
     /// Target features (3H a row, low ++ mid ++ high), run through fc first.
     Features(&'a [f32]),
+    /// The same rows where they lie in the head's device memory (a head whose
+    /// [`HeadCompute::reads_device_features`] says it reads them).
+    DeviceFeatures(&'a DeviceFeatureRows),
     /// Head outputs of earlier passes (h a row), fed back.
     Hidden(&'a [f32]),
     /// One row: the last row's output of the previous pass on the same cache.
@@ -114,12 +118,30 @@ pub trait HeadCompute: Send + Sync {
         want: HeadWant,
     ) -> Result<HeadOutput>;
 
+    /// Passes captured as CUDA graphs (or the like) so far. A capture costs several passes' time, so a step that
+    /// made one says nothing about what passes cost: the server's draft budget leaves such steps out.
+    fn graphs_captured(&self) -> u64 {
+        0
+    }
+
+    /// Whether passes may feed target features where they lie in the device's memory
+    /// ([`HeadInput::DeviceFeatures`]); a CPU head reads host rows only.
+    fn reads_device_features(&self) -> bool {
+        false
+    }
+
     /// Chain passes of several sequences (each with its own cache) at once: what a server's requests drafting
     /// with one head share. Each output is what `run` would return for that pass alone. By default one pass
     /// after the other.
     fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
         run_one_by_one(self, target, passes)
     }
+}
+
+fn device_features_on_cpu() -> Error {
+    Error::InvalidArgument(
+        "an EAGLE-3 head on the CPU was handed target features in a device's memory".into(),
+    )
 }
 
 /// Chain passes of several sequences, one `run` after the other (the default `run_many`, and a device's when a
@@ -160,6 +182,24 @@ pub fn check_pass(
     }
     let (have, width, what) = match input {
         HeadInput::Features(f) => (f.len(), 3 * target_hidden, "target features"),
+        HeadInput::DeviceFeatures(d) => {
+            if let Some(bad) = d
+                .rows
+                .iter()
+                .find(|r| r.iter().map(|p| p.1).sum::<usize>() != 3 * target_hidden)
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "EAGLE-3 head pass: a device feature row {} wide, the head reads {}",
+                    bad.iter().map(|p| p.1).sum::<usize>(),
+                    3 * target_hidden
+                )));
+            }
+            (
+                d.rows.len() * 3 * target_hidden,
+                3 * target_hidden,
+                "target features on the device",
+            )
+        }
         HeadInput::Hidden(x) => (x.len(), hidden, "hidden inputs"),
         HeadInput::Last => (n, 1, "rows fed from the last output"),
     };
@@ -299,6 +339,7 @@ impl HeadCompute for Eagle3Head {
                 })?;
             match p.input {
                 HeadInput::Features(f) => x.extend(self.fc(f, n)),
+                HeadInput::DeviceFeatures(_) => return Err(device_features_on_cpu()),
                 HeadInput::Hidden(rows) => x.extend_from_slice(rows),
                 HeadInput::Last => {
                     if cache.last.len() != h {
@@ -379,6 +420,7 @@ impl HeadCompute for Eagle3Head {
                 fed = self.fc(f, n);
                 &fed
             }
+            HeadInput::DeviceFeatures(_) => return Err(device_features_on_cpu()),
             HeadInput::Hidden(x) => x,
             HeadInput::Last => {
                 if cache.last.len() != h {

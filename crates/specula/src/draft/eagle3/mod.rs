@@ -385,10 +385,20 @@ impl Eagle3Drafter<'_> {
             all_accepted: 1.0,
             catching_up: feed < rows,
         });
-        let features = self.features.take_rows(feed)?;
+        // A device head reads rows still in the target's outputs where they lie; else they come to the host.
+        let device_features = if self.compute.reads_device_features() {
+            self.features.take_device_rows(feed)?
+        } else {
+            None
+        };
+        let features = match device_features {
+            Some(_) => None,
+            None => Some(self.features.take_rows(feed)?),
+        };
         Ok(BatchedStart::Pass(BatchedPass {
             tokens: context[from + 1..=from + feed].to_vec(),
-            features: Some(features),
+            features,
+            device_features,
             want: HeadWant {
                 outputs: false,
                 top_only,
@@ -589,9 +599,10 @@ impl Drafter for Eagle3Drafter<'_> {
             BatchedStart::Nothing | BatchedStart::Alone => return Ok(Draft::default()),
         };
         loop {
-            let input = match &pass.features {
-                Some(f) => HeadInput::Features(f),
-                None => HeadInput::Last,
+            let input = match (&pass.features, &pass.device_features) {
+                (Some(f), _) => HeadInput::Features(f),
+                (None, Some(d)) => HeadInput::DeviceFeatures(d),
+                (None, None) => HeadInput::Last,
             };
             let ran = self.compute.run(
                 self.target,
@@ -665,6 +676,7 @@ impl Drafter for Eagle3Drafter<'_> {
                 next = Some(BatchedPass {
                     tokens: vec![token],
                     features: None,
+                    device_features: None,
                     want: HeadWant {
                         outputs: false,
                         top_only: st.top_only,

@@ -16,6 +16,28 @@ use crate::model::RowMatrix;
 /// qwen2.5-coder-1.5b head, 2.4 MB for 32 requests verifying 3 drafts each), so 128 forwards keep 38-300 MB.
 pub const MAX_UNREAD_FORWARDS: usize = 128;
 
+/// Feature rows still in a device's memory, for a head on that device to read where they are (no round trip
+/// through the host: on an H200 the readback and upload of a request's rows was most of a batched head round's
+/// cost per request). Row i: each captured layer's (address, columns), low to high; `keep` holds the target
+/// outputs they live in until the rows are read.
+#[derive(Clone)]
+pub struct DeviceFeatureRows {
+    pub rows: Vec<Vec<(u64, usize)>>,
+    keep: std::sync::Arc<std::sync::Mutex<Vec<Box<dyn RowMatrix>>>>,
+}
+
+impl std::fmt::Debug for DeviceFeatureRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceFeatureRows")
+            .field("rows", &self.rows.len())
+            .field(
+                "held_matrices",
+                &self.keep.lock().map(|k| k.len()).unwrap_or_default(),
+            )
+            .finish()
+    }
+}
+
 /// Rows of one target forward, not yet read: one view per captured layer (low to high) and the rows that stay.
 struct UnreadRows {
     layers: Vec<Box<dyn RowMatrix>>,
@@ -112,6 +134,63 @@ impl WaitingFeatures {
         Ok(self.host.drain(..n).collect())
     }
 
+    /// Removes the first `rows` rows (every one waiting when fewer do) where they all still lie in a device's
+    /// memory: their addresses, nothing read. None (nothing removed) when some of them are on the host or in
+    /// host matrices: `take_rows` reads them then.
+    pub fn take_device_rows(&mut self, rows: usize) -> Result<Option<DeviceFeatureRows>> {
+        let rows = rows.min(self.rows());
+        if rows == 0 || !self.host.is_empty() {
+            return Ok(None);
+        }
+        let mut need = rows;
+        for u in &self.unread {
+            if u.layers.iter().any(|m| m.device_address().is_none()) {
+                return Ok(None);
+            }
+            if u.kept.len() >= need {
+                break;
+            }
+            need -= u.kept.len();
+        }
+        let mut rows_out = Vec::with_capacity(rows);
+        let mut keep = Vec::new();
+        let mut need = rows;
+        while need > 0 {
+            let u = self.unread.front_mut().ok_or_else(|| {
+                Error::InvalidArgument("EAGLE-3 drafter: waiting rows went missing".into())
+            })?;
+            let take = need.min(u.kept.len());
+            for &r in &u.kept[..take] {
+                let mut parts = Vec::with_capacity(u.layers.len());
+                for m in &u.layers {
+                    let base = m.device_address().ok_or_else(|| {
+                        Error::InvalidArgument(
+                            "EAGLE-3 drafter: a device row lost its address".into(),
+                        )
+                    })?;
+                    parts.push((base + (4 * r * m.cols()) as u64, m.cols()));
+                }
+                rows_out.push(parts);
+            }
+            // The rows' memory stays held until the pass that reads them is queued.
+            for m in &u.layers {
+                keep.push(m.share().ok_or_else(|| {
+                    Error::InvalidArgument("EAGLE-3 drafter: device rows could not be kept".into())
+                })?);
+            }
+            u.kept.drain(..take);
+            if u.kept.is_empty() {
+                self.unread.pop_front();
+            }
+            self.unread_rows -= take;
+            need -= take;
+        }
+        Ok(Some(DeviceFeatureRows {
+            rows: rows_out,
+            keep: std::sync::Arc::new(std::sync::Mutex::new(keep)),
+        }))
+    }
+
     /// Every waiting row on the host (read if need be).
     pub fn read_all(&mut self) -> Result<&[f32]> {
         while !self.unread.is_empty() {
@@ -172,6 +251,8 @@ fn append_rows(out: &mut Vec<f32>, layers: &[&dyn RowMatrix], kept: &[usize]) ->
 pub(crate) struct SharedRows {
     pub matrix: std::sync::Arc<crate::model::forward::HostRows>,
     pub reads: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// A pretend device address of element (0, 0) (`device_address`), to check the bookkeeping of device rows.
+    pub address: Option<u64>,
 }
 
 #[cfg(test)]
@@ -180,6 +261,14 @@ impl SharedRows {
         SharedRows {
             matrix: std::sync::Arc::new(m),
             reads: Default::default(),
+            address: None,
+        }
+    }
+
+    pub fn on_device(m: crate::model::forward::HostRows, address: u64) -> Self {
+        SharedRows {
+            address: Some(address),
+            ..SharedRows::new(m)
         }
     }
 
@@ -213,7 +302,11 @@ impl RowMatrix for SharedRows {
         Some(Box::new(SharedRows {
             matrix: self.matrix.clone(),
             reads: self.reads.clone(),
+            address: self.address,
         }))
+    }
+    fn device_address(&self) -> Option<u64> {
+        self.address
     }
 }
 
@@ -285,6 +378,60 @@ mod tests {
         let rest = w.rows();
         assert_eq!(w.take_rows(rest + 5).unwrap(), want[width..]);
         assert_eq!(w.rows(), 0);
+    }
+
+    #[test]
+    fn device_rows_are_taken_by_address_in_order_without_a_read() {
+        let (cols, width) = (4, 8);
+        let mut w = WaitingFeatures::new(width);
+        // Two forwards on a pretend device: forward f's layer l at address 1_000_000 * (f + 1) + 10_000 * l.
+        let mut views = Vec::new();
+        for (f, kept) in [(0usize, vec![0usize, 2]), (1, vec![1])] {
+            let layers: Vec<SharedRows> = (0..2)
+                .map(|l| {
+                    SharedRows::on_device(
+                        matrix(f, l, 3, cols),
+                        1_000_000 * (f as u64 + 1) + 10_000 * l as u64,
+                    )
+                })
+                .collect();
+            let refs: Vec<&dyn RowMatrix> = layers.iter().map(|v| v as &dyn RowMatrix).collect();
+            w.push(&refs, &kept).unwrap();
+            views.push(layers);
+        }
+        let row = |f: u64, r: u64| -> Vec<(u64, usize)> {
+            (0..2u64)
+                .map(|l| (1_000_000 * (f + 1) + 10_000 * l + 4 * r * cols as u64, cols))
+                .collect()
+        };
+        // Three rows wait; the first two come from forward 0 (its rows 0 and 2), one then from forward 1.
+        let first = w.take_device_rows(2).unwrap().expect("device rows");
+        assert_eq!(first.rows, vec![row(0, 0), row(0, 2)]);
+        assert_eq!(w.rows(), 1);
+        let rest = w.take_device_rows(5).unwrap().expect("device rows");
+        assert_eq!(rest.rows, vec![row(1, 1)]);
+        assert_eq!(w.rows(), 0);
+        assert!(w.take_device_rows(1).unwrap().is_none(), "nothing waits");
+        let reads: usize = views.iter().flatten().map(|m| m.reads()).sum();
+        assert_eq!(reads, 0, "device rows are taken without reading them");
+
+        // A row on the host first, or a forward in host memory: nothing is taken, take_rows reads as before.
+        let layers: Vec<SharedRows> = (0..2)
+            .map(|l| SharedRows::on_device(matrix(2, l, 1, cols), 5_000_000 + l as u64))
+            .collect();
+        let refs: Vec<&dyn RowMatrix> = layers.iter().map(|v| v as &dyn RowMatrix).collect();
+        w.extend_host(&[7.0; 8]).unwrap();
+        w.push(&refs, &[0]).unwrap();
+        assert!(w.take_device_rows(2).unwrap().is_none());
+        assert_eq!(w.rows(), 2);
+        let mut host_only = WaitingFeatures::new(width);
+        let plain: Vec<SharedRows> = (0..2)
+            .map(|l| SharedRows::new(matrix(3, l, 1, cols)))
+            .collect();
+        let refs: Vec<&dyn RowMatrix> = plain.iter().map(|v| v as &dyn RowMatrix).collect();
+        host_only.push(&refs, &[0]).unwrap();
+        assert!(host_only.take_device_rows(1).unwrap().is_none());
+        assert_eq!(host_only.rows(), 1);
     }
 
     #[test]
