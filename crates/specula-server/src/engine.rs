@@ -1307,6 +1307,11 @@ impl<'a> EngineLoop<'a> {
             captured,
         } = a;
         self.metrics.observe_steps(&phases);
+        if captured {
+            self.metrics
+                .head_graph_captures
+                .set(self.head_graphs_captured() as i64);
+        }
         // A step whose head captured a graph (a pass shape seen for the first time: a capture costs several
         // passes) prices no drafting: such steps priced a head's catch-up at ~0.02 ms a row on an H200 where the
         // pass itself adds a few microseconds, and a head cut once beside other requests never resumed.

@@ -52,6 +52,9 @@ pub struct Metrics {
     /// How drafted steps turn out against the draft budget's expectations relative to undrafted ones (its
     /// final comparison multiplies the drafted rate by this; 1 until measured).
     pub outcome_calibration: Gauge,
+    /// Passes an EAGLE-3 head on a GPU has captured as CUDA graphs (one a new pass shape; each costs several
+    /// passes, and the steps that capture one price nothing of drafting).
+    pub head_graph_captures: IntGauge,
 }
 
 impl Metrics {
@@ -140,19 +143,31 @@ impl Metrics {
             .expect("unique name");
         let outcome_calibration = Gauge::new(
             "specula:spec_decode_outcome_calibration",
-            "Adaptive speculation's check on itself: (committed / expected tokens of drafted steps) x (measured / \
-             expected time of undrafted steps) / (measured / expected time of drafted steps) over recent steps, \
-             within 0.8-1.25; the drafted steps' expected rate is multiplied by it before it is compared with not \
-             drafting. 1 until both kinds of step have been seen.",
+            "Adaptive speculation's check on itself: (measured / expected time of undrafted steps) / (measured / \
+             expected time of drafted steps) over recent steps, within 0.8-1.25; the drafted steps' expected rate \
+             is multiplied by it before it is compared with not drafting. 1 until both kinds of step have been \
+             seen.",
         )
         .expect("valid gauge");
         outcome_calibration.set(1.0);
         registry
             .register(Box::new(outcome_calibration.clone()))
             .expect("unique name");
+        let head_graph_captures = IntGauge::new(
+            "specula:eagle3_head_graph_captures",
+            "CUDA graphs an EAGLE-3 head on a GPU has captured so far, one a new pass shape (rows, requests, \
+             inputs): each costs several passes' time, and the draft budget leaves the steps that captured one \
+             out of its prices. A count that keeps rising under a steady load means shapes are being evicted and \
+             captured again.",
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(head_graph_captures.clone()))
+            .expect("unique name");
         Metrics {
             draft_costs,
             outcome_calibration,
+            head_graph_captures,
             batch_size: counts(
                 "specula:step_batch_size",
                 "Requests in each engine step's forward pass (continuous batching).",

@@ -566,7 +566,8 @@ fn speculative_requests_report_their_stats_and_stay_lossless() {
         assert!(e["args"]["wall_ms"].as_f64().unwrap() > 0.0, "{e}");
         if let Some(ms) = e["args"]["expected_ms"].as_f64() {
             assert!(
-                ms > 0.0 && e["args"]["expected_tokens"].as_f64().unwrap() >= 1.0,
+                // Expected tokens are a sum of gains: at least the step's one token, up to rounding.
+                ms > 0.0 && e["args"]["expected_tokens"].as_f64().unwrap() >= 1.0 - 1e-9,
                 "{e}"
             );
         }
