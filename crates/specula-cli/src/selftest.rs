@@ -833,17 +833,7 @@ fn device_features_check(
     use specula::draft::eagle3::{HeadInput, HeadPass, HeadRows, HeadWant};
     let n = tokens.len() - 1;
     let width = features.len() / n.max(1);
-    let mut cache = model.new_cache(tokens.len() + 8)?;
-    let out = model.forward_one(
-        tokens,
-        cache.as_mut(),
-        &ForwardOptions {
-            capture_layers: layers,
-            ..Default::default()
-        },
-        LogitsFor::Last,
-        &Profiler::disabled(),
-    )?;
+    let out = forward_capturing(model, tokens, layers, LogitsFor::Last)?;
     let mats = layers
         .iter()
         .map(|&l| {
@@ -911,14 +901,15 @@ fn device_features_check(
     ))
 }
 
-fn forward_captured(
+/// One forward pass over `tokens` in a fresh cache, capturing `layers` (where the model computed them).
+fn forward_capturing(
     model: &dyn Model,
     tokens: &[u32],
     layers: &[usize],
     logits: LogitsFor,
-) -> anyhow::Result<(Vec<f32>, Vec<Vec<f32>>)> {
+) -> anyhow::Result<specula::model::ForwardOutput> {
     let mut cache = model.new_cache(tokens.len() + 8)?;
-    let out = model.forward_one(
+    Ok(model.forward_one(
         tokens,
         cache.as_mut(),
         &ForwardOptions {
@@ -927,7 +918,17 @@ fn forward_captured(
         },
         logits,
         &Profiler::disabled(),
-    )?;
+    )?)
+}
+
+/// [`forward_capturing`], its logits and each captured layer read to the host.
+fn forward_captured(
+    model: &dyn Model,
+    tokens: &[u32],
+    layers: &[usize],
+    logits: LogitsFor,
+) -> anyhow::Result<(Vec<f32>, Vec<Vec<f32>>)> {
+    let out = forward_capturing(model, tokens, layers, logits)?;
     let mut hidden = Vec::new();
     for &l in layers {
         let (_, rows) = out
