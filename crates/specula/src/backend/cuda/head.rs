@@ -31,8 +31,19 @@ const CHUNK_ROWS: usize = 64;
 /// on an H200 at 4 streams: 2565 / 2772 tok/s before, 2765 / 2811 with every pass graphed; plain 2785 / 2796).
 const MAX_GRAPH_ROWS: usize = CHUNK_ROWS;
 
-/// Captured passes kept at most (shapes: rows, wanted rows, top-k; a server sees many).
-const MAX_PASS_GRAPHS: usize = 256;
+/// Captured passes kept at most (shapes: rows, wanted rows, inputs, top-k; a server sees many), cleared whole when
+/// full; `SPECULA_CUDA_HEAD_GRAPHS_MAX=N` sets it (a server whose `specula:eagle3_head_graph_captures` keeps rising
+/// under a steady load is capturing evicted shapes again).
+fn max_pass_graphs() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("SPECULA_CUDA_HEAD_GRAPHS_MAX")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n > 0)
+            .unwrap_or(256)
+    })
+}
 
 /// The most best tokens a row's top-k is taken on the device for (kernels.cu top_k_log_probs; trees expand a
 /// node by its top-k); larger k reads the row's logits back and ranks them on the host.
@@ -680,7 +691,7 @@ impl CudaHead {
             return self.record_pass(ws, shape);
         }
         if !ws.graphs.contains_key(&shape) {
-            if ws.graphs.len() >= MAX_PASS_GRAPHS {
+            if ws.graphs.len() >= max_pass_graphs() {
                 ws.graphs.clear();
             }
             let stream = &self.gpu.stream;
