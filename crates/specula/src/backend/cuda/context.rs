@@ -36,6 +36,14 @@ pub const KERNEL_NAMES: &[&str] = &[
     "rope_angles",
     "attention_128",
     "attention_256",
+    "attention_128_g2",
+    "attention_128_g3",
+    "attention_128_g4",
+    "attention_list_128",
+    "attention_list_256",
+    "attention_list_128_g2",
+    "attention_list_128_g3",
+    "attention_list_128_g4",
     "gather_rows",
     "argmax_partial",
     "argmax_final",
@@ -45,6 +53,30 @@ pub const KERNEL_NAMES: &[&str] = &[
     "fill_random_bf16",
     "kv_keep_rows",
 ];
+
+/// Attention kernels by variant (`ops::attention_variant`): head dimension <= 128, <= 256, then <= 128 taking 2, 3
+/// and 4 heads of one KV head a block.
+pub const ATTENTION_VARIANTS: usize = 5;
+const ATTENTION_GRID: [&str; ATTENTION_VARIANTS] = [
+    "attention_128",
+    "attention_256",
+    "attention_128_g2",
+    "attention_128_g3",
+    "attention_128_g4",
+];
+const ATTENTION_LIST: [&str; ATTENTION_VARIANTS] = [
+    "attention_list_128",
+    "attention_list_256",
+    "attention_list_128_g2",
+    "attention_list_128_g3",
+    "attention_list_128_g4",
+];
+
+fn attention_names(
+    names: [&'static str; ATTENTION_VARIANTS],
+) -> impl Iterator<Item = &'static str> {
+    names.into_iter()
+}
 
 /// The kernels of kernels.cu, loaded.
 pub struct Kernels {
@@ -68,16 +100,17 @@ pub struct Kernels {
     pub splitk_reduce: CudaFunction,
     pub qkv_post: CudaFunction,
     pub rope_angles: CudaFunction,
-    /// Attention for head dimensions up to 128 and up to 256.
-    pub attention: [CudaFunction; 2],
+    /// Attention for head dimensions up to 128 and up to 256, then up to 128 with 2, 3 and 4 heads of a KV head
+    /// a block (`ops::attention_variant`).
+    pub attention: [CudaFunction; ATTENTION_VARIANTS],
     /// Their block sizes: each kernel's `__launch_bounds__` (kernels.cu ATT_WARPS x 32), read from the compiled
     /// function so a kernel variant (`SPECULA_CUDA_KERNELS_SOURCE`) may choose its own.
-    pub attention_threads: [u32; 2],
+    pub attention_threads: [u32; ATTENTION_VARIANTS],
     /// The same attention as a list of (row, head, split) items taken by a grid sized to the GPU (kernels.cu
     /// attention_list), for launches of up to `ops::ATTENTION_LIST_MAX_ROWS` rows.
-    pub attention_list: [CudaFunction; 2],
+    pub attention_list: [CudaFunction; ATTENTION_VARIANTS],
     /// Blocks of each list kernel the GPU holds at once (its grid: multiprocessors x blocks each).
-    pub attention_list_blocks: [u32; 2],
+    pub attention_list_blocks: [u32; ATTENTION_VARIANTS],
     pub gather_rows: CudaFunction,
     pub gather_feature_rows: CudaFunction,
     pub argmax_partial: CudaFunction,
@@ -273,13 +306,26 @@ impl Gpu {
             splitk_reduce: f("splitk_reduce")?,
             qkv_post: f("qkv_post")?,
             rope_angles: f("rope_angles")?,
-            attention: [f("attention_128")?, f("attention_256")?],
-            attention_threads: [threads("attention_128")?, threads("attention_256")?],
-            attention_list: [f("attention_list_128")?, f("attention_list_256")?],
-            attention_list_blocks: [
-                resident("attention_list_128")?,
-                resident("attention_list_256")?,
-            ],
+            attention: attention_names(ATTENTION_GRID)
+                .map(|n| f(n))
+                .collect::<Result<Vec<_>>>()?
+                .try_into()
+                .map_err(|_| Error::Cuda("attention kernel table".into()))?,
+            attention_threads: attention_names(ATTENTION_GRID)
+                .map(|n| threads(n))
+                .collect::<Result<Vec<_>>>()?
+                .try_into()
+                .map_err(|_| Error::Cuda("attention kernel table".into()))?,
+            attention_list: attention_names(ATTENTION_LIST)
+                .map(|n| f(n))
+                .collect::<Result<Vec<_>>>()?
+                .try_into()
+                .map_err(|_| Error::Cuda("attention kernel table".into()))?,
+            attention_list_blocks: attention_names(ATTENTION_LIST)
+                .map(|n| resident(n))
+                .collect::<Result<Vec<_>>>()?
+                .try_into()
+                .map_err(|_| Error::Cuda("attention kernel table".into()))?,
             gather_rows: f("gather_rows")?,
             gather_feature_rows: f("gather_feature_rows")?,
             argmax_partial: f("argmax_partial")?,

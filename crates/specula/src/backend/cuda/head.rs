@@ -859,12 +859,12 @@ impl HeadCompute for CudaHead {
             ints[words::WANTED + s] = (row - 1) as u32;
             match p.input {
                 HeadInput::Features(f) => {
+                    // Zeros stand for device rows before this one (the pass gathers those over them).
+                    features.resize((row - n) * width, 0.0);
                     features.extend_from_slice(f);
                     uploaded = true;
                 }
                 HeadInput::DeviceFeatures(d) => {
-                    // Zeros where the device rows go (uploaded only when some pass fed host rows).
-                    features.resize(features.len() + n * width, 0.0);
                     feature_sources(&mut ints, row - n, &d.rows, self.target_hidden)?;
                     gathered = true;
                 }
@@ -881,9 +881,9 @@ impl HeadCompute for CudaHead {
         stream
             .memcpy_htod(&ints, &mut ws.ints)
             .map_err(|e| cuda_err("uploading the head's tables", e))?;
-        let fed_features = !features.is_empty();
+        let fed_features = uploaded || gathered;
         if fed_features {
-            // Host rows are uploaded (zeros where device rows go); device rows are gathered by the pass itself.
+            // Host rows are uploaded (up to the last of them); device rows are gathered by the pass itself.
             if uploaded {
                 self.upload_f32(&features, &mut ws.features, "features")?;
             }

@@ -830,27 +830,31 @@ __device__ __forceinline__ AttentionCut attention_cut(const RowInfo& ri, int max
     return AttentionCut{visible, per, (visible + per - 1) / per};
 }
 
-// Split `split` of row r and head `head` (its keys non-empty): the block's share of the row's attention, merged
-// by the block that finishes the row and head's last split. With `enter`, the block's first item: its first
-// chunk of cached keys is loaded before the PDL wait. Warps other than 0 return after the warp merge; warp 0
-// returns once it has written a partial or the output.
-template <int P>
+// Split `split` of row r and heads head0 .. head0 + G - 1 (its keys non-empty; the G heads share a KV head): the
+// block's share of the row's attention for each head, merged by the block that finishes the row and head's last
+// split. The G heads read the same keys and values, loaded once a chunk (grouped query attention: a multi-row
+// pass of the qwen2.5-1.5b shape launched 12 blocks a row where 4 of 3 heads read the same cache); each head's
+// arithmetic is the G = 1 item's, in the same order, so grouping changes no bit. With `enter`, the block's first
+// item: its first chunk of cached keys is loaded before the PDL wait. Warps G and up return after writing their
+// share; warp g merges head head0 + g and returns once it has written a partial or the output.
+template <int P, int G>
 __device__ __forceinline__ void attention_item(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
-                                               const RowInfo& ri, int r, int head, int split, int max_splits,
+                                               const RowInfo& ri, int r, int head0, int split, int max_splits,
                                                const SeqCache* __restrict__ caches, int layer, int heads,
                                                int kv_heads, int hd, float scale, float* __restrict__ partials,
                                                u32* __restrict__ counters, bool enter) {
     constexpr int CH = ATT_CHUNK / P;
     static_assert(CH >= 1, "ATT_CHUNK must be at least the pieces a lane holds");
-    __shared__ float s_max[ATT_WARPS], s_sum[ATT_WARPS];
-    __shared__ float4 s_acc[ATT_WARPS][32 * P];
+    static_assert(G >= 1 && G <= ATT_WARPS, "a merging warp a head");
+    __shared__ float s_max[G][ATT_WARPS], s_sum[G][ATT_WARPS];
+    __shared__ float4 s_acc[G][ATT_WARPS][32 * P];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int pieces = hd >> 2;
     const AttentionCut cut = attention_cut<P>(ri, max_splits);
     const int visible_count = cut.visible, per = cut.per, splits = cut.splits;
     const int begin = split * per, end = min(visible_count, begin + per);
     const SeqCache sc = caches[ri.seq];
-    const int kvh = head / (heads / kv_heads);
+    const int kvh = head0 / (heads / kv_heads);
     const float4* keys =
         reinterpret_cast<const float4*>(sc.base + (((size_t)layer * 2 + 0) * kv_heads + kvh) * sc.capacity * hd);
     const float4* values =
@@ -868,15 +872,20 @@ __device__ __forceinline__ void attention_item(const float* __restrict__ q, u32*
     if (enter) {
         PDL_ENTER();
     }
-    const float4* qh = reinterpret_cast<const float4*>(q + ((size_t)r * heads + head) * hd);
-    float4 qv[P], acc[P];
+    float4 qv[G][P], acc[G][P];
+    float m[G], l[G];
 #pragma unroll
-    for (int j = 0; j < P; j++) {
-        const int i = lane + 32 * j;
-        qv[j] = i < pieces ? qh[i] : zero;
-        acc[j] = zero;
+    for (int g = 0; g < G; g++) {
+        const float4* qh = reinterpret_cast<const float4*>(q + ((size_t)r * heads + head0 + g) * hd);
+#pragma unroll
+        for (int j = 0; j < P; j++) {
+            const int i = lane + 32 * j;
+            qv[g][j] = i < pieces ? qh[i] : zero;
+            acc[g][j] = zero;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.f;
     }
-    float m = NEG_INF, l = 0.f;
     for (int first = first_chunk; first < end; first += ATT_WARPS * CH) {
         if (first == first_chunk) {
             // The chunk's new keys (this step's, written by qkv_post).
@@ -888,69 +897,77 @@ __device__ __forceinline__ void attention_item(const float* __restrict__ q, u32*
                 for (int j = 0; j < P; j++) kv[t][j] = vv[t][j] = zero;
             attention_fetch<P, CH>(keys, values, ri, first, begin, end, lane, pieces, kv, vv);
         }
-        float score[CH];
-        float chunk_max = NEG_INF;
 #pragma unroll
-        for (int t = 0; t < CH; t++) {
-            float d = 0.f;
+        for (int g = 0; g < G; g++) {
+            float score[CH];
+            float chunk_max = NEG_INF;
+#pragma unroll
+            for (int t = 0; t < CH; t++) {
+                float d = 0.f;
+#pragma unroll
+                for (int j = 0; j < P; j++) {
+                    d = fmaf(qv[g][j].x, kv[t][j].x, d);
+                    d = fmaf(qv[g][j].y, kv[t][j].y, d);
+                    d = fmaf(qv[g][j].z, kv[t][j].z, d);
+                    d = fmaf(qv[g][j].w, kv[t][j].w, d);
+                }
+                score[t] = first + t < end ? warp_sum(d) * scale : NEG_INF;
+                chunk_max = fmaxf(chunk_max, score[t]);
+            }
+            // Every chunk holds at least one visible key, so chunk_max is finite.
+            const float m_new = fmaxf(m[g], chunk_max);
+            const float correction = expf(m[g] - m_new);
+            float psum = 0.f;
 #pragma unroll
             for (int j = 0; j < P; j++) {
-                d = fmaf(qv[j].x, kv[t][j].x, d);
-                d = fmaf(qv[j].y, kv[t][j].y, d);
-                d = fmaf(qv[j].z, kv[t][j].z, d);
-                d = fmaf(qv[j].w, kv[t][j].w, d);
+                acc[g][j].x *= correction; acc[g][j].y *= correction;
+                acc[g][j].z *= correction; acc[g][j].w *= correction;
             }
-            score[t] = first + t < end ? warp_sum(d) * scale : NEG_INF;
-            chunk_max = fmaxf(chunk_max, score[t]);
-        }
-        // Every chunk holds at least one visible key, so chunk_max is finite.
-        const float m_new = fmaxf(m, chunk_max);
-        const float correction = expf(m - m_new);
-        float psum = 0.f;
 #pragma unroll
-        for (int j = 0; j < P; j++) {
-            acc[j].x *= correction; acc[j].y *= correction; acc[j].z *= correction; acc[j].w *= correction;
-        }
+            for (int t = 0; t < CH; t++) {
+                const float pt = first + t < end ? expf(score[t] - m_new) : 0.f;
+                psum += pt;
 #pragma unroll
-        for (int t = 0; t < CH; t++) {
-            const float pt = first + t < end ? expf(score[t] - m_new) : 0.f;
-            psum += pt;
-#pragma unroll
-            for (int j = 0; j < P; j++) {
-                acc[j].x = fmaf(pt, vv[t][j].x, acc[j].x);
-                acc[j].y = fmaf(pt, vv[t][j].y, acc[j].y);
-                acc[j].z = fmaf(pt, vv[t][j].z, acc[j].z);
-                acc[j].w = fmaf(pt, vv[t][j].w, acc[j].w);
+                for (int j = 0; j < P; j++) {
+                    acc[g][j].x = fmaf(pt, vv[t][j].x, acc[g][j].x);
+                    acc[g][j].y = fmaf(pt, vv[t][j].y, acc[g][j].y);
+                    acc[g][j].z = fmaf(pt, vv[t][j].z, acc[g][j].z);
+                    acc[g][j].w = fmaf(pt, vv[t][j].w, acc[g][j].w);
+                }
             }
+            l[g] = l[g] * correction + psum;
+            m[g] = m_new;
         }
-        l = l * correction + psum;
-        m = m_new;
-    }
-    if (lane == 0) {
-        s_max[warp] = m;
-        s_sum[warp] = l;
     }
 #pragma unroll
-    for (int j = 0; j < P; j++) s_acc[warp][lane + 32 * j] = acc[j];
+    for (int g = 0; g < G; g++) {
+        if (lane == 0) {
+            s_max[g][warp] = m[g];
+            s_sum[g][warp] = l[g];
+        }
+#pragma unroll
+        for (int j = 0; j < P; j++) s_acc[g][warp][lane + 32 * j] = acc[g][j];
+    }
     __syncthreads();
-    if (warp != 0) return;
+    if (warp >= G) return;
+    const int g = warp, head = head0 + g;
     // Unrolled (ATT_WARPS is fixed), so the shared-memory loads and exponentials of all warps overlap; the adds
     // stay in warp order.
     float gm = NEG_INF;
 #pragma unroll
-    for (int w = 0; w < ATT_WARPS; w++) gm = fmaxf(gm, s_max[w]);
+    for (int w = 0; w < ATT_WARPS; w++) gm = fmaxf(gm, s_max[g][w]);
     float gl = 0.f;
     float4 total[P];
 #pragma unroll
     for (int j = 0; j < P; j++) total[j] = zero;
 #pragma unroll
     for (int w = 0; w < ATT_WARPS; w++) {
-        if (s_max[w] == NEG_INF) continue;
-        const float f = expf(s_max[w] - gm);
-        gl += s_sum[w] * f;
+        if (s_max[g][w] == NEG_INF) continue;
+        const float f = expf(s_max[g][w] - gm);
+        gl += s_sum[g][w] * f;
 #pragma unroll
         for (int j = 0; j < P; j++) {
-            const float4 a = s_acc[w][lane + 32 * j];
+            const float4 a = s_acc[g][w][lane + 32 * j];
             total[j].x += a.x * f; total[j].y += a.y * f; total[j].z += a.z * f; total[j].w += a.w * f;
         }
     }
@@ -1031,19 +1048,19 @@ __device__ __forceinline__ void attention_item(const float* __restrict__ q, u32*
     }
 }
 
-// Grid (rows, heads, max_splits): block (r, head, z) takes split z of row r and head `head` (blocks past the
-// row's splits have nothing to do; block z = 0 always has keys: it waits and triggers for the launch).
-template <int P>
+// Grid (rows, heads / G, max_splits): block (r, y, z) takes split z of row r and heads G y .. G y + G - 1 (blocks
+// past the row's splits have nothing to do; block z = 0 always has keys: it waits and triggers for the launch).
+template <int P, int G>
 __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
                                                const RowInfo* __restrict__ rows, const SeqCache* __restrict__ caches,
                                                int layer, int heads, int kv_heads, int hd, float scale,
                                                float* __restrict__ partials, u32* __restrict__ counters) {
-    const int r = blockIdx.x, head = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
+    const int r = blockIdx.x, head0 = blockIdx.y * G, split = blockIdx.z, max_splits = gridDim.z;
     // The step's tables come from the host before the step: readable before the wait.
     const RowInfo ri = rows[r];
     if (split >= attention_cut<P>(ri, max_splits).splits) return;
-    attention_item<P>(q, out, out_chunks, ri, r, head, split, max_splits, caches, layer, heads, kv_heads, hd, scale,
-                      partials, counters, true);
+    attention_item<P, G>(q, out, out_chunks, ri, r, head0, split, max_splits, caches, layer, heads, kv_heads, hd,
+                         scale, partials, counters, true);
 }
 
 // The most rows attention_list takes (ops.rs ATTENTION_LIST_MAX_ROWS): a table of each row's first item.
@@ -1056,19 +1073,20 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
 // us a row and layer on the H200. An item runs slower than the grid's block, though (1 row: 1.35 against 1.26 ms
 // a qwen2.5-1.5b pass), so ops.rs takes the list from 12 rows (16 rows: 1.92 against 1.97 ms, 32: 2.69 against
 // 3.04). Block 0 always has item 0: it waits and triggers for the launch.
-template <int P>
+template <int P, int G>
 __device__ __forceinline__ void attention_list(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
                                                const RowInfo* __restrict__ rows, int n_rows,
                                                const SeqCache* __restrict__ caches, int layer, int heads,
                                                int kv_heads, int hd, float scale, int max_splits,
                                                float* __restrict__ partials, u32* __restrict__ counters) {
     __shared__ int s_first[ATT_LIST_MAX_ROWS + 1];
+    const int groups = heads / G;
     // Each row's items (a thread a row, two a lane of warp 0), summed by a scan in warp 0.
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
         const int r0 = 2 * lane, r1 = 2 * lane + 1;
-        const int c0 = r0 < n_rows ? heads * attention_cut<P>(rows[r0], max_splits).splits : 0;
-        const int c1 = r1 < n_rows ? heads * attention_cut<P>(rows[r1], max_splits).splits : 0;
+        const int c0 = r0 < n_rows ? groups * attention_cut<P>(rows[r0], max_splits).splits : 0;
+        const int c1 = r1 < n_rows ? groups * attention_cut<P>(rows[r1], max_splits).splits : 0;
         int incl = c0 + c1;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -1087,37 +1105,43 @@ __device__ __forceinline__ void attention_list(const float* __restrict__ q, u32*
     // the item compiles as attention_rows' does).
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         while (s_first[r + 1] <= t) r++;
-        const int splits = (s_first[r + 1] - s_first[r]) / heads;
+        const int splits = (s_first[r + 1] - s_first[r]) / groups;
         const int i = t - s_first[r];
         if (t == (int)blockIdx.x) {
-            attention_item<P>(q, out, out_chunks, rows[r], r, i / splits, i % splits, max_splits, caches, layer,
-                              heads, kv_heads, hd, scale, partials, counters, true);
+            attention_item<P, G>(q, out, out_chunks, rows[r], r, i / splits * G, i % splits, max_splits, caches,
+                                 layer, heads, kv_heads, hd, scale, partials, counters, true);
         } else {
-            // The last item's shared memory is read (warp 0's merge) before this one's is written.
+            // The last item's shared memory is read (the merging warps') before this one's is written.
             __syncthreads();
-            attention_item<P>(q, out, out_chunks, rows[r], r, i / splits, i % splits, max_splits, caches, layer,
-                              heads, kv_heads, hd, scale, partials, counters, false);
+            attention_item<P, G>(q, out, out_chunks, rows[r], r, i / splits * G, i % splits, max_splits, caches,
+                                 layer, heads, kv_heads, hd, scale, partials, counters, false);
         }
     }
 }
 
-#define ATTENTION_KERNEL(name, list_name, P)                                                                       \
+#define ATTENTION_KERNEL(name, list_name, P, G)                                                                    \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                                  \
         name(const float* __restrict__ q, u32* __restrict__ out, int out_chunks, const RowInfo* __restrict__ rows, \
              const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd, float scale,         \
              float* __restrict__ partials, u32* __restrict__ counters) {                                           \
-        attention_rows<P>(q, out, out_chunks, rows, caches, layer, heads, kv_heads, hd, scale, partials, counters); \
+        attention_rows<P, G>(q, out, out_chunks, rows, caches, layer, heads, kv_heads, hd, scale, partials,       \
+                             counters);                                                                            \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 1)                                               \
         list_name(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,                              \
                   const RowInfo* __restrict__ rows, int n_rows, const SeqCache* __restrict__ caches, int layer,    \
                   int heads, int kv_heads, int hd, float scale, int max_splits, float* __restrict__ partials,      \
                   u32* __restrict__ counters) {                                                                    \
-        attention_list<P>(q, out, out_chunks, rows, n_rows, caches, layer, heads, kv_heads, hd, scale, max_splits, \
-                          partials, counters);                                                                     \
+        attention_list<P, G>(q, out, out_chunks, rows, n_rows, caches, layer, heads, kv_heads, hd, scale,         \
+                             max_splits, partials, counters);                                                      \
     }
-ATTENTION_KERNEL(attention_128, attention_list_128, 1)
-ATTENTION_KERNEL(attention_256, attention_list_256, 2)
+ATTENTION_KERNEL(attention_128, attention_list_128, 1, 1)
+ATTENTION_KERNEL(attention_256, attention_list_256, 2, 1)
+// Heads sharing a KV head taken G a block (ops.rs attention_group): head dimension <= 128 only (at 256 the shared
+// memory of G > 1 heads' warp merge does not fit).
+ATTENTION_KERNEL(attention_128_g2, attention_list_128_g2, 1, 2)
+ATTENTION_KERNEL(attention_128_g3, attention_list_128_g3, 1, 3)
+ATTENTION_KERNEL(attention_128_g4, attention_list_128_g4, 1, 4)
 
 // An EAGLE-3 head's feature rows gathered from the target's step outputs where they lie: row r, layer l comes from
 // the address in table[2 * (r * max_layers + l)] (two words, low first), `cols` floats, to out[r * width + l *

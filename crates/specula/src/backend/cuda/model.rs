@@ -638,6 +638,7 @@ impl CudaModel {
             vocab,
             capture: opts.capture_layers.to_vec(),
             attention_list: ops::attention_as_list(tables.tokens.len()),
+            attention_grouped: ops::attention_grouped(tables.tokens.len()),
         };
         let mut ws = self
             .workspace
@@ -1134,6 +1135,8 @@ struct Shape {
     capture: Vec<usize>,
     /// Attention as a list of items or as a grid (`ops::attention_as_list`; the selftest runs both).
     attention_list: bool,
+    /// Heads sharing a KV head taken several a block (`ops::attention_variant`; the selftest runs both ways).
+    attention_grouped: bool,
 }
 
 #[derive(Default)]
@@ -1757,6 +1760,7 @@ impl Model for CudaModel {
         let mut checks = self.check_gemm_tile()?;
         checks.extend(self.check_native_q4k()?);
         checks.extend(self.check_attention_list(_tokens)?);
+        checks.extend(self.check_attention_group(_tokens)?);
         Ok(checks)
     }
 }
@@ -1824,13 +1828,15 @@ impl CudaModel {
         Ok(results)
     }
 
-    /// Attention taken as a list of items (decode and verify steps, kernels.cu attention_list) against the grid
-    /// of rows x heads x splits: two sequences, one after a 200-token prompt (several splits a row; shorter in a
-    /// short context), one after a short one, then verify-shaped steps of 5 and 3 rows; every logit the same
-    /// bits.
-    fn check_attention_list(&self, tokens: &[u32]) -> Result<Vec<KernelCheck>> {
+    /// Logits of the attention checks' steps (below) with `switch(false)`, then `switch(true)`, in force; None
+    /// where the tokens or the context leave no room.
+    fn attention_both_ways(
+        &self,
+        tokens: &[u32],
+        switch: &dyn Fn(bool),
+    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
         if tokens.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let vocab = self.config.vocab_size as u32;
         // 200 tokens where the context allows (and room for the steps after).
@@ -1838,12 +1844,12 @@ impl CudaModel {
         let long: Vec<u32> = tokens.iter().copied().cycle().take(long_len).collect();
         let short = &tokens[..tokens.len().min(12).min(long_len)];
         if long.is_empty() || short.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let next: Vec<u32> = (0..5u32).map(|i| (i * 7919 + 3) % vocab).collect();
         let opts = ForwardOptions::default();
-        let run = |list: bool| -> Result<Vec<f32>> {
-            ops::set_attention_list(Some(list));
+        let run = |on: bool| -> Result<Vec<f32>> {
+            switch(on);
             let capacity = long.len() + next.len() + 1;
             let (mut a, mut b) = (self.new_cache(capacity)?, self.new_cache(capacity)?);
             let mut values = Vec::new();
@@ -1882,10 +1888,21 @@ impl CudaModel {
             }
             Ok(values)
         };
-        let grid = run(false);
-        let list = run(true);
+        let off = run(false);
+        let on = run(true);
+        Ok(Some((off?, on?)))
+    }
+
+    /// Attention taken as a list of items (decode and verify steps, kernels.cu attention_list) against the grid
+    /// of rows x heads x splits: two sequences, one after a 200-token prompt (several splits a row; shorter in a
+    /// short context), one after a short one, then verify-shaped steps of 5 and 3 rows; every logit the same
+    /// bits.
+    fn check_attention_list(&self, tokens: &[u32]) -> Result<Vec<KernelCheck>> {
+        let runs = self.attention_both_ways(tokens, &|list| ops::set_attention_list(Some(list)));
         ops::set_attention_list(None);
-        let (grid, list) = (grid?, list?);
+        let Some((grid, list)) = runs? else {
+            return Ok(Vec::new());
+        };
         Ok(vec![Self::bitwise_check(
             format!(
                 "attention as a list = as a grid bitwise, 2 sequences, {} logits",
@@ -1895,6 +1912,40 @@ impl CudaModel {
             &grid,
             &list,
         )])
+    }
+
+    /// Heads that share a KV head taken several a block (kernels.cu attention_item's G) against one a block, the
+    /// same steps, as a grid and as a list: every logit the same bits. Nothing to compare where the model's
+    /// heads do not group (ops::attention_variant).
+    fn check_attention_group(&self, tokens: &[u32]) -> Result<Vec<KernelCheck>> {
+        let c = &self.config;
+        ops::set_attention_group(Some(true));
+        let (_, group) = ops::attention_variant(c.num_heads, c.num_kv_heads, c.head_dim, 1);
+        ops::set_attention_group(None);
+        if group == 1 {
+            return Ok(Vec::new());
+        }
+        let mut checks = Vec::new();
+        for list in [false, true] {
+            ops::set_attention_list(Some(list));
+            let runs = self.attention_both_ways(tokens, &|g| ops::set_attention_group(Some(g)));
+            ops::set_attention_group(None);
+            ops::set_attention_list(None);
+            let Some((one, grouped)) = runs? else {
+                return Ok(Vec::new());
+            };
+            checks.push(Self::bitwise_check(
+                format!(
+                    "attention {group} heads a block = one a block bitwise ({}), 2 sequences, {} logits",
+                    if list { "list" } else { "grid" },
+                    grouped.len()
+                ),
+                "f32",
+                &one,
+                &grouped,
+            ));
+        }
+        Ok(checks)
     }
 
     /// A bitwise comparison of two results as a check (any differing value fails, however small).

@@ -329,11 +329,12 @@ pub(crate) fn attention(
 ) -> Result<()> {
     debug_assert!(rows <= splits.rows);
     let q_dim = heads * head_dim;
-    let variant = usize::from(head_dim > 128);
+    let (variant, group) = attention_variant(heads, kv_heads, head_dim, rows);
+    let blocks_a_row = heads / group;
     if rows <= ATTENTION_LIST_MAX_ROWS && attention_as_list(rows) {
         // The same items and arithmetic as below, without the grid's empty blocks (kernels.cu attention_list).
-        let blocks =
-            (rows * heads * splits.splits).min(gpu.kernels.attention_list_blocks[variant] as usize);
+        let blocks = (rows * blocks_a_row * splits.splits)
+            .min(gpu.kernels.attention_list_blocks[variant] as usize);
         launch_fn!(
             gpu,
             &gpu.kernels.attention_list[variant],
@@ -361,7 +362,7 @@ pub(crate) fn attention(
         gpu,
         &gpu.kernels.attention[variant],
         "attention",
-        (rows as u32, heads as u32, splits.splits as u32),
+        (rows as u32, blocks_a_row as u32, splits.splits as u32),
         gpu.kernels.attention_threads[variant],
         q,
         out,
@@ -377,6 +378,76 @@ pub(crate) fn attention(
         ptr(&splits.counters, gpu)
     );
     Ok(())
+}
+
+/// The attention kernel for a launch of `rows` rows of a model's heads (an index into `Kernels::attention`) and
+/// how many heads it takes a block: from 2 rows, heads that share a KV head go 4, 3 or 2 to a block where their
+/// number allows (head dimension <= 128), each block reading the keys and values once for all of them. Every
+/// head's arithmetic is the same in all variants, so the choice changes no bit (the selftest compares them).
+/// Measured on the H200 (`forward_shapes`, ms a pass, grouped / one head a block; docs/benchmarks.md session 32):
+/// qwen2.5-1.5b at 64 cached keys 1 row 1.30 / 1.27, 4 rows 1.34 / 1.40, 8 rows 1.36 / 1.52, 16 rows 1.85 /
+/// 1.93; at 600 keys 1 row 1.40 / 1.34, 2 rows 1.41 / 1.48, 8 rows 1.79 / 2.24; llama-3.1-8b at 256 keys 1 row
+/// 4.39 / 4.26, 6 rows 4.74 / 5.13, 8 rows 4.82 / 5.49. So one row (decoding one sequence) keeps a block a head:
+/// its few blocks then each take three or four heads' work in turn. `SPECULA_CUDA_ATTENTION_GROUP=0` takes one
+/// head a block at any rows; `SPECULA_CUDA_ATTENTION_GROUP_MIN_ROWS=N` groups from N rows.
+pub(crate) fn attention_variant(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rows: usize,
+) -> (usize, usize) {
+    if head_dim > 128 {
+        return (1, 1);
+    }
+    let per_kv = heads / kv_heads.max(1);
+    if !attention_grouped(rows) || kv_heads == 0 || heads % kv_heads != 0 {
+        return (0, 1);
+    }
+    // Kernels::attention holds the G-head variants at index G.
+    [4usize, 3, 2]
+        .into_iter()
+        .find(|g| per_kv % g == 0)
+        .map_or((0, 1), |g| (g, g))
+}
+
+/// Rows from which attention groups heads by default (`attention_variant`).
+const DEFAULT_ATTENTION_GROUP_MIN_ROWS: usize = 2;
+
+/// Whether a launch of `rows` rows takes several heads a block where the model's heads allow (part of a captured
+/// step's shape with its rows: the selftest switches it).
+pub(crate) fn attention_grouped(rows: usize) -> bool {
+    match ATTENTION_GROUP_OVERRIDE.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            static MIN_ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+            let min_rows = *MIN_ROWS.get_or_init(|| {
+                if std::env::var("SPECULA_CUDA_ATTENTION_GROUP").is_ok_and(|v| v == "0") {
+                    return usize::MAX;
+                }
+                std::env::var("SPECULA_CUDA_ATTENTION_GROUP_MIN_ROWS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(DEFAULT_ATTENTION_GROUP_MIN_ROWS)
+            });
+            rows >= min_rows
+        }
+    }
+}
+
+/// 0: as the environment says; 1: grouped at any rows where the heads allow; 2: one head a block (the selftest
+/// compares them).
+static ATTENTION_GROUP_OVERRIDE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Forces heads grouped a block at any rows (Some(true)) or one a block (Some(false)) for the steps that follow;
+/// None: the default.
+pub(crate) fn set_attention_group(group: Option<bool>) {
+    let v = match group {
+        None => 0,
+        Some(true) => 1,
+        Some(false) => 2,
+    };
+    ATTENTION_GROUP_OVERRIDE.store(v, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// The most rows an attention launch takes as a list of items (kernels.cu ATT_LIST_MAX_ROWS): decode and verify
