@@ -72,12 +72,6 @@ const ATTENTION_LIST: [&str; ATTENTION_VARIANTS] = [
     "attention_list_128_g4",
 ];
 
-fn attention_names(
-    names: [&'static str; ATTENTION_VARIANTS],
-) -> impl Iterator<Item = &'static str> {
-    names.into_iter()
-}
-
 /// The kernels of kernels.cu, loaded.
 pub struct Kernels {
     _module: Arc<CudaModule>,
@@ -306,23 +300,27 @@ impl Gpu {
             splitk_reduce: f("splitk_reduce")?,
             qkv_post: f("qkv_post")?,
             rope_angles: f("rope_angles")?,
-            attention: attention_names(ATTENTION_GRID)
-                .map(|n| f(n))
+            attention: ATTENTION_GRID
+                .into_iter()
+                .map(&f)
                 .collect::<Result<Vec<_>>>()?
                 .try_into()
                 .map_err(|_| Error::Cuda("attention kernel table".into()))?,
-            attention_threads: attention_names(ATTENTION_GRID)
-                .map(|n| threads(n))
+            attention_threads: ATTENTION_GRID
+                .into_iter()
+                .map(&threads)
                 .collect::<Result<Vec<_>>>()?
                 .try_into()
                 .map_err(|_| Error::Cuda("attention kernel table".into()))?,
-            attention_list: attention_names(ATTENTION_LIST)
-                .map(|n| f(n))
+            attention_list: ATTENTION_LIST
+                .into_iter()
+                .map(&f)
                 .collect::<Result<Vec<_>>>()?
                 .try_into()
                 .map_err(|_| Error::Cuda("attention kernel table".into()))?,
-            attention_list_blocks: attention_names(ATTENTION_LIST)
-                .map(|n| resident(n))
+            attention_list_blocks: ATTENTION_LIST
+                .into_iter()
+                .map(&resident)
                 .collect::<Result<Vec<_>>>()?
                 .try_into()
                 .map_err(|_| Error::Cuda("attention kernel table".into()))?,

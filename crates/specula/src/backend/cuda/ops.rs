@@ -400,13 +400,13 @@ pub(crate) fn attention_variant(
         return (1, 1);
     }
     let per_kv = heads / kv_heads.max(1);
-    if !attention_grouped(rows) || kv_heads == 0 || heads % kv_heads != 0 {
+    if !attention_grouped(rows) || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         return (0, 1);
     }
     // Kernels::attention holds the G-head variants at index G.
     [4usize, 3, 2]
         .into_iter()
-        .find(|g| per_kv % g == 0)
+        .find(|&g| per_kv.is_multiple_of(g))
         .map_or((0, 1), |g| (g, g))
 }
 
