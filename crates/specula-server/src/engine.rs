@@ -1379,6 +1379,7 @@ impl<'a> EngineLoop<'a> {
                 lag: lags[i],
                 shared_by: catch_up_shared_by(drafted_yet, r.generation.tokens_left(), alone),
                 cheap_catch_up: r.generation.draft_catch_up_is_cheap(),
+                catch_up_reach: r.generation.draft_catch_up_reach(),
             });
         }
         input

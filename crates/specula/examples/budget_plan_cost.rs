@@ -49,6 +49,7 @@ fn main() {
                 lag: 1,
                 shared_by: 1,
                 cheap_catch_up: true,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             })
             .collect();
         let t0 = Instant::now();

@@ -188,6 +188,11 @@ impl<'d> Generation<'d> {
         self.drafter.as_ref().is_some_and(|d| d.cheap_catch_up())
     }
 
+    /// The longest catch-up its drafter resumes with beside other requests ([`Drafter::catch_up_reach`]).
+    pub fn draft_catch_up_reach(&self) -> usize {
+        self.drafter.as_ref().map_or(0, |d| d.catch_up_reach())
+    }
+
     /// Tokens the drafter must process before its next draft ([`Drafter::lag`]); 0 without a drafter.
     pub fn draft_lag(&self) -> usize {
         self.drafter.as_ref().map_or(0, |d| d.lag(&self.context))

@@ -326,6 +326,9 @@ pub struct DraftCandidate {
     /// target's features: ~1/30 of a target pass a row), not a model's steps that stall the batch (a draft
     /// model): it may resume beside others, its catch-up priced by what it costs.
     pub cheap_catch_up: bool,
+    /// With a cheap catch-up, the longest one it resumes with beside other requests
+    /// ([`crate::draft::Drafter::catch_up_reach`]: a new request's prompt fed in pieces, not a long cut's backlog).
+    pub catch_up_reach: usize,
 }
 
 /// The engine's draft-length chooser: a step cost table, per-request acceptance by position, and the pooled
@@ -364,8 +367,9 @@ impl DraftBudget {
     /// How much faster (expected tokens per second) a step that drafts must be than the same step undrafted
     /// ([`Self::plan`]).
     pub const STEP_MARGIN: f64 = 0.02;
-    /// The longest catch-up a head (a cheap catch-up) resumes with beside other requests: a new request's prompt
-    /// (the drafter feeds 8 rows a step there: eagle3::MAX_FEED_ROWS_IN_BATCH), not a long cut's backlog.
+    /// The longest catch-up a CPU head resumes with beside other requests (`HeadCompute::catch_up_reach`'s
+    /// default: 8 pieces of eagle3::MAX_FEED_ROWS_IN_BATCH rows); each candidate carries its own
+    /// ([`DraftCandidate::catch_up_reach`]), a GPU head's being much longer.
     pub const MAX_CHEAP_CATCH_UP_BESIDE_OTHERS: usize = 64;
     /// The most a probe may slow a step it shares with other requests (alone, a probe only costs its own
     /// request).
@@ -775,8 +779,8 @@ impl DraftBudget {
                 limits: candidates
                     .iter()
                     .map(|c| {
-                        let within_reach = c.cheap_catch_up
-                            && catch_up_tokens(c) <= Self::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS;
+                        let within_reach =
+                            c.cheap_catch_up && catch_up_tokens(c) <= c.catch_up_reach;
                         if alone || catch_up_tokens(c) == 0 || within_reach {
                             c.max_tokens
                         } else {
@@ -921,8 +925,7 @@ impl DraftBudget {
             // A head far behind (cut for many steps) resumes only alone too: beside others it feeds a few
             // rows a step, drafting nothing for tens of steps while each is priced as a draft (a 4-stream CPU
             // server spent 26 steps in a row so); a new request's prompt is within reach.
-            let too_far =
-                c.cheap_catch_up && catch_up_tokens(c) > Self::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS;
+            let too_far = c.cheap_catch_up && catch_up_tokens(c) > c.catch_up_reach;
             !(j >= c.max_tokens
                 || (j == 0 && !alone && catch_up_tokens(c) > 0 && (!c.cheap_catch_up || too_far)))
         };
@@ -1438,6 +1441,7 @@ mod tests {
             lag: 0,
             shared_by: 1,
             cheap_catch_up: false,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
         }];
         let budget = || {
             let mut b = cpu_like();
@@ -1508,6 +1512,7 @@ mod tests {
             lag: 0,
             shared_by: 1,
             cheap_catch_up,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
         })
         .collect()
     }
@@ -1533,6 +1538,7 @@ mod tests {
             lag: 0,
             shared_by: 1,
             cheap_catch_up: false,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
         }];
         // Alone: a second row costs 3.6 ms of 30, and is accepted 40% of the time: worth it.
         assert!(b.choose(&one, 1, 1)[0] >= 1);
@@ -1547,6 +1553,7 @@ mod tests {
                 lag: 0,
                 shared_by: 1,
                 cheap_catch_up: false,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             })
             .collect();
         assert_eq!(b.choose(&eight, 8, 8), vec![0; 8]);
@@ -1573,6 +1580,7 @@ mod tests {
                 lag: 0,
                 shared_by: 1,
                 cheap_catch_up: false,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             }]
         };
         let mut b = cpu_like();
@@ -1608,6 +1616,7 @@ mod tests {
                 lag: 0,
                 shared_by: 1,
                 cheap_catch_up: false,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             })
             .collect();
         let limits = b.choose(&eight, 8, 8);
@@ -1624,6 +1633,7 @@ mod tests {
             lag: 0,
             shared_by: 1,
             cheap_catch_up: false,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
         }];
         assert_eq!(fresh.choose(&c, 1, 1), vec![4]);
         // ... but a fresh draft model that must first feed its prompt waits while others are in the step.
@@ -1632,6 +1642,7 @@ mod tests {
         // An EAGLE-3 head's catch-up is a small pass of its own: it resumes beside others.
         let lagging_head = DraftCandidate {
             cheap_catch_up: true,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             ..lagging
         };
         assert_eq!(fresh.choose(&[lagging_head, c[0]], 2, 2), vec![4, 4]);
@@ -1657,6 +1668,7 @@ mod tests {
             lag: 0,
             shared_by: 1,
             cheap_catch_up: false,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
         };
         for _ in 0..DraftBudget::PROBE_EVERY {
             assert_eq!(b.choose(&[fresh_request], 8, 8), vec![0]);
@@ -1676,6 +1688,7 @@ mod tests {
                 lag: 0,
                 shared_by: 1,
                 cheap_catch_up: false,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             })
             .collect();
         for c in &eight {
@@ -1796,6 +1809,7 @@ mod tests {
             lag,
             shared_by: 1,
             cheap_catch_up: true,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
         };
         for id in 1..=8 {
             history(&mut b, id, 1, 40, 0.1);
@@ -1840,6 +1854,7 @@ mod tests {
                 lag,
                 shared_by,
                 cheap_catch_up: false,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             }]
         };
         // Caught up, alone, 90% right: draft.
@@ -1852,6 +1867,7 @@ mod tests {
         // tokens missed (charged whole) do not pay this step.
         let head_cut = [DraftCandidate {
             cheap_catch_up: true,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             ..alone(60, 1)[0]
         }];
         assert_eq!(b.choose(&head_cut, 2, 2), vec![0]);
@@ -1868,6 +1884,7 @@ mod tests {
                 lag,
                 shared_by: 1,
                 cheap_catch_up: false,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             }]
         };
         assert_eq!(b.choose(&weak(0), 1, 1), vec![0]);
@@ -1901,6 +1918,7 @@ mod tests {
                 lag: 60,
                 shared_by: 60,
                 cheap_catch_up,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             }]
         };
         assert!(
@@ -1921,6 +1939,17 @@ mod tests {
             b.observe_cycle(1, 0, 0, 0);
         }
         assert_eq!(b.choose(&far, 2, 2), vec![0]);
+        // A head whose passes are flat in rows (a GPU head: a chunk a step) reaches further: the same 200-token
+        // backlog (a long prompt) resumes beside others when it pays.
+        let reaching = [DraftCandidate {
+            catch_up_reach: 2048,
+            ..far[0]
+        }];
+        assert!(
+            b.choose(&reaching, 2, 2)[0] >= 1,
+            "{:?}",
+            b.choose(&reaching, 2, 2)
+        );
     }
 
     /// The first catch-up is allowed once while the request is alone and measured; afterwards a cheap one (a
@@ -1937,6 +1966,7 @@ mod tests {
                 lag,
                 shared_by,
                 cheap_catch_up: false,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             }]
         };
         // Unmeasured: alone it is allowed (to measure it), beside another request it is not.
@@ -1998,6 +2028,7 @@ mod tests {
                 lag,
                 shared_by,
                 cheap_catch_up: false,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             }]
         };
         assert_eq!(b.catch_up_token_s, None);
@@ -2034,6 +2065,7 @@ mod tests {
             lag: 0,
             shared_by: 1,
             cheap_catch_up: false,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
         }];
         let b = gpu_like(0.89);
         let gains = b.pooled_gains(3);
@@ -2105,6 +2137,7 @@ mod tests {
             lag: 0,
             shared_by: 1,
             cheap_catch_up: false,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
         }];
         let fresh = b.plan(&c, 1, 1);
         assert!(fresh.limits[0] >= 2, "{fresh:?}");
@@ -2177,6 +2210,7 @@ mod tests {
                 lag,
                 shared_by: 64,
                 cheap_catch_up: false,
+                catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
             }]
         };
         let caught_up = b.plan(&candidate(0), 1, 1);
@@ -2278,6 +2312,7 @@ mod tests {
                         lag,
                         shared_by: tokens_left.div_ceil(2),
                         cheap_catch_up: false,
+                        catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
                     }];
                     let plan = b.plan(&c, 1, 1);
                     (plan.limits[0], plan.expected_s)
@@ -2522,6 +2557,7 @@ mod tests {
             lag: 1,
             shared_by: 1,
             cheap_catch_up: false,
+            catch_up_reach: DraftBudget::MAX_CHEAP_CATCH_UP_BESIDE_OTHERS,
         }];
         assert!(b.choose(&c, 1, 1)[0] >= 1);
         let mut per_token = b.clone();

@@ -101,6 +101,12 @@ pub trait Drafter {
         false
     }
 
+    /// With a cheap catch-up, the longest one (tokens) it resumes with beside other requests (fed in pieces);
+    /// longer ones only alone. 0 by default.
+    fn catch_up_reach(&self) -> usize {
+        0
+    }
+
     /// Layers of the target whose hidden states this drafter needs (EAGLE-3); none by default.
     fn target_layers(&self) -> &[usize] {
         &[]
@@ -224,6 +230,10 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
 
     fn cheap_catch_up(&self) -> bool {
         (**self).cheap_catch_up()
+    }
+
+    fn catch_up_reach(&self) -> usize {
+        (**self).catch_up_reach()
     }
 
     fn target_layers(&self) -> &[usize] {

@@ -782,6 +782,18 @@ impl CudaHead {
 }
 
 impl HeadCompute for CudaHead {
+    fn catch_up_piece(&self) -> usize {
+        // A pass of up to a chunk's rows costs about a one-row pass (all graphed): a 60-token prompt fed 8 rows a
+        // step held its request undrafted for 8 steps, each running a head pass anyway.
+        CHUNK_ROWS
+    }
+
+    fn catch_up_reach(&self) -> usize {
+        // Prompts of up to 2048 tokens, fed a chunk a step beside other requests: at the old reach (64) a request
+        // with a longer prompt never drafted beside others (the chat template alone is ~30 tokens).
+        32 * CHUNK_ROWS
+    }
+
     fn graphs_captured(&self) -> u64 {
         self.captured.load(std::sync::atomic::Ordering::Relaxed)
     }

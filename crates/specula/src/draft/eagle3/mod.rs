@@ -83,9 +83,10 @@ struct Candidate {
     out: Option<Vec<f32>>,
 }
 
-/// Rows of target features a drafter feeds its head in one cycle when drafting beside other requests: a longer
-/// catch-up (a prompt's features) is fed in pieces over several cycles, drafting nothing until it is done, so
-/// no step stalls every request (a 4-stream CPU server showed 0.6 s inter-token p99 feeding prompts whole).
+/// Rows of target features a drafter feeds a CPU head in one cycle when drafting beside other requests
+/// ([`HeadCompute::catch_up_piece`]'s default): a longer catch-up (a prompt's features) is fed in pieces over
+/// several cycles, drafting nothing until it is done, so no step stalls every request (a 4-stream CPU server
+/// showed 0.6 s inter-token p99 feeding prompts whole).
 pub const MAX_FEED_ROWS_IN_BATCH: usize = 8;
 
 /// Unread target forwards a drafter's prefix-cache state reads at most (a prompt's prefill chunks fit).
@@ -492,6 +493,10 @@ impl Drafter for Eagle3Drafter<'_> {
         true
     }
 
+    fn catch_up_reach(&self) -> usize {
+        self.compute.catch_up_reach()
+    }
+
     fn lag(&self, _context: &[u32]) -> usize {
         // Target features of accepted positions waiting to enter the head's cache.
         self.features.rows()
@@ -635,7 +640,7 @@ impl Drafter for Eagle3Drafter<'_> {
     ) -> Result<BatchedStart> {
         // Beside other requests a long catch-up (a prompt's features) is fed a few rows a step, so no step
         // stalls every request through it; alone it is fed whole.
-        let limit = beside_others.then_some(MAX_FEED_ROWS_IN_BATCH);
+        let limit = beside_others.then(|| self.compute.catch_up_piece());
         self.begin_chain(context, k, sampling, limit)
     }
 
