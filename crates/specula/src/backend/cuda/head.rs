@@ -791,7 +791,7 @@ impl HeadCompute for CudaHead {
     fn catch_up_reach(&self) -> usize {
         // Prompts of up to 2048 tokens, fed a chunk a step beside other requests: at the old reach (64) a request
         // with a longer prompt never drafted beside others (the chat template alone is ~30 tokens).
-        32 * CHUNK_ROWS
+        crate::draft::eagle3::compute::reach_override().unwrap_or(32 * CHUNK_ROWS)
     }
 
     fn graphs_captured(&self) -> u64 {

@@ -136,7 +136,7 @@ pub trait HeadCompute: Send + Sync {
     /// ([`Self::catch_up_piece`]), a new request's prompt, not a long cut's backlog fed for tens of steps while
     /// drafting nothing.
     fn catch_up_reach(&self) -> usize {
-        8 * self.catch_up_piece()
+        reach_override().unwrap_or(8 * self.catch_up_piece())
     }
 
     /// Whether passes may feed target features where they lie in the device's memory
@@ -151,6 +151,16 @@ pub trait HeadCompute: Send + Sync {
     fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
         run_one_by_one(self, target, passes)
     }
+}
+
+/// `SPECULA_HEAD_CATCH_UP_REACH=N`: every head's catch-up reach ([`HeadCompute::catch_up_reach`]), to compare.
+pub fn reach_override() -> Option<usize> {
+    static REACH: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *REACH.get_or_init(|| {
+        std::env::var("SPECULA_HEAD_CATCH_UP_REACH")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+    })
 }
 
 fn device_features_on_cpu() -> Error {
