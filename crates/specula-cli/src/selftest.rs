@@ -580,6 +580,18 @@ fn batch_invariance_checks(model: &dyn Model, tokens: &[u32]) -> anyhow::Result<
         &verify.logits.data,
         &singles,
     ));
+    // A prompt's positions copied into a cache of another capacity (the server's prefix cache) = computed there.
+    let mut copied = model.new_cache(tokens.len() + 24)?;
+    copied.copy_prefix_from(a.as_ref(), split)?;
+    let mut fresh = model.new_cache(tokens.len() + 8)?;
+    forward(model, prefix, Some(fresh.as_mut()), LogitsFor::None)?;
+    let after_copy = forward(model, rest, Some(copied.as_mut()), LogitsFor::All)?;
+    let after_fresh = forward(model, rest, Some(fresh.as_mut()), LogitsFor::All)?;
+    checks.push(bitwise(
+        "positions copied between caches of other capacities = computed",
+        &after_copy.logits.data,
+        &after_fresh.logits.data,
+    ));
     // A long pass (the GPU's GEMM tile, past 16 rows) against the same rows in 8-row passes (its GEMV).
     let long: Vec<u32> = tokens.iter().copied().cycle().take(40).collect();
     let whole_pass = forward(model, &long, None, LogitsFor::All)?;

@@ -228,6 +228,7 @@ impl Gpu {
         // Every buffer is used on one stream; cudarc's per-allocation events would also break graph capture.
         // SAFETY: no buffer exists yet, and all work goes to the one stream below.
         unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx);
         let stream = ctx
             .new_stream()
             .map_err(|e| cuda_err("creating a stream", e))?;
@@ -401,5 +402,30 @@ impl Gpu {
         self.ctx
             .mem_get_info()
             .map_err(|e| cuda_err("reading free memory", e))
+    }
+}
+
+/// Buffers come from the device's default memory pool (cudarc allocates stream-ordered), which by default hands
+/// memory it holds back to the driver at every synchronization, so each new request's KV caches (and an EAGLE-3
+/// head's) were fresh mappings while the engine, which synchronizes every step, waited. Freed memory now stays in
+/// the pool for the next request. Best effort: without a pool (no stream-ordered allocation) nothing changes.
+fn keep_freed_memory(ctx: &Arc<CudaContext>) {
+    use cudarc::driver::sys;
+    if !ctx.has_async_alloc() || ctx.bind_to_thread().is_err() {
+        return;
+    }
+    // SAFETY: the pool handle is written by the driver for this context's device; the attribute takes a u64.
+    unsafe {
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) != sys::CUresult::CUDA_SUCCESS
+        {
+            return;
+        }
+        let mut threshold: u64 = u64::MAX;
+        let _ = sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        );
     }
 }
