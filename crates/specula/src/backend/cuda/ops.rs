@@ -744,6 +744,29 @@ mod tests {
             .unwrap_or_else(|e| panic!("#define {name}: {e}"))
     }
 
+    /// Heads sharing a KV head go 4, 3 or 2 a block from 2 rows, where their number allows, and each grouped
+    /// variant sits at its group's index in the kernel table (kernels.cu attention_128_gG).
+    #[test]
+    fn attention_groups_the_heads_of_a_kv_head_from_two_rows() {
+        // qwen2.5-1.5b: 12 heads over 2 KV heads.
+        assert_eq!(attention_variant(12, 2, 128, 1), (0, 1));
+        assert_eq!(attention_variant(12, 2, 128, 2), (3, 3));
+        assert_eq!(attention_variant(12, 2, 128, 64), (3, 3));
+        // llama-3.1-8b: 32 over 8.
+        assert_eq!(attention_variant(32, 8, 128, 8), (4, 4));
+        // qwen2.5-0.5b: 14 over 2 (7 a KV head: no group divides it).
+        assert_eq!(attention_variant(14, 2, 64, 8), (0, 1));
+        // Two a KV head; plain multi-head attention; head dimension 256 (one head a block, its own kernel).
+        assert_eq!(attention_variant(8, 4, 64, 8), (2, 2));
+        assert_eq!(attention_variant(16, 16, 64, 8), (0, 1));
+        assert_eq!(attention_variant(8, 2, 256, 8), (1, 1));
+        let names = crate::backend::cuda::context::KERNEL_NAMES;
+        for g in 2..=4 {
+            assert!(names.contains(&format!("attention_128_g{g}").as_str()));
+            assert!(names.contains(&format!("attention_list_128_g{g}").as_str()));
+        }
+    }
+
     #[test]
     fn kernel_constants_match_the_host_side() {
         assert_eq!(
