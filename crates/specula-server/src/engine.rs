@@ -988,7 +988,12 @@ impl<'a> EngineLoop<'a> {
             }
     }
 
-    fn drafter(&self, seed: u64) -> specula::error::Result<Option<Box<dyn Drafter + 'a>>> {
+    /// A new request's drafter (`positions`: the most positions the request can reach, prompt and answer).
+    fn drafter(
+        &self,
+        seed: u64,
+        positions: usize,
+    ) -> specula::error::Result<Option<Box<dyn Drafter + 'a>>> {
         let draft: &'a DraftSetup = self.draft;
         Ok(match draft {
             DraftSetup::None => None,
@@ -998,10 +1003,12 @@ impl<'a> EngineLoop<'a> {
                 Some(specula::draft::ngram::DEFAULT_MIN_CONFIDENCE),
             )?)),
             DraftSetup::Eagle3(head, tree, min_confidence) => {
-                let d = specula::draft::eagle3::Eagle3Drafter::new(
+                use specula::draft::eagle3::Eagle3Drafter;
+                let d = Eagle3Drafter::with_capacity(
                     head,
                     self.model.model.as_ref(),
                     seed,
+                    Eagle3Drafter::cache_rows_for(positions, *tree),
                 )?;
                 Some(Box::new(match tree {
                     Some(shape) => d.with_tree(*shape),
@@ -1020,10 +1027,17 @@ impl<'a> EngineLoop<'a> {
     /// Starts a request: its generation (KV cache, drafter, sampler) joins the batch at the next step.
     fn start(&self, a: Admission) -> Option<Running<'a>> {
         let model = self.model.model.as_ref();
-        let generation = self.drafter(a.request.sampling.seed).and_then(|d| match d {
-            Some(d) => Generation::with_drafter(model, a.request, d, self.options.draft_tokens),
-            None => Generation::new(model, a.request),
-        });
+        let positions = a
+            .request
+            .prompt_tokens
+            .len()
+            .saturating_add(a.request.max_new_tokens);
+        let generation = self
+            .drafter(a.request.sampling.seed, positions)
+            .and_then(|d| match d {
+                Some(d) => Generation::with_drafter(model, a.request, d, self.options.draft_tokens),
+                None => Generation::new(model, a.request),
+            });
         self.next_id.set(self.next_id.get() + 1);
         let mut generation = match generation {
             Ok(g) => g,

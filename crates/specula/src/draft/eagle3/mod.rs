@@ -121,8 +121,31 @@ pub struct Eagle3Drafter<'a> {
 }
 
 impl<'a> Eagle3Drafter<'a> {
-    /// A drafter for `target` with `head`, checked against each other (widths, vocabulary, layer ids).
+    /// A drafter for `target` with `head`, checked against each other (widths, vocabulary, layer ids); its head
+    /// cache spans the target's context.
     pub fn new(head: &'a Eagle3Head, target: &'a dyn Model, seed: u64) -> Result<Self> {
+        Self::with_capacity(head, target, seed, target.config().context_length)
+    }
+
+    /// Head cache rows a request of at most `positions` positions (prompt and answer) needs: its positions and
+    /// one draft's rows (a chain's up to MAX_DRAFT_TOKENS, a tree's levels of `topk` rows).
+    pub fn cache_rows_for(positions: usize, tree: Option<TreeShape>) -> usize {
+        let draft_rows = match tree {
+            Some(shape) => shape.topk.saturating_mul(shape.steps),
+            None => crate::decode::MAX_DRAFT_TOKENS,
+        };
+        positions.saturating_add(draft_rows).saturating_add(1)
+    }
+
+    /// [`Self::new`] with a head cache of `capacity` rows (at most the target's context): a server sizes it to the
+    /// request ([`Self::cache_rows_for`]), not the context (64 MB a request on a GPU for the qwen2.5-coder-1.5b
+    /// head at its 32k context, beyond the server's KV budget).
+    pub fn with_capacity(
+        head: &'a Eagle3Head,
+        target: &'a dyn Model,
+        seed: u64,
+        capacity: usize,
+    ) -> Result<Self> {
         let c = target.config();
         head.check_target(c)?;
         let layers = head.config.target_layers(c.num_layers)?;
@@ -132,7 +155,7 @@ impl<'a> Eagle3Drafter<'a> {
             compute,
             target,
             layers,
-            cache: compute.new_cache(c.context_length)?,
+            cache: compute.new_cache(capacity.clamp(1, c.context_length))?,
             features: waiting::WaitingFeatures::new(3 * head.config.target_hidden),
             rng: ChaCha20Rng::seed_from_u64(seed ^ 0xea91_e3d2),
             tree: None,
