@@ -64,6 +64,16 @@ const ATTENTION_GRID: [&str; ATTENTION_VARIANTS] = [
     "attention_128_g3",
     "attention_128_g4",
 ];
+/// `get` of each variant's kernel name, in variant order.
+fn by_variant<T>(
+    names: [&'static str; ATTENTION_VARIANTS],
+    get: impl Fn(&str) -> Result<T>,
+) -> Result<[T; ATTENTION_VARIANTS]> {
+    let all = names.into_iter().map(get).collect::<Result<Vec<T>>>()?;
+    all.try_into()
+        .map_err(|_| Error::Cuda("the attention kernel table".into()))
+}
+
 const ATTENTION_LIST: [&str; ATTENTION_VARIANTS] = [
     "attention_list_128",
     "attention_list_256",
@@ -301,30 +311,10 @@ impl Gpu {
             splitk_reduce: f("splitk_reduce")?,
             qkv_post: f("qkv_post")?,
             rope_angles: f("rope_angles")?,
-            attention: ATTENTION_GRID
-                .into_iter()
-                .map(&f)
-                .collect::<Result<Vec<_>>>()?
-                .try_into()
-                .map_err(|_| Error::Cuda("attention kernel table".into()))?,
-            attention_threads: ATTENTION_GRID
-                .into_iter()
-                .map(&threads)
-                .collect::<Result<Vec<_>>>()?
-                .try_into()
-                .map_err(|_| Error::Cuda("attention kernel table".into()))?,
-            attention_list: ATTENTION_LIST
-                .into_iter()
-                .map(&f)
-                .collect::<Result<Vec<_>>>()?
-                .try_into()
-                .map_err(|_| Error::Cuda("attention kernel table".into()))?,
-            attention_list_blocks: ATTENTION_LIST
-                .into_iter()
-                .map(&resident)
-                .collect::<Result<Vec<_>>>()?
-                .try_into()
-                .map_err(|_| Error::Cuda("attention kernel table".into()))?,
+            attention: by_variant(ATTENTION_GRID, f)?,
+            attention_threads: by_variant(ATTENTION_GRID, threads)?,
+            attention_list: by_variant(ATTENTION_LIST, f)?,
+            attention_list_blocks: by_variant(ATTENTION_LIST, resident)?,
             gather_rows: f("gather_rows")?,
             gather_feature_rows: f("gather_feature_rows")?,
             argmax_partial: f("argmax_partial")?,

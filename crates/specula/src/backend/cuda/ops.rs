@@ -442,12 +442,16 @@ static ATTENTION_GROUP_OVERRIDE: std::sync::atomic::AtomicU8 = std::sync::atomic
 /// Forces heads grouped a block at any rows (Some(true)) or one a block (Some(false)) for the steps that follow;
 /// None: the default.
 pub(crate) fn set_attention_group(group: Option<bool>) {
-    let v = match group {
+    ATTENTION_GROUP_OVERRIDE.store(override_code(group), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// An override's stored value: 0 for none, 1 to force on, 2 to force off.
+fn override_code(force: Option<bool>) -> u8 {
+    match force {
         None => 0,
         Some(true) => 1,
         Some(false) => 2,
-    };
-    ATTENTION_GROUP_OVERRIDE.store(v, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// The most rows an attention launch takes as a list of items (kernels.cu ATT_LIST_MAX_ROWS): decode and verify
@@ -492,12 +496,7 @@ static ATTENTION_LIST_OVERRIDE: std::sync::atomic::AtomicU8 = std::sync::atomic:
 
 /// Forces attention's list (Some(true)) or grid (Some(false)) for the steps that follow; None: the default.
 pub(crate) fn set_attention_list(list: Option<bool>) {
-    let v = match list {
-        None => 0,
-        Some(true) => 1,
-        Some(false) => 2,
-    };
-    ATTENTION_LIST_OVERRIDE.store(v, std::sync::atomic::Ordering::Relaxed);
+    ATTENTION_LIST_OVERRIDE.store(override_code(list), std::sync::atomic::Ordering::Relaxed);
 }
 
 /// `xs` = `x` (`m x k` f32, k even) split for a GEMV, where no producing kernel writes it so.
