@@ -516,6 +516,50 @@ fn drafter_pairs_features_at_p_with_token_p_plus_1() {
     }
 }
 
+/// A head cache sized to the request (a server's: `cache_rows_for`) holds every draft to the request's last token,
+/// chains at the longest draft length and trees alike: the same tokens as plain decoding, no error.
+#[test]
+fn a_head_cache_sized_to_its_request_drafts_to_its_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let n = 40;
+    let plain = run(&t, n, 0.0, None);
+    let positions = PROMPT.len() + n;
+    let shapes: [(Option<TreeShape>, usize); 3] = [
+        (None, crate::decode::MAX_DRAFT_TOKENS),
+        (None, 3),
+        (Some(TreeShape::new(4, 4, 12).unwrap()), 12),
+    ];
+    for (tree, k) in shapes {
+        let rows = Eagle3Drafter::cache_rows_for(positions, tree);
+        assert!(
+            rows < t.model.config().context_length,
+            "{rows} rows: the test would not shrink the cache"
+        );
+        let drafter = Eagle3Drafter::with_capacity(&h, t.model.as_ref(), 0, rows).unwrap();
+        let mut drafter = match tree {
+            Some(shape) => drafter.with_tree(shape),
+            None => drafter,
+        };
+        let out = run(
+            &t,
+            n,
+            0.0,
+            Some(Speculation {
+                drafter: &mut drafter,
+                draft_tokens: k,
+                simulate_acceptance: None,
+            }),
+        );
+        assert_eq!(out.tokens, plain.tokens, "tree {tree:?}, k = {k}");
+        assert!(
+            out.speculation.unwrap().drafted > 0,
+            "tree {tree:?}, k = {k}"
+        );
+    }
+}
+
 #[test]
 fn greedy_eagle3_tree_speculation_equals_plain_decoding() {
     let dir = tempfile::tempdir().unwrap();
