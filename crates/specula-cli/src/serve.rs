@@ -58,6 +58,11 @@ pub struct ServeArgs {
     /// .cached_tokens` says how many prompt tokens a request reused).
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// No request drafts while this many or more are decoding (vLLM's `disable_by_batch_size`): a hard cap on
+    /// top of the draft policy, for a deployment whose high-load steps are known not to pay. Drafters keep
+    /// following their requests, so drafting resumes as the batch shrinks.
+    #[arg(long)]
+    pub spec_disable_batch_size: Option<usize>,
 }
 
 /// A size in bytes: a number with an optional unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB as powers of 1000).
@@ -119,6 +124,15 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
             "--max-batch must be between 1 and 1024, got {}",
             args.max_batch
         );
+    }
+    match args.spec_disable_batch_size {
+        Some(0) => anyhow::bail!(
+            "--spec-disable-batch-size must be at least 1 (1: never draft while anything decodes)"
+        ),
+        Some(_) if matches!(choice, DraftChoice::None) => anyhow::bail!(
+            "--spec-disable-batch-size needs a drafter (--draft-model, --draft ngram or --speculate)"
+        ),
+        _ => {}
     }
     if args.prefill_chunk == 0 {
         anyhow::bail!("--prefill-chunk must be at least 1 token");
@@ -184,6 +198,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         adaptive_drafts: args.draft_policy == "adaptive",
         prefix_cache: !args.no_prefix_cache,
         overlap: None,
+        spec_disable_batch_size: args.spec_disable_batch_size,
     };
     let engine = Engine::start(target, draft, options, metrics.clone());
     let state = Arc::new(AppState {

@@ -88,6 +88,9 @@ pub struct EngineOptions {
     /// Do a step's bookkeeping and the next step's plan while its forward pass runs ([`overlap_enabled`]); None:
     /// on a GPU (`SPECULA_SERVE_OVERLAP` overrides), not on the CPU.
     pub overlap: Option<bool>,
+    /// No request drafts in a step where this many or more are decoding (vLLM's `disable_by_batch_size`); their
+    /// drafters keep following, so drafting resumes when the batch shrinks. None: the draft policy alone decides.
+    pub spec_disable_batch_size: Option<usize>,
 }
 
 impl Default for EngineOptions {
@@ -102,6 +105,7 @@ impl Default for EngineOptions {
             adaptive_drafts: true,
             prefix_cache: true,
             overlap: None,
+            spec_disable_batch_size: None,
         }
     }
 }
@@ -130,10 +134,30 @@ pub enum DraftSetup {
     ),
 }
 
-/// A request's input: a raw prompt (`/v1/completions`) or a conversation (`/v1/chat/completions`).
+/// A request's input: a raw prompt (`/v1/completions`) or a conversation (`/v1/chat/completions`), or either
+/// already tokenized ([`tokenize_input`]: the HTTP side does it on its own threads, so the engine thread, which the
+/// device waits on between steps, does not spend ~0.3-1.8 ms a request on the chat template and the tokenizer).
 pub enum Input {
     Prompt(String),
     Chat(Vec<ChatMessage>),
+    Tokens(Vec<u32>),
+}
+
+/// A prompt's or a conversation's tokens, as the engine would make them (chat template, then the tokenizer).
+pub fn tokenize_input(
+    tokenizer: &specula::tokenizer::Tokenizer,
+    chat_template: Option<&specula::chat::ChatTemplate>,
+    input: &Input,
+) -> Result<Vec<u32>, String> {
+    let text = match input {
+        Input::Prompt(p) => std::borrow::Cow::Borrowed(p.as_str()),
+        Input::Chat(messages) => std::borrow::Cow::Owned(
+            specula::model::format_chat(chat_template, tokenizer, messages)
+                .map_err(|e| e.to_string())?,
+        ),
+        Input::Tokens(t) => return Ok(t.clone()),
+    };
+    tokenizer.encode(&text).map_err(|e| e.to_string())
 }
 
 pub struct Job {
@@ -585,6 +609,7 @@ struct Running<'a> {
     /// KV cache bytes reserved for it (target and draft model).
     kv_bytes: usize,
     admitted: Instant,
+    admission: AdmissionCost,
     deadline: Option<Instant>,
     timed_out: bool,
     /// When its last token came (TTFT, then inter-token latency).
@@ -688,6 +713,29 @@ struct Admission {
     job: Job,
     request: GenerateRequest,
     kv_bytes: usize,
+    cost: AdmissionCost,
+}
+
+/// The engine thread's time to admit a request and to let it go (between steps, where the device waits on it),
+/// kept for the profile's request records.
+#[derive(Debug, Clone, Copy)]
+struct AdmissionCost {
+    /// When the engine took it from the queue.
+    began: Instant,
+    /// Chat template and tokenizer.
+    prepare_s: f64,
+    /// Its drafter (an EAGLE-3 head's cache, a draft model's state).
+    drafter_s: f64,
+    /// Its generation (the target's KV cache).
+    generation_s: f64,
+    /// Taking a cached prefix (copies of keys and values, the drafter's state).
+    prefix_s: f64,
+}
+
+impl AdmissionCost {
+    fn total_s(&self) -> f64 {
+        self.prepare_s + self.drafter_s + self.generation_s + self.prefix_s
+    }
 }
 
 impl<'a> EngineLoop<'a> {
@@ -871,10 +919,17 @@ impl<'a> EngineLoop<'a> {
             };
             let admission = match job {
                 Ok(a) => a,
-                Err(job) => match self.prepare(job) {
-                    Some(a) => a,
-                    None => continue,
-                },
+                Err(job) => {
+                    let began = Instant::now();
+                    match self.prepare(job) {
+                        Some(mut a) => {
+                            a.cost.began = began;
+                            a.cost.prepare_s = began.elapsed().as_secs_f64();
+                            a
+                        }
+                        None => continue,
+                    }
+                }
             };
             // Cached prefixes give way to requests (least recently used first).
             self.prefixes.borrow_mut().shrink_to(
@@ -898,17 +953,20 @@ impl<'a> EngineLoop<'a> {
     }
 
     /// Tokenizes and checks a queued request; a request that cannot run is answered now (None).
-    fn prepare(&self, job: Job) -> Option<Admission> {
+    fn prepare(&self, mut job: Job) -> Option<Admission> {
         let refuse = |job: &Job, message: String| {
             let _ = job
                 .events
                 .send(Event::Done(Err(Failure::BadRequest(message))));
         };
-        let text = match &job.input {
-            Input::Prompt(p) => Ok(p.clone()),
-            Input::Chat(messages) => self.model.format_chat(messages).map_err(|e| e.to_string()),
+        let tokens = match std::mem::replace(&mut job.input, Input::Tokens(Vec::new())) {
+            Input::Tokens(t) => Ok(t),
+            input => tokenize_input(
+                &self.model.tokenizer,
+                self.model.chat_template.as_ref(),
+                &input,
+            ),
         };
-        let tokens = text.and_then(|t| self.model.tokenizer.encode(&t).map_err(|e| e.to_string()));
         let prompt_tokens = match tokens {
             Ok(t) if t.is_empty() => {
                 refuse(&job, "the prompt is empty".into());
@@ -960,6 +1018,13 @@ impl<'a> EngineLoop<'a> {
             job,
             request,
             kv_bytes,
+            cost: AdmissionCost {
+                began: Instant::now(),
+                prepare_s: 0.0,
+                drafter_s: 0.0,
+                generation_s: 0.0,
+                prefix_s: 0.0,
+            },
         })
     }
 
@@ -1027,17 +1092,21 @@ impl<'a> EngineLoop<'a> {
     /// Starts a request: its generation (KV cache, drafter, sampler) joins the batch at the next step.
     fn start(&self, a: Admission) -> Option<Running<'a>> {
         let model = self.model.model.as_ref();
+        let mut cost = a.cost;
         let positions = a
             .request
             .prompt_tokens
             .len()
             .saturating_add(a.request.max_new_tokens);
-        let generation = self
-            .drafter(a.request.sampling.seed, positions)
-            .and_then(|d| match d {
-                Some(d) => Generation::with_drafter(model, a.request, d, self.options.draft_tokens),
-                None => Generation::new(model, a.request),
-            });
+        let drafter_start = Instant::now();
+        let drafter = self.drafter(a.request.sampling.seed, positions);
+        let generation_start = Instant::now();
+        cost.drafter_s = generation_start.duration_since(drafter_start).as_secs_f64();
+        let generation = drafter.and_then(|d| match d {
+            Some(d) => Generation::with_drafter(model, a.request, d, self.options.draft_tokens),
+            None => Generation::new(model, a.request),
+        });
+        cost.generation_s = generation_start.elapsed().as_secs_f64();
         self.next_id.set(self.next_id.get() + 1);
         let mut generation = match generation {
             Ok(g) => g,
@@ -1049,6 +1118,7 @@ impl<'a> EngineLoop<'a> {
                 return None;
             }
         };
+        let prefix_start = Instant::now();
         if self.options.prefix_cache {
             // A failed copy leaves the generation as it was: it prefills its whole prompt.
             let reused = self
@@ -1061,6 +1131,7 @@ impl<'a> EngineLoop<'a> {
                 .inc_by(generation.request().prompt_tokens.len() as u64);
             self.metrics.prefix_cache_hits.inc_by(reused as u64);
         }
+        cost.prefix_s = prefix_start.elapsed().as_secs_f64();
         let _ = a.job.events.send(Event::Started {
             prompt_tokens: generation.request().prompt_tokens.len(),
         });
@@ -1076,6 +1147,7 @@ impl<'a> EngineLoop<'a> {
             },
             kv_bytes: a.kv_bytes,
             admitted: Instant::now(),
+            admission: cost,
             timed_out: false,
             last_token_at: None,
             phase_seconds: [0.0; Phase::ALL.len()],
@@ -1408,7 +1480,13 @@ impl<'a> EngineLoop<'a> {
             refused: None,
             baseline_probe: false,
         };
-        if self.options.adaptive_drafts {
+        if self
+            .options
+            .spec_disable_batch_size
+            .is_some_and(|n| input.decoding >= n)
+        {
+            planned.limits = vec![0; input.candidates.len()];
+        } else if self.options.adaptive_drafts {
             let plan =
                 self.budget
                     .borrow()
@@ -1662,8 +1740,10 @@ impl<'a> EngineLoop<'a> {
             phase_seconds,
             steps,
             kv_bytes,
+            admission,
             ..
         } = r;
+        let leave_start = Instant::now();
         let failure = match outcome {
             Err(e) => Some(Failure::Internal(e.to_string())),
             Ok(()) if timed_out => Some(Failure::Timeout(format!(
@@ -1687,6 +1767,7 @@ impl<'a> EngineLoop<'a> {
                 if let Some(p) = prefix.filter(|_| self.options.prefix_cache) {
                     self.prefixes.borrow_mut().insert(p, kv_bytes);
                 }
+                let leave_s = leave_start.elapsed().as_secs_f64();
                 out.flush();
                 let finish_reason = match g.stop_reason {
                     StopReason::MaxTokens | StopReason::ContextFull => "length",
@@ -1726,7 +1807,19 @@ impl<'a> EngineLoop<'a> {
                     prefill_s: g.timing.prefill_s,
                     decode_s: g.timing.decode_s,
                 };
-                self.record_request(&finished, queued_at, admitted, spec, &phase_seconds, steps);
+                self.record_request(
+                    &finished,
+                    RequestTimes {
+                        queued_at,
+                        admitted,
+                        admission,
+                        leave_start,
+                        leave_s,
+                    },
+                    spec,
+                    &phase_seconds,
+                    steps,
+                );
                 Ok(finished)
             }
         };
@@ -1737,8 +1830,7 @@ impl<'a> EngineLoop<'a> {
     fn record_request(
         &self,
         f: &Finished,
-        queued_at: Instant,
-        admitted: Instant,
+        times: RequestTimes,
         spec: Option<&specula::decode::SpeculationStats>,
         phase_seconds: &[f64; Phase::ALL.len()],
         steps: usize,
@@ -1751,9 +1843,28 @@ impl<'a> EngineLoop<'a> {
         };
         let since = |t: Instant| t.saturating_duration_since(session.started).as_secs_f64();
         let mut record = serde_json::to_value(f).unwrap_or_default();
+        let RequestTimes {
+            queued_at,
+            admitted,
+            admission: a,
+            leave_start,
+            leave_s,
+        } = times;
         record["queued_s"] = serde_json::json!(since(queued_at));
         record["admitted_s"] = serde_json::json!(since(admitted));
         record["finished_s"] = serde_json::json!(since(Instant::now()));
+        // The engine thread's own time on it between steps: admitting it, and letting it go (its text, its
+        // prefix kept for later prompts).
+        record["engine_host"] = serde_json::json!({
+            "admit_started_s": since(a.began),
+            "admit_s": a.total_s(),
+            "prepare_s": a.prepare_s,
+            "drafter_s": a.drafter_s,
+            "generation_s": a.generation_s,
+            "prefix_s": a.prefix_s,
+            "leave_started_s": since(leave_start),
+            "leave_s": leave_s,
+        });
         record["speculation"] = spec.map_or(serde_json::Value::Null, |s| s.to_json());
         record["steps"] = serde_json::json!(steps);
         record["phases"] = Phase::ALL
@@ -1768,6 +1879,15 @@ impl<'a> EngineLoop<'a> {
             .into();
         session.requests.push(record);
     }
+}
+
+/// When a finished request was queued, admitted and let go, and the engine thread's time on those.
+struct RequestTimes {
+    queued_at: Instant,
+    admitted: Instant,
+    admission: AdmissionCost,
+    leave_start: Instant,
+    leave_s: f64,
 }
 
 /// Steps a draft model's catch-up is spread over in the draft budget ([`DraftCandidate::shared_by`]). The prompt

@@ -25,7 +25,7 @@ use specula::sampling::SamplingParams;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use engine::{Engine, Event, Failure, Finished, Input, Job, SubmitError};
+use engine::{tokenize_input, Engine, Event, Failure, Finished, Input, Job, SubmitError};
 
 /// Limits on what a request may ask for (checked before it is queued).
 #[derive(Debug, Clone)]
@@ -221,6 +221,14 @@ async fn stop_profile(
                            "dur": us("finished_s") - us("admitted_s"),
                            "args": {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["completion_tokens"],
                                     "accepted": r["accepted"], "drafted": r["drafted"]}}));
+        let host = &r["engine_host"];
+        let host_us = |key: &str| host[key].as_f64().unwrap_or(0.0) * 1e6;
+        events.push(json!({"name": "admit", "ph": "X", "pid": 2, "tid": tid, "ts": host_us("admit_started_s"),
+                           "dur": host_us("admit_s"),
+                           "args": {"prepare_us": host_us("prepare_s"), "drafter_us": host_us("drafter_s"),
+                                    "generation_us": host_us("generation_s"), "prefix_us": host_us("prefix_s")}}));
+        events.push(json!({"name": "leave", "ph": "X", "pid": 2, "tid": tid, "ts": host_us("leave_started_s"),
+                           "dur": host_us("leave_s")}));
         let mut r = r;
         r["request"] = json!(tid);
         report.push(r);
@@ -635,17 +643,33 @@ async fn run(
     c: Common,
     kind: Kind,
 ) -> Result<Response, ApiError> {
+    let queued_at = std::time::Instant::now();
+    // Tokenized here, on a blocking-task thread, not on the engine thread the device waits on between steps.
+    let tokenizing = state.clone();
+    let tokens = tokio::task::spawn_blocking(move || {
+        tokenize_input(
+            &tokenizing.engine.tokenizer,
+            tokenizing.engine.chat_template.as_ref(),
+            &input,
+        )
+    })
+    .await
+    .map_err(|e| server_error(format!("tokenizing the prompt failed: {e}")))?
+    .map_err(|e| ApiError::bad(e, None))?;
+    if tokens.is_empty() {
+        return Err(ApiError::bad("the prompt is empty", None));
+    }
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
-        input,
+        input: Input::Tokens(tokens),
         max_tokens: c.max_tokens,
         sampling: c.sampling,
         stop: c.stop,
         ignore_eos: c.ignore_eos,
         events: tx,
         cancel: cancel.clone(),
-        queued_at: std::time::Instant::now(),
+        queued_at,
     };
     state.engine.submit(job).map_err(|e| match e {
         SubmitError::QueueFull => ApiError {

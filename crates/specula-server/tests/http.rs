@@ -579,6 +579,29 @@ fn speculative_requests_report_their_stats_and_stay_lossless() {
     assert_eq!(r["request"], 1);
     assert!(r["phases"].to_string().contains("verify"), "{report}");
     assert!(r["speculation"]["drafted"].is_u64(), "{report}");
+    // The engine thread's time on the request between steps: admitting it (its parts add up) and letting it go,
+    // in the report and as events on the request's track, inside its queued-to-finished span.
+    let host = &r["engine_host"];
+    let part = |k: &str| host[k].as_f64().unwrap();
+    assert!(
+        (part("prepare_s") + part("drafter_s") + part("generation_s") + part("prefix_s")
+            - part("admit_s"))
+        .abs()
+            < 1e-9,
+        "{report}"
+    );
+    assert!(part("admit_s") > 0.0 && part("leave_s") > 0.0, "{report}");
+    assert!(
+        part("admit_started_s") >= r["queued_s"].as_f64().unwrap()
+            && part("leave_started_s") <= r["finished_s"].as_f64().unwrap(),
+        "{report}"
+    );
+    for name in ["admit", "leave"] {
+        assert!(
+            events.iter().any(|e| e["name"] == name && e["pid"] == 2),
+            "no {name} event: {trace}"
+        );
+    }
 
     // An error is counted under its status.
     post(addr, "/v1/completions", json!({"prompt": ""}));
@@ -610,11 +633,14 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
     )
     .unwrap();
     let want = expected(&reference, "hello world", 20);
-    // Chain and tree, and the chain with the bookkeeping overlapped (a GPU's default, forced here).
-    for (tree, overlap) in [
-        (None, None),
-        (Some(TreeShape::new(2, 3, 5).unwrap()), None),
-        (None, Some(true)),
+    // Chain and tree, and the chain with the bookkeeping overlapped (a GPU's default, forced here); then a lone
+    // request under --spec-disable-batch-size 2 (drafts: one decoding is under the cap) and 1 (never drafts).
+    for (tree, overlap, disable_at) in [
+        (None, None, None),
+        (Some(TreeShape::new(2, 3, 5).unwrap()), None, None),
+        (None, Some(true), None),
+        (None, None, Some(2)),
+        (None, None, Some(1)),
     ] {
         let head = Eagle3Head::load(&head_dir).unwrap();
         let addr = start(
@@ -627,6 +653,7 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
             None,
             EngineOptions {
                 overlap,
+                spec_disable_batch_size: disable_at,
                 ..queue(8)
             },
         );
@@ -637,10 +664,12 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
         );
         assert_eq!(s, 200, "{v}");
         assert_eq!(v["choices"][0]["text"], want, "tree {tree:?}");
-        assert!(
-            v["usage"]["speculation"]["drafted"].as_u64().unwrap() > 0,
-            "{v}"
-        );
+        let drafted = v["usage"]["speculation"]["drafted"].as_u64().unwrap();
+        if disable_at == Some(1) {
+            assert_eq!(drafted, 0, "drafted at the disabling batch size: {v}");
+        } else {
+            assert!(drafted > 0, "{v}");
+        }
     }
 }
 
