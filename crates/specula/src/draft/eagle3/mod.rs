@@ -394,10 +394,19 @@ impl Eagle3Drafter<'_> {
         // instead of the draft vocabulary's logits).
         let top_only = sampling.is_greedy();
         // Too many rows waiting: feed the oldest `limit` of them and draft nothing this cycle.
-        let feed = match feed_limit {
+        let mut feed = match feed_limit {
             Some(limit) if rows > limit => limit,
             _ => rows,
         };
+        // Beside others, a device head feeds rows already on the host (an adopted prefix's, or rows read past the
+        // unread cap) by themselves: taken together with rows still on the device, every unread forward they
+        // spanned was read back, three synchronous copies each (a 64-row catch-up after undrafted steps: ~190
+        // readbacks in one step, every request waiting). The device rows follow in the next pass. Alone, it
+        // drafts now instead.
+        let host_rows = self.features.host_rows();
+        if feed_limit.is_some() && self.compute.reads_device_features() && host_rows > 0 {
+            feed = feed.min(host_rows);
+        }
         self.chain = Some(ChainState {
             k: if feed < rows { 0 } else { k },
             fed: None,

@@ -1124,3 +1124,134 @@ fn a_prefix_state_reads_only_a_few_unread_forwards_and_drafts_the_same() {
         assert_eq!(dists(got), dists(&want));
     }
 }
+
+/// A CPU head that says it reads device rows (so a drafter takes them by address); it runs host rows only.
+struct DeviceReadingHead<'a>(&'a dyn HeadCompute);
+
+impl HeadCompute for DeviceReadingHead<'_> {
+    fn device(&self) -> String {
+        "test device".into()
+    }
+    fn new_cache(&self, capacity: usize) -> Result<Box<dyn SequenceCache>> {
+        self.0.new_cache(capacity)
+    }
+    fn run(
+        &self,
+        target: &dyn Model,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        rows: HeadRows<'_>,
+        cache: &mut dyn SequenceCache,
+        want: HeadWant,
+    ) -> Result<HeadOutput> {
+        self.0.run(target, tokens, input, rows, cache, want)
+    }
+    fn reads_device_features(&self) -> bool {
+        true
+    }
+}
+
+/// Beside other requests, a device head's drafter with rows on the host (an adopted prefix's) and rows still on
+/// the device feeds the host rows by themselves, reading no device forward back, then the device rows by address.
+#[test]
+fn a_device_head_feeds_host_rows_apart_from_device_rows_beside_others() {
+    use crate::draft::eagle3::waiting::SharedRows;
+    use crate::model::forward::HostRows;
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let hidden = capture(&t, &PROMPT, &[0, 1, 2]);
+    let base = PROMPT.len() - 1;
+    let on_host = 3;
+    let width: usize = hidden.iter().map(|(_, m)| m.cols()).sum();
+    let mut host_rows = Vec::new();
+    for r in 0..on_host {
+        for (_, m) in &hidden {
+            host_rows.extend_from_slice(&m.row(r).unwrap());
+        }
+    }
+    let compute = DeviceReadingHead(h.compute());
+    let mut d = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+    d.compute = &compute;
+    d.features.extend_host(&host_rows).unwrap();
+    assert_eq!(d.features.host_rows(), on_host);
+    let mut handles = Vec::new();
+    for r in on_host..base {
+        let forward: Vec<(usize, Box<dyn RowMatrix>)> = hidden
+            .iter()
+            .map(|(l, m)| {
+                let s = SharedRows::on_device(
+                    HostRows {
+                        rows: 1,
+                        cols: m.cols(),
+                        data: m.row(r).unwrap().to_vec(),
+                    },
+                    0x1000 * (r as u64 + 1) + *l as u64,
+                );
+                let view = s.share().unwrap();
+                handles.push(s);
+                (*l, view)
+            })
+            .collect();
+        d.observe_target(r, &forward, &[0]).unwrap();
+    }
+    let greedy = SamplingParams::default();
+    let BatchedStart::Pass(first) = d.batched_begin(&PROMPT, 3, &greedy, true).unwrap() else {
+        panic!("nothing to feed");
+    };
+    assert_eq!(first.tokens, PROMPT[1..=on_host].to_vec());
+    assert_eq!(first.features.as_deref(), Some(&host_rows[..]));
+    assert!(first.device_features.is_none());
+    assert!(
+        handles.iter().all(|s| s.reads() == 0),
+        "a device forward was read back"
+    );
+    assert_eq!(d.features.rows(), base - on_host);
+    assert_eq!(width * on_host, host_rows.len());
+    // The pass ran (here on the host rows); the next feeds the device rows where they lie.
+    let out = d
+        .compute
+        .run(
+            d.target,
+            &first.tokens,
+            HeadInput::Features(first.features.as_ref().unwrap()),
+            HeadRows::Chain,
+            &mut *d.cache,
+            first.want,
+        )
+        .unwrap();
+    assert!(d.batched_after(out, &greedy).unwrap().is_none());
+    d.batched_finish().unwrap();
+    let BatchedStart::Pass(second) = d.batched_begin(&PROMPT, 3, &greedy, true).unwrap() else {
+        panic!("nothing to feed");
+    };
+    let rows = second
+        .device_features
+        .as_ref()
+        .expect("device rows by address");
+    assert_eq!(rows.rows.len(), base - on_host);
+    assert!(second.features.is_none());
+    assert!(handles.iter().all(|s| s.reads() == 0));
+    // Alone, it drafts at once instead: everything waiting in one pass (the device rows read to the host).
+    let mut alone = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+    alone.compute = &compute;
+    alone.features.extend_host(&host_rows).unwrap();
+    for r in on_host..base {
+        let forward: Vec<(usize, Box<dyn RowMatrix>)> = hidden
+            .iter()
+            .map(|(l, m)| {
+                let s = SharedRows::new(HostRows {
+                    rows: 1,
+                    cols: m.cols(),
+                    data: m.row(r).unwrap().to_vec(),
+                });
+                (*l, s.share().unwrap())
+            })
+            .collect();
+        alone.observe_target(r, &forward, &[0]).unwrap();
+    }
+    let BatchedStart::Pass(whole) = alone.batched_begin(&PROMPT, 3, &greedy, false).unwrap() else {
+        panic!("nothing to feed");
+    };
+    assert_eq!(whole.tokens.len(), base);
+}

@@ -68,6 +68,11 @@ impl WaitingFeatures {
         self.host.len() / self.width.max(1) + self.unread_rows
     }
 
+    /// Rows waiting on the host (they come first).
+    pub fn host_rows(&self) -> usize {
+        self.host.len() / self.width.max(1)
+    }
+
     pub fn clear(&mut self) {
         self.host.clear();
         self.unread.clear();
