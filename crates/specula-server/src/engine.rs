@@ -852,7 +852,8 @@ impl<'a> EngineLoop<'a> {
             }
             prefixes.shrink_to(free - bytes);
             if let Some(p) = r.generation.prompt_prefix(model) {
-                prefixes.insert(p, bytes);
+                let held = p.drafter_held_bytes();
+                prefixes.insert(p, bytes + held);
             }
         }
     }
@@ -1765,7 +1766,8 @@ impl<'a> EngineLoop<'a> {
             Err(e) => Err(Failure::Internal(e.to_string())),
             Ok((g, prefix)) => {
                 if let Some(p) = prefix.filter(|_| self.options.prefix_cache) {
-                    self.prefixes.borrow_mut().insert(p, kv_bytes);
+                    let bytes = kv_bytes + p.drafter_held_bytes();
+                    self.prefixes.borrow_mut().insert(p, bytes);
                 }
                 let leave_s = leave_start.elapsed().as_secs_f64();
                 out.flush();

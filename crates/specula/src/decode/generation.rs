@@ -676,6 +676,13 @@ pub struct CachedPrefix {
     pub drafter: Option<DrafterPrefix>,
 }
 
+impl CachedPrefix {
+    /// Device memory it holds beyond its KV cache: the target outputs its drafter's waiting features live in.
+    pub fn drafter_held_bytes(&self) -> usize {
+        self.drafter.as_ref().map_or(0, |d| d.held_bytes())
+    }
+}
+
 /// Limits of one step.
 #[derive(Clone, Copy)]
 pub struct StepLimits<'h> {

@@ -201,15 +201,21 @@ pub struct DrafterPrefix {
     /// The drafter's cache, one row per target position `0..cache.len()`. An EAGLE-3 row reads its position's
     /// target features and the next token, so row `i` holds for contexts agreeing on tokens `0..=i + 1`.
     pub cache: Box<dyn crate::model::forward::SequenceCache>,
-    /// Target features of positions `cache.len()..`, `width` values each.
-    pub features: Vec<f32>,
+    /// Target features of positions `cache.len()..`, `width` values each: on the host, or still in the target
+    /// outputs of a device (shared, not read).
+    pub features: crate::draft::eagle3::waiting::WaitingFeatures,
     pub width: usize,
 }
 
 impl DrafterPrefix {
     /// Positions it covers: cache rows and waiting features.
     pub fn positions(&self) -> usize {
-        self.cache.len() + self.features.len() / self.width.max(1)
+        self.cache.len() + self.features.rows()
+    }
+
+    /// Device memory its waiting features hold (the target outputs they live in), for a prefix cache's budget.
+    pub fn held_bytes(&self) -> usize {
+        self.features.held_bytes()
     }
 }
 

@@ -545,9 +545,13 @@ impl Drafter for Eagle3Drafter<'_> {
         kept.copy_prefix_from(&*self.cache, rows).ok()?;
         Some(DrafterPrefix {
             cache: kept,
-            // At most a few unread forwards are read for it: a request ending after many undrafted steps would
-            // otherwise stall every stream on a readback per step it kept (the state then reaches less far).
-            features: self.features.leading_rows(PREFIX_UNREAD_FORWARDS).ok()?,
+            // The rows of at most a few unread forwards, shared where they lie (nothing read): a request ending
+            // after many undrafted steps would otherwise hold every step's outputs (the state then reaches less
+            // far).
+            features: self
+                .features
+                .first_rows(self.features.rows_of_forwards(PREFIX_UNREAD_FORWARDS))
+                .ok()?,
             width: self.feature_width(),
         })
     }
@@ -585,8 +589,8 @@ impl Drafter for Eagle3Drafter<'_> {
             self.cache.truncate(0);
             return Err(e);
         }
-        self.features
-            .extend_host(&prefix.features[..(n - rows) * width])
+        self.features = prefix.features.first_rows(n - rows)?;
+        Ok(())
     }
 
     fn observe_target(

@@ -1114,6 +1114,11 @@ fn a_prefix_state_reads_only_a_few_unread_forwards_and_drafts_the_same() {
     let n = state.positions();
     let mut adopted = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
     adopted.adopt_prefix(&state, n).unwrap();
+    assert_eq!(
+        (state.features.host_rows(), adopted.features.host_rows()),
+        (0, 0),
+        "shared rows stay unread through the state and its adoption"
+    );
     for r in n..base {
         adopted.observe_target(r, &forward(r), &[0]).unwrap();
     }
