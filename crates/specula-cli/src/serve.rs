@@ -58,9 +58,10 @@ pub struct ServeArgs {
     /// .cached_tokens` says how many prompt tokens a request reused).
     #[arg(long)]
     pub no_prefix_cache: bool,
-    /// No request drafts while this many or more are decoding (vLLM's `disable_by_batch_size`): a hard cap on
-    /// top of the draft policy, for a deployment whose high-load steps are known not to pay. Drafters keep
-    /// following their requests, so drafting resumes as the batch shrinks.
+    /// No request drafts while this many or more are decoding, and requests admitted while this many or more run
+    /// never draft (vLLM's `disable_by_batch_size`): a cap on top of the draft policy for loads where drafting does
+    /// not pay. Such requests capture no target features for an EAGLE-3 head, so steps made only of them cost
+    /// what plain decoding's do. Requests admitted below it draft again as the batch shrinks.
     #[arg(long)]
     pub spec_disable_batch_size: Option<usize>,
 }

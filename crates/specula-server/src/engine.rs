@@ -88,8 +88,9 @@ pub struct EngineOptions {
     /// Do a step's bookkeeping and the next step's plan while its forward pass runs ([`overlap_enabled`]); None:
     /// on a GPU (`SPECULA_SERVE_OVERLAP` overrides), not on the CPU.
     pub overlap: Option<bool>,
-    /// No request drafts in a step where this many or more are decoding (vLLM's `disable_by_batch_size`); their
-    /// drafters keep following, so drafting resumes when the batch shrinks. None: the draft policy alone decides.
+    /// No request drafts in a step where this many or more are decoding, and a request admitted while this many or
+    /// more run gets no drafter at all (vLLM's `disable_by_batch_size`). Running requests' drafters keep following
+    /// theirs, so they resume drafting when the batch shrinks. None: the draft policy alone decides.
     pub spec_disable_batch_size: Option<usize>,
 }
 
@@ -946,7 +947,7 @@ impl<'a> EngineLoop<'a> {
                 }
                 return true;
             }
-            if let Some(r) = self.start(admission) {
+            if let Some(r) = self.start(admission, running.len()) {
                 *kv_reserved += r.kv_bytes;
                 running.push(r);
             }
@@ -1090,8 +1091,11 @@ impl<'a> EngineLoop<'a> {
         })
     }
 
-    /// Starts a request: its generation (KV cache, drafter, sampler) joins the batch at the next step.
-    fn start(&self, a: Admission) -> Option<Running<'a>> {
+    /// Starts a request: its generation (KV cache, drafter, sampler) joins the batch at the next step. Admitted
+    /// beside `running` others at or past `--spec-disable-batch-size`, it gets no drafter (vLLM's rule for new
+    /// requests): it never drafts, and its target forwards capture nothing for a head, so a batch of such requests
+    /// steps at plain decoding's cost.
+    fn start(&self, a: Admission, running: usize) -> Option<Running<'a>> {
         let model = self.model.model.as_ref();
         let mut cost = a.cost;
         let positions = a
@@ -1100,7 +1104,15 @@ impl<'a> EngineLoop<'a> {
             .len()
             .saturating_add(a.request.max_new_tokens);
         let drafter_start = Instant::now();
-        let drafter = self.drafter(a.request.sampling.seed, positions);
+        let drafter = if self
+            .options
+            .spec_disable_batch_size
+            .is_some_and(|n| running >= n)
+        {
+            Ok(None)
+        } else {
+            self.drafter(a.request.sampling.seed, positions)
+        };
         let generation_start = Instant::now();
         cost.drafter_s = generation_start.duration_since(drafter_start).as_secs_f64();
         let generation = drafter.and_then(|d| match d {

@@ -673,6 +673,71 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
     }
 }
 
+/// `--spec-disable-batch-size 1`: a request admitted while another runs gets no drafter (no cycles at all), the
+/// one admitted alone keeps its head but drafts nothing while anything decodes; both answer as plain decoding.
+#[test]
+fn requests_admitted_past_the_disabling_batch_size_get_no_drafter() {
+    use specula::draft::eagle3::Eagle3Head;
+    use specula::testing::{write_tiny_eagle3_head, TinyHeadSpec};
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("slow.gguf");
+    write_tiny_gguf(
+        &p,
+        &TinySpec {
+            untied_head: true,
+            hidden: 256,
+            intermediate: 512,
+            layers: 4,
+            context: 4096,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let reference = load_gguf(&p, "t").unwrap();
+    let head_dir = dir.path().join("head");
+    write_tiny_eagle3_head(
+        &head_dir,
+        reference.model.config(),
+        &TinyHeadSpec::default(),
+    )
+    .unwrap();
+    let want_b = expected(&reference, "the second one", 8);
+    let addr = start(
+        load_gguf(&p, "t").unwrap(),
+        DraftSetup::Eagle3(
+            Box::new(Eagle3Head::load(&head_dir).unwrap()),
+            None,
+            specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE,
+        ),
+        None,
+        EngineOptions {
+            spec_disable_batch_size: Some(1),
+            ..queue(8)
+        },
+    );
+    let a = std::thread::spawn(move || {
+        post(
+            addr,
+            "/v1/completions",
+            json!({"prompt": "a long one", "max_tokens": 1500, "temperature": 0, "ignore_eos": true}),
+        )
+    });
+    wait_for_metric(addr, "specula:num_requests_running", 1.0);
+    let (s, b) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "the second one", "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["choices"][0]["text"], want_b);
+    assert_eq!(b["usage"]["speculation"]["cycles"], 0, "{b}");
+    let (s, a) = a.join().unwrap();
+    assert_eq!(s, 200, "{a}");
+    let spec = &a["usage"]["speculation"];
+    assert!(spec["cycles"].as_u64().unwrap() > 0, "{a}");
+    assert_eq!(spec["drafted"], 0, "{a}");
+}
+
 /// Reads one sample of the Prometheus text exposition (a parser, not a substring match).
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
