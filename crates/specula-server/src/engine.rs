@@ -276,6 +276,14 @@ fn prepare_steps(model: &LoadedModel, draft: &DraftSetup, options: &EngineOption
         last_row_logits_only: false,
     };
     prepare(model, &shapes, "the target");
+    // Requests admitted past --spec-disable-batch-size have no drafter: batches of only them capture nothing.
+    if options.spec_disable_batch_size.is_some() && !capture.is_empty() {
+        let plain = specula::model::StepShapes {
+            capture_layers: &[],
+            ..shapes
+        };
+        prepare(model, &plain, "the target (requests without a drafter)");
+    }
     // A draft model's passes too: one a drafted token, and a catch-up (a new request's prompt) of any length.
     // Unprepared, each new catch-up length captures a graph mid-request (milliseconds on a GPU), time the draft
     // budget counts into what a catch-up costs.
