@@ -58,12 +58,36 @@ pub struct ServeArgs {
     /// .cached_tokens` says how many prompt tokens a request reused).
     #[arg(long)]
     pub no_prefix_cache: bool,
-    /// No request drafts while this many or more are decoding, and requests admitted while this many or more run
-    /// never draft (vLLM's `disable_by_batch_size`): a cap on top of the draft policy for loads where drafting does
-    /// not pay. Such requests capture no target features for an EAGLE-3 head, so steps made only of them cost
-    /// what plain decoding's do. Requests admitted below it draft again as the batch shrinks.
-    #[arg(long)]
-    pub spec_disable_batch_size: Option<usize>,
+    /// `N`: no request drafts while N or more are decoding, and requests admitted while N or more run never draft
+    /// (vLLM's `disable_by_batch_size`). `auto` (with the adaptive policy): a request admitted beside others gets
+    /// no drafter where drafted steps have lately made no more tokens a second than undrafted ones at that many
+    /// requests (every 8th still does, to keep measuring). `off`: the draft policy alone decides. Requests without
+    /// a drafter capture no target features for an EAGLE-3 head, so steps made only of them cost what plain
+    /// decoding's do.
+    #[arg(long, default_value = "auto", value_parser = parse_disable_batch_size)]
+    pub spec_disable_batch_size: DisableBatchSize,
+}
+
+/// `--spec-disable-batch-size`: a fixed cap, the measured one, or none.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DisableBatchSize {
+    At(usize),
+    Auto,
+    Off,
+}
+
+pub fn parse_disable_batch_size(text: &str) -> Result<DisableBatchSize, String> {
+    match text.trim() {
+        "auto" => Ok(DisableBatchSize::Auto),
+        "off" => Ok(DisableBatchSize::Off),
+        t => match t.parse::<usize>() {
+            Ok(0) => Err(
+                "must be at least 1 (1: never draft while anything decodes), auto or off".into(),
+            ),
+            Ok(n) => Ok(DisableBatchSize::At(n)),
+            Err(_) => Err(format!("{t:?} is not a request count, auto or off")),
+        },
+    }
 }
 
 /// A size in bytes: a number with an optional unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB as powers of 1000).
@@ -126,14 +150,12 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
             args.max_batch
         );
     }
-    match args.spec_disable_batch_size {
-        Some(0) => anyhow::bail!(
-            "--spec-disable-batch-size must be at least 1 (1: never draft while anything decodes)"
-        ),
-        Some(_) if matches!(choice, DraftChoice::None) => anyhow::bail!(
+    if matches!(args.spec_disable_batch_size, DisableBatchSize::At(_))
+        && matches!(choice, DraftChoice::None)
+    {
+        anyhow::bail!(
             "--spec-disable-batch-size needs a drafter (--draft-model, --draft ngram or --speculate)"
-        ),
-        _ => {}
+        );
     }
     if args.prefill_chunk == 0 {
         anyhow::bail!("--prefill-chunk must be at least 1 token");
@@ -199,7 +221,11 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         adaptive_drafts: args.draft_policy == "adaptive",
         prefix_cache: !args.no_prefix_cache,
         overlap: None,
-        spec_disable_batch_size: args.spec_disable_batch_size,
+        spec_disable_batch_size: match args.spec_disable_batch_size {
+            DisableBatchSize::At(n) => Some(n),
+            _ => None,
+        },
+        spec_disable_auto: args.spec_disable_batch_size == DisableBatchSize::Auto,
     };
     let engine = Engine::start(target, draft, options, metrics.clone());
     let state = Arc::new(AppState {
@@ -232,7 +258,20 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{parse_bytes, parse_disable_batch_size, DisableBatchSize};
+
+    #[test]
+    fn the_disabling_batch_size_is_a_count_auto_or_off() {
+        assert_eq!(parse_disable_batch_size("8"), Ok(DisableBatchSize::At(8)));
+        assert_eq!(parse_disable_batch_size("auto"), Ok(DisableBatchSize::Auto));
+        assert_eq!(parse_disable_batch_size("off"), Ok(DisableBatchSize::Off));
+        assert!(parse_disable_batch_size("0")
+            .unwrap_err()
+            .contains("at least 1"));
+        assert!(parse_disable_batch_size("many")
+            .unwrap_err()
+            .contains("not a request count"));
+    }
 
     #[test]
     fn sizes_parse_with_units_and_bad_ones_are_named() {

@@ -92,6 +92,9 @@ pub struct EngineOptions {
     /// more run gets no drafter at all (vLLM's `disable_by_batch_size`). Running requests' drafters keep following
     /// theirs, so they resume drafting when the batch shrinks. None: the draft policy alone decides.
     pub spec_disable_batch_size: Option<usize>,
+    /// With adaptive drafts: a request admitted beside others where drafting has lately made no more tokens a
+    /// second than not drafting, at that many requests, gets no drafter ([`DraftPayoff`]).
+    pub spec_disable_auto: bool,
 }
 
 impl Default for EngineOptions {
@@ -107,6 +110,7 @@ impl Default for EngineOptions {
             prefix_cache: true,
             overlap: None,
             spec_disable_batch_size: None,
+            spec_disable_auto: true,
         }
     }
 }
@@ -364,6 +368,7 @@ impl Engine {
                     prefixes: std::cell::RefCell::new(PrefixCache::new()),
                     overlap,
                     carry: std::cell::RefCell::default(),
+                    payoff: std::cell::RefCell::default(),
                 }
                 .run()
             })
@@ -715,6 +720,7 @@ struct EngineLoop<'a> {
     /// See [`overlap_enabled`].
     overlap: bool,
     carry: std::cell::RefCell<Carry>,
+    payoff: std::cell::RefCell<DraftPayoff>,
 }
 
 /// A request taken from the queue, tokenized and checked, waiting for KV memory.
@@ -1112,11 +1118,16 @@ impl<'a> EngineLoop<'a> {
             .len()
             .saturating_add(a.request.max_new_tokens);
         let drafter_start = Instant::now();
-        let drafter = if self
+        let capped = self
             .options
             .spec_disable_batch_size
             .is_some_and(|n| running >= n)
-        {
+            || (self.options.spec_disable_auto
+                && self.options.adaptive_drafts
+                && !matches!(self.draft, DraftSetup::None)
+                && !self.payoff.borrow_mut().admits_drafter(running));
+        let drafter = if capped {
+            self.metrics.admitted_without_drafter.inc();
             Ok(None)
         } else {
             self.drafter(a.request.sampling.seed, positions)
@@ -1433,6 +1444,15 @@ impl<'a> EngineLoop<'a> {
             }
         });
         self.observe_for_budget(&cycles, costs, report);
+        // What drafting paid at this many requests (decoding steps only; a graph capture is not a step's cost).
+        if report.prefill_rows == 0 && !captured {
+            self.payoff.borrow_mut().observe(
+                report.sequences,
+                decision.drafts_allowed > 0,
+                decision.committed,
+                wall_s,
+            );
+        }
         if report.sequences > 0 {
             self.metrics.batch_size.observe(report.sequences as f64);
             self.metrics.step_rows.observe(report.rows as f64);
@@ -1903,6 +1923,70 @@ impl<'a> EngineLoop<'a> {
     }
 }
 
+/// What drafting has paid lately at each count of requests in a step: tokens and seconds of recent decoding steps
+/// that drafted and of those that did not, decaying. The automatic cap reads it at admission: where drafted steps
+/// made no more tokens a second than undrafted ones, a new request would only cost each step its captured
+/// features and its drafter's bookkeeping (~2% of a 16-request step on an H200 with the 1.5B's head, session 33),
+/// so it gets no drafter; every [`Self::PROBE_EVERY`]-th still does, and one kind's evidence fades while only the
+/// other is seen, so a capped load is measured again now and then.
+#[derive(Default)]
+pub struct DraftPayoff {
+    /// Index: requests in the step; [undrafted, drafted]: decayed (tokens, seconds, steps).
+    by_requests: Vec<[(f64, f64, f64); 2]>,
+    capped_admissions: u64,
+}
+
+impl DraftPayoff {
+    /// Weight a step of the same kind keeps per new one (~50 steps of each kind remembered).
+    const KEPT: f64 = 0.98;
+    /// Weight the other kind keeps per new step: after ~600 steps of one kind the other no longer counts.
+    const OTHER_KEPT: f64 = 0.998;
+    /// Remembered steps of each kind before it judges.
+    const MIN_STEPS: f64 = 16.0;
+    /// Drafted steps must beat undrafted ones by this much: a request with a drafter costs steps that do not
+    /// draft too.
+    const MARGIN: f64 = 0.02;
+    pub const PROBE_EVERY: u64 = 8;
+
+    pub fn observe(&mut self, requests: usize, drafted: bool, tokens: usize, seconds: f64) {
+        if requests == 0 || !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        if self.by_requests.len() <= requests {
+            self.by_requests.resize(requests + 1, Default::default());
+        }
+        let kinds = &mut self.by_requests[requests];
+        let other = &mut kinds[usize::from(!drafted)];
+        other.0 *= Self::OTHER_KEPT;
+        other.1 *= Self::OTHER_KEPT;
+        other.2 *= Self::OTHER_KEPT;
+        let e = &mut kinds[usize::from(drafted)];
+        e.0 = e.0 * Self::KEPT + tokens as f64;
+        e.1 = e.1 * Self::KEPT + seconds;
+        e.2 = e.2 * Self::KEPT + 1.0;
+    }
+
+    /// Whether drafting pays in steps of `requests` requests (None until both kinds have been seen enough).
+    pub fn pays(&self, requests: usize) -> Option<bool> {
+        let [undrafted, drafted] = self.by_requests.get(requests)?;
+        if undrafted.2 < Self::MIN_STEPS || drafted.2 < Self::MIN_STEPS {
+            return None;
+        }
+        let rate = |e: &(f64, f64, f64)| e.0 / e.1;
+        Some(rate(drafted) > (1.0 + Self::MARGIN) * rate(undrafted))
+    }
+
+    /// Whether a request admitted beside `running` others gets a drafter: alone always; beside others unless
+    /// drafting measured no gain at that many requests (then every `PROBE_EVERY`-th).
+    pub fn admits_drafter(&mut self, running: usize) -> bool {
+        if running == 0 || self.pays(running + 1) != Some(false) {
+            return true;
+        }
+        self.capped_admissions += 1;
+        self.capped_admissions % Self::PROBE_EVERY == 0
+    }
+}
+
 /// When a finished request was queued, admitted and let go, and the engine thread's time on those.
 struct RequestTimes {
     queued_at: Instant,
@@ -2019,6 +2103,56 @@ mod tests {
         assert_eq!(catch_up_shared_by(true, 100, true), 50);
         // Never zero steps.
         assert_eq!(catch_up_shared_by(true, 0, true), 1);
+    }
+
+    #[test]
+    fn the_automatic_cap_admits_without_a_drafter_only_where_drafting_measured_no_gain() {
+        use super::DraftPayoff;
+        let mut p = DraftPayoff::default();
+        // Nothing measured: everyone gets a drafter.
+        assert_eq!(p.pays(16), None);
+        assert!((0..20).all(|_| p.admits_drafter(15)));
+        // 16 requests: undrafted steps 16 tokens in 2.0 ms; drafted ones 26 tokens in 3.35 ms (a wash).
+        for _ in 0..30 {
+            p.observe(16, false, 16, 2.0e-3);
+            p.observe(16, true, 26, 3.35e-3);
+        }
+        assert_eq!(p.pays(16), Some(false));
+        // Beside 15 others a request gets no drafter, but every PROBE_EVERY-th does; alone it always does.
+        let given: Vec<bool> = (0..2 * DraftPayoff::PROBE_EVERY)
+            .map(|_| p.admits_drafter(15))
+            .collect();
+        assert_eq!(given.iter().filter(|&&g| g).count() as u64, 2, "{given:?}");
+        assert!(p.admits_drafter(0));
+        // Another request count is judged on its own: at 4 requests drafting pays (7 tokens in 1.5 ms against 4
+        // in 1.3 ms).
+        for _ in 0..30 {
+            p.observe(4, false, 4, 1.3e-3);
+            p.observe(4, true, 7, 1.5e-3);
+        }
+        assert_eq!(p.pays(4), Some(true));
+        assert!((0..20).all(|_| p.admits_drafter(3)));
+        // A gain under the 2% margin is no gain (1% here).
+        let mut q = DraftPayoff::default();
+        for _ in 0..30 {
+            q.observe(8, false, 800, 1.0);
+            q.observe(8, true, 808, 1.0);
+        }
+        assert_eq!(q.pays(8), Some(false));
+        // Long stretches of undrafted steps fade the drafted evidence: the load is judged afresh.
+        for _ in 0..1000 {
+            p.observe(16, false, 16, 2.0e-3);
+        }
+        assert_eq!(p.pays(16), None);
+        assert!(p.admits_drafter(15));
+        // Steps of no time or of no requests are not evidence.
+        let mut r = DraftPayoff::default();
+        for _ in 0..30 {
+            r.observe(0, true, 5, 1.0);
+            r.observe(2, true, 5, 0.0);
+            r.observe(2, false, 5, f64::NAN);
+        }
+        assert_eq!((r.pays(0), r.pays(2)), (None, None));
     }
 
     #[test]

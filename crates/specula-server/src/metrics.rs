@@ -30,6 +30,8 @@ pub struct Metrics {
     pub prefix_cache_queries: IntCounter,
     pub prefix_cache_hits: IntCounter,
     pub num_drafts: IntCounter,
+    /// Requests admitted without a drafter (`--spec-disable-batch-size`, or the automatic cap).
+    pub admitted_without_drafter: IntCounter,
     pub num_draft_tokens: IntCounter,
     pub num_accepted_tokens: IntCounter,
     pub accepted_per_pos: IntCounterVec,
@@ -249,6 +251,10 @@ impl Metrics {
             num_drafts: counter(
                 "specula:spec_decode_num_drafts",
                 "Verify cycles that verified a draft.",
+            ),
+            admitted_without_drafter: counter(
+                "specula:spec_decode_admitted_without_drafter",
+                "Requests admitted without a drafter: past --spec-disable-batch-size, or where drafting measured no gain at that many requests.",
             ),
             num_draft_tokens: counter(
                 "specula:spec_decode_num_draft_tokens",
