@@ -280,8 +280,11 @@ fn prepare_steps(model: &LoadedModel, draft: &DraftSetup, options: &EngineOption
         last_row_logits_only: false,
     };
     prepare(model, &shapes, "the target");
-    // Requests admitted past --spec-disable-batch-size have no drafter: batches of only them capture nothing.
-    if options.spec_disable_batch_size.is_some() && !capture.is_empty() {
+    // Requests admitted past --spec-disable-batch-size (or the automatic cap) have no drafter: batches of only them
+    // capture nothing.
+    let capped = options.spec_disable_batch_size.is_some()
+        || (options.spec_disable_auto && options.adaptive_drafts);
+    if capped && !capture.is_empty() {
         let plain = specula::model::StepShapes {
             capture_layers: &[],
             ..shapes
