@@ -1986,7 +1986,7 @@ impl DraftPayoff {
             return true;
         }
         self.capped_admissions += 1;
-        self.capped_admissions % Self::PROBE_EVERY == 0
+        self.capped_admissions.is_multiple_of(Self::PROBE_EVERY)
     }
 }
 
