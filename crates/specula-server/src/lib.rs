@@ -659,10 +659,20 @@ async fn run(
     if tokens.is_empty() {
         return Err(ApiError::bad("the prompt is empty", None));
     }
+    submit_and_answer(state, Input::Tokens(tokens), c, kind, queued_at).await
+}
+
+async fn submit_and_answer(
+    state: Arc<AppState>,
+    input: Input,
+    c: Common,
+    kind: Kind,
+    queued_at: std::time::Instant,
+) -> Result<Response, ApiError> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
-        input: Input::Tokens(tokens),
+        input,
         max_tokens: c.max_tokens,
         sampling: c.sampling,
         stop: c.stop,
