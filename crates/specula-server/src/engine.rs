@@ -1932,11 +1932,24 @@ impl<'a> EngineLoop<'a> {
 /// features and its drafter's bookkeeping (~2% of a 16-request step on an H200 with the 1.5B's head, session 33),
 /// so it gets no drafter; every [`Self::PROBE_EVERY`]-th still does, and one kind's evidence fades while only the
 /// other is seen, so a capped load is measured again now and then.
-#[derive(Default)]
 pub struct DraftPayoff {
     /// Index: requests in the step; [undrafted, drafted]: decayed (tokens, seconds, steps).
     by_requests: Vec<[(f64, f64, f64); 2]>,
     capped_admissions: u64,
+    /// Whether a count short of evidence is judged from its neighbours ([`Self::judged`]);
+    /// `SPECULA_AUTO_CAP_NEIGHBOURS=0` judges each count on its own evidence only (session 33's rule), to compare.
+    from_neighbours: bool,
+}
+
+impl Default for DraftPayoff {
+    fn default() -> Self {
+        DraftPayoff {
+            by_requests: Vec::new(),
+            capped_admissions: 0,
+            from_neighbours: std::env::var("SPECULA_AUTO_CAP_NEIGHBOURS")
+                .map_or(true, |v| v != "0"),
+        }
+    }
 }
 
 impl DraftPayoff {
@@ -1946,6 +1959,8 @@ impl DraftPayoff {
     const OTHER_KEPT: f64 = 0.998;
     /// Remembered steps of each kind before it judges.
     const MIN_STEPS: f64 = 16.0;
+    /// Remembered steps of each kind before a count's gain counts toward a neighbour's judgment.
+    const NEIGHBOUR_MIN_STEPS: f64 = 2.0;
     /// Drafted steps must beat undrafted ones by this much: a request with a drafter costs steps that do not
     /// draft too.
     const MARGIN: f64 = 0.02;
@@ -1969,20 +1984,64 @@ impl DraftPayoff {
         e.2 = e.2 * Self::KEPT + 1.0;
     }
 
-    /// Whether drafting pays in steps of `requests` requests (None until both kinds have been seen enough).
-    pub fn pays(&self, requests: usize) -> Option<bool> {
+    /// Drafted steps' tokens a second over undrafted ones' at `requests`, and the steps behind it (the fewer of
+    /// the two kinds), once both kinds have at least `min_steps`.
+    fn gain(&self, requests: usize, min_steps: f64) -> Option<(f64, f64)> {
         let [undrafted, drafted] = self.by_requests.get(requests)?;
-        if undrafted.2 < Self::MIN_STEPS || drafted.2 < Self::MIN_STEPS {
+        let steps = undrafted.2.min(drafted.2);
+        if steps < min_steps || undrafted.0 <= 0.0 {
             return None;
         }
         let rate = |e: &(f64, f64, f64)| e.0 / e.1;
-        Some(rate(drafted) > (1.0 + Self::MARGIN) * rate(undrafted))
+        Some((rate(drafted) / rate(undrafted), steps))
+    }
+
+    /// Whether drafting pays in steps of `requests` requests, on that count's own evidence (None until both
+    /// kinds have been seen enough).
+    pub fn pays(&self, requests: usize) -> Option<bool> {
+        self.gain(requests, Self::MIN_STEPS)
+            .map(|(gain, _)| gain > 1.0 + Self::MARGIN)
+    }
+
+    /// [`Self::pays`], else the gains of the counts within a quarter of it pooled (each weighted by its steps;
+    /// together at least MIN_STEPS): a load that moves between 14 and 16 requests spreads its steps over three
+    /// counts, and judged one count at a time it took most of a 256-request run to judge (session 33: the cap
+    /// acted on 33-42 requests).
+    fn pays_near(&self, requests: usize) -> Option<bool> {
+        if let Some(own) = self.pays(requests) {
+            return Some(own);
+        }
+        let spread = requests / 4;
+        let (mut weighted, mut steps) = (0.0, 0.0);
+        for n in requests.saturating_sub(spread).max(1)..=requests + spread {
+            if let Some((gain, w)) = self.gain(n, Self::NEIGHBOUR_MIN_STEPS) {
+                weighted += gain * w;
+                steps += w;
+            }
+        }
+        (steps >= Self::MIN_STEPS).then(|| weighted / steps > 1.0 + Self::MARGIN)
+    }
+
+    /// What the cap goes by at `requests`: [`Self::pays_near`], else the nearest smaller count judged. A drafted
+    /// row costs more of a pass the more requests share it, so where drafting paid nothing at fewer requests it
+    /// pays nothing at more; a smaller count where it paid says nothing about this one.
+    pub fn judged(&self, requests: usize) -> Option<bool> {
+        if !self.from_neighbours {
+            return self.pays(requests);
+        }
+        if let Some(near) = self.pays_near(requests) {
+            return Some(near);
+        }
+        (1..requests)
+            .rev()
+            .find_map(|n| self.pays_near(n))
+            .filter(|&pays| !pays)
     }
 
     /// Whether a request admitted beside `running` others gets a drafter: alone always; beside others unless
-    /// drafting measured no gain at that many requests (then every `PROBE_EVERY`-th).
+    /// drafting measured no gain at that many requests ([`Self::judged`]; then every `PROBE_EVERY`-th).
     pub fn admits_drafter(&mut self, running: usize) -> bool {
-        if running == 0 || self.pays(running + 1) != Some(false) {
+        if running == 0 || self.judged(running + 1) != Some(false) {
             return true;
         }
         self.capped_admissions += 1;
@@ -2156,6 +2215,52 @@ mod tests {
             r.observe(2, false, 5, f64::NAN);
         }
         assert_eq!((r.pays(0), r.pays(2)), (None, None));
+    }
+
+    #[test]
+    fn a_count_short_of_evidence_is_judged_from_its_neighbours() {
+        use super::DraftPayoff;
+        // A 16-stream load moving between 14 and 16 requests: 8 steps of each kind at each count, drafting a
+        // wash (drafted 1.3x the tokens in 1.3x the time). No count has MIN_STEPS of its own.
+        let mut p = DraftPayoff::default();
+        for n in 14..=16 {
+            for _ in 0..8 {
+                p.observe(n, false, n, 2.0e-3);
+                p.observe(n, true, n * 13 / 10, 2.6e-3);
+            }
+        }
+        assert_eq!((p.pays(14), p.pays(15), p.pays(16)), (None, None, None));
+        // Pooled, they are judged: no gain.
+        assert_eq!(p.judged(15), Some(false));
+        assert_eq!(p.judged(16), Some(false));
+        assert!(!p.admits_drafter(15));
+        // Counts above, with no evidence at all, take the nearest smaller count's "no gain"...
+        assert_eq!(p.judged(24), Some(false));
+        // ...but not below it: fewer requests may still gain.
+        assert_eq!(p.judged(8), None);
+        assert!(p.admits_drafter(7));
+        // Where drafting paid at a count in between, larger counts are not judged from below it.
+        for _ in 0..20 {
+            p.observe(20, false, 20, 2.5e-3);
+            p.observe(20, true, 40, 3.0e-3);
+        }
+        assert_eq!(p.pays(20), Some(true));
+        assert_eq!(p.judged(30), None);
+        // A count's own evidence wins over its neighbours': 15 measured a clear gain of its own.
+        for _ in 0..40 {
+            p.observe(15, false, 15, 2.0e-3);
+            p.observe(15, true, 30, 2.4e-3);
+        }
+        assert_eq!(p.judged(15), Some(true));
+        // Neighbours with a single step of a kind are not evidence.
+        let mut q = DraftPayoff::default();
+        for n in 10..=13 {
+            for _ in 0..30 {
+                q.observe(n, false, n, 2.0e-3);
+            }
+            q.observe(n, true, n, 4.0e-3);
+        }
+        assert_eq!(q.judged(12), None);
     }
 
     #[test]
