@@ -369,6 +369,8 @@ struct Common {
     include_usage: bool,
     /// vLLM's extension: keep generating past end-of-turn tokens (benchmarks of fixed length).
     ignore_eos: bool,
+    /// Completions' `echo`: the prompt's text, sent before the completion.
+    echo: Option<String>,
 }
 
 fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
@@ -513,7 +515,92 @@ fn common(
         stream,
         include_usage,
         ignore_eos,
+        echo: None,
     })
+}
+
+/// Refuses request fields that would change the answer in ways this server does not do, unless they hold their
+/// neutral value: answering without them would be a silently different answer than the client asked for.
+/// Fields that change nothing here (`user`, `metadata`, `store`, `tool_choice` without tools, ...) pass.
+fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<(), ApiError> {
+    let refuse = |key: &'static str, why: &str| {
+        Err(ApiError::bad(
+            format!("{key} is not supported by this server: {why}"),
+            Some(key),
+        ))
+    };
+    let present = |key: &str| o.get(key).filter(|v| !v.is_null());
+    for key in ["n", "best_of"] {
+        if let Some(v) = present(key) {
+            if v.as_u64() != Some(1) {
+                return refuse(
+                    if key == "n" { "n" } else { "best_of" },
+                    &format!(
+                        "one choice per request (got {v}); send one request per choice, with different seeds to \
+                         sample different answers"
+                    ),
+                );
+            }
+        }
+    }
+    let logprobs_asked = match present("logprobs") {
+        None | Some(Value::Bool(false)) => false,
+        // Completions' integer form: 0 still asks for the sampled token's log-probability.
+        Some(_) => true,
+    };
+    if logprobs_asked || present("top_logprobs").is_some_and(|v| v.as_u64() != Some(0)) {
+        return refuse(
+            "logprobs",
+            "token log-probabilities are not returned (on a GPU only the chosen tokens leave the device)",
+        );
+    }
+    for key in ["presence_penalty", "frequency_penalty"] {
+        if let Some(v) = present(key) {
+            if v.as_f64() != Some(0.0) {
+                return refuse(
+                    if key == "presence_penalty" { "presence_penalty" } else { "frequency_penalty" },
+                    &format!("got {v}; tokens are sampled from the model's own distribution (temperature, top_p, top_k)"),
+                );
+            }
+        }
+    }
+    if let Some(v) = present("repetition_penalty") {
+        if v.as_f64() != Some(1.0) {
+            return refuse(
+                "repetition_penalty",
+                &format!("got {v}; tokens are sampled from the model's own distribution"),
+            );
+        }
+    }
+    if present("logit_bias").is_some_and(|v| v.as_object().is_none_or(|m| !m.is_empty())) {
+        return refuse(
+            "logit_bias",
+            "tokens are sampled from the model's own distribution",
+        );
+    }
+    if let Some(v) = present("response_format") {
+        if v.get("type").and_then(Value::as_str) != Some("text") {
+            return refuse(
+                "response_format",
+                "structured output (JSON mode, JSON schema) is not constrained here; ask for JSON in the prompt",
+            );
+        }
+    }
+    for key in ["tools", "functions"] {
+        if present(key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
+            return refuse(
+                if key == "tools" { "tools" } else { "functions" },
+                "tool calls are not parsed; describe the tools in a message instead",
+            );
+        }
+    }
+    if kind == Kind::Completion && present("suffix").is_some_and(|v| v.as_str() != Some("")) {
+        return refuse(
+            "suffix",
+            "fill-in-the-middle is not supported; put the text in the prompt",
+        );
+    }
+    Ok(())
 }
 
 fn usage(f: &Finished) -> Value {
@@ -578,19 +665,73 @@ async fn completions_inner(
 ) -> Result<Response, ApiError> {
     check_key(&state, &headers)?;
     let o = parse_body(&body)?;
-    let prompt = match o.get("prompt") {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            a[0].as_str().unwrap_or_default().to_string()
-        }
-        None => return Err(ApiError::bad("prompt is required", Some("prompt"))),
-        Some(_) => return Err(ApiError::bad("prompt must be a string", Some("prompt"))),
+    refuse_unsupported(&o, Kind::Completion)?;
+    let input = parse_prompt(&state, &o)?;
+    let mut c = common(&state, &o, 16)?;
+    let echo = match o.get("echo") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(_) => return Err(ApiError::bad("echo must be a boolean", Some("echo"))),
     };
-    if prompt.is_empty() {
-        return Err(ApiError::bad("prompt is empty", Some("prompt")));
+    if echo {
+        c.echo = Some(match &input {
+            Input::Prompt(p) => p.clone(),
+            Input::Tokens(t) => state
+                .engine
+                .tokenizer
+                .decode(t)
+                .map_err(|e| ApiError::bad(e.to_string(), Some("prompt")))?,
+            Input::Chat(_) => String::new(),
+        });
     }
-    let c = common(&state, &o, 16)?;
-    run(state, Input::Prompt(prompt), c, Kind::Completion).await
+    run(state, input, c, Kind::Completion).await
+}
+
+/// A completion's `prompt`: a string, or a list of token ids (OpenAI's forms; a list holding one of either is
+/// that one). Several prompts in one request are refused: one request answers one prompt.
+fn parse_prompt(state: &AppState, o: &serde_json::Map<String, Value>) -> Result<Input, ApiError> {
+    let bad = |m: String| ApiError::bad(m, Some("prompt"));
+    let ids = |a: &[Value]| -> Result<Vec<u32>, ApiError> {
+        a.iter()
+            .map(|v| {
+                let id = v
+                    .as_u64()
+                    .filter(|&t| t <= u32::MAX as u64)
+                    .ok_or_else(|| {
+                        bad(format!("a token-id prompt holds only token ids, got {v}"))
+                    })?;
+                if id as usize >= state.engine.vocab_size {
+                    return Err(bad(format!(
+                        "token {id} is outside the vocabulary of {}",
+                        state.engine.vocab_size
+                    )));
+                }
+                Ok(id as u32)
+            })
+            .collect()
+    };
+    let input = match o.get("prompt") {
+        None | Some(Value::Null) => return Err(bad("prompt is required".into())),
+        Some(Value::String(s)) => Input::Prompt(s.clone()),
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => Input::Tokens(ids(a)?),
+        Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
+            Value::String(s) => Input::Prompt(s.clone()),
+            Value::Array(t) => Input::Tokens(ids(t)?),
+            _ => return Err(bad("prompt must be a string or a list of token ids".into())),
+        },
+        Some(Value::Array(a)) if a.len() > 1 && a.iter().all(|p| p.is_string() || p.is_array()) => {
+            return Err(bad(format!(
+                "prompt holds {} prompts; this server answers one prompt per request",
+                a.len()
+            )))
+        }
+        Some(_) => return Err(bad("prompt must be a string or a list of token ids".into())),
+    };
+    match &input {
+        Input::Prompt(p) if p.is_empty() => Err(bad("prompt is empty".into())),
+        Input::Tokens(t) if t.is_empty() => Err(bad("prompt is empty".into())),
+        _ => Ok(input),
+    }
 }
 
 /// The request's `messages`: a non-empty list of {role, content} strings.
@@ -600,14 +741,18 @@ fn parse_messages(o: &serde_json::Map<String, Value>) -> Result<Vec<ChatMessage>
             .iter()
             .map(|m| {
                 let role = m.get("role").and_then(Value::as_str);
-                let content = m.get("content").and_then(Value::as_str);
+                let content = match m.get("content") {
+                    Some(Value::String(c)) => Some(c.clone()),
+                    Some(Value::Array(parts)) => Some(text_parts(parts)?),
+                    _ => None,
+                };
                 match (role, content) {
                     (Some(r), Some(c)) => Ok(ChatMessage {
                         role: r.to_string(),
-                        content: c.to_string(),
+                        content: c,
                     }),
                     _ => Err(ApiError::bad(
-                        "each message needs a string role and a string content",
+                        "each message needs a string role and a string content (or a list of text parts)",
                         Some("messages"),
                     )),
                 }
@@ -619,6 +764,41 @@ fn parse_messages(o: &serde_json::Map<String, Value>) -> Result<Vec<ChatMessage>
     }
 }
 
+/// A message's content given as parts (OpenAI's newer form): the text parts joined; other kinds (images,
+/// audio, files) are refused by name, since a text model would answer without them.
+fn text_parts(parts: &[Value]) -> Result<String, ApiError> {
+    let mut text = String::new();
+    for part in parts {
+        match (
+            part.get("type").and_then(Value::as_str),
+            part.get("text").and_then(Value::as_str),
+        ) {
+            (Some("text"), Some(t)) => text.push_str(t),
+            (Some("text"), None) => {
+                return Err(ApiError::bad(
+                    "a text content part needs a string text",
+                    Some("messages"),
+                ))
+            }
+            (Some(other), _) => {
+                return Err(ApiError::bad(
+                    format!(
+                    "content parts of type {other:?} are not supported: this model reads text only"
+                ),
+                    Some("messages"),
+                ))
+            }
+            (None, _) => {
+                return Err(ApiError::bad(
+                    "each content part needs a type",
+                    Some("messages"),
+                ))
+            }
+        }
+    }
+    Ok(text)
+}
+
 async fn chat_completions_inner(
     state: Arc<AppState>,
     headers: HeaderMap,
@@ -626,6 +806,7 @@ async fn chat_completions_inner(
 ) -> Result<Response, ApiError> {
     check_key(&state, &headers)?;
     let o = parse_body(&body)?;
+    refuse_unsupported(&o, Kind::Chat)?;
     let messages = parse_messages(&o)?;
     let c = common(&state, &o, 256)?;
     run(state, Input::Chat(messages), c, Kind::Chat).await
@@ -717,7 +898,7 @@ async fn submit_and_answer(
     let created = now();
     let model = state.engine.model_name.clone();
     if !c.stream {
-        let mut text = String::new();
+        let mut text = c.echo.clone().unwrap_or_default();
         let finished = loop {
             match rx.recv().await {
                 Some(Event::Text(t)) => text.push_str(&t),
@@ -765,11 +946,16 @@ async fn submit_and_answer(
             }
             SseEvent::default().data(v.to_string())
         };
-        if kind == Kind::Chat
-            && sse_tx
-                .send(chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}), None))
-                .is_err()
-        {
+        let opening = match (kind, &c.echo) {
+            (Kind::Chat, _) => Some(
+                json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}),
+            ),
+            (Kind::Completion, Some(echo)) => {
+                Some(json!({"index": 0, "text": echo, "finish_reason": null}))
+            }
+            (Kind::Completion, None) => None,
+        };
+        if opening.is_some_and(|o| sse_tx.send(chunk(o, None)).is_err()) {
             cancel.store(true, std::sync::atomic::Ordering::Relaxed);
             return;
         }

@@ -274,6 +274,191 @@ fn completions_and_chat_answer_what_the_library_generates() {
     assert_eq!(sse_text(&body, false).0, cut);
 }
 
+#[test]
+fn prompts_as_token_ids_content_parts_and_echo_answer_like_the_plain_forms() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
+    let want = expected(&reference, "hello world", 12);
+    let ids = reference.tokenizer.encode("hello world").unwrap();
+    // A prompt of token ids, bare or as a one-element batch, answers as its text does.
+    for prompt in [json!(ids), json!([ids]), json!(["hello world"])] {
+        let (s, v) = post(
+            addr,
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 12, "temperature": 0}),
+        );
+        assert_eq!(s, 200, "{prompt}: {v}");
+        assert_eq!(v["choices"][0]["text"], want, "{prompt}");
+    }
+    // echo: the prompt's text first, streamed or not.
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "hello world", "max_tokens": 12, "temperature": 0, "echo": true}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], format!("hello world{want}"));
+    let (_, _, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(&json!({"prompt": ids, "max_tokens": 12, "temperature": 0, "echo": true, "stream": true}).to_string()),
+        &[],
+    );
+    let (text, done, _) = sse_text(&body, false);
+    assert!(done, "{body}");
+    assert_eq!(
+        text,
+        format!("{}{want}", reference.tokenizer.decode(&ids).unwrap())
+    );
+    // A message's content as text parts is the parts joined; neutral values of unsupported fields pass.
+    let messages = [specula::chat::ChatMessage::user("hi there")];
+    let chat_want = expected(&reference, &reference.format_chat(&messages).unwrap(), 10);
+    let (s, v) = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "},
+                                                          {"type": "text", "text": "there"}]}],
+               "max_tokens": 10, "temperature": 0, "n": 1, "logprobs": false, "presence_penalty": 0,
+               "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "response_format": {"type": "text"},
+               "user": "someone"}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], chat_want);
+}
+
+#[test]
+fn fields_that_would_change_the_answer_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        post(addr, "/v1/chat/completions", body)
+    };
+    let completion = |extra: Value| {
+        let mut body = json!({"prompt": "hi", "max_tokens": 4});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        post(addr, "/v1/completions", body)
+    };
+    let refused = |(s, v): (u16, Value), param: &str, needle: &str| {
+        assert_eq!(s, 400, "{param}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
+    };
+    refused(chat(json!({"n": 2})), "n", "one choice per request");
+    refused(completion(json!({"best_of": 3})), "best_of", "one choice");
+    refused(
+        chat(json!({"logprobs": true})),
+        "logprobs",
+        "log-probabilities",
+    );
+    refused(
+        chat(json!({"top_logprobs": 5})),
+        "logprobs",
+        "log-probabilities",
+    );
+    refused(
+        completion(json!({"logprobs": 0})),
+        "logprobs",
+        "log-probabilities",
+    );
+    refused(
+        chat(json!({"presence_penalty": 0.5})),
+        "presence_penalty",
+        "got 0.5",
+    );
+    refused(
+        completion(json!({"frequency_penalty": 1})),
+        "frequency_penalty",
+        "got 1",
+    );
+    refused(
+        chat(json!({"repetition_penalty": 1.2})),
+        "repetition_penalty",
+        "got 1.2",
+    );
+    refused(
+        chat(json!({"logit_bias": {"5": 10}})),
+        "logit_bias",
+        "distribution",
+    );
+    refused(
+        chat(json!({"response_format": {"type": "json_object"}})),
+        "response_format",
+        "structured output",
+    );
+    refused(
+        chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
+        "tools",
+        "tool calls",
+    );
+    refused(
+        completion(json!({"suffix": "end"})),
+        "suffix",
+        "fill-in-the-middle",
+    );
+    refused(completion(json!({"echo": "yes"})), "echo", "boolean");
+    // Prompts: several in one request, ids outside the vocabulary, mixed lists, empty lists.
+    refused(
+        completion(json!({"prompt": ["a", "b"]})),
+        "prompt",
+        "holds 2 prompts",
+    );
+    refused(
+        completion(json!({"prompt": [[1, 2], [3]]})),
+        "prompt",
+        "holds 2 prompts",
+    );
+    refused(
+        completion(json!({"prompt": [1, 99999]})),
+        "prompt",
+        "token 99999 is outside",
+    );
+    refused(
+        completion(json!({"prompt": [1, "a"]})),
+        "prompt",
+        "a string or a list of token ids",
+    );
+    refused(
+        completion(json!({"prompt": [[1, -2]]})),
+        "prompt",
+        "only token ids",
+    );
+    refused(
+        completion(json!({"prompt": []})),
+        "prompt",
+        "prompt is empty",
+    );
+    refused(
+        completion(json!({"prompt": 7})),
+        "prompt",
+        "a string or a list of token ids",
+    );
+    // Content parts other than text are named.
+    let (s, v) = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+    );
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("\"image_url\""),
+        "{v}"
+    );
+    // The engine still serves.
+    assert_eq!(chat(json!({})).0, 200);
+}
+
 fn v_usage_prompt(model: &LoadedModel, text: &str) -> Value {
     json!(model.tokenizer.encode(text).unwrap().len())
 }

@@ -42,6 +42,18 @@ assert usage is not None and usage.completion_tokens == chat.usage.completion_to
 cut = client.completions.create(model=model, prompt="hello world", max_tokens=12, temperature=0, stop=[done.choices[0].text[2:4]])
 assert cut.choices[0].finish_reason == "stop" and done.choices[0].text.startswith(cut.choices[0].text), cut
 
+# The newer content form (a list of text parts) answers as the plain string does.
+parts = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": [{"type": "text", "text": "hi there"}]}], max_tokens=12,
+    temperature=0,
+)
+assert parts.choices[0].message.content == answer, (parts, answer)
+try:
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2, n=2)
+    raise SystemExit("n = 2 was accepted and would have been answered with one choice")
+except openai.BadRequestError as e:
+    assert "one choice per request" in str(e), e
+
 try:
     client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     raise SystemExit("an unknown model was accepted")
