@@ -142,6 +142,7 @@ pub enum DraftSetup {
 /// A request's input: a raw prompt (`/v1/completions`) or a conversation (`/v1/chat/completions`), or either
 /// already tokenized ([`tokenize_input`]: the HTTP side does it on its own threads, so the engine thread, which the
 /// device waits on between steps, does not spend ~0.3-1.8 ms a request on the chat template and the tokenizer).
+#[derive(Clone)]
 pub enum Input {
     Prompt(String),
     Chat(Vec<ChatMessage>),
@@ -391,18 +392,28 @@ impl Engine {
     }
 
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        self.submit_all(vec![job])
+    }
+
+    /// Queues every job or none (the choices of one request: `n` in the OpenAI API).
+    pub fn submit_all(&self, jobs: Vec<Job>) -> Result<(), SubmitError> {
         let mut q = self.queue.state.lock().map_err(|_| SubmitError::Stopped)?;
         if q.closed {
             return Err(SubmitError::Stopped);
         }
-        if q.jobs.len() >= self.max_queue {
+        if q.jobs.len() + jobs.len() > self.max_queue {
             return Err(SubmitError::QueueFull);
         }
-        q.jobs.push_back(job);
+        q.jobs.extend(jobs);
         self.metrics.queue.set(q.jobs.len() as i64);
         drop(q);
-        self.queue.ready.notify_one();
+        self.queue.ready.notify_all();
         Ok(())
+    }
+
+    /// Jobs the queue holds at most.
+    pub fn max_queue(&self) -> usize {
+        self.max_queue
     }
 }
 

@@ -371,7 +371,12 @@ struct Common {
     ignore_eos: bool,
     /// Completions' `echo`: the prompt's text, sent before the completion.
     echo: Option<String>,
+    /// Choices to generate (`n`): each its own engine request, with seed `seed + index`.
+    n: usize,
 }
+
+/// Most choices one request may ask for (each is an engine request of its own).
+const MAX_CHOICES: usize = 16;
 
 fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
     let value: Value = serde_json::from_slice(body)
@@ -516,7 +521,33 @@ fn common(
         include_usage,
         ignore_eos,
         echo: None,
+        n: choices(state, o)?,
     })
+}
+
+/// `n` (default 1), and `best_of`, which may only repeat it: there is no ranking of choices here.
+fn choices(state: &AppState, o: &serde_json::Map<String, Value>) -> Result<usize, ApiError> {
+    let n = integer(o, "n")?.unwrap_or(1);
+    let most = MAX_CHOICES.min(state.engine.max_queue()) as u64;
+    if n == 0 || n > most {
+        return Err(ApiError::bad(
+            format!(
+                "n is {n}; it must be between 1 and {most} (choices a request may ask for here)"
+            ),
+            Some("n"),
+        ));
+    }
+    if let Some(best_of) = integer(o, "best_of")? {
+        if best_of != n {
+            return Err(ApiError::bad(
+                format!(
+                    "best_of is {best_of}; this server does not rank choices, so it must equal n ({n}) or be left out"
+                ),
+                Some("best_of"),
+            ));
+        }
+    }
+    Ok(n as usize)
 }
 
 /// Refuses request fields that would change the answer in ways this server does not do, unless they hold their
@@ -530,19 +561,6 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
         ))
     };
     let present = |key: &str| o.get(key).filter(|v| !v.is_null());
-    for key in ["n", "best_of"] {
-        if let Some(v) = present(key) {
-            if v.as_u64() != Some(1) {
-                return refuse(
-                    if key == "n" { "n" } else { "best_of" },
-                    &format!(
-                        "one choice per request (got {v}); send one request per choice, with different seeds to \
-                         sample different answers"
-                    ),
-                );
-            }
-        }
-    }
     let logprobs_asked = match present("logprobs") {
         None | Some(Value::Bool(false)) => false,
         // Completions' integer form: 0 still asks for the sampled token's log-probability.
@@ -601,6 +619,25 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
         );
     }
     Ok(())
+}
+
+/// The usage of a request's choices together: the prompt counted once (OpenAI's convention), the completions
+/// and speculative stats summed, each phase's time the longest choice's.
+fn usage_of(choices: &[Finished]) -> Value {
+    let Some(first) = choices.first() else {
+        return Value::Null;
+    };
+    let mut f = first.clone();
+    for c in &choices[1..] {
+        f.completion_tokens += c.completion_tokens;
+        f.drafted += c.drafted;
+        f.accepted += c.accepted;
+        f.cycles += c.cycles;
+        f.queue_s = f.queue_s.max(c.queue_s);
+        f.prefill_s = f.prefill_s.max(c.prefill_s);
+        f.decode_s = f.decode_s.max(c.decode_s);
+    }
+    usage(&f)
 }
 
 fn usage(f: &Finished) -> Value {
@@ -850,19 +887,29 @@ async fn submit_and_answer(
     kind: Kind,
     queued_at: std::time::Instant,
 ) -> Result<Response, ApiError> {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    // One engine request per choice, each with its own seed (the request's seed + its index), queued together;
+    // a client that leaves cancels them all.
     let cancel = Arc::new(AtomicBool::new(false));
-    let job = Job {
-        input,
-        max_tokens: c.max_tokens,
-        sampling: c.sampling,
-        stop: c.stop,
-        ignore_eos: c.ignore_eos,
-        events: tx,
-        cancel: cancel.clone(),
-        queued_at,
-    };
-    state.engine.submit(job).map_err(|e| match e {
+    let mut receivers = Vec::with_capacity(c.n);
+    let mut jobs = Vec::with_capacity(c.n);
+    for i in 0..c.n {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut sampling = c.sampling;
+        sampling.seed = sampling.seed.wrapping_add(i as u64);
+        jobs.push(Job {
+            input: input.clone(),
+            max_tokens: c.max_tokens,
+            sampling,
+            stop: c.stop.clone(),
+            ignore_eos: c.ignore_eos,
+            events: tx,
+            cancel: cancel.clone(),
+            queued_at,
+        });
+        receivers.push(rx);
+    }
+    drop(input);
+    state.engine.submit_all(jobs).map_err(|e| match e {
         SubmitError::QueueFull => ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
             message: "the server's queue is full; retry later".into(),
@@ -876,14 +923,18 @@ async fn submit_and_answer(
             param: None,
         },
     })?;
-    // The first event says whether the request can run (the prompt tokenized and fits).
-    match rx.recv().await {
-        Some(Event::Started { .. }) => {}
-        Some(Event::Done(Err(failure))) => return Err(failed(failure)),
-        _ => {
-            return Err(server_error(
+    // Each choice's first event says whether it can run (the prompt fits); one that cannot fails the request.
+    for rx in receivers.iter_mut() {
+        let refused = match rx.recv().await {
+            Some(Event::Started { .. }) => None,
+            Some(Event::Done(Err(failure))) => Some(failed(failure)),
+            _ => Some(server_error(
                 "the engine ended the request without an answer".into(),
-            ))
+            )),
+        };
+        if let Some(e) = refused {
+            cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+            return Err(e);
         }
     }
     let id = format!(
@@ -898,45 +949,69 @@ async fn submit_and_answer(
     let created = now();
     let model = state.engine.model_name.clone();
     if !c.stream {
-        let mut text = c.echo.clone().unwrap_or_default();
-        let finished = loop {
-            match rx.recv().await {
-                Some(Event::Text(t)) => text.push_str(&t),
-                Some(Event::Done(Ok(f))) => break f,
-                Some(Event::Done(Err(failure))) => return Err(failed(failure)),
-                Some(Event::Started { .. }) | None => {
-                    return Err(server_error(
-                        "the engine ended the request without an answer".into(),
-                    ))
+        let mut choices = Vec::with_capacity(c.n);
+        let mut finished_all = Vec::with_capacity(c.n);
+        for (index, rx) in receivers.iter_mut().enumerate() {
+            let mut text = c.echo.clone().unwrap_or_default();
+            let finished = loop {
+                match rx.recv().await {
+                    Some(Event::Text(t)) => text.push_str(&t),
+                    Some(Event::Done(Ok(f))) => break f,
+                    Some(Event::Done(Err(failure))) => {
+                        cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                        return Err(failed(failure));
+                    }
+                    Some(Event::Started { .. }) | None => {
+                        cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                        return Err(server_error(
+                            "the engine ended the request without an answer".into(),
+                        ));
+                    }
                 }
-            }
-        };
-        let choice = match kind {
-            Kind::Completion => {
-                json!({"index": 0, "text": text, "finish_reason": finished.finish_reason, "logprobs": null})
-            }
-            Kind::Chat => {
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finished.finish_reason})
-            }
-        };
+            };
+            choices.push(match kind {
+                Kind::Completion => {
+                    json!({"index": index, "text": text, "finish_reason": finished.finish_reason, "logprobs": null})
+                }
+                Kind::Chat => {
+                    json!({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finished.finish_reason})
+                }
+            });
+            finished_all.push(finished);
+        }
         let body = json!({
             "id": id,
             "object": if kind == Kind::Chat { "chat.completion" } else { "text_completion" },
             "created": created,
             "model": model,
-            "choices": [choice],
-            "usage": usage(&finished),
+            "choices": choices,
+            "usage": usage_of(&finished_all),
         });
         return Ok(Json(body).into_response());
     }
-    // Streaming: one SSE event per text piece, then the finish reason, the usage when asked, and [DONE]. A
-    // client that disconnects drops the stream, which cancels the request at the engine's next step.
+    // Streaming: one SSE event per text piece (tagged with its choice's index), each choice's finish reason, then
+    // the usage when asked, and [DONE]. A client that disconnects drops the stream, which cancels the request at
+    // the engine's next step.
     let (sse_tx, sse_rx) = tokio::sync::mpsc::unbounded_channel::<SseEvent>();
     let object = if kind == Kind::Chat {
         "chat.completion.chunk"
     } else {
         "text_completion"
     };
+    // The choices' events, merged in the order they come.
+    let (merged_tx, mut merged) = tokio::sync::mpsc::unbounded_channel::<(usize, Event)>();
+    for (index, mut rx) in receivers.into_iter().enumerate() {
+        let merged_tx = merged_tx.clone();
+        tokio::spawn(async move {
+            while let Some(event) = rx.recv().await {
+                if merged_tx.send((index, event)).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    drop(merged_tx);
+    let n = c.n;
     tokio::spawn(async move {
         let chunk = |choice: Value, usage: Option<Value>| {
             let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
@@ -946,26 +1021,32 @@ async fn submit_and_answer(
             }
             SseEvent::default().data(v.to_string())
         };
-        let opening = match (kind, &c.echo) {
-            (Kind::Chat, _) => Some(
-                json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}),
-            ),
-            (Kind::Completion, Some(echo)) => {
-                Some(json!({"index": 0, "text": echo, "finish_reason": null}))
+        let leave = || cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+        for index in 0..n {
+            let opening = match (kind, &c.echo) {
+                (Kind::Chat, _) => Some(
+                    json!({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}),
+                ),
+                (Kind::Completion, Some(echo)) => {
+                    Some(json!({"index": index, "text": echo, "finish_reason": null}))
+                }
+                (Kind::Completion, None) => None,
+            };
+            if opening.is_some_and(|o| sse_tx.send(chunk(o, None)).is_err()) {
+                leave();
+                return;
             }
-            (Kind::Completion, None) => None,
-        };
-        if opening.is_some_and(|o| sse_tx.send(chunk(o, None)).is_err()) {
-            cancel.store(true, std::sync::atomic::Ordering::Relaxed);
-            return;
         }
-        while let Some(event) = rx.recv().await {
+        let mut finished_all: Vec<Option<Finished>> = vec![None; n];
+        while let Some((index, event)) = merged.recv().await {
             let out = match event {
                 Event::Text(t) => chunk(
                     match kind {
-                        Kind::Completion => json!({"index": 0, "text": t, "finish_reason": null}),
+                        Kind::Completion => {
+                            json!({"index": index, "text": t, "finish_reason": null})
+                        }
                         Kind::Chat => {
-                            json!({"index": 0, "delta": {"content": t}, "finish_reason": null})
+                            json!({"index": index, "delta": {"content": t}, "finish_reason": null})
                         }
                     },
                     None,
@@ -973,18 +1054,26 @@ async fn submit_and_answer(
                 Event::Done(Ok(f)) => {
                     let last = match kind {
                         Kind::Completion => {
-                            json!({"index": 0, "text": "", "finish_reason": f.finish_reason})
+                            json!({"index": index, "text": "", "finish_reason": f.finish_reason})
                         }
                         Kind::Chat => {
-                            json!({"index": 0, "delta": {}, "finish_reason": f.finish_reason})
+                            json!({"index": index, "delta": {}, "finish_reason": f.finish_reason})
                         }
                     };
-                    let _ = sse_tx.send(chunk(last, None));
-                    if c.include_usage {
-                        let _ = sse_tx.send(chunk(json!({}), Some(usage(&f))));
+                    finished_all[index] = Some(f);
+                    if sse_tx.send(chunk(last, None)).is_err() {
+                        leave();
+                        return;
                     }
-                    let _ = sse_tx.send(SseEvent::default().data("[DONE]"));
-                    return;
+                    if finished_all.iter().all(Option::is_some) {
+                        if c.include_usage {
+                            let all: Vec<Finished> = finished_all.into_iter().flatten().collect();
+                            let _ = sse_tx.send(chunk(json!({}), Some(usage_of(&all))));
+                        }
+                        let _ = sse_tx.send(SseEvent::default().data("[DONE]"));
+                        return;
+                    }
+                    continue;
                 }
                 Event::Done(Err(failure)) => {
                     let e = failed(failure);
@@ -995,12 +1084,13 @@ async fn submit_and_answer(
                             .to_string(),
                         ),
                     );
+                    leave();
                     return;
                 }
                 Event::Started { .. } => continue,
             };
             if sse_tx.send(out).is_err() {
-                cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                leave();
                 return;
             }
         }

@@ -329,6 +329,120 @@ fn prompts_as_token_ids_content_parts_and_echo_answer_like_the_plain_forms() {
 }
 
 #[test]
+fn n_choices_are_requests_of_their_own_with_consecutive_seeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
+    // Greedy: every choice is the library's answer.
+    let want = expected(&reference, "hello world", 12);
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "hello world", "max_tokens": 12, "temperature": 0, "n": 3}),
+    );
+    assert_eq!(s, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], want);
+    }
+    // The prompt counts once, the completions add up.
+    let prompt_tokens = reference.tokenizer.encode("hello world").unwrap().len() as u64;
+    let (_, one) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "hello world", "max_tokens": 12, "temperature": 0}),
+    );
+    let completion = one["usage"]["completion_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64().unwrap(), prompt_tokens);
+    assert_eq!(
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+        3 * completion
+    );
+    assert_eq!(
+        v["usage"]["total_tokens"].as_u64().unwrap(),
+        prompt_tokens + 3 * completion
+    );
+    // Sampled: choice i is what a single request with seed + i answers, streamed or not.
+    let single = |seed: u64| {
+        let (s, v) = post(
+            addr,
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 1.0,
+                   "seed": seed}),
+        );
+        assert_eq!(s, 200, "{v}");
+        (
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+            v["usage"]["completion_tokens"].as_u64().unwrap(),
+        )
+    };
+    let singles: Vec<(String, u64)> = (40..43).map(single).collect();
+    assert!(
+        singles.iter().any(|s| s.0 != singles[0].0),
+        "three seeds sampled the same text: {singles:?}"
+    );
+    let (s, v) = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 1.0,
+               "seed": 40, "n": 3}),
+    );
+    assert_eq!(s, 200, "{v}");
+    for (i, (text, _)) in singles.iter().enumerate() {
+        assert_eq!(v["choices"][i]["message"]["content"], text.as_str(), "{v}");
+    }
+    assert_eq!(
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+        singles.iter().map(|s| s.1).sum::<u64>()
+    );
+    let (s, _, body) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(&json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 1.0,
+                     "seed": 40, "n": 3, "stream": true, "stream_options": {"include_usage": true}}).to_string()),
+        &[],
+    );
+    assert_eq!(s, 200);
+    let mut texts = vec![String::new(); 3];
+    let mut finishes = 0;
+    let mut done = false;
+    let mut usage = Value::Null;
+    for line in body.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        if !chunk["usage"].is_null() {
+            usage = chunk["usage"].clone();
+        }
+        for c in chunk["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            texts[i].push_str(c["delta"]["content"].as_str().unwrap_or(""));
+            finishes += usize::from(c["finish_reason"].is_string());
+        }
+    }
+    assert!(done, "{body}");
+    assert_eq!(finishes, 3, "{body}");
+    for (i, (text, _)) in singles.iter().enumerate() {
+        assert_eq!(&texts[i], text, "choice {i}");
+    }
+    assert_eq!(
+        usage["completion_tokens"].as_u64().unwrap(),
+        singles.iter().map(|s| s.1).sum::<u64>()
+    );
+}
+
+#[test]
 fn fields_that_would_change_the_answer_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
@@ -352,8 +466,18 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
         let msg = v["error"]["message"].as_str().unwrap();
         assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
     };
-    refused(chat(json!({"n": 2})), "n", "one choice per request");
-    refused(completion(json!({"best_of": 3})), "best_of", "one choice");
+    refused(chat(json!({"n": 0})), "n", "between 1 and 8");
+    refused(chat(json!({"n": 9})), "n", "between 1 and 8");
+    refused(
+        completion(json!({"best_of": 3})),
+        "best_of",
+        "must equal n (1)",
+    );
+    refused(
+        completion(json!({"n": 2, "best_of": 3})),
+        "best_of",
+        "must equal n (2)",
+    );
     refused(
         chat(json!({"logprobs": true})),
         "logprobs",

@@ -48,11 +48,17 @@ parts = client.chat.completions.create(
     temperature=0,
 )
 assert parts.choices[0].message.content == answer, (parts, answer)
+several = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "hi there"}], max_tokens=12, temperature=0, n=2
+)
+assert [c.index for c in several.choices] == [0, 1], several
+assert all(c.message.content == answer for c in several.choices), (several, answer)
 try:
-    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2, n=2)
-    raise SystemExit("n = 2 was accepted and would have been answered with one choice")
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                   presence_penalty=1.0)
+    raise SystemExit("presence_penalty was accepted and would have been ignored")
 except openai.BadRequestError as e:
-    assert "one choice per request" in str(e), e
+    assert "presence_penalty" in str(e), e
 
 try:
     client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
