@@ -375,6 +375,21 @@ struct Common {
     n: usize,
 }
 
+/// A seed no earlier request got: std's per-process random hash keys over a counter and the clock (not for
+/// secrets; enough that unseeded requests sample independently).
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
 /// Most choices one request may ask for (each is an engine request of its own).
 const MAX_CHOICES: usize = 16;
 
@@ -454,7 +469,9 @@ fn common(
         Some(Value::Number(n)) if n.as_i64() == Some(-1) => 0,
         _ => integer(o, "top_k")?.unwrap_or(0),
     };
-    let seed = integer(o, "seed")?.unwrap_or(0);
+    // Without a seed each request samples afresh (OpenAI's and vLLM's behaviour): a fixed default made every
+    // unseeded sampled request with the same prompt return the same text.
+    let seed = integer(o, "seed")?.unwrap_or_else(fresh_seed);
     let sampling = SamplingParams {
         temperature: temperature as f32,
         top_p: top_p as f32,

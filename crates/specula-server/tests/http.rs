@@ -443,6 +443,28 @@ fn n_choices_are_requests_of_their_own_with_consecutive_seeds() {
 }
 
 #[test]
+fn unseeded_sampled_requests_sample_afresh_and_seeded_ones_repeat() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
+    let answer = |body: Value| {
+        let (s, v) = post(addr, "/v1/completions", body);
+        assert_eq!(s, 200, "{v}");
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    // The default temperature is 1 (OpenAI's): without a seed, repeated requests differ.
+    let unseeded: Vec<String> = (0..4)
+        .map(|_| answer(json!({"prompt": "hello", "max_tokens": 24, "ignore_eos": true})))
+        .collect();
+    assert!(
+        unseeded.iter().any(|t| t != &unseeded[0]),
+        "four unseeded requests sampled the same text: {unseeded:?}"
+    );
+    // With a seed they repeat exactly.
+    let seeded = json!({"prompt": "hello", "max_tokens": 24, "ignore_eos": true, "seed": 11});
+    assert_eq!(answer(seeded.clone()), answer(seeded));
+}
+
+#[test]
 fn fields_that_would_change_the_answer_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
