@@ -356,7 +356,9 @@ async fn models(
     check_key(&state, &headers)?;
     Ok(Json(json!({
         "object": "list",
-        "data": [{"id": state.engine.model_name, "object": "model", "owned_by": "specula"}],
+        // vLLM's `max_model_len` too: clients size their requests by it.
+        "data": [{"id": state.engine.model_name, "object": "model", "owned_by": "specula",
+                  "max_model_len": state.engine.context_length}],
     })))
 }
 

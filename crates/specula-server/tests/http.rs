@@ -179,10 +179,9 @@ fn completions_and_chat_answer_what_the_library_generates() {
     assert_eq!(status, 200, "{body}");
     let (status, _, body) = http(addr, "GET", "/v1/models", None, &[]);
     assert_eq!(status, 200);
-    assert_eq!(
-        serde_json::from_str::<Value>(&body).unwrap()["data"][0]["id"],
-        "tiny"
-    );
+    let listed = serde_json::from_str::<Value>(&body).unwrap();
+    assert_eq!(listed["data"][0]["id"], "tiny");
+    assert_eq!(listed["data"][0]["max_model_len"], 256);
 
     let want = expected(&reference, "hello world", 20);
     let (status, v) = post(
