@@ -595,7 +595,7 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
         if let Some(v) = present(key) {
             if v.as_f64() != Some(0.0) {
                 return refuse(
-                    if key == "presence_penalty" { "presence_penalty" } else { "frequency_penalty" },
+                    key,
                     &format!("got {v}; tokens are sampled from the model's own distribution (temperature, top_p, top_k)"),
                 );
             }
@@ -626,7 +626,7 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
     for key in ["tools", "functions"] {
         if present(key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
             return refuse(
-                if key == "tools" { "tools" } else { "functions" },
+                key,
                 "tool calls are not parsed; describe the tools in a message instead",
             );
         }

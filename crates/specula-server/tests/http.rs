@@ -143,9 +143,17 @@ fn expected(model: &LoadedModel, text: &str, n: usize) -> String {
     .text
 }
 
-/// The text of an SSE stream's chunks, and whether it ended with [DONE].
+/// The text of an SSE stream's chunks (choice 0), whether it ended with [DONE], and the chunks.
 fn sse_text(body: &str, chat: bool) -> (String, bool, Vec<Value>) {
-    let mut text = String::new();
+    let (texts, _, done, chunks) = sse_choices(body, chat);
+    (texts.into_iter().next().unwrap_or_default(), done, chunks)
+}
+
+/// Each choice's text of an SSE stream (by its index), how many chunks carried a finish reason, whether the
+/// stream ended with [DONE], and the chunks.
+fn sse_choices(body: &str, chat: bool) -> (Vec<String>, usize, bool, Vec<Value>) {
+    let mut texts: Vec<String> = Vec::new();
+    let mut finishes = 0;
     let mut done = false;
     let mut chunks = Vec::new();
     for line in body.lines() {
@@ -157,17 +165,22 @@ fn sse_text(body: &str, chat: bool) -> (String, bool, Vec<Value>) {
             continue;
         }
         let v: Value = serde_json::from_str(data).unwrap();
-        if let Some(c) = v["choices"].get(0) {
+        for c in v["choices"].as_array().into_iter().flatten() {
+            let i = c["index"].as_u64().unwrap_or(0) as usize;
+            if texts.len() <= i {
+                texts.resize(i + 1, String::new());
+            }
             let piece = if chat {
                 &c["delta"]["content"]
             } else {
                 &c["text"]
             };
-            text.push_str(piece.as_str().unwrap_or(""));
+            texts[i].push_str(piece.as_str().unwrap_or(""));
+            finishes += usize::from(c["finish_reason"].is_string());
         }
         chunks.push(v);
     }
-    (text, done, chunks)
+    (texts, finishes, done, chunks)
 }
 
 #[test]
@@ -408,28 +421,8 @@ fn n_choices_are_requests_of_their_own_with_consecutive_seeds() {
         &[],
     );
     assert_eq!(s, 200);
-    let mut texts = vec![String::new(); 3];
-    let mut finishes = 0;
-    let mut done = false;
-    let mut usage = Value::Null;
-    for line in body.lines() {
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data == "[DONE]" {
-            done = true;
-            continue;
-        }
-        let chunk: Value = serde_json::from_str(data).unwrap();
-        if !chunk["usage"].is_null() {
-            usage = chunk["usage"].clone();
-        }
-        for c in chunk["choices"].as_array().unwrap() {
-            let i = c["index"].as_u64().unwrap() as usize;
-            texts[i].push_str(c["delta"]["content"].as_str().unwrap_or(""));
-            finishes += usize::from(c["finish_reason"].is_string());
-        }
-    }
+    let (texts, finishes, done, chunks) = sse_choices(&body, true);
+    let usage = &chunks.last().unwrap()["usage"];
     assert!(done, "{body}");
     assert_eq!(finishes, 3, "{body}");
     for (i, (text, _)) in singles.iter().enumerate() {
