@@ -600,6 +600,7 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
         sampling,
         stop_at_eos: !args.ignore_eos,
         cancel: None,
+        logprobs: None,
     };
     let prof = Profiler::with_clock(args.profile.detail(), loaded.model.clock(args.exact_timing));
     let eagle3_head = match &choice {

@@ -43,6 +43,7 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
         sampling: SamplingParams::default(),
         stop_at_eos: false,
         cancel: None,
+        logprobs: None,
     };
     let modes = [
         ("off", Detail::Off),

@@ -776,6 +776,7 @@ fn against_cpu(
         sampling: SamplingParams::default(),
         stop_at_eos: false,
         cancel: None,
+        logprobs: None,
     };
     let run = |m: &LoadedModel| {
         generate(

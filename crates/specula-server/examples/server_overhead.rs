@@ -81,6 +81,7 @@ fn via_library(model: &LoadedModel, prompt: &str, tokens: usize) -> (f64, usize)
         sampling: SamplingParams::default(),
         stop_at_eos: false,
         cancel: None,
+        logprobs: None,
     };
     let out = generate(
         model.model.as_ref(),

@@ -14,7 +14,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use specula::chat::ChatMessage;
-use specula::decode::{self, GenerateRequest, Generation, PrefixCache, StepLimits, StopReason};
+use specula::decode::{
+    self, GenerateRequest, Generation, LogprobsRequest, PrefixCache, StepLimits, StopReason,
+};
 use specula::draft::budget::{DraftBudget, DraftCandidate};
 use specula::draft::eagle3::compute::HeadCompute;
 use specula::draft::model::{DraftModelRounds, ModelDrafter};
@@ -22,7 +24,7 @@ use specula::draft::ngram::NgramDrafter;
 use specula::draft::Drafter;
 use specula::model::LoadedModel;
 use specula::profile::{Phase, Profiler};
-use specula::sampling::SamplingParams;
+use specula::sampling::{SamplingParams, TokenLogprob};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
@@ -173,6 +175,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Generate past end-of-turn tokens (vLLM's `ignore_eos`).
     pub ignore_eos: bool,
+    /// Log-probabilities to send with the text (OpenAI's `logprobs`); None: none.
+    pub logprobs: Option<LogprobsRequest>,
     pub events: UnboundedSender<Event>,
     /// Set when the client goes away: the engine drops the request at its next step.
     pub cancel: Arc<AtomicBool>,
@@ -180,12 +184,25 @@ pub struct Job {
     pub queued_at: Instant,
 }
 
-/// What the engine tells a request's handler, in order: `Started` (or a failure), text pieces, `Done`.
+/// What the engine tells a request's handler, in order: `Started` (or a failure), the prompt's log-probabilities
+/// when asked for, text pieces, `Done`.
 #[derive(Debug)]
 pub enum Event {
-    Started { prompt_tokens: usize },
-    Text(String),
+    Started {
+        prompt_tokens: usize,
+    },
+    /// Each prompt token's log-probability but the first's, once the prompt is prefilled (before any text).
+    PromptLogprobs(Vec<TokenLogprob>),
+    /// A piece of the answer, with the log-probabilities of the tokens whose text it completes (when asked for).
+    Text(String, Vec<ScoredToken>),
     Done(Result<Finished, Failure>),
+}
+
+/// A generated token's log-probabilities and where its text starts in the answer (in bytes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredToken {
+    pub offset: usize,
+    pub logprob: TokenLogprob,
 }
 
 /// Why a request did not finish.
@@ -664,16 +681,27 @@ struct Output {
     produced: String,
     sent: usize,
     stopped_by_sequence: bool,
+    /// Log-probabilities of tokens not sent yet, with where each token's text ends in `produced`: a token goes
+    /// out with the piece that completes its text.
+    scored: VecDeque<(usize, ScoredToken)>,
+    /// Whether the prompt's log-probabilities went out (or were not asked for).
+    prompt_scored: bool,
 }
 
 impl Output {
-    /// Takes a piece of generated text: stop sequences are looked for, and text is held back while it could
-    /// still begin one; once one appears, the text before it is the answer and generation stops.
-    fn take_text(&mut self, piece: &str) {
+    /// Takes a piece of generated text (with its token's log-probabilities when asked for): stop sequences are
+    /// looked for, and text is held back while it could still begin one; once one appears, the text before it
+    /// is the answer and generation stops.
+    fn take_text(&mut self, piece: &str, logprob: Option<TokenLogprob>) {
         if self.stopped_by_sequence {
             return;
         }
+        let offset = self.produced.len();
         self.produced.push_str(piece);
+        if let Some(logprob) = logprob {
+            self.scored
+                .push_back((self.produced.len(), ScoredToken { offset, logprob }));
+        }
         let sent = self.sent;
         if let Some(at) = self
             .job
@@ -687,6 +715,11 @@ impl Output {
             .min()
         {
             self.produced.truncate(at);
+            // Tokens whose text begins before the stop sequence stay (the last one's text cut there).
+            self.scored.retain(|(_, t)| t.offset < at);
+            for (end, _) in self.scored.iter_mut() {
+                *end = (*end).min(at);
+            }
             self.stopped_by_sequence = true;
             self.job.cancel.store(true, Ordering::Relaxed);
         }
@@ -704,17 +737,43 @@ impl Output {
     }
 
     fn send_upto(&mut self, upto: usize) {
-        if upto > self.sent {
+        let scored = self
+            .scored
+            .iter()
+            .take_while(|(end, _)| *end <= upto)
+            .count();
+        if upto > self.sent || scored > 0 {
+            let tokens = self.scored.drain(..scored).map(|(_, t)| t).collect();
             if self
                 .job
                 .events
-                .send(Event::Text(self.produced[self.sent..upto].to_string()))
+                .send(Event::Text(
+                    self.produced[self.sent..upto.max(self.sent)].to_string(),
+                    tokens,
+                ))
                 .is_err()
             {
                 // The client went away: the request leaves at the next step.
                 self.job.cancel.store(true, Ordering::Relaxed);
             }
-            self.sent = upto;
+            self.sent = self.sent.max(upto);
+        }
+    }
+
+    /// Sends the prompt's log-probabilities once they are all there (the prompt is prefilled).
+    fn send_prompt_logprobs(&mut self, generation: &Generation<'_>) {
+        if self.prompt_scored || generation.is_prefilling() {
+            return;
+        }
+        self.prompt_scored = true;
+        let logprobs = generation.prompt_logprobs().to_vec();
+        if self
+            .job
+            .events
+            .send(Event::PromptLogprobs(logprobs))
+            .is_err()
+        {
+            self.job.cancel.store(true, Ordering::Relaxed);
         }
     }
 }
@@ -1043,6 +1102,7 @@ impl<'a> EngineLoop<'a> {
             sampling: job.sampling,
             stop_at_eos: !job.ignore_eos,
             cancel: Some(job.cancel.clone()),
+            logprobs: job.logprobs,
         };
         Some(Admission {
             job,
@@ -1178,6 +1238,7 @@ impl<'a> EngineLoop<'a> {
             self.metrics.prefix_cache_hits.inc_by(reused as u64);
         }
         cost.prefix_s = prefix_start.elapsed().as_secs_f64();
+        let prompt_scored = !generation.request().logprobs.is_some_and(|l| l.prompt);
         let _ = a.job.events.send(Event::Started {
             prompt_tokens: generation.request().prompt_tokens.len(),
         });
@@ -1190,6 +1251,8 @@ impl<'a> EngineLoop<'a> {
                 produced: String::new(),
                 sent: 0,
                 stopped_by_sequence: false,
+                scored: VecDeque::new(),
+                prompt_scored,
             },
             kv_bytes: a.kv_bytes,
             admitted: Instant::now(),
@@ -1291,8 +1354,20 @@ impl<'a> EngineLoop<'a> {
         };
         let now = Instant::now();
         let decode_s = now.duration_since(decode_start).as_secs_f64();
+        for r in running.iter_mut() {
+            r.out.send_prompt_logprobs(&r.generation);
+        }
+        // One text per committed token, in order: the k-th of a request's this step is token before + k.
+        let mut seen = vec![0usize; running.len()];
         for (i, t) in texts {
-            running[i].out.take_text(&t);
+            let r = &mut running[i];
+            let logprob = r
+                .generation
+                .token_logprobs()
+                .get(before[i] + seen[i])
+                .cloned();
+            seen[i] += 1;
+            r.out.take_text(&t, logprob);
         }
         // Latency per token: a step that commits n tokens of a request (speculation) is n inter-token gaps.
         for (r, &b) in running.iter_mut().zip(&before) {
@@ -1814,8 +1889,8 @@ impl<'a> EngineLoop<'a> {
             let _ = out.job.events.send(Event::Done(Err(f)));
             return;
         }
-        let result =
-            generation.finish_keeping_prefix(&self.model.tokenizer, &mut |t| out.take_text(t));
+        let result = generation
+            .finish_keeping_prefix(&self.model.tokenizer, &mut |t| out.take_text(t, None));
         let done = match result {
             Err(e) => Err(Failure::Internal(e.to_string())),
             Ok((g, prefix)) => {

@@ -21,7 +21,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use specula::chat::ChatMessage;
-use specula::sampling::SamplingParams;
+use specula::decode::LogprobsRequest;
+use specula::sampling::{SamplingParams, TokenLogprob};
+use specula::tokenizer::Tokenizer;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
@@ -375,6 +377,10 @@ struct Common {
     echo: Option<String>,
     /// Choices to generate (`n`): each its own engine request, with seed `seed + index`.
     n: usize,
+    /// Log-probabilities to return (completions' `logprobs: N`, chat's `logprobs: true` and `top_logprobs`).
+    logprobs: Option<LogprobsRequest>,
+    /// The prompt's tokens, when its log-probabilities are returned with the echo.
+    prompt_tokens: Vec<u32>,
 }
 
 /// A seed no earlier request got: std's per-process random hash keys over a counter and the clock (not for
@@ -541,7 +547,169 @@ fn common(
         ignore_eos,
         echo: None,
         n: choices(state, o)?,
+        logprobs: None,
+        prompt_tokens: Vec::new(),
     })
+}
+
+/// The log-probabilities a request asks for: completions' `logprobs` is the number of alternatives (0: the
+/// chosen token's only); chat's is a boolean, with `top_logprobs` alternatives.
+fn logprobs_asked(
+    o: &serde_json::Map<String, Value>,
+    kind: Kind,
+) -> Result<Option<LogprobsRequest>, ApiError> {
+    let most = specula::sampling::MAX_TOP_LOGPROBS as u64;
+    let top = |key: &'static str| -> Result<Option<usize>, ApiError> {
+        match integer(o, key)? {
+            Some(n) if n > most => Err(ApiError::bad(
+                format!("{key} is {n}; at most {most} alternatives a position are returned"),
+                Some(key),
+            )),
+            n => Ok(n.map(|n| n as usize)),
+        }
+    };
+    let top = match kind {
+        Kind::Completion => {
+            match o.get("logprobs") {
+                Some(Value::Bool(false)) => return Ok(None),
+                Some(Value::Bool(true)) => {
+                    return Err(ApiError::bad(
+                    "logprobs of a completion is the number of alternatives to return (0 to 20), not a boolean",
+                    Some("logprobs"),
+                ))
+                }
+                _ => top("logprobs")?,
+            }
+        }
+        Kind::Chat => {
+            let asked = match o.get("logprobs") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(ApiError::bad(
+                        "logprobs of a chat completion must be a boolean (top_logprobs gives the number of alternatives)",
+                        Some("logprobs"),
+                    ))
+                }
+            };
+            let n = top("top_logprobs")?;
+            if n.is_some() && !asked {
+                return Err(ApiError::bad(
+                    "top_logprobs needs logprobs: true",
+                    Some("top_logprobs"),
+                ));
+            }
+            asked.then_some(n.unwrap_or(0))
+        }
+    };
+    Ok(top.map(|top| LogprobsRequest { top, prompt: false }))
+}
+
+/// A log-probability as JSON: OpenAI's -9999 stands for an impossible token (JSON has no infinity).
+fn logprob_json(v: f32) -> Value {
+    json!(if v.is_finite() { f64::from(v) } else { -9999.0 })
+}
+
+/// A token's text and exact bytes. A token holding part of a UTF-8 character is written `bytes:\xNN...` (OpenAI's
+/// convention), so tokens of different bytes never share a name (completions key alternatives by name).
+fn token_text(tokenizer: &Tokenizer, id: u32) -> (String, Vec<u8>) {
+    let bytes = tokenizer.token_bytes(id);
+    let text = match std::str::from_utf8(&bytes) {
+        Ok(t) => t.to_string(),
+        Err(_) => {
+            let escaped: String = bytes.iter().map(|b| format!("\\x{b:02x}")).collect();
+            format!("bytes:{escaped}")
+        }
+    };
+    (text, bytes)
+}
+
+/// Completions' `logprobs` object (the legacy shape) for tokens given as (id, its log-probabilities (None for a
+/// prompt's first token, which has none), where its text starts in the choice's text).
+fn completion_logprobs(
+    tokenizer: &Tokenizer,
+    items: &[(u32, Option<&TokenLogprob>, usize)],
+) -> Value {
+    let mut tokens = Vec::with_capacity(items.len());
+    let mut token_logprobs = Vec::with_capacity(items.len());
+    let mut top_logprobs = Vec::with_capacity(items.len());
+    let mut text_offset = Vec::with_capacity(items.len());
+    for &(id, lp, offset) in items {
+        tokens.push(json!(token_text(tokenizer, id).0));
+        text_offset.push(json!(offset));
+        match lp {
+            None => {
+                token_logprobs.push(Value::Null);
+                top_logprobs.push(Value::Null);
+            }
+            Some(lp) => {
+                token_logprobs.push(logprob_json(lp.logprob));
+                // The alternatives and the chosen token (OpenAI: up to logprobs + 1 entries).
+                let mut top = serde_json::Map::new();
+                for &(t, l) in &lp.top {
+                    top.insert(token_text(tokenizer, t).0, logprob_json(l));
+                }
+                top.entry(token_text(tokenizer, lp.token).0)
+                    .or_insert_with(|| logprob_json(lp.logprob));
+                top_logprobs.push(Value::Object(top));
+            }
+        }
+    }
+    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+           "text_offset": text_offset})
+}
+
+/// Chat's `logprobs` object: `{"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}`.
+fn chat_logprobs<'a>(
+    tokenizer: &Tokenizer,
+    items: impl IntoIterator<Item = &'a TokenLogprob>,
+) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let (token, bytes) = token_text(tokenizer, id);
+        json!({"token": token, "logprob": logprob_json(logprob), "bytes": bytes})
+    };
+    let content: Vec<Value> = items
+        .into_iter()
+        .map(|lp| {
+            let mut e = entry(lp.token, lp.logprob);
+            e["top_logprobs"] = lp.top.iter().map(|&(t, l)| entry(t, l)).collect();
+            e
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// The text offset where each prompt token starts in the prompt's decoded text (the first at 0).
+fn prompt_offsets(tokenizer: &Tokenizer, tokens: &[u32]) -> Vec<usize> {
+    let mut decoder = specula::tokenizer::StreamDecoder::new();
+    let mut len = 0;
+    tokens
+        .iter()
+        .map(|&t| {
+            let start = len;
+            len += decoder
+                .push(tokenizer, t)
+                .ok()
+                .flatten()
+                .map_or(0, |piece| piece.len());
+            start
+        })
+        .collect()
+}
+
+/// Completions' items for the echoed prompt: its first token without log-probabilities, then the rest's.
+fn prompt_items<'a>(
+    tokenizer: &Tokenizer,
+    tokens: &[u32],
+    logprobs: &'a [TokenLogprob],
+) -> Vec<(u32, Option<&'a TokenLogprob>, usize)> {
+    let offsets = prompt_offsets(tokenizer, tokens);
+    tokens
+        .iter()
+        .zip(offsets)
+        .enumerate()
+        .map(|(i, (&t, at))| (t, i.checked_sub(1).and_then(|j| logprobs.get(j)), at))
+        .collect()
 }
 
 /// `n` (default 1), and `best_of`, which may only repeat it: there is no ranking of choices here.
@@ -580,17 +748,6 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
         ))
     };
     let present = |key: &str| o.get(key).filter(|v| !v.is_null());
-    let logprobs_asked = match present("logprobs") {
-        None | Some(Value::Bool(false)) => false,
-        // Completions' integer form: 0 still asks for the sampled token's log-probability.
-        Some(_) => true,
-    };
-    if logprobs_asked || present("top_logprobs").is_some_and(|v| v.as_u64() != Some(0)) {
-        return refuse(
-            "logprobs",
-            "token log-probabilities are not returned (on a GPU only the chosen tokens leave the device)",
-        );
-    }
     for key in ["presence_penalty", "frequency_penalty"] {
         if let Some(v) = present(key) {
             if v.as_f64() != Some(0.0) {
@@ -724,12 +881,17 @@ async fn completions_inner(
     refuse_unsupported(&o, Kind::Completion)?;
     let input = parse_prompt(&state, &o)?;
     let mut c = common(&state, &o, 16)?;
+    c.logprobs = logprobs_asked(&o, Kind::Completion)?;
     let echo = match o.get("echo") {
         None | Some(Value::Null) | Some(Value::Bool(false)) => false,
         Some(Value::Bool(true)) => true,
         Some(_) => return Err(ApiError::bad("echo must be a boolean", Some("echo"))),
     };
     if echo {
+        // With the prompt echoed, its tokens' log-probabilities come too (what scoring harnesses read).
+        if let Some(lp) = c.logprobs.as_mut() {
+            lp.prompt = true;
+        }
         c.echo = Some(match &input {
             Input::Prompt(p) => p.clone(),
             Input::Tokens(t) => state
@@ -864,7 +1026,8 @@ async fn chat_completions_inner(
     let o = parse_body(&body)?;
     refuse_unsupported(&o, Kind::Chat)?;
     let messages = parse_messages(&o)?;
-    let c = common(&state, &o, 256)?;
+    let mut c = common(&state, &o, 256)?;
+    c.logprobs = logprobs_asked(&o, Kind::Chat)?;
     run(state, Input::Chat(messages), c, Kind::Chat).await
 }
 
@@ -902,7 +1065,7 @@ async fn run(
 async fn submit_and_answer(
     state: Arc<AppState>,
     input: Input,
-    c: Common,
+    mut c: Common,
     kind: Kind,
     queued_at: std::time::Instant,
 ) -> Result<Response, ApiError> {
@@ -921,13 +1084,16 @@ async fn submit_and_answer(
             sampling,
             stop: c.stop.clone(),
             ignore_eos: c.ignore_eos,
+            logprobs: c.logprobs,
             events: tx,
             cancel: cancel.clone(),
             queued_at,
         });
         receivers.push(rx);
     }
-    drop(input);
+    if let (Input::Tokens(t), Some(true)) = (input, c.logprobs.map(|l| l.prompt)) {
+        c.prompt_tokens = t;
+    }
     state.engine.submit_all(jobs).map_err(|e| match e {
         SubmitError::QueueFull => ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
@@ -970,11 +1136,19 @@ async fn submit_and_answer(
     if !c.stream {
         let mut choices = Vec::with_capacity(c.n);
         let mut finished_all = Vec::with_capacity(c.n);
+        let tokenizer = &state.engine.tokenizer;
+        let echo_len = c.echo.as_ref().map_or(0, String::len);
         for (index, rx) in receivers.iter_mut().enumerate() {
             let mut text = c.echo.clone().unwrap_or_default();
+            let mut prompt_logprobs = Vec::new();
+            let mut scored: Vec<engine::ScoredToken> = Vec::new();
             let finished = loop {
                 match rx.recv().await {
-                    Some(Event::Text(t)) => text.push_str(&t),
+                    Some(Event::Text(t, tokens)) => {
+                        text.push_str(&t);
+                        scored.extend(tokens);
+                    }
+                    Some(Event::PromptLogprobs(p)) => prompt_logprobs = p,
                     Some(Event::Done(Ok(f))) => break f,
                     Some(Event::Done(Err(failure))) => {
                         cancel.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -988,12 +1162,27 @@ async fn submit_and_answer(
                     }
                 }
             };
+            let logprobs = match (c.logprobs, kind) {
+                (None, _) => Value::Null,
+                (Some(_), Kind::Completion) => {
+                    let mut items = prompt_items(tokenizer, &c.prompt_tokens, &prompt_logprobs);
+                    items.extend(
+                        scored
+                            .iter()
+                            .map(|s| (s.logprob.token, Some(&s.logprob), echo_len + s.offset)),
+                    );
+                    completion_logprobs(tokenizer, &items)
+                }
+                (Some(_), Kind::Chat) => {
+                    chat_logprobs(tokenizer, scored.iter().map(|s| &s.logprob))
+                }
+            };
             choices.push(match kind {
                 Kind::Completion => {
-                    json!({"index": index, "text": text, "finish_reason": finished.finish_reason, "logprobs": null})
+                    json!({"index": index, "text": text, "finish_reason": finished.finish_reason, "logprobs": logprobs})
                 }
                 Kind::Chat => {
-                    json!({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finished.finish_reason})
+                    json!({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finished.finish_reason, "logprobs": logprobs})
                 }
             });
             finished_all.push(finished);
@@ -1031,6 +1220,7 @@ async fn submit_and_answer(
     }
     drop(merged_tx);
     let n = c.n;
+    let tokenizer = state.engine.tokenizer.clone();
     tokio::spawn(async move {
         let chunk = |choice: Value, usage: Option<Value>| {
             let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
@@ -1041,15 +1231,18 @@ async fn submit_and_answer(
             SseEvent::default().data(v.to_string())
         };
         let leave = || cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+        // An echo with log-probabilities waits for the prompt's (they come before any text).
+        let echo_scored = c.logprobs.is_some_and(|l| l.prompt);
+        let echo_len = c.echo.as_ref().map_or(0, String::len);
         for index in 0..n {
             let opening = match (kind, &c.echo) {
                 (Kind::Chat, _) => Some(
                     json!({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}),
                 ),
-                (Kind::Completion, Some(echo)) => {
+                (Kind::Completion, Some(echo)) if !echo_scored => {
                     Some(json!({"index": index, "text": echo, "finish_reason": null}))
                 }
-                (Kind::Completion, None) => None,
+                (Kind::Completion, _) => None,
             };
             if opening.is_some_and(|o| sse_tx.send(chunk(o, None)).is_err()) {
                 leave();
@@ -1059,17 +1252,44 @@ async fn submit_and_answer(
         let mut finished_all: Vec<Option<Finished>> = vec![None; n];
         while let Some((index, event)) = merged.recv().await {
             let out = match event {
-                Event::Text(t) => chunk(
-                    match kind {
+                Event::Text(t, tokens) => {
+                    let mut choice = match kind {
                         Kind::Completion => {
                             json!({"index": index, "text": t, "finish_reason": null})
                         }
                         Kind::Chat => {
                             json!({"index": index, "delta": {"content": t}, "finish_reason": null})
                         }
-                    },
-                    None,
-                ),
+                    };
+                    if c.logprobs.is_some() {
+                        choice["logprobs"] = match kind {
+                            Kind::Completion => {
+                                let items: Vec<_> = tokens
+                                    .iter()
+                                    .map(|s| {
+                                        (s.logprob.token, Some(&s.logprob), echo_len + s.offset)
+                                    })
+                                    .collect();
+                                completion_logprobs(&tokenizer, &items)
+                            }
+                            Kind::Chat => {
+                                chat_logprobs(&tokenizer, tokens.iter().map(|s| &s.logprob))
+                            }
+                        };
+                    }
+                    chunk(choice, None)
+                }
+                Event::PromptLogprobs(p) => {
+                    let Some(echo) = c.echo.as_ref().filter(|_| echo_scored) else {
+                        continue;
+                    };
+                    let items = prompt_items(&tokenizer, &c.prompt_tokens, &p);
+                    chunk(
+                        json!({"index": index, "text": echo, "finish_reason": null,
+                               "logprobs": completion_logprobs(&tokenizer, &items)}),
+                        None,
+                    )
+                }
                 Event::Done(Ok(f)) => {
                     let last = match kind {
                         Kind::Completion => {

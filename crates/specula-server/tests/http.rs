@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use serde_json::{json, Value};
-use specula::decode::{generate, GenerateRequest};
+use specula::decode::{generate, GenerateRequest, LogprobsRequest};
 use specula::model::{load_gguf, LoadedModel};
 use specula::profile::Profiler;
 use specula::sampling::SamplingParams;
@@ -130,6 +130,7 @@ fn expected(model: &LoadedModel, text: &str, n: usize) -> String {
         sampling: SamplingParams::default(),
         stop_at_eos: true,
         cancel: None,
+        logprobs: None,
     };
     generate(
         model.model.as_ref(),
@@ -492,20 +493,36 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
         "best_of",
         "must equal n (2)",
     );
-    refused(
-        chat(json!({"logprobs": true})),
-        "logprobs",
-        "log-probabilities",
-    );
+    // Log-probabilities are returned, in each endpoint's own form; out-of-form or out-of-range asks are refused.
     refused(
         chat(json!({"top_logprobs": 5})),
-        "logprobs",
-        "log-probabilities",
+        "top_logprobs",
+        "needs logprobs: true",
     );
     refused(
-        completion(json!({"logprobs": 0})),
+        chat(json!({"logprobs": true, "top_logprobs": 21})),
+        "top_logprobs",
+        "at most 20",
+    );
+    refused(
+        chat(json!({"logprobs": 2})),
         "logprobs",
-        "log-probabilities",
+        "must be a boolean",
+    );
+    refused(
+        completion(json!({"logprobs": 21})),
+        "logprobs",
+        "at most 20",
+    );
+    refused(
+        completion(json!({"logprobs": true})),
+        "logprobs",
+        "not a boolean",
+    );
+    refused(
+        completion(json!({"logprobs": -1})),
+        "logprobs",
+        "non-negative",
     );
     refused(
         chat(json!({"presence_penalty": 0.5})),
@@ -1537,4 +1554,226 @@ fn repeated_prompts_reuse_their_prefix_and_answer_the_same() {
             assert_eq!((entries, usage), (0.0, 0.0));
         }
     }
+}
+
+/// Log-probabilities in OpenAI's two shapes equal the library's for the same request: completions' legacy object
+/// (with the echoed prompt's, the first token's null), chat's content entries with exact bytes; streamed chunks
+/// carry the same entries as the whole answer; a stop sequence keeps the tokens whose text starts before it.
+#[test]
+fn logprobs_come_back_in_openais_shapes_and_equal_the_librarys() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
+    let prompt = "hello world";
+    let ids = reference.tokenizer.encode(prompt).unwrap();
+    let lib = generate(
+        reference.model.as_ref(),
+        &reference.tokenizer,
+        &GenerateRequest {
+            prompt_tokens: ids.clone(),
+            max_new_tokens: 12,
+            sampling: SamplingParams::default(),
+            stop_at_eos: true,
+            cancel: None,
+            logprobs: Some(LogprobsRequest {
+                top: 3,
+                prompt: true,
+            }),
+        },
+        None,
+        &Profiler::disabled(),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert!(!lib.tokens.is_empty());
+
+    // Completions with the prompt echoed: every prompt token, then every generated one.
+    let body =
+        json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 3, "echo": true});
+    let (s, v) = post(addr, "/v1/completions", body.clone());
+    assert_eq!(s, 200, "{v}");
+    let choice = &v["choices"][0];
+    let text = choice["text"].as_str().unwrap();
+    assert_eq!(text, format!("{prompt}{}", lib.text));
+    let lp = &choice["logprobs"];
+    let n = ids.len() + lib.tokens.len();
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(lp[key].as_array().unwrap().len(), n, "{key}: {lp}");
+    }
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+    let want: Vec<&specula::sampling::TokenLogprob> =
+        lib.prompt_logprobs.iter().chain(&lib.logprobs).collect();
+    for (i, w) in want.iter().enumerate() {
+        let got = lp["token_logprobs"][i + 1].as_f64().unwrap();
+        assert!(
+            (got - f64::from(w.logprob)).abs() < 1e-6,
+            "token {i}: {got} vs {w:?}"
+        );
+        let top = lp["top_logprobs"][i + 1].as_object().unwrap();
+        // The 3 alternatives and the chosen token (one of them when greedy output picks the most likely).
+        assert!((3..=4).contains(&top.len()), "{top:?}");
+        let bytes = reference.tokenizer.token_bytes(w.token);
+        let chosen = match std::str::from_utf8(&bytes) {
+            Ok(t) => t.to_string(),
+            Err(_) => format!(
+                "bytes:{}",
+                bytes
+                    .iter()
+                    .map(|b| format!("\\x{b:02x}"))
+                    .collect::<String>()
+            ),
+        };
+        assert_eq!(lp["tokens"][i + 1], chosen.as_str());
+        assert!(top.contains_key(&chosen));
+    }
+    let offsets: Vec<usize> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap() as usize)
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    assert_eq!(
+        offsets[ids.len()],
+        prompt.len(),
+        "the answer starts after the echo"
+    );
+    assert!(offsets.iter().all(|&o| o <= text.len()));
+
+    // Streamed: the echo chunk carries the prompt's entries, the rest come with their text; together they equal
+    // the whole answer's.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (s, _, raw) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(&streamed.to_string()),
+        &[],
+    );
+    assert_eq!(s, 200);
+    let (stream_text, done, chunks) = sse_text(&raw, false);
+    assert!(done);
+    assert_eq!(stream_text, text);
+    let mut joined =
+        json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
+    for c in &chunks {
+        let l = &c["choices"][0]["logprobs"];
+        for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            for item in l[key].as_array().into_iter().flatten() {
+                joined[key].as_array_mut().unwrap().push(item.clone());
+            }
+        }
+    }
+    assert_eq!(&joined, lp);
+    assert_eq!(chunks[0]["choices"][0]["text"], prompt);
+
+    // Without the echo, only the generated tokens; a stop sequence keeps the tokens whose text starts before it.
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0}),
+    );
+    assert_eq!(s, 200, "{v}");
+    let whole = v["choices"][0]["logprobs"].clone();
+    assert_eq!(whole["tokens"].as_array().unwrap().len(), lib.tokens.len());
+    assert!(whole["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t.as_object().unwrap().len() == 1));
+    let answer = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let cut = (1..answer.len())
+        .find(|&i| {
+            answer.is_char_boundary(i)
+                && answer.is_char_boundary(i + 1)
+                && !answer[..i].contains(&answer[i..i + 1])
+        })
+        .expect("a character that first appears after the start");
+    let stop = answer[cut..cut + 1].to_string();
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0, "stop": stop}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], &answer[..cut]);
+    let kept = whole["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .take_while(|o| (o.as_u64().unwrap() as usize) < cut)
+        .count();
+    let stopped = &v["choices"][0]["logprobs"];
+    assert_eq!(
+        stopped["tokens"].as_array().unwrap().len(),
+        kept,
+        "{stopped}"
+    );
+    assert_eq!(
+        stopped["token_logprobs"].as_array().unwrap()[..],
+        whole["token_logprobs"].as_array().unwrap()[..kept]
+    );
+
+    // Chat: content entries with bytes, the alternatives most likely first; streamed entries equal these.
+    let chat = json!({"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 10, "temperature": 0,
+                      "logprobs": true, "top_logprobs": 2});
+    let (s, v) = post(addr, "/v1/chat/completions", chat.clone());
+    assert_eq!(s, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        content.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    let mut bytes = Vec::new();
+    for e in &content {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64());
+        // Greedy: the chosen token is the most likely.
+        assert_eq!(top[0]["token"], e["token"]);
+        assert_eq!(top[0]["logprob"], e["logprob"]);
+        bytes.extend(
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    assert_eq!(
+        String::from_utf8_lossy(&bytes),
+        v["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let (_, _, raw) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(&streamed.to_string()),
+        &[],
+    );
+    let (_, _, chunks) = sse_text(&raw, true);
+    let joined: Vec<Value> = chunks
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(joined, content);
+    // Not asked: null.
+    let (_, v) = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    );
+    assert!(v["choices"][0]["logprobs"].is_null());
 }

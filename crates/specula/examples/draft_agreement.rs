@@ -37,6 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // As the server benchmarks run (`--ignore-eos`): every answer MAX_TOKENS long.
             stop_at_eos: false,
             cancel: None,
+            logprobs: None,
         };
         let out = generate(
             target.model.as_ref(),

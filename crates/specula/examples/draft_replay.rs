@@ -86,6 +86,7 @@ fn record(
             sampling: SamplingParams::default(),
             stop_at_eos: false,
             cancel: None,
+            logprobs: None,
         };
         let o = generate(
             loaded.model.as_ref(),

@@ -17,7 +17,7 @@ use crate::draft::Drafter;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::profile::Profiler;
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, TokenLogprob};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone)]
@@ -31,7 +31,26 @@ pub struct GenerateRequest {
     /// Set by someone else to stop generation at the next step boundary (a server's client went away, or its
     /// stop sequence appeared); None: never cancelled.
     pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// Log-probabilities to report (OpenAI's `logprobs`); None: none (no cost).
+    pub logprobs: Option<LogprobsRequest>,
 }
+
+/// Which log-probabilities a generation reports, all from the target's logits at temperature 1 (vLLM's default
+/// "raw" log-probabilities: they describe the model, whatever the sampling settings). With speculation each
+/// token's comes from the verify pass's row that decided it, which is bitwise the row a plain step computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogprobsRequest {
+    /// Alternatives listed at each position besides the chosen token (at most
+    /// [`crate::sampling::MAX_TOP_LOGPROBS`]).
+    pub top: usize,
+    /// Also the prompt's tokens (each but the first, from the row before it): the prompt is then prefilled in
+    /// chunks of at most [`PROMPT_LOGPROBS_CHUNK`] rows with logits for every row, and no prefix cache is used.
+    pub prompt: bool,
+}
+
+/// The largest prompt chunk of a generation that reports the prompt's log-probabilities: every row of a chunk
+/// then computes logits (a vocabulary of floats each), so chunks stay small.
+pub const PROMPT_LOGPROBS_CHUNK: usize = 32;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -75,6 +94,10 @@ pub struct GenerateOutput {
     pub timing: Timing,
     /// Acceptance statistics when a drafter was used.
     pub speculation: Option<SpeculationStats>,
+    /// One per generated token when the request asked for log-probabilities.
+    pub logprobs: Vec<TokenLogprob>,
+    /// One per prompt token after the first when the request asked for the prompt's.
+    pub prompt_logprobs: Vec<TokenLogprob>,
 }
 
 /// The most new tokens a prompt of `prompt_tokens` leaves room for: every position up to the context length,
@@ -100,6 +123,15 @@ pub fn validate_request(model: &dyn Model, req: &GenerateRequest) -> Result<()> 
         return Err(Error::InvalidArgument(
             "--max-tokens must be at least 1".into(),
         ));
+    }
+    if let Some(lp) = &req.logprobs {
+        if lp.top > crate::sampling::MAX_TOP_LOGPROBS {
+            return Err(Error::InvalidArgument(format!(
+                "{} alternative log-probabilities a position were asked for; at most {} are listed",
+                lp.top,
+                crate::sampling::MAX_TOP_LOGPROBS
+            )));
+        }
     }
     if req.prompt_tokens.is_empty() {
         return Err(Error::InvalidArgument(

@@ -233,6 +233,7 @@ fn run_model(model: &dyn Model, tokenizer: &Tokenizer) {
         sampling: SamplingParams::default(),
         stop_at_eos: true,
         cancel: None,
+        logprobs: None,
     };
     if let Ok(mut ngram) = NgramDrafter::new(1, 2) {
         let speculation = Speculation {

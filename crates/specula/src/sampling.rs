@@ -90,6 +90,49 @@ pub fn top_probability(logits: &[f32], scratch: &mut Vec<f32>) -> (u32, f32) {
     (best, (1.0 / sum) as f32)
 }
 
+/// The most alternatives a position's log-probabilities may list (vLLM's default `max_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A generated (or prompt) token's log-probability under the model and the most likely tokens at its position:
+/// what OpenAI's `logprobs` report.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    /// ln p(token) under softmax(logits), at temperature 1.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `token`'s log-probability under softmax(`logits`) and the `top` most likely tokens' (vLLM's default "raw"
+/// log-probabilities: the model's distribution, whatever temperature, top-k or top-p the sampler used). The
+/// normalizer is summed in f64, so the many tiny terms of a large vocabulary are not lost.
+pub fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let log_norm = f64::from(max) + sum.ln();
+    let logprob_of = |l: f32| (f64::from(l) - log_norm) as f32;
+    // The best `top` by one pass, kept sorted (top is small: at most MAX_TOP_LOGPROBS).
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if best.len() == top && l <= best[top - 1].1 {
+                continue;
+            }
+            let at = best.partition_point(|&(_, b)| b >= l);
+            best.insert(at, (i as u32, l));
+            best.truncate(top);
+        }
+    }
+    TokenLogprob {
+        token,
+        logprob: logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&l| logprob_of(l)),
+        top: best.into_iter().map(|(i, l)| (i, logprob_of(l))).collect(),
+    }
+}
+
 /// A sparse probability distribution: candidate token ids with probabilities summing to 1.
 #[derive(Debug, Clone, Default)]
 pub struct Distribution {
@@ -276,6 +319,36 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Distribution {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_logprob_is_the_log_softmax_with_the_most_likely_tokens_in_order() {
+        let logits: Vec<f32> = (0..3000).map(|i| ((i * 53 % 211) as f32) * 0.05).collect();
+        let sum: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let exact = |i: usize| (logits[i] as f64) - sum.ln();
+        let lp = token_logprob(&logits, 17, 5);
+        assert_eq!(lp.token, 17);
+        assert!((lp.logprob as f64 - exact(17)).abs() < 1e-5);
+        // The reference top 5: a full sort, ties by lower id.
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap().then(a.cmp(&b)));
+        let ids: Vec<u32> = lp.top.iter().map(|&(i, _)| i).collect();
+        assert_eq!(
+            ids,
+            order[..5].iter().map(|&i| i as u32).collect::<Vec<_>>()
+        );
+        for &(i, l) in &lp.top {
+            assert!((l as f64 - exact(i as usize)).abs() < 1e-5);
+        }
+        assert!(token_logprob(&logits, 17, 0).top.is_empty());
+        // More alternatives than tokens: every token, once.
+        assert_eq!(token_logprob(&[0.5, 2.0], 0, 20).top.len(), 2);
+        // Probabilities sum to 1.
+        let total: f64 = (0..logits.len())
+            .map(|i| (token_logprob(&logits, i as u32, 0).logprob as f64).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-4, "{total}");
+        assert_eq!(token_logprob(&logits, 99_999, 0).logprob, f32::NEG_INFINITY);
+    }
 
     #[test]
     fn top_probability_is_the_softmax_of_the_argmax() {

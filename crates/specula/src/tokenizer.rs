@@ -240,6 +240,41 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes a token stands for on its own (OpenAI's `bytes` of a log-probability entry): a byte-level BPE
+    /// token's characters mapped back to bytes (a token may hold part of a UTF-8 character), a SentencePiece
+    /// token's `▁` as a space and `<0xNN>` as that byte; special tokens as their text. Empty for an id outside
+    /// the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(text) = self.inner.id_to_token(id) else {
+            return Vec::new();
+        };
+        let byte_level = matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        if byte_level {
+            let mut bytes = Vec::with_capacity(text.len());
+            for c in text.chars() {
+                match byte_of_byte_level_char(c) {
+                    Some(b) => bytes.push(b),
+                    // Not of the byte alphabet: an added token's own text.
+                    None => bytes.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                }
+            }
+            return bytes;
+        }
+        if let Some(hex) = text
+            .strip_prefix("<0x")
+            .and_then(|t| t.strip_suffix('>'))
+            .filter(|h| h.len() == 2)
+        {
+            if let Ok(b) = u8::from_str_radix(hex, 16) {
+                return vec![b];
+            }
+        }
+        text.replace('\u{2581}', " ").into_bytes()
+    }
+
     pub fn token_id(&self, text: &str) -> Option<u32> {
         self.inner.token_to_id(text)
     }
@@ -433,6 +468,22 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
     serde_json::from_str(&text).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))
 }
 
+/// The byte a character of the byte-level BPE alphabet (GPT-2's) stands for: printable bytes are their own
+/// character, the other 68 (controls, space, DEL, NBSP, soft hyphen ...) are U+0100 onwards in byte order.
+fn byte_of_byte_level_char(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let code = c as u32;
+    if printable(code) {
+        return Some(code as u8);
+    }
+    let index = code.checked_sub(256)?;
+    (0u32..=255)
+        .filter(|&b| !printable(b))
+        .nth(index as usize)
+        .map(|b| b as u8)
+}
+
 /// Incremental detokenizer: emits text only once it is complete UTF-8 and stable under the next tokens
 /// (byte-level BPE splits multi-byte characters across tokens).
 #[derive(Default)]
@@ -592,6 +643,41 @@ mod tests {
             }
         }
         ids
+    }
+
+    /// A token's bytes: a byte-level token's characters back to the bytes they stand for (every one of the 256),
+    /// merged tokens and special tokens whole; SentencePiece's `▁` and byte tokens; the bytes of a text's tokens
+    /// concatenate to the text.
+    #[test]
+    fn token_bytes_are_what_each_token_stands_for() {
+        let from_json = Tokenizer::from_hf_json(
+            crate::testing::tiny_tokenizer_json().to_string().as_bytes(),
+            &serde_json::Value::Null,
+            &serde_json::Value::Null,
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let gguf_path = dir.path().join("tiny.gguf");
+        crate::testing::write_tiny_gguf(&gguf_path, &crate::testing::TinySpec::default()).unwrap();
+        let from_gguf = Tokenizer::from_gguf(&GgufFile::open(&gguf_path).unwrap()).unwrap();
+        for tok in [&from_json, &from_gguf] {
+            for b in 0..=255u8 {
+                assert_eq!(tok.token_bytes(b as u32), vec![b], "byte {b}");
+            }
+            assert_eq!(tok.token_bytes(256), b" t".to_vec());
+            assert_eq!(tok.token_bytes(257), b"he".to_vec());
+            assert_eq!(tok.token_bytes(259), b"<|im_end|>".to_vec());
+            assert!(tok.token_bytes(100_000).is_empty());
+            let text = "the caf\u{e9} \u{2713} \u{65e5}\u{672c} tea\n";
+            let ids = tok.encode(text).unwrap();
+            let joined: Vec<u8> = ids.iter().flat_map(|&i| tok.token_bytes(i)).collect();
+            assert_eq!(joined, text.as_bytes());
+        }
+        let spm = spm_tokenizer(dir.path());
+        let ids = spm.encode("the cat \u{e9}").unwrap();
+        assert_eq!(spm.token_bytes(ids[0]), b"<s>".to_vec());
+        let joined: Vec<u8> = ids[1..].iter().flat_map(|&i| spm.token_bytes(i)).collect();
+        assert_eq!(joined, " the cat \u{e9}".as_bytes());
     }
 
     #[test]

@@ -18,6 +18,7 @@ fn greedy(m: &LoadedModel, prompt: &str, max_new_tokens: usize) -> specula::deco
         sampling: SamplingParams::default(),
         stop_at_eos: true,
         cancel: None,
+        logprobs: None,
     };
     generate(
         m.model.as_ref(),
@@ -276,6 +277,7 @@ fn assert_speculation_equals_plain(
             sampling: SamplingParams::default(),
             stop_at_eos: true,
             cancel: None,
+            logprobs: None,
         };
         let plain = generate_with(target, &req, None, 0);
         for (i, (label, k, make)) in configs.iter_mut().enumerate() {

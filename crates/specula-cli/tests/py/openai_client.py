@@ -53,6 +53,22 @@ several = client.chat.completions.create(
 )
 assert [c.index for c in several.choices] == [0, 1], several
 assert all(c.message.content == answer for c in several.choices), (several, answer)
+# Log-probabilities parse into the client's own types: chat's content entries, completions' legacy object with the
+# echoed prompt (its first token has none).
+scored = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "hi there"}], max_tokens=12, temperature=0, logprobs=True,
+    top_logprobs=3,
+)
+entries = scored.choices[0].logprobs.content
+assert len(entries) == scored.usage.completion_tokens, entries
+assert all(e.logprob <= 0 and len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in entries), entries
+assert bytes(b for e in entries for b in e.bytes).decode("utf-8", "replace") == answer, (entries, answer)
+echoed = client.completions.create(model=model, prompt="hello world", max_tokens=4, temperature=0, logprobs=2,
+                                   echo=True)
+lp = echoed.choices[0].logprobs
+assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:]), lp
+assert len(lp.tokens) == len(lp.text_offset) == len(lp.top_logprobs) == echoed.usage.prompt_tokens + \
+    echoed.usage.completion_tokens, lp
 try:
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                    presence_penalty=1.0)

@@ -512,6 +512,7 @@ pub fn run_bench(
                 sampling: spec.sampling,
                 stop_at_eos: spec.stop_at_eos,
                 cancel: None,
+                logprobs: None,
             };
             decode::validate_request(spec.target, &req)
                 .map_err(|e| Error::InvalidArgument(format!("prompt {}: {e}", prompt.id)))?;

@@ -23,13 +23,13 @@ use crate::model::{
     ForwardOptions, ForwardOutput, LogitsFor, Model, SequenceCache, SequenceInput, TreeMask,
 };
 use crate::profile::{Phase, Profiler, StepKind};
-use crate::sampling::Sampler;
+use crate::sampling::{token_logprob, Sampler, TokenLogprob};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::verify::{self, Acceptance, SimulatedAcceptance};
 
 use super::{
     check_draft_tokens, validate_request, GenerateOutput, GenerateRequest, SpeculationStats,
-    StopReason, Timing,
+    StopReason, Timing, PROMPT_LOGPROBS_CHUNK,
 };
 
 /// A generation in progress: its request, its KV cache, its drafter and sampler, and what it has produced.
@@ -45,6 +45,10 @@ pub struct Generation<'d> {
     stream: StreamDecoder,
     /// Generated tokens, without the stop token.
     tokens: Vec<u32>,
+    /// Their log-probabilities, one each, when the request asks for them.
+    logprobs: Vec<TokenLogprob>,
+    /// The prompt's (each token but the first) when the request asks for them.
+    prompt_logprobs: Vec<TokenLogprob>,
     /// Prompt and committed tokens; once prefilled, the last one is pending (not yet in the target's cache).
     context: Vec<u32>,
     /// Target layers the drafter reads (EAGLE-3), captured in every target forward.
@@ -71,6 +75,8 @@ enum Settled {
         start: usize,
         rows: usize,
         first: Option<u32>,
+        /// The chunk's prompt tokens' log-probabilities, then the first token's (when asked for).
+        logprobs: Vec<TokenLogprob>,
     },
     /// A verify pass at cache position `base`: the draft, the accepted path (draft indices) and the next token.
     Cycle {
@@ -79,6 +85,8 @@ enum Settled {
         base: usize,
         acceptance: Acceptance,
         path: Vec<usize>,
+        /// The new tokens' log-probabilities (when asked for): the accepted path's, then the next token's.
+        logprobs: Vec<TokenLogprob>,
     },
 }
 
@@ -112,6 +120,8 @@ impl<'d> Generation<'d> {
         let room = super::context_room_for(cache.capacity(), req.prompt_tokens.len());
         Generation {
             tokens: Vec::with_capacity(req.max_new_tokens.min(room)),
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
             context: req.prompt_tokens.clone(),
             req,
             sampler,
@@ -218,6 +228,17 @@ impl<'d> Generation<'d> {
         &self.tokens
     }
 
+    /// The generated tokens' log-probabilities so far (empty unless the request asks for them).
+    pub fn token_logprobs(&self) -> &[TokenLogprob] {
+        &self.logprobs
+    }
+
+    /// The prompt's log-probabilities (each token's but the first) once it is prefilled (empty unless the
+    /// request asks for them).
+    pub fn prompt_logprobs(&self) -> &[TokenLogprob] {
+        &self.prompt_logprobs
+    }
+
     pub fn request(&self) -> &GenerateRequest {
         &self.req
     }
@@ -250,7 +271,10 @@ impl<'d> Generation<'d> {
         self.started.get_or_insert_with(Instant::now);
         if self.is_prefilling() {
             let left = self.req.prompt_tokens.len() - self.prefilled;
-            let n = left.min(*prefill_budget);
+            let scored = self.req.logprobs.is_some_and(|l| l.prompt);
+            let n =
+                left.min(*prefill_budget)
+                    .min(if scored { PROMPT_LOGPROBS_CHUNK } else { left });
             if n == 0 {
                 return Ok(false);
             }
@@ -259,7 +283,9 @@ impl<'d> Generation<'d> {
             let last = n == left;
             self.planned = Some(Planned {
                 input: self.req.prompt_tokens[start..start + n].to_vec(),
-                logits: if last {
+                logits: if scored {
+                    LogitsFor::All
+                } else if last {
                     LogitsFor::Last
                 } else {
                     LogitsFor::None
@@ -371,16 +397,35 @@ impl<'d> Generation<'d> {
             return Ok(None);
         };
         let n = planned.input.len();
+        let top = self.req.logprobs.map(|l| l.top);
         Ok(Some(match planned.work {
-            Work::Prefill { start, last } => Settled::Prefill {
-                start,
-                rows: n,
-                first: if last {
-                    Some(self.sampler.sample_row(out.logits.as_ref(), 0)?)
+            Work::Prefill { start, last } => {
+                // Every row's logits when the prompt is scored, else only the last row's.
+                let last_row = out.logits.rows().saturating_sub(1);
+                let mut logprobs = Vec::new();
+                if let (Some(top), LogitsFor::All) = (top, planned.logits) {
+                    // Row r of the chunk predicts prompt token start + r + 1.
+                    let prompt = &self.req.prompt_tokens;
+                    for r in 0..n.min(prompt.len() - start - 1) {
+                        logprobs.push(token_logprob(&out.row(r)?, prompt[start + r + 1], top));
+                    }
+                }
+                let first = if last {
+                    let first = self.sampler.sample_row(out.logits.as_ref(), last_row)?;
+                    if let Some(top) = top {
+                        logprobs.push(token_logprob(&out.row(last_row)?, first, top));
+                    }
+                    Some(first)
                 } else {
                     None
-                },
-            },
+                };
+                Settled::Prefill {
+                    start,
+                    rows: n,
+                    first,
+                    logprobs,
+                }
+            }
             Work::Cycle { draft, tree, base } => {
                 // The draft tokens kept, in order (a prefix for a chain, the accepted path for a tree).
                 let (acceptance, path) = if let Some(parents) = &draft.parents {
@@ -408,12 +453,28 @@ impl<'d> Generation<'d> {
                     let path: Vec<usize> = (0..acceptance.accepted).collect();
                     (acceptance, path)
                 };
+                // The row deciding each new token: the pending token's for the first, then each accepted draft
+                // token's row (row i + 1 holds draft token i) for the token after it.
+                let logprobs = match top {
+                    None => Vec::new(),
+                    Some(top) => {
+                        let rows = std::iter::once(0).chain(path.iter().map(|&i| i + 1));
+                        let tokens = path
+                            .iter()
+                            .map(|&i| draft.tokens[i])
+                            .chain(std::iter::once(acceptance.next));
+                        rows.zip(tokens)
+                            .map(|(row, token)| Ok(token_logprob(&out.row(row)?, token, top)))
+                            .collect::<Result<Vec<_>>>()?
+                    }
+                };
                 Settled::Cycle {
                     draft,
                     tree,
                     base,
                     acceptance,
                     path,
+                    logprobs,
                 }
             }
         }))
@@ -444,12 +505,29 @@ impl<'d> Generation<'d> {
     /// Returns how many tokens were committed, and whether the step was a verify cycle.
     fn commit_settled(&mut self, settled: Settled, tokenizer: &Tokenizer) -> Result<(usize, bool)> {
         match settled {
-            Settled::Prefill { start, rows, first } => {
+            Settled::Prefill {
+                start,
+                rows,
+                first,
+                mut logprobs,
+            } => {
                 self.prefilled = start + rows;
+                // The first token's log-probability came last.
+                let first_logprob = if first.is_some() && self.req.logprobs.is_some() {
+                    logprobs.pop()
+                } else {
+                    None
+                };
+                self.prompt_logprobs.append(&mut logprobs);
                 let Some(first) = first else {
                     return Ok((0, false));
                 };
-                let committed = self.commit(tokenizer, &[first], self.cache.len());
+                let committed = self.commit(
+                    tokenizer,
+                    &[first],
+                    self.cache.len(),
+                    first_logprob.into_iter().collect(),
+                );
                 let now = Instant::now();
                 self.timing.prefill_s = self
                     .started
@@ -463,6 +541,7 @@ impl<'d> Generation<'d> {
                 base,
                 acceptance,
                 path,
+                logprobs,
             } => {
                 if let Some(st) = self.stats.as_mut() {
                     st.draft_passes += draft.passes as u64;
@@ -488,7 +567,7 @@ impl<'d> Generation<'d> {
                 }
                 let kept = base + 1 + acceptance.accepted;
                 self.cache.truncate(kept);
-                let committed = self.commit(tokenizer, &new_tokens, kept);
+                let committed = self.commit(tokenizer, &new_tokens, kept, logprobs);
                 self.timing.decode_tokens +=
                     committed + usize::from(self.stop == Some(StopReason::EndOfText));
                 Ok((committed, true))
@@ -497,9 +576,17 @@ impl<'d> Generation<'d> {
     }
 
     /// Appends new tokens to the output until one of them stops generation; returns how many were appended.
-    /// `cached` is the target cache length, which the last new token would extend.
-    fn commit(&mut self, tokenizer: &Tokenizer, new_tokens: &[u32], cached: usize) -> usize {
+    /// `cached` is the target cache length, which the last new token would extend; `logprobs` are the new
+    /// tokens' (empty when not asked for).
+    fn commit(
+        &mut self,
+        tokenizer: &Tokenizer,
+        new_tokens: &[u32],
+        cached: usize,
+        logprobs: Vec<TokenLogprob>,
+    ) -> usize {
         let mut appended = 0;
+        let mut logprobs = logprobs.into_iter();
         for &token in new_tokens {
             if self.req.stop_at_eos && tokenizer.is_stop(token) {
                 self.stop = Some(StopReason::EndOfText);
@@ -507,6 +594,7 @@ impl<'d> Generation<'d> {
             }
             self.tokens.push(token);
             self.context.push(token);
+            self.logprobs.extend(logprobs.next());
             appended += 1;
             if self.tokens.len() >= self.req.max_new_tokens {
                 self.stop = Some(StopReason::MaxTokens);
@@ -520,7 +608,9 @@ impl<'d> Generation<'d> {
         appended
     }
 
-    /// Last stage: the text of the `committed` newest tokens goes to `on_text` (as far as it is whole).
+    /// Last stage: the text of the `committed` newest tokens goes to `on_text`, one call per token in order, with
+    /// the text that token completes (empty while a character it begins is not whole yet), so a caller can tell
+    /// which token each piece of text came with.
     fn emit(
         &mut self,
         tokenizer: &Tokenizer,
@@ -528,9 +618,8 @@ impl<'d> Generation<'d> {
         on_text: &mut dyn FnMut(&str),
     ) -> Result<()> {
         for &token in &self.tokens[self.tokens.len() - committed..] {
-            if let Some(text) = self.stream.push(tokenizer, token)? {
-                on_text(&text);
-            }
+            let text = self.stream.push(tokenizer, token)?;
+            on_text(text.as_deref().unwrap_or(""));
         }
         Ok(())
     }
@@ -576,6 +665,8 @@ impl<'d> Generation<'d> {
                 stop_reason: self.stop.unwrap_or(StopReason::Cancelled),
                 timing: self.timing,
                 speculation: self.stats,
+                logprobs: self.logprobs,
+                prompt_logprobs: self.prompt_logprobs,
             },
             prefix,
         ))
@@ -603,7 +694,9 @@ impl<'d> Generation<'d> {
     /// drafter that reads the target's features of every position (EAGLE-3), as far as the drafter's state
     /// reaches. 0 once the generation has started.
     pub fn prefix_reach(&self, prefix: &CachedPrefix) -> usize {
-        if self.prefilled > 0 || !self.cache.is_empty() || self.planned.is_some() {
+        // A scored prompt needs every position's logits, which a cached prefix does not keep.
+        let scored = self.req.logprobs.is_some_and(|l| l.prompt);
+        if scored || self.prefilled > 0 || !self.cache.is_empty() || self.planned.is_some() {
             return 0;
         }
         let prompt = &self.req.prompt_tokens;

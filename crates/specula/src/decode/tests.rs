@@ -6,8 +6,8 @@ use crate::draft::model::ModelDrafter;
 use crate::draft::ngram::NgramDrafter;
 use crate::draft::Draft;
 use crate::model::dtype::GgmlType;
-use crate::model::LogitsFor;
 use crate::model::{load_gguf, LoadedModel};
+use crate::model::{ForwardOptions, LogitsFor};
 use crate::testing::{run_alone_to_end, step_alone, write_tiny_gguf, TinySpec};
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;
@@ -25,6 +25,7 @@ fn request(prompt: &[u32], n: usize, sampling: SamplingParams) -> GenerateReques
         sampling,
         stop_at_eos: false,
         cancel: None,
+        logprobs: None,
     }
 }
 
@@ -1543,4 +1544,163 @@ fn draft_model_rounds_draft_what_each_request_drafts_alone() {
             }
         }
     }
+}
+
+/// Log-probabilities are the target's log-softmax at each position: the generated tokens' and the prompt's match
+/// one reference pass over the whole sequence, and speculation (a draft model, prompt lookup, a tree) reports
+/// bitwise what plain decoding does, greedy or sampled, since every row is computed as it would be alone.
+#[test]
+fn logprobs_are_the_targets_and_speculation_does_not_change_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec {
+        seed: 3,
+        untied_head: true,
+        ..Default::default()
+    };
+    let target = tiny(dir.path(), "t.gguf", spec.clone());
+    let close = tiny(
+        dir.path(),
+        "c.gguf",
+        TinySpec {
+            weight_type: GgmlType::Q4_0,
+            ..spec
+        },
+    );
+    // A prompt longer than one scored chunk, so the prompt's rows come from several passes.
+    let prompt: Vec<u32> = (0..super::PROMPT_LOGPROBS_CHUNK + 9)
+        .map(|i| PROMPT[i % PROMPT.len()] + (i / PROMPT.len()) as u32)
+        .collect();
+    let top = 4;
+    for sampling in [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.9,
+            seed: 11,
+            ..Default::default()
+        },
+    ] {
+        let mut req = request(&prompt, 24, sampling);
+        req.logprobs = Some(LogprobsRequest { top, prompt: true });
+        let plain = run(&target, &req, None);
+        assert_eq!(plain.logprobs.len(), plain.tokens.len());
+        assert_eq!(plain.prompt_logprobs.len(), prompt.len() - 1);
+
+        // The reference: one pass over prompt and output, every row's logits.
+        let mut all = prompt.clone();
+        all.extend(&plain.tokens);
+        let mut cache = target.model.new_cache(all.len()).unwrap();
+        let reference = target
+            .model
+            .forward_one(
+                &all,
+                cache.as_mut(),
+                &ForwardOptions::default(),
+                LogitsFor::All,
+                &Profiler::disabled(),
+            )
+            .unwrap();
+        let reported: Vec<&crate::sampling::TokenLogprob> = plain
+            .prompt_logprobs
+            .iter()
+            .chain(&plain.logprobs)
+            .collect();
+        for (i, lp) in reported.iter().enumerate() {
+            // Entry i is token i + 1 of the sequence, from row i.
+            assert_eq!(lp.token, all[i + 1]);
+            let want = crate::sampling::token_logprob(&reference.row(i).unwrap(), all[i + 1], top);
+            assert!(
+                (lp.logprob - want.logprob).abs() < 1e-4,
+                "position {i}: {} vs {}",
+                lp.logprob,
+                want.logprob
+            );
+            assert_eq!(
+                lp.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                want.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                "position {i}"
+            );
+            assert!(lp.logprob <= 0.0 && lp.top.len() == top);
+        }
+        if sampling.is_greedy() {
+            assert!(plain.logprobs.iter().all(|lp| lp.top[0].0 == lp.token));
+        }
+
+        let mut drafter = ModelDrafter::new(close.model.as_ref(), 0).unwrap();
+        let mut ngram = NgramDrafter::with_stopping(1, 3, Some(0.0)).unwrap();
+        let mut oracle = OracleTreeDrafter {
+            plain: all.clone(),
+            vocab: target.model.config().vocab_size as u32,
+        };
+        let mut drafters: Vec<(&str, &mut dyn Drafter)> =
+            vec![("draft model", &mut drafter), ("ngram", &mut ngram)];
+        if sampling.is_greedy() {
+            drafters.push(("tree", &mut oracle));
+        }
+        for (name, d) in drafters {
+            let out = run(
+                &target,
+                &req,
+                Some(Speculation {
+                    drafter: d,
+                    draft_tokens: 3,
+                    simulate_acceptance: None,
+                }),
+            );
+            let st = out.speculation.as_ref().unwrap();
+            assert!(st.drafted > 0, "{name}");
+            assert!(name == "ngram" || st.accepted > 0, "{name}: {st:?}");
+            if sampling.is_greedy() {
+                assert_eq!(out.tokens, plain.tokens, "{name}");
+                assert_eq!(out.logprobs, plain.logprobs, "{name}");
+            } else {
+                // Sampled speculation draws differently from plain sampling; each token's log-probability is
+                // still its row's: check against a reference pass over this output.
+                let mut seq = prompt.clone();
+                seq.extend(&out.tokens);
+                let mut cache = target.model.new_cache(seq.len()).unwrap();
+                let r = target
+                    .model
+                    .forward_one(
+                        &seq,
+                        cache.as_mut(),
+                        &ForwardOptions::default(),
+                        LogitsFor::All,
+                        &Profiler::disabled(),
+                    )
+                    .unwrap();
+                for (j, lp) in out.logprobs.iter().enumerate() {
+                    let row = prompt.len() - 1 + j;
+                    let want =
+                        crate::sampling::token_logprob(&r.row(row).unwrap(), seq[row + 1], 0);
+                    assert_eq!(lp.token, seq[row + 1]);
+                    assert!((lp.logprob - want.logprob).abs() < 1e-4, "{name} token {j}");
+                }
+            }
+            assert_eq!(out.prompt_logprobs, plain.prompt_logprobs, "{name}");
+        }
+    }
+    // Without asking, nothing is computed.
+    let out = run(
+        &target,
+        &request(&PROMPT, 5, SamplingParams::default()),
+        None,
+    );
+    assert!(out.logprobs.is_empty() && out.prompt_logprobs.is_empty());
+    // Too many alternatives are refused by name.
+    let mut req = request(&PROMPT, 5, SamplingParams::default());
+    req.logprobs = Some(LogprobsRequest {
+        top: crate::sampling::MAX_TOP_LOGPROBS + 1,
+        prompt: false,
+    });
+    let err = generate(
+        target.model.as_ref(),
+        &target.tokenizer,
+        &req,
+        None,
+        &Profiler::disabled(),
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("alternative log-probabilities"), "{err}");
 }

@@ -106,6 +106,7 @@ pub fn check_wiring(
                 sampling: SamplingParams::default(),
                 stop_at_eos: true,
                 cancel: None,
+                logprobs: None,
             };
             let out = generate(
                 target,

@@ -50,6 +50,7 @@ fn run(
         },
         stop_at_eos: false,
         cancel: None,
+        logprobs: None,
     };
     generate(
         t.model.as_ref(),
@@ -785,6 +786,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
                         },
                         stop_at_eos: false,
                         cancel: None,
+                        logprobs: None,
                     };
                     let d = Eagle3Drafter::new(&h, t.model.as_ref(), 7 + i as u64)
                         .unwrap()
@@ -834,6 +836,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
                     sampling: SamplingParams::default(),
                     stop_at_eos: false,
                     cancel: None,
+                    logprobs: None,
                 };
                 let plain = generate(
                     t.model.as_ref(),
@@ -862,6 +865,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
         sampling: SamplingParams::default(),
         stop_at_eos: false,
         cancel: None,
+        logprobs: None,
     };
     let mut gens: Vec<Generation<'_>> = [&long[..], &PROMPT[2..]]
         .iter()
@@ -939,6 +943,7 @@ fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
             sampling: SamplingParams::default(),
             stop_at_eos: false,
             cancel: None,
+            logprobs: None,
         };
         let d = Eagle3Drafter::new(&h, model, seed).unwrap();
         Generation::with_drafter(model, req, Box::new(d), 3).unwrap()

@@ -406,6 +406,7 @@ fn batched_self_distillation_equals_one_prompt_at_a_time() {
             sampling: crate::sampling::SamplingParams::default(),
             stop_at_eos: true,
             cancel: None,
+            logprobs: None,
         };
         let answer = crate::decode::generate(
             t.model.as_ref(),
