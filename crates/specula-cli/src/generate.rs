@@ -601,6 +601,7 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
         stop_at_eos: !args.ignore_eos,
         cancel: None,
         logprobs: None,
+        logit_adjustments: None,
     };
     let prof = Profiler::with_clock(args.profile.detail(), loaded.model.clock(args.exact_timing));
     let eagle3_head = match &choice {

@@ -44,6 +44,7 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
         stop_at_eos: false,
         cancel: None,
         logprobs: None,
+        logit_adjustments: None,
     };
     let modes = [
         ("off", Detail::Off),

@@ -777,6 +777,7 @@ fn against_cpu(
         stop_at_eos: false,
         cancel: None,
         logprobs: None,
+        logit_adjustments: None,
     };
     let run = |m: &LoadedModel| {
         generate(

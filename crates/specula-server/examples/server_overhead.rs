@@ -82,6 +82,7 @@ fn via_library(model: &LoadedModel, prompt: &str, tokens: usize) -> (f64, usize)
         stop_at_eos: false,
         cancel: None,
         logprobs: None,
+        logit_adjustments: None,
     };
     let out = generate(
         model.model.as_ref(),

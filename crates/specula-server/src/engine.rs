@@ -24,7 +24,7 @@ use specula::draft::ngram::NgramDrafter;
 use specula::draft::Drafter;
 use specula::model::LoadedModel;
 use specula::profile::{Phase, Profiler};
-use specula::sampling::{SamplingParams, TokenLogprob};
+use specula::sampling::{LogitAdjustments, SamplingParams, TokenLogprob};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
@@ -177,6 +177,8 @@ pub struct Job {
     pub ignore_eos: bool,
     /// Log-probabilities to send with the text (OpenAI's `logprobs`); None: none.
     pub logprobs: Option<LogprobsRequest>,
+    /// Penalties and logit bias; None: the model's own distribution.
+    pub logit_adjustments: Option<LogitAdjustments>,
     pub events: UnboundedSender<Event>,
     /// Set when the client goes away: the engine drops the request at its next step.
     pub cancel: Arc<AtomicBool>,
@@ -1103,6 +1105,7 @@ impl<'a> EngineLoop<'a> {
             stop_at_eos: !job.ignore_eos,
             cancel: Some(job.cancel.clone()),
             logprobs: job.logprobs,
+            logit_adjustments: job.logit_adjustments.clone(),
         };
         Some(Admission {
             job,

@@ -22,7 +22,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use specula::chat::ChatMessage;
 use specula::decode::LogprobsRequest;
-use specula::sampling::{SamplingParams, TokenLogprob};
+use specula::sampling::{LogitAdjustments, SamplingParams, TokenLogprob};
 use specula::tokenizer::Tokenizer;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
@@ -381,6 +381,8 @@ struct Common {
     logprobs: Option<LogprobsRequest>,
     /// The prompt's tokens, when its log-probabilities are returned with the echo.
     prompt_tokens: Vec<u32>,
+    /// Penalties and logit bias (None when all are neutral).
+    logit_adjustments: Option<LogitAdjustments>,
 }
 
 /// A seed no earlier request got: std's per-process random hash keys over a counter and the clock (not for
@@ -538,6 +540,7 @@ fn common(
             ))
         }
     };
+    let logit_adjustments = adjustments(state, o)?;
     Ok(Common {
         max_tokens: max_tokens as usize,
         sampling,
@@ -549,7 +552,56 @@ fn common(
         n: choices(state, o)?,
         logprobs: None,
         prompt_tokens: Vec::new(),
+        logit_adjustments,
     })
+}
+
+/// `presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty` and `logit_bias` (token ids as strings,
+/// OpenAI's form, to biases), checked; None when all are neutral.
+fn adjustments(
+    state: &AppState,
+    o: &serde_json::Map<String, Value>,
+) -> Result<Option<LogitAdjustments>, ApiError> {
+    let mut a = LogitAdjustments::default();
+    if let Some(v) = number(o, "presence_penalty")? {
+        a.presence_penalty = v as f32;
+    }
+    if let Some(v) = number(o, "frequency_penalty")? {
+        a.frequency_penalty = v as f32;
+    }
+    if let Some(v) = number(o, "repetition_penalty")? {
+        a.repetition_penalty = v as f32;
+    }
+    let bad_bias = || {
+        ApiError::bad(
+            "logit_bias must map token ids (as strings) to numbers",
+            Some("logit_bias"),
+        )
+    };
+    match o.get("logit_bias") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) => {
+            for (k, v) in m {
+                let token: u32 = k.trim().parse().map_err(|_| bad_bias())?;
+                let bias = v.as_f64().ok_or_else(bad_bias)?;
+                a.logit_bias.push((token, bias as f32));
+            }
+        }
+        Some(_) => return Err(bad_bias()),
+    }
+    a.validate(state.engine.vocab_size).map_err(|e| {
+        let message = e.to_string();
+        let param = [
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+        ]
+        .into_iter()
+        .find(|p| message.contains(p));
+        ApiError::bad(message, param)
+    })?;
+    Ok((!a.is_neutral()).then_some(a))
 }
 
 /// The log-probabilities a request asks for: completions' `logprobs` is the number of alternatives (0: the
@@ -748,30 +800,6 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
         ))
     };
     let present = |key: &str| o.get(key).filter(|v| !v.is_null());
-    for key in ["presence_penalty", "frequency_penalty"] {
-        if let Some(v) = present(key) {
-            if v.as_f64() != Some(0.0) {
-                return refuse(
-                    key,
-                    &format!("got {v}; tokens are sampled from the model's own distribution (temperature, top_p, top_k)"),
-                );
-            }
-        }
-    }
-    if let Some(v) = present("repetition_penalty") {
-        if v.as_f64() != Some(1.0) {
-            return refuse(
-                "repetition_penalty",
-                &format!("got {v}; tokens are sampled from the model's own distribution"),
-            );
-        }
-    }
-    if present("logit_bias").is_some_and(|v| v.as_object().is_none_or(|m| !m.is_empty())) {
-        return refuse(
-            "logit_bias",
-            "tokens are sampled from the model's own distribution",
-        );
-    }
     if let Some(v) = present("response_format") {
         if v.get("type").and_then(Value::as_str) != Some("text") {
             return refuse(
@@ -1085,6 +1113,7 @@ async fn submit_and_answer(
             stop: c.stop.clone(),
             ignore_eos: c.ignore_eos,
             logprobs: c.logprobs,
+            logit_adjustments: c.logit_adjustments.clone(),
             events: tx,
             cancel: cancel.clone(),
             queued_at,

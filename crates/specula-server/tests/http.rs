@@ -131,6 +131,7 @@ fn expected(model: &LoadedModel, text: &str, n: usize) -> String {
         stop_at_eos: true,
         cancel: None,
         logprobs: None,
+        logit_adjustments: None,
     };
     generate(
         model.model.as_ref(),
@@ -524,25 +525,36 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
         "logprobs",
         "non-negative",
     );
+    // Penalties and the bias are honoured; values out of range are refused by name.
     refused(
-        chat(json!({"presence_penalty": 0.5})),
+        chat(json!({"presence_penalty": 2.5})),
         "presence_penalty",
-        "got 0.5",
+        "between -2 and 2",
     );
     refused(
-        completion(json!({"frequency_penalty": 1})),
+        completion(json!({"frequency_penalty": "1"})),
         "frequency_penalty",
-        "got 1",
+        "must be a number",
     );
     refused(
-        chat(json!({"repetition_penalty": 1.2})),
+        chat(json!({"repetition_penalty": 0})),
         "repetition_penalty",
-        "got 1.2",
+        "above 0",
     );
     refused(
-        chat(json!({"logit_bias": {"5": 10}})),
+        chat(json!({"logit_bias": {"5000": 10}})),
         "logit_bias",
-        "distribution",
+        "outside the vocabulary",
+    );
+    refused(
+        chat(json!({"logit_bias": {"five": 10}})),
+        "logit_bias",
+        "token ids (as strings)",
+    );
+    refused(
+        completion(json!({"logit_bias": {"5": 300}})),
+        "logit_bias",
+        "between -100 and 100",
     );
     refused(
         chat(json!({"response_format": {"type": "json_object"}})),
@@ -1579,6 +1591,7 @@ fn logprobs_come_back_in_openais_shapes_and_equal_the_librarys() {
                 top: 3,
                 prompt: true,
             }),
+            logit_adjustments: None,
         },
         None,
         &Profiler::disabled(),
@@ -1776,4 +1789,71 @@ fn logprobs_come_back_in_openais_shapes_and_equal_the_librarys() {
         json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
     );
     assert!(v["choices"][0]["logprobs"].is_null());
+}
+
+/// Penalties and a logit bias answer what the library generates with the same adjustments, with and without
+/// speculation (greedy), and change the answer.
+#[test]
+fn penalties_and_logit_bias_answer_like_the_library() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let plain = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
+    let ngram = start(tiny(dir.path()), DraftSetup::Ngram, None, queue(8));
+    // The target as its own draft model: it drafts the unadjusted argmax, which the penalties often overturn.
+    let model = start(
+        tiny(dir.path()),
+        DraftSetup::Model(Box::new(tiny(dir.path())), None, 0.0),
+        None,
+        queue(8),
+    );
+    let prompt = "hello world hello world";
+    let ids = reference.tokenizer.encode(prompt).unwrap();
+    let library = |rules: Option<specula::sampling::LogitAdjustments>| {
+        generate(
+            reference.model.as_ref(),
+            &reference.tokenizer,
+            &GenerateRequest {
+                prompt_tokens: ids.clone(),
+                max_new_tokens: 24,
+                sampling: SamplingParams::default(),
+                stop_at_eos: true,
+                cancel: None,
+                logprobs: None,
+                logit_adjustments: rules,
+            },
+            None,
+            &Profiler::disabled(),
+            &mut |_| {},
+        )
+        .unwrap()
+    };
+    let unadjusted = library(None);
+    let first = unadjusted.tokens[0];
+    let rules = specula::sampling::LogitAdjustments {
+        presence_penalty: 0.8,
+        frequency_penalty: 0.5,
+        repetition_penalty: 1.3,
+        logit_bias: vec![(first, -100.0), (104, 3.0)],
+    };
+    let want = library(Some(rules));
+    assert_ne!(want.tokens, unadjusted.tokens);
+    for addr in [plain, ngram, model] {
+        let (s, v) = post(
+            addr,
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "presence_penalty": 0.8,
+                   "frequency_penalty": 0.5, "repetition_penalty": 1.3,
+                   "logit_bias": {first.to_string(): -100, "104": 3.0}}),
+        );
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["choices"][0]["text"], want.text.as_str());
+        // Neutral values answer as without them.
+        let (_, v) = post(
+            addr,
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "presence_penalty": 0,
+                   "repetition_penalty": 1, "logit_bias": {}}),
+        );
+        assert_eq!(v["choices"][0]["text"], unadjusted.text.as_str());
+    }
 }

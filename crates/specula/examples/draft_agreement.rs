@@ -38,6 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             stop_at_eos: false,
             cancel: None,
             logprobs: None,
+            logit_adjustments: None,
         };
         let out = generate(
             target.model.as_ref(),

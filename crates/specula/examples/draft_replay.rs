@@ -87,6 +87,7 @@ fn record(
             stop_at_eos: false,
             cancel: None,
             logprobs: None,
+            logit_adjustments: None,
         };
         let o = generate(
             loaded.model.as_ref(),

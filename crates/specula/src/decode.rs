@@ -17,7 +17,7 @@ use crate::draft::Drafter;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::profile::Profiler;
-use crate::sampling::{SamplingParams, TokenLogprob};
+use crate::sampling::{LogitAdjustments, SamplingParams, TokenLogprob};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone)]
@@ -33,6 +33,9 @@ pub struct GenerateRequest {
     pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     /// Log-probabilities to report (OpenAI's `logprobs`); None: none (no cost).
     pub logprobs: Option<LogprobsRequest>,
+    /// Penalties and logit bias applied to the target's logits before each token is chosen; None (or neutral
+    /// values): the model's own distribution, and no cost.
+    pub logit_adjustments: Option<LogitAdjustments>,
 }
 
 /// Which log-probabilities a generation reports, all from the target's logits at temperature 1 (vLLM's default
@@ -132,6 +135,9 @@ pub fn validate_request(model: &dyn Model, req: &GenerateRequest) -> Result<()> 
                 crate::sampling::MAX_TOP_LOGPROBS
             )));
         }
+    }
+    if let Some(a) = &req.logit_adjustments {
+        a.validate(model.config().vocab_size)?;
     }
     if req.prompt_tokens.is_empty() {
         return Err(Error::InvalidArgument(

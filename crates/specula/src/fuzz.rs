@@ -234,6 +234,7 @@ fn run_model(model: &dyn Model, tokenizer: &Tokenizer) {
         stop_at_eos: true,
         cancel: None,
         logprobs: None,
+        logit_adjustments: None,
     };
     if let Ok(mut ngram) = NgramDrafter::new(1, 2) {
         let speculation = Speculation {

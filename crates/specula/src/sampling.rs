@@ -90,6 +90,123 @@ pub fn top_probability(logits: &[f32], scratch: &mut Vec<f32>) -> (u32, f32) {
     (best, (1.0 / sum) as f32)
 }
 
+/// The most tokens a request's `logit_bias` may name.
+pub const MAX_LOGIT_BIAS_TOKENS: usize = 1024;
+
+/// Adjustments of the target's logits before a token is chosen (OpenAI's penalties and `logit_bias`, vLLM's
+/// `repetition_penalty`), applied in vLLM's order: the bias is added, then the repetition penalty (a token already
+/// in the prompt or the output has its logit divided by it when positive, multiplied when negative: Hugging
+/// Face's rule), then the frequency and presence penalties (subtracted once per occurrence in the output, and
+/// once for occurring at all). Speculation verifies against the adjusted logits, so it stays lossless with
+/// respect to plain decoding with the same adjustments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogitAdjustments {
+    /// 0 is neutral; -2 to 2.
+    pub presence_penalty: f32,
+    /// 0 is neutral; -2 to 2.
+    pub frequency_penalty: f32,
+    /// 1 is neutral; above 0.
+    pub repetition_penalty: f32,
+    /// (token, bias) pairs, each bias -100 to 100.
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl Default for LogitAdjustments {
+    fn default() -> Self {
+        LogitAdjustments {
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+        }
+    }
+}
+
+impl LogitAdjustments {
+    pub fn is_neutral(&self) -> bool {
+        self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+            && self.repetition_penalty == 1.0
+            && self.logit_bias.iter().all(|&(_, b)| b == 0.0)
+    }
+
+    /// Checks the values against their ranges and the bias's tokens against a vocabulary of `vocab`.
+    pub fn validate(&self, vocab: usize) -> Result<()> {
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be between -2 and 2, got {v}"
+                )));
+            }
+        }
+        let r = self.repetition_penalty;
+        if !(r.is_finite() && r > 0.0 && r <= 10.0) {
+            return Err(Error::InvalidArgument(format!(
+                "repetition_penalty must be above 0 and at most 10 (1 = none), got {r}"
+            )));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS_TOKENS {
+            return Err(Error::InvalidArgument(format!(
+                "logit_bias names {} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are taken",
+                self.logit_bias.len()
+            )));
+        }
+        for &(token, bias) in &self.logit_bias {
+            if token as usize >= vocab {
+                return Err(Error::InvalidArgument(format!(
+                    "logit_bias names token {token}, outside the vocabulary of {vocab}"
+                )));
+            }
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(Error::InvalidArgument(format!(
+                    "logit_bias of token {token} must be between -100 and 100, got {bias}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Adjusts one row of logits. `prompt_tokens` are the prompt's distinct tokens, sorted; `output_counts` how
+    /// often each token occurs in the output so far (the row's own draft prefix included).
+    pub fn apply(
+        &self,
+        logits: &mut [f32],
+        prompt_tokens: &[u32],
+        output_counts: &std::collections::HashMap<u32, u32>,
+    ) {
+        for &(token, bias) in &self.logit_bias {
+            if let Some(l) = logits.get_mut(token as usize) {
+                *l += bias;
+            }
+        }
+        let r = self.repetition_penalty;
+        if r != 1.0 {
+            let penalize = |l: &mut f32| *l = if *l > 0.0 { *l / r } else { *l * r };
+            // A token of both the prompt and the output is penalized once.
+            let seen = prompt_tokens.iter().chain(
+                output_counts
+                    .keys()
+                    .filter(|t| prompt_tokens.binary_search(t).is_err()),
+            );
+            for &t in seen {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    penalize(l);
+                }
+            }
+        }
+        if self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 {
+            for (&t, &count) in output_counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= self.frequency_penalty * count as f32 + self.presence_penalty;
+                }
+            }
+        }
+    }
+}
+
 /// The most alternatives a position's log-probabilities may list (vLLM's default `max_logprobs`).
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
@@ -319,6 +436,94 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Distribution {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The adjustments against a plain per-token reading of their definitions: bias added, then each token seen
+    /// in prompt or output divided (positive) or multiplied (negative) by the repetition penalty once, then
+    /// frequency x count + presence subtracted for output tokens.
+    #[test]
+    fn logit_adjustments_follow_their_definitions() {
+        let vocab = 40;
+        let base: Vec<f32> = (0..vocab).map(|i| ((i * 7 % 13) as f32) - 6.0).collect();
+        let prompt = [3u32, 5, 5, 9, 30];
+        let output = [5u32, 7, 7, 7, 11, 39];
+        let rules = LogitAdjustments {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            repetition_penalty: 1.3,
+            logit_bias: vec![(7, 2.0), (20, -100.0), (3, 1.5)],
+        };
+        let mut want = base.clone();
+        for (t, w) in want.iter_mut().enumerate() {
+            let t = t as u32;
+            if let Some(&(_, b)) = rules.logit_bias.iter().find(|(i, _)| *i == t) {
+                *w += b;
+            }
+            let count = output.iter().filter(|&&o| o == t).count();
+            if prompt.contains(&t) || count > 0 {
+                *w = if *w > 0.0 { *w / 1.3 } else { *w * 1.3 };
+            }
+            if count > 0 {
+                *w -= 0.25 * count as f32 + 0.5;
+            }
+        }
+        let mut sorted_prompt = prompt.to_vec();
+        sorted_prompt.sort_unstable();
+        sorted_prompt.dedup();
+        let mut counts = std::collections::HashMap::new();
+        for &o in &output {
+            *counts.entry(o).or_insert(0u32) += 1;
+        }
+        let mut got = base.clone();
+        rules.apply(&mut got, &sorted_prompt, &counts);
+        assert_eq!(got, want);
+        assert!(!rules.is_neutral() && LogitAdjustments::default().is_neutral());
+        // Neutral values change nothing.
+        let mut same = base.clone();
+        LogitAdjustments::default().apply(&mut same, &sorted_prompt, &counts);
+        assert_eq!(same, base);
+        // Out of range, named.
+        for (bad, needle) in [
+            (
+                LogitAdjustments {
+                    presence_penalty: 2.5,
+                    ..Default::default()
+                },
+                "presence_penalty",
+            ),
+            (
+                LogitAdjustments {
+                    frequency_penalty: f32::NAN,
+                    ..Default::default()
+                },
+                "frequency_penalty",
+            ),
+            (
+                LogitAdjustments {
+                    repetition_penalty: 0.0,
+                    ..Default::default()
+                },
+                "repetition_penalty",
+            ),
+            (
+                LogitAdjustments {
+                    logit_bias: vec![(40, 1.0)],
+                    ..Default::default()
+                },
+                "outside the vocabulary of 40",
+            ),
+            (
+                LogitAdjustments {
+                    logit_bias: vec![(1, 101.0)],
+                    ..Default::default()
+                },
+                "between -100 and 100",
+            ),
+        ] {
+            let e = bad.validate(vocab).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        }
+        rules.validate(vocab).unwrap();
+    }
 
     #[test]
     fn token_logprob_is_the_log_softmax_with_the_most_likely_tokens_in_order() {

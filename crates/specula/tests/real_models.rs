@@ -19,6 +19,7 @@ fn greedy(m: &LoadedModel, prompt: &str, max_new_tokens: usize) -> specula::deco
         stop_at_eos: true,
         cancel: None,
         logprobs: None,
+        logit_adjustments: None,
     };
     generate(
         m.model.as_ref(),
@@ -278,6 +279,7 @@ fn assert_speculation_equals_plain(
             stop_at_eos: true,
             cancel: None,
             logprobs: None,
+            logit_adjustments: None,
         };
         let plain = generate_with(target, &req, None, 0);
         for (i, (label, k, make)) in configs.iter_mut().enumerate() {

@@ -2,7 +2,9 @@
 
     python3 openai_client.py BASE_URL MODEL API_KEY
 """
+import json
 import sys
+import urllib.request
 
 import openai
 
@@ -69,10 +71,29 @@ lp = echoed.choices[0].logprobs
 assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:]), lp
 assert len(lp.tokens) == len(lp.text_offset) == len(lp.top_logprobs) == echoed.usage.prompt_tokens + \
     echoed.usage.completion_tokens, lp
+# Penalties and a bias are honoured: banning the greedy answer's first token changes the answer.
+def tokenize(text):
+    req = urllib.request.Request(base + "/tokenize", data=json.dumps({"prompt": text}).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": "Bearer " + key})
+    with urllib.request.urlopen(req) as r:
+        return json.load(r)["tokens"]
+
+
+prompt_ids = tokenize("hello world")
+first_id = tokenize("hello world" + done.choices[0].text)[len(prompt_ids)]
+penalized = client.completions.create(model=model, prompt="hello world", max_tokens=12, temperature=0,
+                                      presence_penalty=1.0, frequency_penalty=0.5, logit_bias={str(first_id): -100})
+assert penalized.choices[0].text and penalized.choices[0].text != done.choices[0].text, (penalized, done)
 try:
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                   presence_penalty=1.0)
-    raise SystemExit("presence_penalty was accepted and would have been ignored")
+                                   response_format={"type": "json_object"})
+    raise SystemExit("response_format was accepted and would have been ignored")
+except openai.BadRequestError as e:
+    assert "response_format" in str(e), e
+try:
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                   presence_penalty=3.0)
+    raise SystemExit("presence_penalty out of range was accepted")
 except openai.BadRequestError as e:
     assert "presence_penalty" in str(e), e
 

@@ -513,6 +513,7 @@ pub fn run_bench(
                 stop_at_eos: spec.stop_at_eos,
                 cancel: None,
                 logprobs: None,
+                logit_adjustments: None,
             };
             decode::validate_request(spec.target, &req)
                 .map_err(|e| Error::InvalidArgument(format!("prompt {}: {e}", prompt.id)))?;

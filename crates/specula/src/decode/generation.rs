@@ -19,11 +19,13 @@ use crate::draft::eagle3::{HeadCompute, HeadInput, HeadPass};
 use crate::draft::{BatchedPass, BatchedStart, Draft, Drafter, DrafterPrefix};
 use crate::error::{Error, Result};
 use crate::model::forward::check_batch;
+use crate::model::forward::HostRows;
+use crate::model::RowMatrix;
 use crate::model::{
     ForwardOptions, ForwardOutput, LogitsFor, Model, SequenceCache, SequenceInput, TreeMask,
 };
 use crate::profile::{Phase, Profiler, StepKind};
-use crate::sampling::{token_logprob, Sampler, TokenLogprob};
+use crate::sampling::{token_logprob, LogitAdjustments, Sampler, TokenLogprob};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::verify::{self, Acceptance, SimulatedAcceptance};
 
@@ -36,6 +38,8 @@ use super::{
 pub struct Generation<'d> {
     req: GenerateRequest,
     sampler: Sampler,
+    /// The request's penalties and logit bias, when it has any that are not neutral.
+    adjust: Option<Adjuster>,
     drafter: Option<Box<dyn Drafter + 'd>>,
     draft_tokens: usize,
     /// This step's cap on the draft length, set by a scheduler (None: `draft_tokens`).
@@ -66,6 +70,71 @@ pub struct Generation<'d> {
     planned: Option<Planned>,
     /// This step's draft when it was drafted in a batch with other generations' (taken by `plan`).
     prepared_draft: Option<Draft>,
+}
+
+/// A request's logit adjustments with what they read: the prompt's distinct tokens and the output's counts.
+struct Adjuster {
+    rules: LogitAdjustments,
+    /// Sorted, each once.
+    prompt_tokens: Vec<u32>,
+    output_counts: std::collections::HashMap<u32, u32>,
+}
+
+impl Adjuster {
+    fn new(rules: LogitAdjustments, prompt: &[u32]) -> Self {
+        let mut prompt_tokens = prompt.to_vec();
+        prompt_tokens.sort_unstable();
+        prompt_tokens.dedup();
+        Adjuster {
+            rules,
+            prompt_tokens,
+            output_counts: Default::default(),
+        }
+    }
+
+    /// The given rows of `logits`, adjusted, in host memory: each with the output so far plus the draft tokens
+    /// the row follows (the tokens it comes after on its path).
+    fn adjusted(&self, logits: &dyn RowMatrix, rows: &[(usize, Vec<u32>)]) -> Result<HostRows> {
+        let cols = logits.cols();
+        let mut data = Vec::with_capacity(rows.len() * cols);
+        for (row, drafted) in rows {
+            let start = data.len();
+            data.extend_from_slice(&logits.row(*row)?);
+            let counts = if drafted.is_empty() {
+                std::borrow::Cow::Borrowed(&self.output_counts)
+            } else {
+                let mut c = self.output_counts.clone();
+                for &t in drafted {
+                    *c.entry(t).or_default() += 1;
+                }
+                std::borrow::Cow::Owned(c)
+            };
+            self.rules
+                .apply(&mut data[start..], &self.prompt_tokens, &counts);
+        }
+        Ok(HostRows {
+            rows: rows.len(),
+            cols,
+            data,
+        })
+    }
+}
+
+/// The draft tokens from the first to draft token `i`, along the tree's path when `parents` is given.
+fn draft_path(tokens: &[u32], parents: Option<&[Option<usize>]>, i: usize) -> Vec<u32> {
+    match parents {
+        None => tokens[..=i].to_vec(),
+        Some(parents) => {
+            let mut path = vec![tokens[i]];
+            let mut at = parents[i];
+            while let Some(p) = at {
+                path.push(tokens[p]);
+                at = parents[p];
+            }
+            path.reverse();
+            path
+        }
+    }
 }
 
 /// A generation's step output after its first finishing stage (sampling or acceptance), for the later ones.
@@ -123,6 +192,11 @@ impl<'d> Generation<'d> {
             logprobs: Vec::new(),
             prompt_logprobs: Vec::new(),
             context: req.prompt_tokens.clone(),
+            adjust: req
+                .logit_adjustments
+                .clone()
+                .filter(|a| !a.is_neutral())
+                .map(|a| Adjuster::new(a, &req.prompt_tokens)),
             req,
             sampler,
             drafter: None,
@@ -411,7 +485,14 @@ impl<'d> Generation<'d> {
                     }
                 }
                 let first = if last {
-                    let first = self.sampler.sample_row(out.logits.as_ref(), last_row)?;
+                    let first = match &self.adjust {
+                        Some(a) => {
+                            let rows =
+                                a.adjusted(out.logits.as_ref(), &[(last_row, Vec::new())])?;
+                            self.sampler.sample_row(&rows, 0)?
+                        }
+                        None => self.sampler.sample_row(out.logits.as_ref(), last_row)?,
+                    };
                     if let Some(top) = top {
                         logprobs.push(token_logprob(&out.row(last_row)?, first, top));
                     }
@@ -427,27 +508,48 @@ impl<'d> Generation<'d> {
                 }
             }
             Work::Cycle { draft, tree, base } => {
+                // With penalties or a bias, acceptance reads the adjusted rows: row r > 0 follows draft token
+                // r - 1 and the draft tokens on its path, which count as output for it.
+                let adjusted = match &self.adjust {
+                    None => None,
+                    Some(a) => {
+                        let rows: Vec<(usize, Vec<u32>)> = (0..out.logits.rows())
+                            .map(|r| {
+                                let drafted = match r {
+                                    0 => Vec::new(),
+                                    r => draft_path(&draft.tokens, draft.parents.as_deref(), r - 1),
+                                };
+                                (r, drafted)
+                            })
+                            .collect();
+                        Some(a.adjusted(out.logits.as_ref(), &rows)?)
+                    }
+                };
+                let logits: &dyn RowMatrix = match &adjusted {
+                    Some(rows) => rows,
+                    None => out.logits.as_ref(),
+                };
                 // The draft tokens kept, in order (a prefix for a chain, the accepted path for a tree).
                 let (acceptance, path) = if let Some(parents) = &draft.parents {
                     if self.sampler.params().is_greedy() {
-                        verify::accept_tree(&draft.tokens, parents, out.logits.as_ref())?
+                        verify::accept_tree(&draft.tokens, parents, logits)?
                     } else {
                         verify::accept_tree_sampled(
                             &draft.tokens,
                             parents,
-                            out.logits.as_ref(),
+                            logits,
                             &mut self.sampler,
                         )?
                     }
                 } else {
                     let acceptance = if let Some(sim) = self.simulated.as_mut() {
-                        sim.accept(&draft, out.logits.as_ref())?
+                        sim.accept(&draft, logits)?
                     } else if self.drafter.is_some() {
-                        verify::accept(&draft, out.logits.as_ref(), &mut self.sampler)?
+                        verify::accept(&draft, logits, &mut self.sampler)?
                     } else {
                         Acceptance {
                             accepted: 0,
-                            next: self.sampler.sample_row(out.logits.as_ref(), 0)?,
+                            next: self.sampler.sample_row(logits, 0)?,
                         }
                     };
                     let path: Vec<usize> = (0..acceptance.accepted).collect();
@@ -595,6 +697,9 @@ impl<'d> Generation<'d> {
             self.tokens.push(token);
             self.context.push(token);
             self.logprobs.extend(logprobs.next());
+            if let Some(a) = self.adjust.as_mut() {
+                *a.output_counts.entry(token).or_default() += 1;
+            }
             appended += 1;
             if self.tokens.len() >= self.req.max_new_tokens {
                 self.stop = Some(StopReason::MaxTokens);

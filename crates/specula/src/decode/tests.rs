@@ -26,6 +26,7 @@ fn request(prompt: &[u32], n: usize, sampling: SamplingParams) -> GenerateReques
         stop_at_eos: false,
         cancel: None,
         logprobs: None,
+        logit_adjustments: None,
     }
 }
 
@@ -424,6 +425,26 @@ fn sampled_prompt_lookup_has_the_targets_distribution() {
     check_sampled_distribution(SampledCase::full_vocabulary(SampledDrafter::PromptLookup));
 }
 
+/// Penalties and a logit bias under sampling: verification reads the adjusted rows (each row's draft prefix
+/// counted as output), so the output has the adjusted distribution, as a chain and as a tree.
+#[test]
+fn sampled_speculation_with_penalties_has_the_adjusted_distribution() {
+    let adjust = crate::sampling::LogitAdjustments {
+        presence_penalty: 0.6,
+        frequency_penalty: 0.4,
+        repetition_penalty: 1.4,
+        logit_bias: vec![(PROMPT[0], 1.5)],
+    };
+    for drafter in [
+        SampledDrafter::FixedQ { stop_after: None },
+        SampledDrafter::Tree,
+    ] {
+        let mut case = SampledCase::top_k3(drafter);
+        case.adjust = Some(adjust.clone());
+        check_sampled_distribution(case);
+    }
+}
+
 /// Tree drafts under sampling (`verify::accept_tree_sampled`): a fixed tree of three first tokens (two likely,
 /// one the target never proposes first) with two children under the first.
 #[test]
@@ -449,6 +470,8 @@ enum SampledDrafter {
 struct SampledCase {
     drafter: SampledDrafter,
     params: SamplingParams,
+    /// Penalties and bias on the target's logits (the distribution to match is then the adjusted one).
+    adjust: Option<crate::sampling::LogitAdjustments>,
     /// Multiplies the target's final norm: below 1 flattens its distributions (the tail matters).
     target_logit_scale: f32,
 }
@@ -463,6 +486,7 @@ impl SampledCase {
                 top_p: 1.0,
                 seed: 0,
             },
+            adjust: None,
             target_logit_scale: 1.0,
         }
     }
@@ -476,6 +500,7 @@ impl SampledCase {
                 top_p: 1.0,
                 seed: 0,
             },
+            adjust: None,
             target_logit_scale: 0.15,
         }
     }
@@ -533,12 +558,29 @@ fn check_sampled_distribution(case: SampledCase) {
     );
     let params = case.params;
     let last = LogitsFor::Last;
+    let base = &PROMPT[..6];
+    assert!(
+        case.adjust.is_none() || !matches!(case.drafter, SampledDrafter::PromptLookup),
+        "adjusted cases take the base prompt"
+    );
+    let adjust = case.adjust.clone();
     let mut dist_after = |ctx: &[u32]| {
         let mut cache = crate::testing::full_cache(target.model.as_ref());
         let out = crate::testing::forward_host(target.model.as_ref(), ctx, cache.as_mut(), last);
-        crate::sampling::distribution(out.last(), &params)
+        let mut row = out.last().to_vec();
+        if let Some(a) = &adjust {
+            // The prompt is the base; what follows it is output.
+            let mut prompt = base.to_vec();
+            prompt.sort_unstable();
+            prompt.dedup();
+            let mut counts = std::collections::HashMap::new();
+            for &t in &ctx[base.len()..] {
+                *counts.entry(t).or_insert(0u32) += 1;
+            }
+            a.apply(&mut row, &prompt, &counts);
+        }
+        crate::sampling::distribution(&row, &params)
     };
-    let base = &PROMPT[..6];
     // Prompt lookup needs the context to repeat: the base prompt, the target's likeliest continuation, and the
     // base again, so the lookup proposes that continuation (which the target often, not always, accepts).
     let prompt: Vec<u32> = match case.drafter {
@@ -591,7 +633,8 @@ fn check_sampled_distribution(case: SampledCase) {
     let mut counts = vec![0usize; exact.len()];
     let (mut rejections, mut accepted_total, mut drafted_total, mut cycles_total) = (0, 0, 0, 0);
     for seed in 0..runs {
-        let req = request(&prompt, 5, SamplingParams { seed, ..params });
+        let mut req = request(&prompt, 5, SamplingParams { seed, ..params });
+        req.logit_adjustments = case.adjust.clone();
         let mut drafter: Box<dyn Drafter> = match case.drafter {
             SampledDrafter::FixedQ { stop_after } => Box::new(FixedQDrafter {
                 support: q_support.clone(),
@@ -1703,4 +1746,161 @@ fn logprobs_are_the_targets_and_speculation_does_not_change_them() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("alternative log-probabilities"), "{err}");
+}
+
+/// The greedy output under penalties and a bias, by a plain reference loop: one forward pass a token, the rules
+/// applied to the last row by their definitions (a per-token reading, not the library's), the argmax taken.
+fn adjusted_reference(
+    target: &LoadedModel,
+    prompt: &[u32],
+    n: usize,
+    rules: &crate::sampling::LogitAdjustments,
+) -> Vec<u32> {
+    let mut cache = crate::testing::full_cache(target.model.as_ref());
+    let mut out = Vec::new();
+    let mut feed = prompt.to_vec();
+    for _ in 0..n {
+        let h = crate::testing::forward_host(
+            target.model.as_ref(),
+            &feed,
+            cache.as_mut(),
+            LogitsFor::Last,
+        );
+        let mut row = h.last().to_vec();
+        for (t, l) in row.iter_mut().enumerate() {
+            let t = t as u32;
+            *l += rules
+                .logit_bias
+                .iter()
+                .filter(|(b, _)| *b == t)
+                .map(|(_, v)| v)
+                .sum::<f32>();
+            let count = out.iter().filter(|&&o| o == t).count();
+            if prompt.contains(&t) || count > 0 {
+                *l = if *l > 0.0 {
+                    *l / rules.repetition_penalty
+                } else {
+                    *l * rules.repetition_penalty
+                };
+            }
+            if count > 0 {
+                *l -= rules.frequency_penalty * count as f32 + rules.presence_penalty;
+            }
+        }
+        let next = crate::sampling::argmax(&row);
+        out.push(next);
+        feed = vec![next];
+    }
+    out
+}
+
+/// Greedy decoding with penalties and a bias follows the reference loop, differs from the unadjusted output (the
+/// rules did something), and every drafter (a draft model, prompt lookup, a tree) keeps it token for token.
+#[test]
+fn penalties_and_bias_shape_greedy_output_and_speculation_keeps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec {
+        seed: 3,
+        untied_head: true,
+        ..Default::default()
+    };
+    let target = tiny(dir.path(), "t.gguf", spec.clone());
+    let close = tiny(
+        dir.path(),
+        "c.gguf",
+        TinySpec {
+            weight_type: GgmlType::Q4_0,
+            ..spec
+        },
+    );
+    let n = 40;
+    let unadjusted = run(
+        &target,
+        &request(&PROMPT, n, SamplingParams::default()),
+        None,
+    )
+    .tokens;
+    let mut ngram_drafted = 0;
+    for rules in [
+        crate::sampling::LogitAdjustments {
+            repetition_penalty: 1.5,
+            ..Default::default()
+        },
+        crate::sampling::LogitAdjustments {
+            presence_penalty: 1.0,
+            frequency_penalty: 0.7,
+            ..Default::default()
+        },
+        crate::sampling::LogitAdjustments {
+            presence_penalty: -0.5,
+            frequency_penalty: 0.3,
+            repetition_penalty: 1.2,
+            logit_bias: vec![(unadjusted[0], -100.0), (101, 2.5)],
+        },
+    ] {
+        let mut req = request(&PROMPT, n, SamplingParams::default());
+        req.logit_adjustments = Some(rules.clone());
+        let plain = run(&target, &req, None);
+        assert_eq!(
+            plain.tokens,
+            adjusted_reference(&target, &PROMPT, n, &rules),
+            "{rules:?}"
+        );
+        assert_ne!(plain.tokens, unadjusted, "{rules:?} changed nothing");
+        let mut all = PROMPT.to_vec();
+        all.extend(&plain.tokens);
+        let mut drafter = ModelDrafter::new(close.model.as_ref(), 0).unwrap();
+        let mut ngram = NgramDrafter::with_stopping(1, 3, Some(0.0)).unwrap();
+        let mut oracle = OracleTreeDrafter {
+            plain: all,
+            vocab: target.model.config().vocab_size as u32,
+        };
+        let drafters: Vec<(&str, &mut dyn Drafter)> = vec![
+            ("draft model", &mut drafter),
+            ("ngram", &mut ngram),
+            ("tree", &mut oracle),
+        ];
+        for (name, d) in drafters {
+            let out = run(
+                &target,
+                &req,
+                Some(Speculation {
+                    drafter: d,
+                    draft_tokens: 4,
+                    simulate_acceptance: None,
+                }),
+            );
+            assert_eq!(out.tokens, plain.tokens, "{name} {rules:?}");
+            let drafted = out.speculation.unwrap().drafted;
+            // Penalized output rarely repeats, so prompt lookup may find nothing to propose under one rule.
+            if name == "ngram" {
+                ngram_drafted += drafted;
+            } else {
+                assert!(drafted > 0, "{name}");
+            }
+        }
+    }
+    assert!(ngram_drafted > 0, "prompt lookup never drafted");
+    // A bias of +100 forces its token; a bad value is refused by name.
+    let mut req = request(&PROMPT, 6, SamplingParams::default());
+    req.logit_adjustments = Some(crate::sampling::LogitAdjustments {
+        logit_bias: vec![(77, 100.0)],
+        ..Default::default()
+    });
+    assert_eq!(run(&target, &req, None).tokens, vec![77; 6]);
+    req.logit_adjustments = Some(crate::sampling::LogitAdjustments {
+        frequency_penalty: -3.0,
+        ..Default::default()
+    });
+    let err = generate(
+        target.model.as_ref(),
+        &target.tokenizer,
+        &req,
+        None,
+        &Profiler::disabled(),
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("frequency_penalty"), "{err}");
 }

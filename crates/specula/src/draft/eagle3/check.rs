@@ -107,6 +107,7 @@ pub fn check_wiring(
                 stop_at_eos: true,
                 cancel: None,
                 logprobs: None,
+                logit_adjustments: None,
             };
             let out = generate(
                 target,

@@ -51,6 +51,7 @@ fn run(
         stop_at_eos: false,
         cancel: None,
         logprobs: None,
+        logit_adjustments: None,
     };
     generate(
         t.model.as_ref(),
@@ -787,6 +788,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
                         stop_at_eos: false,
                         cancel: None,
                         logprobs: None,
+                        logit_adjustments: None,
                     };
                     let d = Eagle3Drafter::new(&h, t.model.as_ref(), 7 + i as u64)
                         .unwrap()
@@ -837,6 +839,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
                     stop_at_eos: false,
                     cancel: None,
                     logprobs: None,
+                    logit_adjustments: None,
                 };
                 let plain = generate(
                     t.model.as_ref(),
@@ -866,6 +869,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
         stop_at_eos: false,
         cancel: None,
         logprobs: None,
+        logit_adjustments: None,
     };
     let mut gens: Vec<Generation<'_>> = [&long[..], &PROMPT[2..]]
         .iter()
@@ -944,6 +948,7 @@ fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
             stop_at_eos: false,
             cancel: None,
             logprobs: None,
+            logit_adjustments: None,
         };
         let d = Eagle3Drafter::new(&h, model, seed).unwrap();
         Generation::with_drafter(model, req, Box::new(d), 3).unwrap()

@@ -407,6 +407,7 @@ fn batched_self_distillation_equals_one_prompt_at_a_time() {
             stop_at_eos: true,
             cancel: None,
             logprobs: None,
+            logit_adjustments: None,
         };
         let answer = crate::decode::generate(
             t.model.as_ref(),

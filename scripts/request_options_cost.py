@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""What log-probabilities cost a server, side by side in one run (ABAB): a scored prompt (`echo` + `logprobs: 1`,
-max_tokens 1) against the same prompt plain, and a greedy 96-token completion with `logprobs: 5` against one
-without. The scored prompt bypasses the prefix cache; the plain one is sent with a unique prefix each time so
-neither is served from it.
+"""What per-request options cost a server, side by side in one run (ABAB): a scored prompt (`echo` +
+`logprobs: 1`, max_tokens 1) against the same prompt plain; a greedy 96-token completion with `logprobs: 5`
+against one without; and with penalties and a logit bias (`presence_penalty` 0.5, `frequency_penalty` 0.5,
+`repetition_penalty` 1.1, one biased token) against one without, compared as tokens per second (the penalized text
+differs; `ignore_eos` keeps both at 96 tokens). The scored prompt bypasses the prefix cache; the plain one is sent
+with a unique prefix each time so neither is served from it.
 
-    scripts/logprobs_cost.py http://127.0.0.1:8080 FILE [--rounds 2] [--chars 1800]
+    scripts/request_options_cost.py http://127.0.0.1:8080 FILE [--rounds 2] [--chars 1800]
 """
 import argparse
 import json
@@ -30,7 +32,8 @@ def main():
     args = ap.parse_args()
     text = open(args.file).read()[: args.chars]
     post(args.url, {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
-    prompt_plain, prompt_scored, gen_plain, gen_scored = [], [], [], []
+    prompt_plain, prompt_scored, gen_plain, gen_scored, gen_penalized = [], [], [], [], []
+    drafted = {}
     for r in range(args.rounds):
         v, t = post(args.url, {"prompt": f"# round {r}\n" + text, "max_tokens": 1, "temperature": 0})
         prompt_plain.append(t)
@@ -45,11 +48,19 @@ def main():
         b, t = post(args.url, dict(body, logprobs=5))
         gen_scored.append(t)
         assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        c, t = post(args.url, dict(body, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                                   logit_bias={"13": 1.0}))
+        gen_penalized.append(t)
+        for name, v in (("plain", a), ("penalized", c)):
+            spec = v["usage"].get("speculation", {})
+            drafted[name] = (spec.get("drafted", 0), spec.get("accepted", 0))
     best = min
     print(f"prompt of {tokens} tokens: plain {best(prompt_plain):.2f} s, scored {best(prompt_scored):.2f} s "
           f"({best(prompt_scored) / best(prompt_plain):.2f}x)")
     print(f"96 generated tokens: plain {best(gen_plain):.2f} s, logprobs=5 {best(gen_scored):.2f} s "
           f"({best(gen_scored) / best(gen_plain):.2f}x); same text")
+    print(f"96 generated tokens: plain {best(gen_plain):.2f} s, penalties + bias {best(gen_penalized):.2f} s "
+          f"({best(gen_penalized) / best(gen_plain):.2f}x); drafted/accepted (last round) {drafted}")
 
 
 if __name__ == "__main__":
