@@ -636,8 +636,11 @@ fn cycle_evidence(
     if step.catch_up_cycles > 0 {
         return (lag_before.saturating_sub(lag_after), None);
     }
-    // A draft first feeds what it lagged by beyond the draft's own tokens (as DraftBudget::choose counts it).
-    let fed = if step.drafted > 0 {
+    // A draft first feeds what it lagged by beyond the draft's own tokens (as DraftBudget::choose counts it),
+    // whether or not its confidence bar then let it propose anything: priced as a draft pass, a stopped draft's
+    // pass over a lag of several rows (undrafted steps' tokens) once set a CPU server's pass price at twice its
+    // cost, and the server never drafted again.
+    let fed = if step.draft_passes > 0 {
         lag_before.saturating_sub(limit.max(draft_room) + 1)
     } else {
         0
@@ -2242,6 +2245,8 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(cycle_evidence(4, &stopped, 1, 0, 4), (0, Some((4, 0, 0))));
+        // ... and when it stopped after feeding a lag, the lag beyond a draft's own rows is still a catch-up.
+        assert_eq!(cycle_evidence(1, &stopped, 9, 0, 3), (5, Some((1, 0, 0))));
     }
 
     #[test]
