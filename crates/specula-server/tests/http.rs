@@ -1682,6 +1682,21 @@ fn logprobs_come_back_in_openais_shapes_and_equal_the_librarys() {
     assert_eq!(&joined, lp);
     assert_eq!(chunks[0]["choices"][0]["text"], prompt);
 
+    // lm-evaluation-harness's loglikelihood request: a token-id prompt (in a list of one), echo, max_tokens 1,
+    // logprobs 1; it sums token_logprobs past the context and checks each token against its top alternative.
+    let (s, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": [ids.clone()], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": true}),
+    );
+    assert_eq!(s, 200, "{v}");
+    let harness = &v["choices"][0]["logprobs"];
+    assert_eq!(harness["tokens"].as_array().unwrap().len(), ids.len() + 1);
+    for (i, w) in lib.prompt_logprobs.iter().enumerate() {
+        let got = harness["token_logprobs"][i + 1].as_f64().unwrap();
+        assert!((got - f64::from(w.logprob)).abs() < 1e-6);
+    }
+
     // Without the echo, only the generated tokens; a stop sequence keeps the tokens whose text starts before it.
     let (s, v) = post(
         addr,
