@@ -373,14 +373,12 @@ struct Common {
     include_usage: bool,
     /// vLLM's extension: keep generating past end-of-turn tokens (benchmarks of fixed length).
     ignore_eos: bool,
-    /// Completions' `echo`: the prompt's text, sent before the completion.
-    echo: Option<String>,
+    /// Completions' `echo`: each prompt's text, sent before its completions.
+    echo: bool,
     /// Choices to generate (`n`): each its own engine request, with seed `seed + index`.
     n: usize,
     /// Log-probabilities to return (completions' `logprobs: N`, chat's `logprobs: true` and `top_logprobs`).
     logprobs: Option<LogprobsRequest>,
-    /// The prompt's tokens, when its log-probabilities are returned with the echo.
-    prompt_tokens: Vec<u32>,
     /// Penalties and logit bias (None when all are neutral).
     logit_adjustments: Option<LogitAdjustments>,
 }
@@ -548,10 +546,9 @@ fn common(
         stream,
         include_usage,
         ignore_eos,
-        echo: None,
+        echo: false,
         n: choices(state, o)?,
         logprobs: None,
-        prompt_tokens: Vec::new(),
         logit_adjustments,
     })
 }
@@ -825,14 +822,18 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
     Ok(())
 }
 
-/// The usage of a request's choices together: the prompt counted once (OpenAI's convention), the completions
-/// and speculative stats summed, each phase's time the longest choice's.
-fn usage_of(choices: &[Finished]) -> Value {
+/// The usage of a request's choices together (`n` a prompt, prompt by prompt): each prompt counted once (OpenAI's
+/// convention), the completions and speculative stats summed, each phase's time the longest choice's.
+fn usage_of(choices: &[Finished], n: usize) -> Value {
     let Some(first) = choices.first() else {
         return Value::Null;
     };
     let mut f = first.clone();
-    for c in &choices[1..] {
+    for (i, c) in choices.iter().enumerate().skip(1) {
+        if i % n.max(1) == 0 {
+            f.prompt_tokens += c.prompt_tokens;
+            f.cached_prompt_tokens += c.cached_prompt_tokens;
+        }
         f.completion_tokens += c.completion_tokens;
         f.drafted += c.drafted;
         f.accepted += c.accepted;
@@ -907,35 +908,41 @@ async fn completions_inner(
     check_key(&state, &headers)?;
     let o = parse_body(&body)?;
     refuse_unsupported(&o, Kind::Completion)?;
-    let input = parse_prompt(&state, &o)?;
+    let inputs = parse_prompt(&state, &o)?;
     let mut c = common(&state, &o, 16)?;
+    let most = MAX_CHOICES.min(state.engine.max_queue());
+    if inputs.len() * c.n > most {
+        return Err(ApiError::bad(
+            format!(
+                "{} prompts with n = {} ask for {} choices; at most {most} are answered in one request",
+                inputs.len(),
+                c.n,
+                inputs.len() * c.n
+            ),
+            Some("prompt"),
+        ));
+    }
     c.logprobs = logprobs_asked(&o, Kind::Completion)?;
-    let echo = match o.get("echo") {
+    c.echo = match o.get("echo") {
         None | Some(Value::Null) | Some(Value::Bool(false)) => false,
         Some(Value::Bool(true)) => true,
         Some(_) => return Err(ApiError::bad("echo must be a boolean", Some("echo"))),
     };
-    if echo {
+    if c.echo {
         // With the prompt echoed, its tokens' log-probabilities come too (what scoring harnesses read).
         if let Some(lp) = c.logprobs.as_mut() {
             lp.prompt = true;
         }
-        c.echo = Some(match &input {
-            Input::Prompt(p) => p.clone(),
-            Input::Tokens(t) => state
-                .engine
-                .tokenizer
-                .decode(t)
-                .map_err(|e| ApiError::bad(e.to_string(), Some("prompt")))?,
-            Input::Chat(_) => String::new(),
-        });
     }
-    run(state, input, c, Kind::Completion).await
+    run(state, inputs, c, Kind::Completion).await
 }
 
-/// A completion's `prompt`: a string, or a list of token ids (OpenAI's forms; a list holding one of either is
-/// that one). Several prompts in one request are refused: one request answers one prompt.
-fn parse_prompt(state: &AppState, o: &serde_json::Map<String, Value>) -> Result<Input, ApiError> {
+/// A completion's `prompt`: a string, a list of token ids, or a list of either (OpenAI's forms: several prompts
+/// in one request, each answered by `n` choices of its own, indexed prompt by prompt).
+fn parse_prompt(
+    state: &AppState,
+    o: &serde_json::Map<String, Value>,
+) -> Result<Vec<Input>, ApiError> {
     let bad = |m: String| ApiError::bad(m, Some("prompt"));
     let ids = |a: &[Value]| -> Result<Vec<u32>, ApiError> {
         a.iter()
@@ -956,28 +963,37 @@ fn parse_prompt(state: &AppState, o: &serde_json::Map<String, Value>) -> Result<
             })
             .collect()
     };
-    let input = match o.get("prompt") {
-        None | Some(Value::Null) => return Err(bad("prompt is required".into())),
-        Some(Value::String(s)) => Input::Prompt(s.clone()),
-        Some(Value::Array(a)) if a.iter().all(Value::is_number) => Input::Tokens(ids(a)?),
-        Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
-            Value::String(s) => Input::Prompt(s.clone()),
-            Value::Array(t) => Input::Tokens(ids(t)?),
-            _ => return Err(bad("prompt must be a string or a list of token ids".into())),
-        },
-        Some(Value::Array(a)) if a.len() > 1 && a.iter().all(|p| p.is_string() || p.is_array()) => {
-            return Err(bad(format!(
-                "prompt holds {} prompts; this server answers one prompt per request",
-                a.len()
-            )))
+    let one = |v: &Value| -> Result<Input, ApiError> {
+        match v {
+            Value::String(s) => Ok(Input::Prompt(s.clone())),
+            Value::Array(t) => Ok(Input::Tokens(ids(t)?)),
+            _ => Err(bad(
+                "each prompt must be a string or a list of token ids".into()
+            )),
         }
+    };
+    let inputs = match o.get("prompt") {
+        None | Some(Value::Null) => return Err(bad("prompt is required".into())),
+        Some(Value::String(s)) => vec![Input::Prompt(s.clone())],
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => vec![Input::Tokens(ids(a)?)],
+        Some(Value::Array(a)) => a.iter().map(one).collect::<Result<Vec<_>, _>>()?,
         Some(_) => return Err(bad("prompt must be a string or a list of token ids".into())),
     };
-    match &input {
-        Input::Prompt(p) if p.is_empty() => Err(bad("prompt is empty".into())),
-        Input::Tokens(t) if t.is_empty() => Err(bad("prompt is empty".into())),
-        _ => Ok(input),
+    for (i, input) in inputs.iter().enumerate() {
+        let empty = match input {
+            Input::Prompt(p) => p.is_empty(),
+            Input::Tokens(t) => t.is_empty(),
+            Input::Chat(_) => false,
+        };
+        if empty {
+            return Err(bad(if inputs.len() == 1 {
+                "prompt is empty".into()
+            } else {
+                format!("prompt {i} is empty")
+            }));
+        }
     }
+    Ok(inputs)
 }
 
 /// The request's `messages`: a non-empty list of {role, content} strings.
@@ -1056,7 +1072,7 @@ async fn chat_completions_inner(
     let messages = parse_messages(&o)?;
     let mut c = common(&state, &o, 256)?;
     c.logprobs = logprobs_asked(&o, Kind::Chat)?;
-    run(state, Input::Chat(messages), c, Kind::Chat).await
+    run(state, vec![Input::Chat(messages)], c, Kind::Chat).await
 }
 
 fn now() -> u64 {
@@ -1065,49 +1081,70 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// A prompt ready for the engine: its tokens, and its text when echoed.
+struct Prompt {
+    tokens: Vec<u32>,
+    echo: Option<String>,
+}
+
 async fn run(
     state: Arc<AppState>,
-    input: Input,
+    inputs: Vec<Input>,
     c: Common,
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let queued_at = std::time::Instant::now();
     // Tokenized here, on a blocking-task thread, not on the engine thread the device waits on between steps.
     let tokenizing = state.clone();
-    let tokens = tokio::task::spawn_blocking(move || {
-        tokenize_input(
-            &tokenizing.engine.tokenizer,
-            tokenizing.engine.chat_template.as_ref(),
-            &input,
-        )
+    let echo = c.echo;
+    let prompts = tokio::task::spawn_blocking(move || -> Result<Vec<Prompt>, ApiError> {
+        let tokenizer = &tokenizing.engine.tokenizer;
+        inputs
+            .into_iter()
+            .map(|input| {
+                let tokens =
+                    tokenize_input(tokenizer, tokenizing.engine.chat_template.as_ref(), &input)
+                        .map_err(|e| ApiError::bad(e, None))?;
+                if tokens.is_empty() {
+                    return Err(ApiError::bad("the prompt is empty", None));
+                }
+                let echo = match (echo, input) {
+                    (false, _) | (_, Input::Chat(_)) => None,
+                    (true, Input::Prompt(p)) => Some(p),
+                    (true, Input::Tokens(t)) => Some(
+                        tokenizer
+                            .decode(&t)
+                            .map_err(|e| ApiError::bad(e.to_string(), Some("prompt")))?,
+                    ),
+                };
+                Ok(Prompt { tokens, echo })
+            })
+            .collect()
     })
     .await
-    .map_err(|e| server_error(format!("tokenizing the prompt failed: {e}")))?
-    .map_err(|e| ApiError::bad(e, None))?;
-    if tokens.is_empty() {
-        return Err(ApiError::bad("the prompt is empty", None));
-    }
-    submit_and_answer(state, Input::Tokens(tokens), c, kind, queued_at).await
+    .map_err(|e| server_error(format!("tokenizing the prompt failed: {e}")))??;
+    submit_and_answer(state, prompts, c, kind, queued_at).await
 }
 
 async fn submit_and_answer(
     state: Arc<AppState>,
-    input: Input,
-    mut c: Common,
+    prompts: Vec<Prompt>,
+    c: Common,
     kind: Kind,
     queued_at: std::time::Instant,
 ) -> Result<Response, ApiError> {
-    // One engine request per choice, each with its own seed (the request's seed + its index), queued together;
-    // a client that leaves cancels them all.
+    // One engine request per choice (n a prompt, choice p * n + i being prompt p's i-th), each with its own seed
+    // (the request's seed + i), queued together; a client that leaves cancels them all.
     let cancel = Arc::new(AtomicBool::new(false));
-    let mut receivers = Vec::with_capacity(c.n);
-    let mut jobs = Vec::with_capacity(c.n);
-    for i in 0..c.n {
+    let total = prompts.len() * c.n;
+    let mut receivers = Vec::with_capacity(total);
+    let mut jobs = Vec::with_capacity(total);
+    for index in 0..total {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let mut sampling = c.sampling;
-        sampling.seed = sampling.seed.wrapping_add(i as u64);
+        sampling.seed = sampling.seed.wrapping_add((index % c.n) as u64);
         jobs.push(Job {
-            input: input.clone(),
+            input: Input::Tokens(prompts[index / c.n].tokens.clone()),
             max_tokens: c.max_tokens,
             sampling,
             stop: c.stop.clone(),
@@ -1119,9 +1156,6 @@ async fn submit_and_answer(
             queued_at,
         });
         receivers.push(rx);
-    }
-    if let (Input::Tokens(t), Some(true)) = (input, c.logprobs.map(|l| l.prompt)) {
-        c.prompt_tokens = t;
     }
     state.engine.submit_all(jobs).map_err(|e| match e {
         SubmitError::QueueFull => ApiError {
@@ -1163,12 +1197,13 @@ async fn submit_and_answer(
     let created = now();
     let model = state.engine.model_name.clone();
     if !c.stream {
-        let mut choices = Vec::with_capacity(c.n);
-        let mut finished_all = Vec::with_capacity(c.n);
+        let mut choices = Vec::with_capacity(total);
+        let mut finished_all = Vec::with_capacity(total);
         let tokenizer = &state.engine.tokenizer;
-        let echo_len = c.echo.as_ref().map_or(0, String::len);
         for (index, rx) in receivers.iter_mut().enumerate() {
-            let mut text = c.echo.clone().unwrap_or_default();
+            let prompt = &prompts[index / c.n];
+            let echo_len = prompt.echo.as_ref().map_or(0, String::len);
+            let mut text = prompt.echo.clone().unwrap_or_default();
             let mut prompt_logprobs = Vec::new();
             let mut scored: Vec<engine::ScoredToken> = Vec::new();
             let finished = loop {
@@ -1194,7 +1229,12 @@ async fn submit_and_answer(
             let logprobs = match (c.logprobs, kind) {
                 (None, _) => Value::Null,
                 (Some(_), Kind::Completion) => {
-                    let mut items = prompt_items(tokenizer, &c.prompt_tokens, &prompt_logprobs);
+                    let scored_prompt: &[u32] = if prompt_logprobs.is_empty() {
+                        &[]
+                    } else {
+                        &prompt.tokens
+                    };
+                    let mut items = prompt_items(tokenizer, scored_prompt, &prompt_logprobs);
                     items.extend(
                         scored
                             .iter()
@@ -1222,7 +1262,7 @@ async fn submit_and_answer(
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": usage_of(&finished_all),
+            "usage": usage_of(&finished_all, c.n),
         });
         return Ok(Json(body).into_response());
     }
@@ -1262,9 +1302,9 @@ async fn submit_and_answer(
         let leave = || cancel.store(true, std::sync::atomic::Ordering::Relaxed);
         // An echo with log-probabilities waits for the prompt's (they come before any text).
         let echo_scored = c.logprobs.is_some_and(|l| l.prompt);
-        let echo_len = c.echo.as_ref().map_or(0, String::len);
-        for index in 0..n {
-            let opening = match (kind, &c.echo) {
+        let echo_len = |index: usize| prompts[index / n].echo.as_ref().map_or(0, String::len);
+        for index in 0..total {
+            let opening = match (kind, &prompts[index / n].echo) {
                 (Kind::Chat, _) => Some(
                     json!({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}),
                 ),
@@ -1278,7 +1318,7 @@ async fn submit_and_answer(
                 return;
             }
         }
-        let mut finished_all: Vec<Option<Finished>> = vec![None; n];
+        let mut finished_all: Vec<Option<Finished>> = vec![None; total];
         while let Some((index, event)) = merged.recv().await {
             let out = match event {
                 Event::Text(t, tokens) => {
@@ -1296,7 +1336,11 @@ async fn submit_and_answer(
                                 let items: Vec<_> = tokens
                                     .iter()
                                     .map(|s| {
-                                        (s.logprob.token, Some(&s.logprob), echo_len + s.offset)
+                                        (
+                                            s.logprob.token,
+                                            Some(&s.logprob),
+                                            echo_len(index) + s.offset,
+                                        )
                                     })
                                     .collect();
                                 completion_logprobs(&tokenizer, &items)
@@ -1309,10 +1353,11 @@ async fn submit_and_answer(
                     chunk(choice, None)
                 }
                 Event::PromptLogprobs(p) => {
-                    let Some(echo) = c.echo.as_ref().filter(|_| echo_scored) else {
+                    let prompt = &prompts[index / n];
+                    let Some(echo) = prompt.echo.as_ref().filter(|_| echo_scored) else {
                         continue;
                     };
-                    let items = prompt_items(&tokenizer, &c.prompt_tokens, &p);
+                    let items = prompt_items(&tokenizer, &prompt.tokens, &p);
                     chunk(
                         json!({"index": index, "text": echo, "finish_reason": null,
                                "logprobs": completion_logprobs(&tokenizer, &items)}),
@@ -1336,7 +1381,7 @@ async fn submit_and_answer(
                     if finished_all.iter().all(Option::is_some) {
                         if c.include_usage {
                             let all: Vec<Finished> = finished_all.into_iter().flatten().collect();
-                            let _ = sse_tx.send(chunk(json!({}), Some(usage_of(&all))));
+                            let _ = sse_tx.send(chunk(json!({}), Some(usage_of(&all, n))));
                         }
                         let _ = sse_tx.send(SseEvent::default().data("[DONE]"));
                         return;

@@ -305,6 +305,49 @@ fn prompts_as_token_ids_content_parts_and_echo_answer_like_the_plain_forms() {
         assert_eq!(s, 200, "{prompt}: {v}");
         assert_eq!(v["choices"][0]["text"], want, "{prompt}");
     }
+    // Several prompts in one request (OpenAI's batch form), n choices each: choice p * n + i is prompt p's i-th,
+    // each the prompt's own answer; usage counts each prompt once. Streamed, the same choices by index.
+    let other = "the cat";
+    let want_other = expected(&reference, other, 12);
+    let batch =
+        json!({"prompt": [ids, other], "max_tokens": 12, "temperature": 0, "n": 2, "echo": true});
+    let (s, v) = post(addr, "/v1/completions", batch.clone());
+    assert_eq!(s, 200, "{v}");
+    let texts: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    let first = format!("{}{want}", reference.tokenizer.decode(&ids).unwrap());
+    let second = format!("{other}{want_other}");
+    assert_eq!(texts, [&first, &first, &second, &second]);
+    let indices: Vec<u64> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indices, [0, 1, 2, 3]);
+    let other_ids = reference.tokenizer.encode(other).unwrap();
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        (ids.len() + other_ids.len()) as u64,
+        "{}",
+        v["usage"]
+    );
+    let mut streamed = batch.clone();
+    streamed["stream"] = json!(true);
+    let (_, _, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        Some(&streamed.to_string()),
+        &[],
+    );
+    let (stream_texts, finishes, done, _) = sse_choices(&body, false);
+    assert!(done && finishes == 4, "{body}");
+    assert_eq!(stream_texts, texts);
     // echo: the prompt's text first, streamed or not.
     let (s, v) = post(
         addr,
@@ -572,16 +615,21 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
         "fill-in-the-middle",
     );
     refused(completion(json!({"echo": "yes"})), "echo", "boolean");
-    // Prompts: several in one request, ids outside the vocabulary, mixed lists, empty lists.
+    // Prompts: more choices than one request may hold, ids outside the vocabulary, mixed lists, empty lists.
     refused(
-        completion(json!({"prompt": ["a", "b"]})),
+        completion(json!({"prompt": ["a", "b", "c"], "n": 3})),
         "prompt",
-        "holds 2 prompts",
+        "3 prompts with n = 3 ask for 9 choices; at most 8",
     );
     refused(
-        completion(json!({"prompt": [[1, 2], [3]]})),
+        completion(json!({"prompt": [[1, 2], []]})),
         "prompt",
-        "holds 2 prompts",
+        "prompt 1 is empty",
+    );
+    refused(
+        completion(json!({"prompt": ["a", 5]})),
+        "prompt",
+        "each prompt must be a string or a list of token ids",
     );
     refused(
         completion(json!({"prompt": [1, 99999]})),

@@ -71,6 +71,11 @@ lp = echoed.choices[0].logprobs
 assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:]), lp
 assert len(lp.tokens) == len(lp.text_offset) == len(lp.top_logprobs) == echoed.usage.prompt_tokens + \
     echoed.usage.completion_tokens, lp
+# Several prompts in one request: a choice per prompt, in order, each what the prompt alone answers.
+batch = client.completions.create(model=model, prompt=["hello world", "hi there"], max_tokens=12, temperature=0)
+assert [c.index for c in batch.choices] == [0, 1], batch
+assert batch.choices[0].text == done.choices[0].text, (batch, done)
+
 # Penalties and a bias are honoured: banning the greedy answer's first token changes the answer.
 def tokenize(text):
     req = urllib.request.Request(base + "/tokenize", data=json.dumps({"prompt": text}).encode(),
