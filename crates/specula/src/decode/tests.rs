@@ -1589,26 +1589,33 @@ fn draft_model_rounds_draft_what_each_request_drafts_alone() {
     }
 }
 
-/// Log-probabilities are the target's log-softmax at each position: the generated tokens' and the prompt's match
-/// one reference pass over the whole sequence, and speculation (a draft model, prompt lookup, a tree) reports
-/// bitwise what plain decoding does, greedy or sampled, since every row is computed as it would be alone.
-#[test]
-fn logprobs_are_the_targets_and_speculation_does_not_change_them() {
-    let dir = tempfile::tempdir().unwrap();
+/// A tiny target with an untied LM head, and the same weights in 4 bits as its draft model (agreeing often, not
+/// always).
+fn target_and_close_draft(dir: &std::path::Path) -> (LoadedModel, LoadedModel) {
     let spec = TinySpec {
         seed: 3,
         untied_head: true,
         ..Default::default()
     };
-    let target = tiny(dir.path(), "t.gguf", spec.clone());
+    let target = tiny(dir, "t.gguf", spec.clone());
     let close = tiny(
-        dir.path(),
+        dir,
         "c.gguf",
         TinySpec {
             weight_type: GgmlType::Q4_0,
             ..spec
         },
     );
+    (target, close)
+}
+
+/// Log-probabilities are the target's log-softmax at each position: the generated tokens' and the prompt's match
+/// one reference pass over the whole sequence, and speculation (a draft model, prompt lookup, a tree) reports
+/// bitwise what plain decoding does, greedy or sampled, since every row is computed as it would be alone.
+#[test]
+fn logprobs_are_the_targets_and_speculation_does_not_change_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (target, close) = target_and_close_draft(dir.path());
     // A prompt longer than one scored chunk, so the prompt's rows come from several passes.
     let prompt: Vec<u32> = (0..super::PROMPT_LOGPROBS_CHUNK + 9)
         .map(|i| PROMPT[i % PROMPT.len()] + (i / PROMPT.len()) as u32)
@@ -1799,20 +1806,7 @@ fn adjusted_reference(
 #[test]
 fn penalties_and_bias_shape_greedy_output_and_speculation_keeps_it() {
     let dir = tempfile::tempdir().unwrap();
-    let spec = TinySpec {
-        seed: 3,
-        untied_head: true,
-        ..Default::default()
-    };
-    let target = tiny(dir.path(), "t.gguf", spec.clone());
-    let close = tiny(
-        dir.path(),
-        "c.gguf",
-        TinySpec {
-            weight_type: GgmlType::Q4_0,
-            ..spec
-        },
-    );
+    let (target, close) = target_and_close_draft(dir.path());
     let n = 40;
     let unadjusted = run(
         &target,
