@@ -673,7 +673,8 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
         speculation,
         &prof,
         &mut |piece| {
-            if !quiet {
+            // A token whose character is not whole yet comes with no text: nothing to write or flush.
+            if !quiet && !piece.is_empty() {
                 let _ = out.write_all(piece.as_bytes());
                 let _ = out.flush();
             }
