@@ -90,6 +90,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
         });
     }
     checks.extend(batch_invariance_checks(model, &tokens)?);
+    checks.extend(request_options_checks(model, &loaded.tokenizer, &tokens)?);
     let on_gpu = model.device() != "cpu";
     let mut cpu_tokens = None;
     // Quantized checkpoints: the CPU's quantized kernels round activations to 8 bits, so they are not a
@@ -530,6 +531,172 @@ fn bitwise(name: &str, a: &[f32], b: &[f32]) -> Check {
             format!("{differ} of {} values differ", a.len())
         },
     }
+}
+
+/// The server's request options on this device: log-probabilities equal those of one pass over prompt and output,
+/// penalties and logit bias equal a token-at-a-time reference applying the rules by hand, and speculation (the
+/// model drafting for itself, which drafts the unadjusted tokens) changes neither the tokens nor the
+/// log-probabilities, bit for bit.
+fn request_options_checks(
+    model: &dyn Model,
+    tokenizer: &specula::tokenizer::Tokenizer,
+    tokens: &[u32],
+) -> anyhow::Result<Vec<Check>> {
+    use specula::decode::LogprobsRequest;
+    use specula::sampling::{token_logprob, LogitAdjustments};
+    let n = 16;
+    let top = 4;
+    let request = |logprobs, rules| GenerateRequest {
+        prompt_tokens: tokens.to_vec(),
+        max_new_tokens: n,
+        sampling: SamplingParams::default(),
+        stop_at_eos: false,
+        cancel: None,
+        logprobs,
+        logit_adjustments: rules,
+    };
+    let run = |req: &GenerateRequest, self_draft: bool| -> anyhow::Result<_> {
+        let mut drafter = specula::draft::model::ModelDrafter::new(model, 0)?;
+        let speculation = self_draft.then_some(specula::decode::Speculation {
+            drafter: &mut drafter,
+            draft_tokens: 3,
+            simulate_acceptance: None,
+        });
+        Ok(generate(
+            model,
+            tokenizer,
+            req,
+            speculation,
+            &Profiler::disabled(),
+            &mut |_| {},
+        )?)
+    };
+    let mut checks = Vec::new();
+
+    let req = request(Some(LogprobsRequest { top, prompt: true }), None);
+    let plain = run(&req, false)?;
+    let mut all = tokens.to_vec();
+    all.extend(&plain.tokens);
+    let reference = forward(model, &all, None, LogitsFor::All)?;
+    let reported: Vec<_> = plain
+        .prompt_logprobs
+        .iter()
+        .chain(&plain.logprobs)
+        .collect();
+    let mut worst = 0f32;
+    let mut wrong = Vec::new();
+    for (i, lp) in reported.iter().enumerate() {
+        // Entry i is token i + 1 of the sequence, scored by row i.
+        let want = token_logprob(reference.logits.row(i), all[i + 1], top);
+        worst = worst.max((lp.logprob - want.logprob).abs());
+        let same_top = lp.top.iter().map(|t| t.0).eq(want.top.iter().map(|t| t.0));
+        if lp.token != all[i + 1] || !same_top {
+            wrong.push(i);
+        }
+    }
+    checks.push(Check {
+        name: "log-probabilities = one pass's log-softmax".into(),
+        passed: reported.len() == all.len() - 1 && wrong.is_empty() && worst <= 1e-3,
+        detail: format!(
+            "{} positions (prompt and output), largest difference {worst:.1e} (tolerance 1e-3), token or top-{top} \
+             differ at {wrong:?}",
+            reported.len()
+        ),
+    });
+    let drafted = run(&req, true)?;
+    let lp_bits = |o: &specula::decode::GenerateOutput| -> Vec<u32> {
+        o.prompt_logprobs
+            .iter()
+            .chain(&o.logprobs)
+            .flat_map(|lp| {
+                std::iter::once(lp.logprob.to_bits()).chain(lp.top.iter().map(|t| t.1.to_bits()))
+            })
+            .collect()
+    };
+    let accepted = drafted.speculation.as_ref().map_or(0, |s| s.accepted);
+    checks.push(Check {
+        name: "log-probabilities with speculation = plain".into(),
+        passed: drafted.tokens == plain.tokens && lp_bits(&drafted) == lp_bits(&plain) && accepted > 0,
+        detail: format!(
+            "self-drafted, {accepted} draft tokens accepted; tokens {}, log-probabilities bitwise {}",
+            if drafted.tokens == plain.tokens { "equal" } else { "DIFFER" },
+            if lp_bits(&drafted) == lp_bits(&plain) { "equal" } else { "DIFFER" },
+        ),
+    });
+
+    // The rules by hand: bias, then vLLM's repetition penalty over prompt and output, then presence and frequency
+    // over the output.
+    let rules = LogitAdjustments {
+        presence_penalty: 0.5,
+        frequency_penalty: 0.4,
+        repetition_penalty: 1.3,
+        logit_bias: vec![(plain.tokens[0], -100.0)],
+    };
+    let mut cache = model.new_cache(tokens.len() + n + 8)?;
+    let mut expected = Vec::new();
+    let mut feed = tokens.to_vec();
+    for _ in 0..n {
+        let out = forward(model, &feed, Some(cache.as_mut()), LogitsFor::Last)?;
+        let mut row = out.logits.row(out.logits.rows - 1).to_vec();
+        for (t, l) in row.iter_mut().enumerate() {
+            let t = t as u32;
+            if let Some(&(_, b)) = rules.logit_bias.iter().find(|(b, _)| *b == t) {
+                *l += b;
+            }
+            let count = expected.iter().filter(|&&o| o == t).count();
+            if tokens.contains(&t) || count > 0 {
+                *l = if *l > 0.0 {
+                    *l / rules.repetition_penalty
+                } else {
+                    *l * rules.repetition_penalty
+                };
+            }
+            if count > 0 {
+                *l -= rules.frequency_penalty * count as f32 + rules.presence_penalty;
+            }
+        }
+        let next = specula::sampling::argmax(&row);
+        expected.push(next);
+        feed = vec![next];
+    }
+    let req = request(None, Some(rules));
+    let (adjusted, adjusted_drafted) = (run(&req, false)?, run(&req, true)?);
+    let agree = adjusted
+        .tokens
+        .iter()
+        .zip(&expected)
+        .take_while(|(a, b)| a == b)
+        .count();
+    checks.push(Check {
+        name: "penalties and logit bias = a reference by hand".into(),
+        // Where a random model's logits are spread wider than the largest bias (100), the rules may leave the
+        // output as it was: then the reference agreeing says less, and the detail says so.
+        passed: adjusted.tokens == expected,
+        detail: format!(
+            "first {agree} of {n} greedy tokens agree; {}",
+            if expected != plain.tokens {
+                "the rules change the output"
+            } else {
+                "the rules leave this model's output unchanged (its logits span more than the bias)"
+            }
+        ),
+    });
+    checks.push(Check {
+        name: "penalties with speculation = plain".into(),
+        passed: adjusted_drafted.tokens == adjusted.tokens,
+        detail: format!(
+            "self-drafted ({} of {} draft tokens accepted)",
+            adjusted_drafted
+                .speculation
+                .as_ref()
+                .map_or(0, |s| s.accepted),
+            adjusted_drafted
+                .speculation
+                .as_ref()
+                .map_or(0, |s| s.drafted),
+        ),
+    });
+    Ok(checks)
 }
 
 /// A verify pass equals single steps; a tree equals its branches; a batch equals each sequence alone; columns

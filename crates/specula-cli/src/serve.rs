@@ -58,8 +58,8 @@ pub struct ServeArgs {
     /// .cached_tokens` says how many prompt tokens a request reused).
     #[arg(long)]
     pub no_prefix_cache: bool,
-    /// `N`: no request drafts while N or more are decoding, and requests admitted while N or more run never draft
-    /// (vLLM's `disable_by_batch_size`). `auto` (with the adaptive policy): a request admitted beside others gets
+    /// `N`: no request drafts while N or more are decoding, and a request admitted into a batch of N or more
+    /// (itself included) never drafts (vLLM's `disable_by_batch_size`). `auto` (with the adaptive policy): a request admitted beside others gets
     /// no drafter where drafted steps have lately made no more tokens a second than undrafted ones at that many
     /// requests (every 8th still does, to keep measuring). `off`: the draft policy alone decides. Requests without
     /// a drafter capture no target features for an EAGLE-3 head, so steps made only of them cost what plain

@@ -1073,8 +1073,9 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
     }
 }
 
-/// `--spec-disable-batch-size 1`: a request admitted while another runs gets no drafter (no cycles at all), the
-/// one admitted alone keeps its head but drafts nothing while anything decodes; both answer as plain decoding.
+/// `--spec-disable-batch-size 2`: a request admitted while another runs joins a batch of 2, so it gets no drafter
+/// (no cycles at all) and answers as plain decoding; the one admitted alone keeps its head. With a cap of 1 even
+/// a lone request joins a batch at the cap: no drafter.
 #[test]
 fn requests_admitted_past_the_disabling_batch_size_get_no_drafter() {
     use specula::draft::eagle3::Eagle3Head;
@@ -1111,7 +1112,7 @@ fn requests_admitted_past_the_disabling_batch_size_get_no_drafter() {
         ),
         None,
         EngineOptions {
-            spec_disable_batch_size: Some(1),
+            spec_disable_batch_size: Some(2),
             ..queue(8)
         },
     );
@@ -1134,8 +1135,8 @@ fn requests_admitted_past_the_disabling_batch_size_get_no_drafter() {
     let (s, a) = a.join().unwrap();
     assert_eq!(s, 200, "{a}");
     let spec = &a["usage"]["speculation"];
+    // It kept its drafter (whether the budget lets a random head draft depends on timing).
     assert!(spec["cycles"].as_u64().unwrap() > 0, "{a}");
-    assert_eq!(spec["drafted"], 0, "{a}");
 }
 
 /// Reads one sample of the Prometheus text exposition (a parser, not a substring match).
