@@ -624,41 +624,14 @@ fn request_options_checks(
         ),
     });
 
-    // The rules by hand: bias, then vLLM's repetition penalty over prompt and output, then presence and frequency
-    // over the output.
+    // The rules by hand, one forward pass a token.
     let rules = LogitAdjustments {
         presence_penalty: 0.5,
         frequency_penalty: 0.4,
         repetition_penalty: 1.3,
         logit_bias: vec![(plain.tokens[0], -100.0)],
     };
-    let mut cache = model.new_cache(tokens.len() + n + 8)?;
-    let mut expected = Vec::new();
-    let mut feed = tokens.to_vec();
-    for _ in 0..n {
-        let out = forward(model, &feed, Some(cache.as_mut()), LogitsFor::Last)?;
-        let mut row = out.logits.row(out.logits.rows - 1).to_vec();
-        for (t, l) in row.iter_mut().enumerate() {
-            let t = t as u32;
-            if let Some(&(_, b)) = rules.logit_bias.iter().find(|(b, _)| *b == t) {
-                *l += b;
-            }
-            let count = expected.iter().filter(|&&o| o == t).count();
-            if tokens.contains(&t) || count > 0 {
-                *l = if *l > 0.0 {
-                    *l / rules.repetition_penalty
-                } else {
-                    *l * rules.repetition_penalty
-                };
-            }
-            if count > 0 {
-                *l -= rules.frequency_penalty * count as f32 + rules.presence_penalty;
-            }
-        }
-        let next = specula::sampling::argmax(&row);
-        expected.push(next);
-        feed = vec![next];
-    }
+    let expected = specula::testing::adjusted_greedy_reference(model, tokens, n, &rules)?;
     let req = request(None, Some(rules));
     let (adjusted, adjusted_drafted) = (run(&req, false)?, run(&req, true)?);
     let agree = adjusted

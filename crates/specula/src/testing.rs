@@ -688,3 +688,54 @@ pub fn run_alone_to_end(
     g.finish_keeping_prefix(&model.tokenizer, &mut |_| {})
         .unwrap()
 }
+
+/// The greedy output under penalties and a bias by a plain reference loop (tests and `specula selftest`): one
+/// forward pass a token, the rules applied to the last row by their definitions (bias, then the repetition
+/// penalty over prompt and output, then presence and frequency over the output; a per-token reading, not the
+/// library's `LogitAdjustments::apply`), the argmax taken.
+pub fn adjusted_greedy_reference(
+    model: &dyn crate::model::Model,
+    prompt: &[u32],
+    n: usize,
+    rules: &crate::sampling::LogitAdjustments,
+) -> crate::Result<Vec<u32>> {
+    let mut cache = model.new_cache(prompt.len() + n + 1)?;
+    let mut out: Vec<u32> = Vec::new();
+    let mut feed = prompt.to_vec();
+    for _ in 0..n {
+        let h = model
+            .forward_one(
+                &feed,
+                cache.as_mut(),
+                &crate::model::ForwardOptions::default(),
+                crate::model::LogitsFor::Last,
+                &crate::profile::Profiler::disabled(),
+            )?
+            .to_host()?;
+        let mut row = h.last().to_vec();
+        for (t, l) in row.iter_mut().enumerate() {
+            let t = t as u32;
+            *l += rules
+                .logit_bias
+                .iter()
+                .filter(|(b, _)| *b == t)
+                .map(|(_, v)| v)
+                .sum::<f32>();
+            let count = out.iter().filter(|&&o| o == t).count();
+            if prompt.contains(&t) || count > 0 {
+                *l = if *l > 0.0 {
+                    *l / rules.repetition_penalty
+                } else {
+                    *l * rules.repetition_penalty
+                };
+            }
+            if count > 0 {
+                *l -= rules.frequency_penalty * count as f32 + rules.presence_penalty;
+            }
+        }
+        let next = crate::sampling::argmax(&row);
+        out.push(next);
+        feed = vec![next];
+    }
+    Ok(out)
+}

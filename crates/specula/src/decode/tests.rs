@@ -1755,52 +1755,6 @@ fn logprobs_are_the_targets_and_speculation_does_not_change_them() {
     assert!(err.contains("alternative log-probabilities"), "{err}");
 }
 
-/// The greedy output under penalties and a bias, by a plain reference loop: one forward pass a token, the rules
-/// applied to the last row by their definitions (a per-token reading, not the library's), the argmax taken.
-fn adjusted_reference(
-    target: &LoadedModel,
-    prompt: &[u32],
-    n: usize,
-    rules: &crate::sampling::LogitAdjustments,
-) -> Vec<u32> {
-    let mut cache = crate::testing::full_cache(target.model.as_ref());
-    let mut out = Vec::new();
-    let mut feed = prompt.to_vec();
-    for _ in 0..n {
-        let h = crate::testing::forward_host(
-            target.model.as_ref(),
-            &feed,
-            cache.as_mut(),
-            LogitsFor::Last,
-        );
-        let mut row = h.last().to_vec();
-        for (t, l) in row.iter_mut().enumerate() {
-            let t = t as u32;
-            *l += rules
-                .logit_bias
-                .iter()
-                .filter(|(b, _)| *b == t)
-                .map(|(_, v)| v)
-                .sum::<f32>();
-            let count = out.iter().filter(|&&o| o == t).count();
-            if prompt.contains(&t) || count > 0 {
-                *l = if *l > 0.0 {
-                    *l / rules.repetition_penalty
-                } else {
-                    *l * rules.repetition_penalty
-                };
-            }
-            if count > 0 {
-                *l -= rules.frequency_penalty * count as f32 + rules.presence_penalty;
-            }
-        }
-        let next = crate::sampling::argmax(&row);
-        out.push(next);
-        feed = vec![next];
-    }
-    out
-}
-
 /// Greedy decoding with penalties and a bias follows the reference loop, differs from the unadjusted output (the
 /// rules did something), and every drafter (a draft model, prompt lookup, a tree) keeps it token for token.
 #[test]
@@ -1837,7 +1791,8 @@ fn penalties_and_bias_shape_greedy_output_and_speculation_keeps_it() {
         let plain = run(&target, &req, None);
         assert_eq!(
             plain.tokens,
-            adjusted_reference(&target, &PROMPT, n, &rules),
+            crate::testing::adjusted_greedy_reference(target.model.as_ref(), &PROMPT, n, &rules)
+                .unwrap(),
             "{rules:?}"
         );
         assert_ne!(plain.tokens, unadjusted, "{rules:?} changed nothing");
