@@ -15,13 +15,14 @@ port=8600
 # registry's, under MODELDIR/heads), head passes shared across requests; eagle3-alone drafts each request's
 # passes one after the other (SPECULA_SHARED_HEAD=0); eagle3-cap8 adds `--spec-disable-batch-size 8`, and
 # eagle3-count-cap judges the automatic cap count by count (SPECULA_AUTO_CAP_NEIGHBOURS=0, session 33's rule) where
-# eagle3 uses the neighbour rule of session 34. For the cap's A/B: CONFIGS="plain eagle3 eagle3-count-cap
+# eagle3 uses the neighbour rule of session 34; eagle3-keep keeps idle drafters (SPECULA_IDLE_DRAFTERS=keep: no
+# release, no cap for mostly idle counts, as until session 37). For the cap's A/B: CONFIGS="plain eagle3 eagle3-count-cap
 # eagle3-cap8 plain eagle3" LEVELS=1,2,4,8,16 REQUESTS=128 (about 6 minutes).
 head=${HEAD:-qwen2.5-coder-1.5b-eagle3}
 e3="--draft eagle3 --draft-model $head --draft-tokens 3 --draft-confidence 0"
 declare -A flags_of=([plain]="" [ngram]="--draft ngram" [model]="--draft-model qwen2.5-coder-0.5b"
                      [eagle3]="$e3" [eagle3-alone]="$e3" [eagle3-cap8]="$e3 --spec-disable-batch-size 8"
-                     [eagle3-count-cap]="$e3")
+                     [eagle3-count-cap]="$e3" [eagle3-keep]="$e3")
 run=0
 for name in ${CONFIGS:-plain ngram model}; do
     run=$((run + 1))
@@ -31,9 +32,10 @@ for name in ${CONFIGS:-plain ngram model}; do
     # shellcheck disable=SC2086
     shared=1; [ "$name" = eagle3-alone ] && shared=0
     neighbours=1; [ "$name" = eagle3-count-cap ] && neighbours=0
+    idle=release; [ "$name" = eagle3-keep ] && idle=keep
     # A config named twice (an ABA order) keeps each run's files apart.
     [ -e "$out/serve-$name.log" ] && name="$name.$run"
-    SPECULA_AUTO_CAP_NEIGHBOURS=$neighbours SPECULA_SHARED_HEAD=$shared "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags \
+    SPECULA_IDLE_DRAFTERS=$idle SPECULA_AUTO_CAP_NEIGHBOURS=$neighbours SPECULA_SHARED_HEAD=$shared "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags \
         > "$out/serve-$name.log" 2>&1 &
     pid=$!
     for _ in $(seq 120); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 1; done
@@ -42,6 +44,6 @@ for name in ${CONFIGS:-plain ngram model}; do
     timeout 240 "$bin" bench-serve --url "http://127.0.0.1:$port" --prompts "$prompts" --ignore-eos -n 128 \
         --requests "${REQUESTS:-32}" --concurrency "${LEVELS:-1,2,4,8,16,32}" --quiet --json "$out/bench-serve-$name.json" 2>&1
     curl -s "localhost:$port/metrics" > "$out/metrics-$name.txt"
-    grep -E "^specula:spec_decode_num_(draft|accepted)_tokens |^specula:step_batch_size_(sum|count)|^specula:spec_decode_admitted_without_drafter " "$out/metrics-$name.txt"
+    grep -E "^specula:spec_decode_num_(draft|accepted)_tokens |^specula:step_batch_size_(sum|count)|^specula:spec_decode_(admitted_without_drafter|released_drafters) " "$out/metrics-$name.txt"
     kill "$pid"; wait "$pid" 2>/dev/null
 done

@@ -668,6 +668,9 @@ struct Running<'a> {
     /// shared with the requests batched with it.
     phase_seconds: [f64; Phase::ALL.len()],
     steps: usize,
+    /// Decoding steps in a row, beside other decoding requests, in which its drafter was allowed no draft
+    /// ([`EngineLoop::release_idle_drafters`]).
+    idle_steps: u32,
 }
 
 impl Running<'_> {
@@ -675,7 +678,7 @@ impl Running<'_> {
     fn is_drafting(&self) -> bool {
         !self.generation.is_done()
             && !self.generation.is_prefilling()
-            && self.generation.speculation().is_some()
+            && self.generation.has_drafter()
     }
 }
 
@@ -1269,6 +1272,7 @@ impl<'a> EngineLoop<'a> {
             last_token_at: None,
             phase_seconds: [0.0; Phase::ALL.len()],
             steps: 0,
+            idle_steps: 0,
         })
     }
 
@@ -1301,6 +1305,7 @@ impl<'a> EngineLoop<'a> {
             None => self.choose_draft_limits(running, &lags),
         };
         let plan_s = plan_start.elapsed().as_secs_f64();
+        self.release_idle_drafters(running, &limits, baseline_probe);
         let spec_before: Vec<SpecCounts> = running
             .iter()
             .map(|r| SpecCounts::of(&r.generation).unwrap_or_default())
@@ -1472,6 +1477,54 @@ impl<'a> EngineLoop<'a> {
             self.settle_carried();
         }
         results
+    }
+
+    /// Takes their drafters from requests that were allowed no draft in [`RELEASE_IDLE_DRAFTER_AFTER`] decoding
+    /// steps in a row beside other requests, where an idle drafter costs every step (an EAGLE-3 head: each
+    /// target pass captures hidden states for it and feeds them): a batch whose drafters are all gone steps at
+    /// plain decoding's cost. On an H200 at 8-16 streams the budget allowed no draft in 92% of such requests'
+    /// steps, yet every step captured and fed (session 36: 0.93-0.96x plain). Steps that prefill a prompt and
+    /// the budget's baseline probes (undrafted on purpose) neither count nor reset a request's run. The step's
+    /// share of drafting requests allowed a draft is also what the automatic cap admits by
+    /// ([`DraftPayoff::observe_allowance`]).
+    fn release_idle_drafters(
+        &self,
+        running: &mut [Running<'a>],
+        limits: &[Option<usize>],
+        baseline_probe: bool,
+    ) {
+        let decoding = running
+            .iter()
+            .filter(|r| !r.generation.is_done() && !r.generation.is_prefilling())
+            .count();
+        let prefilling = running
+            .iter()
+            .any(|r| !r.generation.is_done() && r.generation.is_prefilling());
+        let candidates = limits.iter().flatten().count();
+        if baseline_probe || prefilling || decoding < 2 || candidates == 0 {
+            return;
+        }
+        if !self.payoff.borrow().idle_rule {
+            return;
+        }
+        let allowed = limits.iter().flatten().filter(|&&k| k > 0).count();
+        self.payoff
+            .borrow_mut()
+            .observe_allowance(decoding, allowed as f64 / candidates as f64);
+        for (r, limit) in running.iter_mut().zip(limits) {
+            match limit {
+                Some(0) => r.idle_steps += 1,
+                Some(_) => r.idle_steps = 0,
+                None => continue,
+            }
+            if r.idle_steps >= RELEASE_IDLE_DRAFTER_AFTER
+                && r.generation.drafter_costs_idle_steps()
+                && r.generation.release_drafter()
+            {
+                // The budget forgets it when it leaves, as every request.
+                self.metrics.released_drafters.inc();
+            }
+        }
     }
 
     /// Graphs the EAGLE-3 head has captured so far (0 without a head, or on the CPU).
@@ -2029,19 +2082,26 @@ impl<'a> EngineLoop<'a> {
 pub struct DraftPayoff {
     /// Index: requests in the step; [undrafted, drafted]: decayed (tokens, seconds, steps).
     by_requests: Vec<[(f64, f64, f64); 2]>,
+    /// Index: decoding requests in the step; decayed (share of its drafting requests allowed a draft, steps).
+    allowed_by_requests: Vec<(f64, f64)>,
     capped_admissions: u64,
     /// Whether a count short of evidence is judged from its neighbours ([`Self::judged`]);
     /// `SPECULA_AUTO_CAP_NEIGHBOURS=0` judges each count on its own evidence only (session 33's rule), to compare.
     from_neighbours: bool,
+    /// Whether idle drafters are released and mostly idle counts capped (`SPECULA_IDLE_DRAFTERS=keep` keeps
+    /// them, as until session 37, to compare).
+    pub idle_rule: bool,
 }
 
 impl Default for DraftPayoff {
     fn default() -> Self {
         DraftPayoff {
             by_requests: Vec::new(),
+            allowed_by_requests: Vec::new(),
             capped_admissions: 0,
             from_neighbours: std::env::var("SPECULA_AUTO_CAP_NEIGHBOURS")
                 .map_or(true, |v| v != "0"),
+            idle_rule: std::env::var("SPECULA_IDLE_DRAFTERS").map_or(true, |v| v != "keep"),
         }
     }
 }
@@ -2059,6 +2119,10 @@ impl DraftPayoff {
     /// draft too.
     const MARGIN: f64 = 0.02;
     pub const PROBE_EVERY: u64 = 8;
+    /// Below this share of their steps allowed a draft, drafters at a count are judged mostly idle: what the
+    /// few drafted steps gain (a third more tokens for a step that costs a little more, at best, under load) no
+    /// longer covers what an idle head costs each step (a few percent: its captures and feeds).
+    const IDLE_SHARE: f64 = 0.25;
 
     pub fn observe(&mut self, requests: usize, drafted: bool, tokens: usize, seconds: f64) {
         if requests == 0 || !seconds.is_finite() || seconds <= 0.0 {
@@ -2076,6 +2140,46 @@ impl DraftPayoff {
         e.0 = e.0 * Self::KEPT + tokens as f64;
         e.1 = e.1 * Self::KEPT + seconds;
         e.2 = e.2 * Self::KEPT + 1.0;
+    }
+
+    /// A decoding step of `requests` requests (beside each other, none prefilling) in which `share` of the
+    /// requests with drafters were allowed a draft by the budget.
+    pub fn observe_allowance(&mut self, requests: usize, share: f64) {
+        if requests == 0 || !share.is_finite() {
+            return;
+        }
+        if self.allowed_by_requests.len() <= requests {
+            self.allowed_by_requests
+                .resize(requests + 1, Default::default());
+        }
+        let e = &mut self.allowed_by_requests[requests];
+        e.0 = e.0 * Self::KEPT + share.clamp(0.0, 1.0);
+        e.1 = e.1 * Self::KEPT + 1.0;
+    }
+
+    /// Whether drafters were mostly idle at `requests` (allowed a draft in under [`Self::IDLE_SHARE`] of their
+    /// steps), from the counts within a quarter of it (their shares pooled, weighted by steps; at least
+    /// MIN_STEPS), else from the nearest smaller count judged idle (a drafted row costs more of a pass the
+    /// more requests share it, so the budget allows fewer). None without evidence.
+    pub fn mostly_idle(&self, requests: usize) -> Option<bool> {
+        if !self.idle_rule {
+            return None;
+        }
+        let near = |n: usize| {
+            let spread = n / 4;
+            let (mut share, mut steps) = (0.0, 0.0);
+            for m in n.saturating_sub(spread).max(1)..=n + spread {
+                if let Some(&(s, w)) = self.allowed_by_requests.get(m) {
+                    share += s;
+                    steps += w;
+                }
+            }
+            (steps >= Self::MIN_STEPS).then(|| share / steps < Self::IDLE_SHARE)
+        };
+        if let Some(idle) = near(requests) {
+            return Some(idle);
+        }
+        (1..requests).rev().find_map(near).filter(|&idle| idle)
     }
 
     /// Drafted steps' tokens a second over undrafted ones' at `requests`, and the steps behind it (the fewer of
@@ -2133,15 +2237,22 @@ impl DraftPayoff {
     }
 
     /// Whether a request admitted beside `running` others gets a drafter: alone always; beside others unless
-    /// drafting measured no gain at that many requests ([`Self::judged`]; then every `PROBE_EVERY`-th).
+    /// drafting measured no gain at that many requests ([`Self::judged`]) or drafters there were mostly idle
+    /// ([`Self::mostly_idle`]); then every `PROBE_EVERY`-th still does.
     pub fn admits_drafter(&mut self, running: usize) -> bool {
-        if running == 0 || self.judged(running + 1) != Some(false) {
+        let n = running + 1;
+        if running == 0 || (self.judged(n) != Some(false) && self.mostly_idle(n) != Some(true)) {
             return true;
         }
         self.capped_admissions += 1;
         self.capped_admissions.is_multiple_of(Self::PROBE_EVERY)
     }
 }
+
+/// Decoding steps in a row beside other requests with no draft allowed before a drafter that costs idle steps is
+/// released: long enough that one step's refusal (a burst of prompts, a baseline probe) keeps it, short against a
+/// request's life (a 128-token answer at one token a step carries it for an eighth of its steps).
+const RELEASE_IDLE_DRAFTER_AFTER: u32 = 16;
 
 /// When a finished request was queued, admitted and let go, and the engine thread's time on those.
 struct RequestTimes {
@@ -2357,6 +2468,49 @@ mod tests {
             q.observe(n, true, n, 4.0e-3);
         }
         assert_eq!(q.judged(12), None);
+    }
+
+    #[test]
+    fn the_automatic_cap_admits_without_a_drafter_where_drafters_were_mostly_idle() {
+        use super::DraftPayoff;
+        let mut p = DraftPayoff::default();
+        assert_eq!(p.mostly_idle(8), None);
+        // 8 requests: the budget allowed a draft to one drafter in ten (as on the H200 at 8-16 streams).
+        for _ in 0..20 {
+            p.observe_allowance(8, 0.1);
+        }
+        assert_eq!(p.mostly_idle(8), Some(true));
+        // No drafted-against-undrafted evidence at all, yet a newcomer beside 7 others gets no drafter (but
+        // every PROBE_EVERY-th does).
+        assert_eq!(p.judged(8), None);
+        let given = (0..DraftPayoff::PROBE_EVERY)
+            .filter(|_| p.admits_drafter(7))
+            .count();
+        assert_eq!(given, 1);
+        // Larger counts with no evidence of their own take it from below; smaller ones are not judged.
+        assert_eq!(p.mostly_idle(16), Some(true));
+        assert_eq!(p.mostly_idle(4), None);
+        assert!(p.admits_drafter(3));
+        // Where drafters were allowed drafts in most steps, they are not idle, whatever the larger counts say.
+        for _ in 0..20 {
+            p.observe_allowance(4, 0.9);
+        }
+        assert_eq!(p.mostly_idle(4), Some(false));
+        assert!((0..20).all(|_| p.admits_drafter(3)));
+        // The share is pooled with the counts within a quarter: 7 and 9 steps at 0.5 move 8 above the bar.
+        for n in [7, 9] {
+            for _ in 0..60 {
+                p.observe_allowance(n, 0.5);
+            }
+        }
+        assert_eq!(p.mostly_idle(8), Some(false));
+        // Bad evidence is ignored.
+        let mut q = DraftPayoff::default();
+        for _ in 0..30 {
+            q.observe_allowance(0, 0.0);
+            q.observe_allowance(3, f64::NAN);
+        }
+        assert_eq!((q.mostly_idle(1), q.mostly_idle(3)), (None, None));
     }
 
     #[test]

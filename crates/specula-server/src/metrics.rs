@@ -32,6 +32,8 @@ pub struct Metrics {
     pub num_drafts: IntCounter,
     /// Requests admitted without a drafter (`--spec-disable-batch-size`, or the automatic cap).
     pub admitted_without_drafter: IntCounter,
+    /// Drafters taken from running requests that had been allowed no draft for a while under load.
+    pub released_drafters: IntCounter,
     pub num_draft_tokens: IntCounter,
     pub num_accepted_tokens: IntCounter,
     pub accepted_per_pos: IntCounterVec,
@@ -254,7 +256,11 @@ impl Metrics {
             ),
             admitted_without_drafter: counter(
                 "specula:spec_decode_admitted_without_drafter",
-                "Requests admitted without a drafter: past --spec-disable-batch-size, or where drafting measured no gain at that many requests.",
+                "Requests admitted without a drafter: past --spec-disable-batch-size, or where drafting measured no gain or drafters were mostly idle at that many requests.",
+            ),
+            released_drafters: counter(
+                "specula:spec_decode_released_drafters",
+                "Drafters taken from running requests allowed no draft in 16 decoding steps in a row beside other requests, where an idle drafter costs each step (an EAGLE-3 head's captured hidden states).",
             ),
             num_draft_tokens: counter(
                 "specula:spec_decode_num_draft_tokens",

@@ -124,11 +124,16 @@ fn post(addr: SocketAddr, path: &str, body: Value) -> (u16, Value) {
 
 /// The library's own greedy answer.
 fn expected(model: &LoadedModel, text: &str, n: usize) -> String {
+    expected_until(model, text, n, true)
+}
+
+/// The library's own greedy answer, to `n` tokens whatever comes (`ignore_eos`) unless `stop_at_eos`.
+fn expected_until(model: &LoadedModel, text: &str, n: usize, stop_at_eos: bool) -> String {
     let req = GenerateRequest {
         prompt_tokens: model.tokenizer.encode(text).unwrap(),
         max_new_tokens: n,
         sampling: SamplingParams::default(),
-        stop_at_eos: true,
+        stop_at_eos,
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
@@ -1074,8 +1079,10 @@ fn eagle3_heads_serve_losslessly_as_chains_and_trees() {
 }
 
 /// `--spec-disable-batch-size 2`: a request admitted while another runs joins a batch of 2, so it gets no drafter
-/// (no cycles at all) and answers as plain decoding; the one admitted alone keeps its head. With a cap of 1 even
-/// a lone request joins a batch at the cap: no drafter.
+/// (no cycles at all) and answers as plain decoding; the one admitted alone keeps its head until it has been
+/// allowed no draft for 16 decoding steps beside the other, and then loses it (an idle head costs every step),
+/// answering as plain decoding all the same. With a cap of 1 even a lone request joins a batch at the cap: no
+/// drafter.
 #[test]
 fn requests_admitted_past_the_disabling_batch_size_get_no_drafter() {
     use specula::draft::eagle3::Eagle3Head;
@@ -1102,7 +1109,8 @@ fn requests_admitted_past_the_disabling_batch_size_get_no_drafter() {
         &TinyHeadSpec::default(),
     )
     .unwrap();
-    let want_b = expected(&reference, "the second one", 8);
+    let want_a = expected_until(&reference, "a long one", 1500, false);
+    let want_b = expected_until(&reference, "the second one", 24, false);
     let addr = start(
         load_gguf(&p, "t").unwrap(),
         DraftSetup::Eagle3(
@@ -1127,16 +1135,23 @@ fn requests_admitted_past_the_disabling_batch_size_get_no_drafter() {
     let (s, b) = post(
         addr,
         "/v1/completions",
-        json!({"prompt": "the second one", "max_tokens": 8, "temperature": 0}),
+        json!({"prompt": "the second one", "max_tokens": 24, "temperature": 0, "ignore_eos": true}),
     );
     assert_eq!(s, 200, "{b}");
     assert_eq!(b["choices"][0]["text"], want_b);
     assert_eq!(b["usage"]["speculation"]["cycles"], 0, "{b}");
     let (s, a) = a.join().unwrap();
     assert_eq!(s, 200, "{a}");
+    assert_eq!(a["choices"][0]["text"], want_a);
     let spec = &a["usage"]["speculation"];
-    // It kept its drafter (whether the budget lets a random head draft depends on timing).
+    // It had its drafter (whether the budget lets a random head draft depends on timing), and lost it beside b.
     assert!(spec["cycles"].as_u64().unwrap() > 0, "{a}");
+    let (_, _, text) = http(addr, "GET", "/metrics", None, &[]);
+    assert_eq!(metric(&text, "specula:spec_decode_released_drafters"), 1.0);
+    assert_eq!(
+        metric(&text, "specula:spec_decode_admitted_without_drafter"),
+        1.0
+    );
 }
 
 /// Reads one sample of the Prometheus text exposition (a parser, not a substring match).

@@ -322,9 +322,36 @@ impl<'d> Generation<'d> {
         self.cache.capacity()
     }
 
-    /// Acceptance statistics so far, when speculating.
+    /// Acceptance statistics so far, when speculating (kept after [`Self::release_drafter`]).
     pub fn speculation(&self) -> Option<&SpeculationStats> {
         self.stats.as_ref()
+    }
+
+    /// Whether it still has a drafter (it may draft in later steps).
+    pub fn has_drafter(&self) -> bool {
+        self.drafter.is_some()
+    }
+
+    /// Whether its drafter costs steps it does not draft in: an EAGLE-3 head makes every target pass capture
+    /// hidden states for it and then feeds them to the head. A draft model or prompt lookup that is not asked
+    /// to draft only falls behind.
+    pub fn drafter_costs_idle_steps(&self) -> bool {
+        self.drafter.is_some() && !self.capture.is_empty()
+    }
+
+    /// Drops its drafter (and the layers captured for it): every later step is plain decoding, with the same
+    /// output a drafted one would give. Its speculation statistics so far stay. A scheduler does this to a
+    /// request whose drafter it has stopped letting draft. Returns false, changing nothing, while a step is
+    /// in flight or when it has no drafter.
+    pub fn release_drafter(&mut self) -> bool {
+        if self.planned.is_some() || self.drafter.is_none() {
+            return false;
+        }
+        self.drafter = None;
+        self.prepared_draft = None;
+        self.capture.clear();
+        self.draft_limit = None;
+        true
     }
 
     fn cancelled(&self) -> bool {

@@ -933,6 +933,81 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
     assert_eq!(out.tokens, plain.tokens);
 }
 
+/// A scheduler may take a head drafter away between steps (the server does, from requests it stopped letting
+/// draft): the request goes on as plain decoding with the same greedy tokens, keeps the statistics it had, and
+/// the batch stops capturing hidden states once no member has a head drafter left.
+#[test]
+fn a_released_head_drafter_leaves_plain_decoding_behind() {
+    use crate::decode::{step, Generation, StepLimits};
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let prompts: [&[u32]; 2] = [&PROMPT[1..], &PROMPT[3..]];
+    let req = |p: &[u32]| GenerateRequest {
+        prompt_tokens: p.to_vec(),
+        max_new_tokens: 30,
+        sampling: SamplingParams::default(),
+        stop_at_eos: false,
+        cancel: None,
+        logprobs: None,
+        logit_adjustments: None,
+    };
+    let mut gens: Vec<Generation<'_>> = prompts
+        .iter()
+        .map(|p| {
+            let d = Eagle3Drafter::new(&h, t.model.as_ref(), 3).unwrap();
+            Generation::with_drafter(t.model.as_ref(), req(p), Box::new(d), 3).unwrap()
+        })
+        .collect();
+    assert!(gens.iter().all(|g| g.drafter_costs_idle_steps()));
+    let limits = StepLimits {
+        shared_head: Some(h.compute()),
+        ..Default::default()
+    };
+    let mut drafted_at_release = [None, None];
+    for step_no in 0..200 {
+        // The first leaves its drafter after 4 steps, the second after 7.
+        for (i, at) in [(0, 4), (1, 7)] {
+            if step_no == at {
+                assert!(gens[i].release_drafter());
+                assert!(!gens[i].release_drafter(), "released twice");
+                assert!(!gens[i].has_drafter() && !gens[i].drafter_costs_idle_steps());
+                drafted_at_release[i] = Some(gens[i].speculation().unwrap().drafted);
+            }
+        }
+        let mut refs: Vec<&mut Generation<'_>> = gens.iter_mut().collect();
+        let (results, _) = step(
+            t.model.as_ref(),
+            &t.tokenizer,
+            &mut refs,
+            limits,
+            &Profiler::disabled(),
+            &mut |_, _| {},
+        );
+        for r in results {
+            r.unwrap();
+        }
+        if gens.iter().all(|g| g.is_done()) {
+            break;
+        }
+    }
+    for (i, g) in gens.into_iter().enumerate() {
+        let out = g.finish(&t.tokenizer, &mut |_| {}).unwrap();
+        let plain = generate(
+            t.model.as_ref(),
+            &t.tokenizer,
+            &req(prompts[i]),
+            None,
+            &Profiler::disabled(),
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(out.tokens, plain.tokens, "prompt {i}");
+        let st = out.speculation.expect("statistics kept");
+        assert!(st.drafted > 0, "prompt {i} drafted before its release");
+        assert_eq!(Some(st.drafted), drafted_at_release[i], "prompt {i}");
+    }
+}
 #[test]
 fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
     use crate::decode::{Generation, PrefixCache};
