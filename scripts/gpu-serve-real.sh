@@ -22,7 +22,7 @@ head=${HEAD:-qwen2.5-coder-1.5b-eagle3}
 e3="--draft eagle3 --draft-model $head --draft-tokens 3 --draft-confidence 0"
 declare -A flags_of=([plain]="" [ngram]="--draft ngram" [model]="--draft-model qwen2.5-coder-0.5b"
                      [eagle3]="$e3" [eagle3-alone]="$e3" [eagle3-cap8]="$e3 --spec-disable-batch-size 8"
-                     [eagle3-count-cap]="$e3" [eagle3-keep]="$e3")
+                     [eagle3-count-cap]="$e3" [eagle3-keep]="$e3" [eagle3-idle8]="$e3" [eagle3-idle4]="$e3")
 run=0
 for name in ${CONFIGS:-plain ngram model}; do
     run=$((run + 1))
@@ -33,9 +33,11 @@ for name in ${CONFIGS:-plain ngram model}; do
     shared=1; [ "$name" = eagle3-alone ] && shared=0
     neighbours=1; [ "$name" = eagle3-count-cap ] && neighbours=0
     idle=release; [ "$name" = eagle3-keep ] && idle=keep
+    # eagle3-idle8 / -idle4 release idle drafters after 8 / 4 undrafted steps (default 16).
+    after=16; case "$name" in eagle3-idle8) after=8 ;; eagle3-idle4) after=4 ;; esac
     # A config named twice (an ABA order) keeps each run's files apart.
     [ -e "$out/serve-$name.log" ] && name="$name.$run"
-    SPECULA_IDLE_DRAFTERS=$idle SPECULA_AUTO_CAP_NEIGHBOURS=$neighbours SPECULA_SHARED_HEAD=$shared "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags \
+    SPECULA_RELEASE_IDLE_AFTER=$after SPECULA_IDLE_DRAFTERS=$idle SPECULA_AUTO_CAP_NEIGHBOURS=$neighbours SPECULA_SHARED_HEAD=$shared "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags \
         > "$out/serve-$name.log" 2>&1 &
     pid=$!
     for _ in $(seq 120); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 1; done

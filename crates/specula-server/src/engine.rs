@@ -942,7 +942,7 @@ impl<'a> EngineLoop<'a> {
         {
             let prompt = &r.generation.request().prompt_tokens;
             let bytes = prompt.len() * model.kv_bytes_per_position();
-            if prompt.len() < PrefixCache::MIN_POSITIONS || bytes > free || prefixes.covers(prompt)
+            if prompt.len() < PrefixCache::MIN_POSITIONS || bytes > free || prefixes.covers(prompt, r.generation.has_drafter())
             {
                 continue;
             }
@@ -1504,9 +1504,13 @@ impl<'a> EngineLoop<'a> {
         if baseline_probe || prefilling || decoding < 2 || candidates == 0 {
             return;
         }
-        if !self.payoff.borrow().idle_rule {
-            return;
-        }
+        let release_after = {
+            let payoff = self.payoff.borrow();
+            if !payoff.idle_rule {
+                return;
+            }
+            payoff.release_after
+        };
         let allowed = limits.iter().flatten().filter(|&&k| k > 0).count();
         self.payoff
             .borrow_mut()
@@ -1517,7 +1521,7 @@ impl<'a> EngineLoop<'a> {
                 Some(_) => r.idle_steps = 0,
                 None => continue,
             }
-            if r.idle_steps >= RELEASE_IDLE_DRAFTER_AFTER
+            if r.idle_steps >= release_after
                 && r.generation.drafter_costs_idle_steps()
                 && r.generation.release_drafter()
             {
@@ -2091,6 +2095,8 @@ pub struct DraftPayoff {
     /// Whether idle drafters are released and mostly idle counts capped (`SPECULA_IDLE_DRAFTERS=keep` keeps
     /// them, as until session 37, to compare).
     pub idle_rule: bool,
+    /// [`RELEASE_IDLE_DRAFTER_AFTER`], or `SPECULA_RELEASE_IDLE_AFTER=N` to compare others.
+    pub release_after: u32,
 }
 
 impl Default for DraftPayoff {
@@ -2102,6 +2108,11 @@ impl Default for DraftPayoff {
             from_neighbours: std::env::var("SPECULA_AUTO_CAP_NEIGHBOURS")
                 .map_or(true, |v| v != "0"),
             idle_rule: std::env::var("SPECULA_IDLE_DRAFTERS").map_or(true, |v| v != "keep"),
+            release_after: std::env::var("SPECULA_RELEASE_IDLE_AFTER")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&n| n > 0)
+                .unwrap_or(RELEASE_IDLE_DRAFTER_AFTER),
         }
     }
 }

@@ -1384,9 +1384,9 @@ fn a_running_requests_prompt_serves_a_request_arriving_beside_it() {
     let copy = first.prompt_prefix(model).expect("right after its prefill");
     assert_eq!(copy.tokens, prompt);
     let mut cache = PrefixCache::new();
-    assert!(!cache.covers(&prompt));
+    assert!(!cache.covers(&prompt, false));
     cache.insert(copy, 1);
-    assert!(cache.covers(&prompt) && cache.covers(&prompt[..20]));
+    assert!(cache.covers(&prompt, false) && cache.covers(&prompt[..20], false));
     step_alone(&target, &mut first);
     assert!(
         first.prompt_prefix(model).is_none(),

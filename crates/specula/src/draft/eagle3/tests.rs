@@ -1072,6 +1072,35 @@ fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
     let s =
         |o: &crate::decode::GenerateOutput| o.speculation.as_ref().map(|s| (s.drafted, s.accepted));
     assert_eq!(s(&out), s(&fresh));
+    // A request with the same prompt that let its drafter go leaves a longer prefix without the head's state: it
+    // does not replace the one with it, so head requests still start from the cached prompt. The other way
+    // round, a prefix with the head's state replaces one without.
+    let mut released = generation(&prompt, 20, 4);
+    crate::testing::step_alone(&t, &mut released);
+    crate::testing::step_alone(&t, &mut released);
+    assert!(released.release_drafter());
+    let (_, longer) = run_to_end(released);
+    let longer = longer.unwrap();
+    assert!(longer.drafter.is_none() && longer.tokens.len() > prompt.len());
+    let longer_tokens = longer.tokens.clone();
+    cache.insert(longer, 1);
+    assert_eq!(cache.len(), 2);
+    assert!(cache.covers(&prompt, true) && cache.covers(&longer_tokens, false));
+    assert!(!cache.covers(&longer_tokens, true));
+    let mut g = generation(&prompt, 20, 2);
+    assert_eq!(cache.adopt_into(&mut g).unwrap(), prompt.len() - 1);
+    let mut without = PrefixCache::new();
+    let mut released = generation(&prompt, 20, 4);
+    crate::testing::step_alone(&t, &mut released);
+    assert!(released.release_drafter());
+    without.insert(run_to_end(released).1.unwrap(), 1);
+    let mut running = generation(&prompt, 20, 3);
+    crate::testing::step_alone(&t, &mut running);
+    without.insert(running.prompt_prefix(model).unwrap(), 1);
+    assert_eq!(without.len(), 2, "the shorter prefix with the head's state is kept beside");
+    let (_, full) = run_to_end(generation(&prompt, 20, 5));
+    without.insert(full.unwrap(), 1);
+    assert_eq!(without.len(), 1, "one prefix with the head's state answers for both");
 }
 
 /// Features kept by reference (as a device's step outputs are) and read only when the head runs give the drafts
