@@ -942,7 +942,9 @@ impl<'a> EngineLoop<'a> {
         {
             let prompt = &r.generation.request().prompt_tokens;
             let bytes = prompt.len() * model.kv_bytes_per_position();
-            if prompt.len() < PrefixCache::MIN_POSITIONS || bytes > free || prefixes.covers(prompt, r.generation.has_drafter())
+            if prompt.len() < PrefixCache::MIN_POSITIONS
+                || bytes > free
+                || prefixes.covers(prompt, r.generation.has_drafter())
             {
                 continue;
             }
@@ -1480,7 +1482,8 @@ impl<'a> EngineLoop<'a> {
     }
 
     /// Takes their drafters from requests that were allowed no draft in [`RELEASE_IDLE_DRAFTER_AFTER`] decoding
-    /// steps in a row beside other requests, where an idle drafter costs every step (an EAGLE-3 head: each
+    /// steps in a row beside other requests, at a count of requests where drafters were mostly idle lately
+    /// ([`DraftPayoff::mostly_idle`]), and where an idle drafter costs every step (an EAGLE-3 head: each
     /// target pass captures hidden states for it and feeds them): a batch whose drafters are all gone steps at
     /// plain decoding's cost. On an H200 at 8-16 streams the budget allowed no draft in 92% of such requests'
     /// steps, yet every step captured and fed (session 36: 0.93-0.96x plain). Steps that prefill a prompt and
@@ -1512,16 +1515,22 @@ impl<'a> EngineLoop<'a> {
             payoff.release_after
         };
         let allowed = limits.iter().flatten().filter(|&&k| k > 0).count();
-        self.payoff
-            .borrow_mut()
-            .observe_allowance(decoding, allowed as f64 / candidates as f64);
+        let mostly_idle = {
+            let mut payoff = self.payoff.borrow_mut();
+            payoff.observe_allowance(decoding, allowed as f64 / candidates as f64);
+            payoff.mostly_idle(decoding) == Some(true)
+        };
         for (r, limit) in running.iter_mut().zip(limits) {
             match limit {
                 Some(0) => r.idle_steps += 1,
                 Some(_) => r.idle_steps = 0,
                 None => continue,
             }
-            if r.idle_steps >= release_after
+            // Only where the budget has mostly refused drafts at this count lately: where it drafts in a good
+            // share of steps (2-4 streams on 2 CPU cores), a run of refusals ends and the drafter drafts again
+            // (released on their runs alone, a head server there ran 3-7% under one keeping its drafters).
+            if mostly_idle
+                && r.idle_steps >= release_after
                 && r.generation.drafter_costs_idle_steps()
                 && r.generation.release_drafter()
             {

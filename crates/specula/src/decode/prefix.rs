@@ -69,7 +69,11 @@ impl PrefixCache {
             return;
         }
         self.clock += 1;
-        if let Some(e) = self.entries.iter_mut().find(|e| answers(&e.prefix, &prefix)) {
+        if let Some(e) = self
+            .entries
+            .iter_mut()
+            .find(|e| answers(&e.prefix, &prefix))
+        {
             e.last_used = self.clock;
             return;
         }

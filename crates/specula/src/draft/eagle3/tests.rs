@@ -1008,6 +1008,7 @@ fn a_released_head_drafter_leaves_plain_decoding_behind() {
         assert_eq!(Some(st.drafted), drafted_at_release[i], "prompt {i}");
     }
 }
+
 #[test]
 fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
     use crate::decode::{Generation, PrefixCache};
@@ -1097,10 +1098,18 @@ fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
     let mut running = generation(&prompt, 20, 3);
     crate::testing::step_alone(&t, &mut running);
     without.insert(running.prompt_prefix(model).unwrap(), 1);
-    assert_eq!(without.len(), 2, "the shorter prefix with the head's state is kept beside");
+    assert_eq!(
+        without.len(),
+        2,
+        "the shorter prefix with the head's state is kept beside"
+    );
     let (_, full) = run_to_end(generation(&prompt, 20, 5));
     without.insert(full.unwrap(), 1);
-    assert_eq!(without.len(), 1, "one prefix with the head's state answers for both");
+    assert_eq!(
+        without.len(),
+        1,
+        "one prefix with the head's state answers for both"
+    );
 }
 
 /// Features kept by reference (as a device's step outputs are) and read only when the head runs give the drafts
