@@ -660,11 +660,25 @@ pub fn write_tiny_eagle3_head(
 
 /// One step of `g` alone (greedy tests of the step machine; errors panic).
 pub fn step_alone(model: &crate::model::LoadedModel, g: &mut crate::decode::Generation<'_>) {
+    step_together(
+        model,
+        std::slice::from_mut(g),
+        crate::decode::StepLimits::default(),
+    );
+}
+
+/// One batched step of every generation in `gens` (tests; errors panic).
+pub fn step_together(
+    model: &crate::model::LoadedModel,
+    gens: &mut [crate::decode::Generation<'_>],
+    limits: crate::decode::StepLimits<'_>,
+) {
+    let mut refs: Vec<&mut crate::decode::Generation<'_>> = gens.iter_mut().collect();
     let (results, _) = crate::decode::step(
         model.model.as_ref(),
         &model.tokenizer,
-        &mut [g],
-        crate::decode::StepLimits::default(),
+        &mut refs,
+        limits,
         &crate::profile::Profiler::disabled(),
         &mut |_, _| {},
     );

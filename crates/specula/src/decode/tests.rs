@@ -1541,18 +1541,7 @@ fn draft_model_rounds_draft_what_each_request_drafts_alone() {
                 ..Default::default()
             };
             for _ in 0..200 {
-                let mut refs: Vec<&mut Generation<'_>> = gens.iter_mut().collect();
-                let (results, _) = step(
-                    target.model.as_ref(),
-                    &target.tokenizer,
-                    &mut refs,
-                    limits,
-                    &Profiler::disabled(),
-                    &mut |_, _| {},
-                );
-                for r in results {
-                    r.unwrap();
-                }
+                crate::testing::step_together(&target, &mut gens, limits);
                 if gens.iter().all(|g| g.is_done()) {
                     break;
                 }

@@ -802,18 +802,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
                 ..Default::default()
             };
             for _ in 0..200 {
-                let mut refs: Vec<&mut Generation<'_>> = gens.iter_mut().collect();
-                let (results, _) = step(
-                    t.model.as_ref(),
-                    &t.tokenizer,
-                    &mut refs,
-                    limits,
-                    &Profiler::disabled(),
-                    &mut |_, _| {},
-                );
-                for r in results {
-                    r.unwrap();
-                }
+                crate::testing::step_together(&t, &mut gens, limits);
                 if gens.iter().all(|g| g.is_done()) {
                     break;
                 }
@@ -938,7 +927,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
 /// the batch stops capturing hidden states once no member has a head drafter left.
 #[test]
 fn a_released_head_drafter_leaves_plain_decoding_behind() {
-    use crate::decode::{step, Generation, StepLimits};
+    use crate::decode::{Generation, StepLimits};
     let dir = tempfile::tempdir().unwrap();
     let t = target(dir.path());
     let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
@@ -975,18 +964,7 @@ fn a_released_head_drafter_leaves_plain_decoding_behind() {
                 drafted_at_release[i] = Some(gens[i].speculation().unwrap().drafted);
             }
         }
-        let mut refs: Vec<&mut Generation<'_>> = gens.iter_mut().collect();
-        let (results, _) = step(
-            t.model.as_ref(),
-            &t.tokenizer,
-            &mut refs,
-            limits,
-            &Profiler::disabled(),
-            &mut |_, _| {},
-        );
-        for r in results {
-            r.unwrap();
-        }
+        crate::testing::step_together(&t, &mut gens, limits);
         if gens.iter().all(|g| g.is_done()) {
             break;
         }
