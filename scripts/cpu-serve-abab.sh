@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# This CPU, qwen2.5-coder-1.5b: plain and EAGLE-3 head servers up at once; each level alternates them (plain,
-# head, plain, head, ...), so the machine's drift hits both alike.
+# This CPU, qwen2.5-coder-1.5b: plain and EAGLE-3 head servers up at once; each level alternates them in ABBA
+# order (plain, head, head, plain, ...), so the machine's drift hits both alike.
 #   [LEVELS="4 8 16 1 2"] [REPS=2] [REQUESTS=16] [OUT=/tmp] [PROFILE_LEVEL=8] scripts/cpu-serve-abab.sh
 # With PROFILE_LEVEL, each run at that level is profiled on its server: OUT/abab-trace-{plain,head}-LEVEL-REP.json
 # (scripts/serve-profile-summary.py), so both servers' step times come from the same minutes.
@@ -22,9 +22,12 @@ bench() {
 bench 8901 8 > /dev/null; bench 8902 8 > /dev/null
 for level in ${LEVELS:-4 8 16 1 2}; do
   for rep in $(seq ${REPS:-2}); do
-    echo "plain $level $rep $(bench 8901 $level plain $rep)"
-    echo "head  $level $rep $(bench 8902 $level head $rep)"
+    if [ $((rep % 2)) = 1 ]; then
+      echo "plain $level $rep $(bench 8901 $level plain $rep)"; echo "head  $level $rep $(bench 8902 $level head $rep)"
+    else
+      echo "head  $level $rep $(bench 8902 $level head $rep)"; echo "plain $level $rep $(bench 8901 $level plain $rep)"
+    fi
   done
 done
-curl -s localhost:8902/metrics | grep -E "^specula:spec_decode_num_(draft|accepted)_tokens "
+curl -s localhost:8902/metrics | grep -E "^specula:spec_decode_(num_draft_tokens|num_accepted_tokens|admitted_without_drafter|released_drafters) "
 kill $p1 $p2; wait

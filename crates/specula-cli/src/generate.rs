@@ -484,7 +484,8 @@ pub fn load_eagle3(
 ) -> anyhow::Result<specula::draft::eagle3::Eagle3Head> {
     let path = specula::registry::locate_head(dir)?;
     // A head runs where its target runs (SPECULA_EAGLE3_DEVICE=cpu keeps it on the CPU beside a GPU target, to
-    // compare). On the CPU its matrices are requantized to Q8_0 (cheaper steps, same acceptance); a device twin
+    // compare). On the CPU its matrices are requantized to Q4_K (cheaper steps, same acceptance: Q8_0 until
+    // session 38, SPECULA_EAGLE3_WEIGHTS=q8_0 to compare); a device twin
     // uploads the checkpoint's own values.
     let on_device = target.model.device() != "cpu"
         && match std::env::var("SPECULA_EAGLE3_DEVICE").as_deref() {
@@ -497,11 +498,13 @@ pub fn load_eagle3(
     let precision = match std::env::var("SPECULA_EAGLE3_WEIGHTS").as_deref() {
         Ok("stored") => specula::draft::eagle3::HeadPrecision::Stored,
         Ok("q8_0") => specula::draft::eagle3::HeadPrecision::Q8_0,
+        Ok("q6_k") => specula::draft::eagle3::HeadPrecision::Q6K,
+        Ok("q4_k") => specula::draft::eagle3::HeadPrecision::Q4K,
         Err(_) if on_device => specula::draft::eagle3::HeadPrecision::Stored,
-        Err(_) => specula::draft::eagle3::HeadPrecision::Q8_0,
+        Err(_) => specula::draft::eagle3::HeadPrecision::Q4K,
         Ok(other) => {
             anyhow::bail!(
-                "SPECULA_EAGLE3_WEIGHTS={other:?}: use q8_0 (default on the CPU) or stored"
+                "SPECULA_EAGLE3_WEIGHTS={other:?}: use q4_k (default on the CPU), q6_k, q8_0 or stored"
             )
         }
     };
@@ -512,7 +515,8 @@ pub fn load_eagle3(
         head.place_on(target.model.as_ref())
             .with_context(|| format!("placing EAGLE-3 head {dir} on {}", target.model.device()))?
     } else {
-        "cpu".to_string()
+        let types: Vec<&str> = head.weight_types().iter().map(|t| t.name()).collect();
+        format!("cpu as {}", types.join("/"))
     };
     let layers = head
         .config

@@ -1361,3 +1361,93 @@ fn a_device_head_feeds_host_rows_apart_from_device_rows_beside_others() {
     };
     assert_eq!(whole.tokens.len(), base);
 }
+
+/// A head requantized at load for the CPU (Q8_0, Q6_K, Q4_K: cheaper draft steps) holds each matrix in that type
+/// where the width fits the type's blocks and in Q8_0 where it does not; its forward pass stays within the
+/// quantization's error of the stored head's, and greedy speculation with it still equals plain decoding.
+#[test]
+fn requantized_heads_stay_close_to_the_stored_head_and_keep_speculation_lossless() {
+    use crate::model::dtype::GgmlType;
+    let dir = tempfile::tempdir().unwrap();
+    // 256 wide, so every matrix fits the K-quants' 256-wide blocks.
+    let p = dir.path().join("wide.gguf");
+    write_tiny_gguf(
+        &p,
+        &TinySpec {
+            hidden: 256,
+            intermediate: 512,
+            layers: 3,
+            seed: 3,
+            logit_scale: 0.3,
+            untied_head: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let t = load_gguf(&p, "wide").unwrap();
+    let hd = dir.path().join("head");
+    write_tiny_eagle3_head(&hd, t.model.config(), &TinyHeadSpec::default()).unwrap();
+    let stored = Eagle3Head::load_as(&hd, HeadPrecision::Stored).unwrap();
+    assert_eq!(stored.weight_types(), vec![GgmlType::F32]);
+    let n = 5;
+    let hidden = capture(&t, &PROMPT[..n], &[0, 1, 2]);
+    let mut features = Vec::new();
+    for r in 0..n {
+        for (_, m) in &hidden {
+            features.extend_from_slice(&m.row(r).unwrap());
+        }
+    }
+    let embeds = t.model.embed_tokens(&PROMPT[1..=n]).unwrap();
+    let pass = |h: &Eagle3Head| {
+        let mut cache = h.new_cache(64);
+        let x = h.fc(&features, n);
+        h.forward(&embeds, &x, n, &mut cache).unwrap()
+    };
+    let (want_out, want_logits) = pass(&stored);
+    let relative_error = |a: &[f32], b: &[f32]| {
+        let diff: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let norm: f32 = b.iter().map(|y| y * y).sum();
+        (diff / norm).sqrt()
+    };
+    let plain = run(&t, 40, 0.0, None);
+    for (precision, ty, bound) in [
+        (HeadPrecision::Q8_0, GgmlType::Q8_0, 0.02),
+        (HeadPrecision::Q6K, GgmlType::Q6K, 0.05),
+        (HeadPrecision::Q4K, GgmlType::Q4K, 0.15),
+    ] {
+        let h = Eagle3Head::load_as(&hd, precision).unwrap();
+        assert_eq!(h.weight_types(), vec![ty], "{precision:?}");
+        let (out, logits) = pass(&h);
+        let (e_out, e_logits) = (
+            relative_error(&out, &want_out),
+            relative_error(&logits, &want_logits),
+        );
+        assert!(
+            e_out > 0.0 && e_out < bound && e_logits < bound,
+            "{precision:?}: relative error of the outputs {e_out}, of the logits {e_logits}"
+        );
+        let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0).unwrap();
+        let out = run(
+            &t,
+            40,
+            0.0,
+            Some(Speculation {
+                drafter: &mut drafter,
+                draft_tokens: 3,
+                simulate_acceptance: None,
+            }),
+        );
+        assert_eq!(out.tokens, plain.tokens, "{precision:?}");
+        assert!(out.speculation.unwrap().drafted > 0);
+    }
+    // 64 wide (the usual tiny target): its rows do not fit 256-wide blocks, so every matrix goes to Q8_0.
+    let small = target(dir.path());
+    let hd = dir.path().join("small-head");
+    write_tiny_eagle3_head(&hd, small.model.config(), &TinyHeadSpec::default()).unwrap();
+    for precision in [HeadPrecision::Q6K, HeadPrecision::Q4K] {
+        let h = Eagle3Head::load_as(&hd, precision).unwrap();
+        assert_eq!(h.weight_types(), vec![GgmlType::Q8_0], "{precision:?}");
+    }
+    assert_eq!(HeadPrecision::Q4K.storage_for(33), None);
+    assert_eq!(HeadPrecision::Stored.storage_for(256), None);
+}
