@@ -291,7 +291,9 @@ impl HeadPrecision {
 fn requantize(w: Weight, precision: HeadPrecision) -> Result<Weight> {
     match precision.storage_for(w.cols) {
         None => Ok(w),
-        Some(ty) => Weight::quantize(&w.to_f32(), w.rows, w.cols, ty).map_err(Error::InvalidArgument),
+        Some(ty) => {
+            Weight::quantize(&w.to_f32(), w.rows, w.cols, ty).map_err(Error::InvalidArgument)
+        }
     }
 }
 
@@ -519,7 +521,15 @@ impl Eagle3Head {
     pub fn weight_types(&self) -> Vec<GgmlType> {
         let mut types: Vec<GgmlType> = Vec::new();
         for w in [
-            &self.fc, &self.wq, &self.wk, &self.wv, &self.wo, &self.w_gate, &self.w_up, &self.w_down, &self.lm_head,
+            &self.fc,
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.w_gate,
+            &self.w_up,
+            &self.w_down,
+            &self.lm_head,
         ] {
             if !types.contains(&w.dtype()) {
                 types.push(w.dtype());
