@@ -16,13 +16,15 @@ port=8600
 # passes one after the other (SPECULA_SHARED_HEAD=0); eagle3-cap8 adds `--spec-disable-batch-size 8`, and
 # eagle3-count-cap judges the automatic cap count by count (SPECULA_AUTO_CAP_NEIGHBOURS=0, session 33's rule) where
 # eagle3 uses the neighbour rule of session 34; eagle3-keep keeps idle drafters (SPECULA_IDLE_DRAFTERS=keep: no
-# release, no cap for mostly idle counts, as until session 37). For the cap's A/B: CONFIGS="plain eagle3 eagle3-count-cap
+# release, no cap for mostly idle counts, as until session 37); eagle3-margin5 and ngram-margin5 draft a step only
+# where the budget expects 5% over not drafting (SPECULA_STEP_MARGIN=0.05; default 2%). For the cap's A/B: CONFIGS="plain eagle3 eagle3-count-cap
 # eagle3-cap8 plain eagle3" LEVELS=1,2,4,8,16 REQUESTS=128 (about 6 minutes).
 head=${HEAD:-qwen2.5-coder-1.5b-eagle3}
 e3="--draft eagle3 --draft-model $head --draft-tokens 3 --draft-confidence 0"
 declare -A flags_of=([plain]="" [ngram]="--draft ngram" [model]="--draft-model qwen2.5-coder-0.5b"
                      [eagle3]="$e3" [eagle3-alone]="$e3" [eagle3-cap8]="$e3 --spec-disable-batch-size 8"
-                     [eagle3-count-cap]="$e3" [eagle3-keep]="$e3" [eagle3-idle8]="$e3" [eagle3-idle4]="$e3")
+                     [eagle3-count-cap]="$e3" [eagle3-keep]="$e3" [eagle3-idle8]="$e3" [eagle3-idle4]="$e3"
+                     [eagle3-margin5]="$e3" [ngram-margin5]="--draft ngram")
 run=0
 for name in ${CONFIGS:-plain ngram model}; do
     run=$((run + 1))
@@ -35,9 +37,12 @@ for name in ${CONFIGS:-plain ngram model}; do
     idle=release; [ "$name" = eagle3-keep ] && idle=keep
     # eagle3-idle8 / -idle4 release idle drafters after 8 / 4 undrafted steps (default 16).
     after=16; case "$name" in eagle3-idle8) after=8 ;; eagle3-idle4) after=4 ;; esac
+    # *-margin5: the draft budget takes a drafted step only where it expects it to beat the undrafted one by 5%
+    # (SPECULA_STEP_MARGIN; default 2%).
+    margin=0.02; case "$name" in *-margin5) margin=0.05 ;; esac
     # A config named twice (an ABA order) keeps each run's files apart.
     [ -e "$out/serve-$name.log" ] && name="$name.$run"
-    SPECULA_RELEASE_IDLE_AFTER=$after SPECULA_IDLE_DRAFTERS=$idle SPECULA_AUTO_CAP_NEIGHBOURS=$neighbours SPECULA_SHARED_HEAD=$shared "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags \
+    SPECULA_STEP_MARGIN=$margin SPECULA_RELEASE_IDLE_AFTER=$after SPECULA_IDLE_DRAFTERS=$idle SPECULA_AUTO_CAP_NEIGHBOURS=$neighbours SPECULA_SHARED_HEAD=$shared "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags \
         > "$out/serve-$name.log" 2>&1 &
     pid=$!
     for _ in $(seq 120); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 1; done

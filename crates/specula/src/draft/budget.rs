@@ -367,6 +367,19 @@ impl DraftBudget {
     /// How much faster (expected tokens per second) a step that drafts must be than the same step undrafted
     /// ([`Self::plan`]).
     pub const STEP_MARGIN: f64 = 0.02;
+
+    /// [`Self::STEP_MARGIN`], or `SPECULA_STEP_MARGIN=F` to compare others (session 38: on an H200 at 8 streams the
+    /// budget drafted steps expected to win by a few percent that broke even).
+    pub fn step_margin() -> f64 {
+        static MARGIN: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+        *MARGIN.get_or_init(|| {
+            std::env::var("SPECULA_STEP_MARGIN")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .filter(|m: &f64| m.is_finite() && *m >= 0.0)
+                .unwrap_or(Self::STEP_MARGIN)
+        })
+    }
     /// The longest catch-up a CPU head resumes with beside other requests (`HeadCompute::catch_up_reach`'s
     /// default: 8 pieces of eagle3::MAX_FEED_ROWS_IN_BATCH rows); each candidate carries its own
     /// ([`DraftCandidate::catch_up_reach`]), a GPU head's being much longer.
@@ -1122,7 +1135,7 @@ impl DraftBudget {
         let drafted = tokens / step_time(rows, draft_s) * calibration;
         if !probed.contains(&true)
             && limits.iter().any(|&l| l > 0)
-            && drafted < undrafted * (1.0 + Self::STEP_MARGIN)
+            && drafted < undrafted * (1.0 + Self::step_margin())
         {
             let position = limits.iter().copied().max().unwrap_or(0) - 1;
             // The request drafting furthest (the first such).
