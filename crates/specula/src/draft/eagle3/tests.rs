@@ -294,6 +294,19 @@ fn reference_forward(
     (outs, logits)
 }
 
+/// The head's inputs for the prompt's first `n` positions: the target's features of layers 0-2 (3H a row) and the
+/// embeddings of the tokens they pair with (one position later).
+fn head_inputs(t: &LoadedModel, n: usize) -> (Vec<f32>, Vec<f32>) {
+    let hidden = capture(t, &PROMPT[..n], &[0, 1, 2]);
+    let mut features = Vec::new();
+    for r in 0..n {
+        for (_, m) in &hidden {
+            features.extend_from_slice(&m.row(r).unwrap());
+        }
+    }
+    (features, t.model.embed_tokens(&PROMPT[1..=n]).unwrap())
+}
+
 #[test]
 fn head_forward_matches_the_published_formula() {
     let dir = tempfile::tempdir().unwrap();
@@ -301,14 +314,7 @@ fn head_forward_matches_the_published_formula() {
     let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
     let c = t.model.config().clone();
     let n = 5;
-    let hidden = capture(&t, &PROMPT[..n], &[0, 1, 2]);
-    let mut features = Vec::new();
-    for r in 0..n {
-        for (_, m) in &hidden {
-            features.extend_from_slice(&m.row(r).unwrap());
-        }
-    }
-    let embeds = t.model.embed_tokens(&PROMPT[1..=n]).unwrap();
+    let (features, embeds) = head_inputs(&t, n);
     let (want_out, want_logits) =
         reference_forward(&dir.path().join("head"), &c, &embeds, &features, n, 100);
     // All rows in one pass.
@@ -1390,14 +1396,7 @@ fn requantized_heads_stay_close_to_the_stored_head_and_keep_speculation_lossless
     let stored = Eagle3Head::load_as(&hd, HeadPrecision::Stored).unwrap();
     assert_eq!(stored.weight_types(), vec![GgmlType::F32]);
     let n = 5;
-    let hidden = capture(&t, &PROMPT[..n], &[0, 1, 2]);
-    let mut features = Vec::new();
-    for r in 0..n {
-        for (_, m) in &hidden {
-            features.extend_from_slice(&m.row(r).unwrap());
-        }
-    }
-    let embeds = t.model.embed_tokens(&PROMPT[1..=n]).unwrap();
+    let (features, embeds) = head_inputs(&t, n);
     let pass = |h: &Eagle3Head| {
         let mut cache = h.new_cache(64);
         let x = h.fc(&features, n);
