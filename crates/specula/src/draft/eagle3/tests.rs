@@ -10,10 +10,17 @@ use crate::profile::Profiler;
 use crate::testing::{write_tiny_eagle3_head, write_tiny_gguf, TinyHeadSpec, TinySpec};
 
 fn target(dir: &std::path::Path) -> LoadedModel {
-    let p = dir.join("t.gguf");
+    target_of_width(dir, TinySpec::default().hidden)
+}
+
+/// The tests' target, `hidden` wide (its MLP twice that).
+fn target_of_width(dir: &std::path::Path, hidden: usize) -> LoadedModel {
+    let p = dir.join(format!("t{hidden}.gguf"));
     write_tiny_gguf(
         &p,
         &TinySpec {
+            hidden,
+            intermediate: 2 * hidden,
             layers: 3,
             seed: 3,
             logit_scale: 0.3,
@@ -1376,21 +1383,7 @@ fn requantized_heads_stay_close_to_the_stored_head_and_keep_speculation_lossless
     use crate::model::dtype::GgmlType;
     let dir = tempfile::tempdir().unwrap();
     // 256 wide, so every matrix fits the K-quants' 256-wide blocks.
-    let p = dir.path().join("wide.gguf");
-    write_tiny_gguf(
-        &p,
-        &TinySpec {
-            hidden: 256,
-            intermediate: 512,
-            layers: 3,
-            seed: 3,
-            logit_scale: 0.3,
-            untied_head: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let t = load_gguf(&p, "wide").unwrap();
+    let t = target_of_width(dir.path(), 256);
     let hd = dir.path().join("head");
     write_tiny_eagle3_head(&hd, t.model.config(), &TinyHeadSpec::default()).unwrap();
     let stored = Eagle3Head::load_as(&hd, HeadPrecision::Stored).unwrap();
