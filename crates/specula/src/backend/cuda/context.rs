@@ -17,18 +17,26 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_mma_8_d2",
     "gemv_mma_16",
     "gemv_mma_32",
+    "gemv_mma_16_r2",
+    "gemv_mma_32_r2",
     "gemv_q4k_8_d4",
     "gemv_q4k_8_d2",
     "gemv_q4k_16",
     "gemv_q4k_32",
+    "gemv_q4k_16_r2",
+    "gemv_q4k_32_r2",
     "gemv_i8_8_d4",
     "gemv_i8_8_d2",
     "gemv_i8_16",
     "gemv_i8_32",
+    "gemv_i8_16_r2",
+    "gemv_i8_32_r2",
     "gemv_mixed_8_d4",
     "gemv_mixed_8_d2",
     "gemv_mixed_16",
     "gemv_mixed_32",
+    "gemv_mixed_16_r2",
+    "gemv_mixed_32_r2",
     "gemm_mma_32",
     "gemm_mma_64",
     "splitk_reduce",
@@ -89,15 +97,16 @@ pub struct Kernels {
     pub rms_norm: CudaFunction,
     /// Activations split into the GEMV's bf16 hi + lo fragments (where no producing kernel writes them so).
     pub split_rows: CudaFunction,
-    /// The tensor-core GEMV: 8 tokens a block with 4 or 2 chunks in flight a warp, 16 and 32 tokens a block.
-    pub gemv_mma: [CudaFunction; 4],
-    /// The same four over native Q4_K weights (layout.rs `tile_q4k`): the same sums, bit for bit.
-    pub gemv_q4k: [CudaFunction; 4],
+    /// The tensor-core GEMV: 8 tokens a block with 4 or 2 chunks in flight a warp, 16 and 32 tokens a block, then
+    /// 16 and 32 tokens a block taking two row blocks (one activation load for both: `ops::gemv_row_blocks`).
+    pub gemv_mma: [CudaFunction; 6],
+    /// The same six over native Q4_K weights (layout.rs `tile_q4k`): the same sums, bit for bit.
+    pub gemv_q4k: [CudaFunction; 6],
     /// And over scaled-int8 weights (native Q6_K, Q8_0, Q5_0: layout.rs `tile_q6k` ...).
-    pub gemv_i8: [CudaFunction; 4],
+    pub gemv_i8: [CudaFunction; 6],
     /// And over a matrix stacked from parts of different formats (`layout::MixedParts`), each row block
     /// through its part's path.
-    pub gemv_mixed: [CudaFunction; 4],
+    pub gemv_mixed: [CudaFunction; 6],
     /// The same sums for many tokens, four row blocks a block: 32 and 64 tokens a block (off unless
     /// `SPECULA_CUDA_GEMM_ROWS` asks for it: slower than the GEMV since activations come split).
     pub gemm_mma: [CudaFunction; 2],
@@ -288,24 +297,32 @@ impl Gpu {
                 f("gemv_mma_8_d2")?,
                 f("gemv_mma_16")?,
                 f("gemv_mma_32")?,
+                f("gemv_mma_16_r2")?,
+                f("gemv_mma_32_r2")?,
             ],
             gemv_q4k: [
                 f("gemv_q4k_8_d4")?,
                 f("gemv_q4k_8_d2")?,
                 f("gemv_q4k_16")?,
                 f("gemv_q4k_32")?,
+                f("gemv_q4k_16_r2")?,
+                f("gemv_q4k_32_r2")?,
             ],
             gemv_i8: [
                 f("gemv_i8_8_d4")?,
                 f("gemv_i8_8_d2")?,
                 f("gemv_i8_16")?,
                 f("gemv_i8_32")?,
+                f("gemv_i8_16_r2")?,
+                f("gemv_i8_32_r2")?,
             ],
             gemv_mixed: [
                 f("gemv_mixed_8_d4")?,
                 f("gemv_mixed_8_d2")?,
                 f("gemv_mixed_16")?,
                 f("gemv_mixed_32")?,
+                f("gemv_mixed_16_r2")?,
+                f("gemv_mixed_32_r2")?,
             ],
             gemm_mma: [f("gemm_mma_32")?, f("gemm_mma_64")?],
             splitk_reduce: f("splitk_reduce")?,

@@ -629,6 +629,24 @@ pub(crate) fn gemv_with(
     Ok(0)
 }
 
+/// Row blocks (16 outputs) a GEMV block takes at 16 and 32 tokens, 1 or 2 (`SPECULA_CUDA_GEMV_ROW_BLOCKS`): with 2,
+/// a warp's activation loads serve two weight tiles. The same bits either way (kernels.cu gemv_mma_tile).
+fn gemv_row_blocks() -> usize {
+    static ROW_BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROW_BLOCKS.get_or_init(|| {
+        match std::env::var("SPECULA_CUDA_GEMV_ROW_BLOCKS")
+            .ok()
+            .as_deref()
+        {
+            Some("1") => 1,
+            Some("2") => 2,
+            _ => DEFAULT_GEMV_ROW_BLOCKS,
+        }
+    })
+}
+
+const DEFAULT_GEMV_ROW_BLOCKS: usize = 1;
+
 /// Split matrices at 8 tokens whose warps take at most this many chunks a split keep 4 chunks in flight a warp,
 /// the others 2 (`SPECULA_CUDA_SPLIT_DEPTH4_MAX` overrides it, for kernel work on the device). With few chunks a
 /// warp, 4 in flight save round trips (qwen2.5-1.5b, whose split QKV, output and down projections take 4, 4 and
@@ -670,6 +688,18 @@ fn launch_gemv_tile(
         (0 | 1, true) => (0, layout::TOKENS),
         (2, _) => (2, 2 * layout::TOKENS),
         _ => (3, 4 * layout::TOKENS),
+    };
+    // 16 and 32 tokens a block: two row blocks a block where that is on and a mixed matrix's parts start at
+    // even row blocks (a block's row blocks share one format).
+    let pair_rows = variant >= 2
+        && gemv_row_blocks() == 2
+        && w.parts
+            .as_ref()
+            .is_none_or(|parts| parts.first.iter().all(|first| first % 2 == 0));
+    let (variant, blocks) = if pair_rows {
+        (variant + 2, blocks.div_ceil(2))
+    } else {
+        (variant, blocks)
     };
     let (kernels, name) = match w.format {
         WeightFormat::Bf16 => (&gpu.kernels.gemv_mma, "gemv_mma"),
