@@ -647,6 +647,15 @@ fn gemv_row_blocks() -> usize {
 
 const DEFAULT_GEMV_ROW_BLOCKS: usize = 1;
 
+/// Whether GEMV variant `variant` (0-1: 8 tokens, 2: 16, 3: 32) runs as its two-row-block kernel: only at 16 and
+/// 32 tokens, where that is on, and for a mixed matrix only where its parts start at even row blocks (a block's
+/// two row blocks must share one format).
+fn pairs_row_blocks(variant: usize, parts: Option<&layout::MixedParts>, row_blocks: usize) -> bool {
+    variant >= 2
+        && row_blocks == 2
+        && parts.is_none_or(|parts| parts.first.iter().all(|first| first % 2 == 0))
+}
+
 /// Split matrices at 8 tokens whose warps take at most this many chunks a split keep 4 chunks in flight a warp,
 /// the others 2 (`SPECULA_CUDA_SPLIT_DEPTH4_MAX` overrides it, for kernel work on the device). With few chunks a
 /// warp, 4 in flight save round trips (qwen2.5-1.5b, whose split QKV, output and down projections take 4, 4 and
@@ -689,14 +698,7 @@ fn launch_gemv_tile(
         (2, _) => (2, 2 * layout::TOKENS),
         _ => (3, 4 * layout::TOKENS),
     };
-    // 16 and 32 tokens a block: two row blocks a block where that is on and a mixed matrix's parts start at
-    // even row blocks (a block's row blocks share one format).
-    let pair_rows = variant >= 2
-        && gemv_row_blocks() == 2
-        && w.parts
-            .as_ref()
-            .is_none_or(|parts| parts.first.iter().all(|first| first % 2 == 0));
-    let (variant, blocks) = if pair_rows {
+    let (variant, blocks) = if pairs_row_blocks(variant, w.parts.as_ref(), gemv_row_blocks()) {
         (variant + 2, blocks.div_ceil(2))
     } else {
         (variant, blocks)
@@ -759,6 +761,27 @@ fn launch_gemv_tile(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_row_blocks_run_only_at_16_and_32_tokens_and_never_across_a_format_change() {
+        let parts = |first: [usize; 2]| layout::MixedParts {
+            formats: [
+                layout::TileFormat::Nibble,
+                layout::TileFormat::ScaledI8,
+                layout::TileFormat::Nibble,
+            ],
+            first,
+            offsets: [0, 0, 0],
+        };
+        for variant in 0..4 {
+            assert_eq!(pairs_row_blocks(variant, None, 2), variant >= 2);
+            assert!(!pairs_row_blocks(variant, None, 1));
+        }
+        assert!(pairs_row_blocks(2, Some(&parts([96, 112])), 2));
+        assert!(pairs_row_blocks(3, Some(&parts([96, 112])), 2));
+        assert!(!pairs_row_blocks(2, Some(&parts([96, 113])), 2));
+        assert!(!pairs_row_blocks(3, Some(&parts([95, 112])), 2));
+    }
 
     /// The value of `#define NAME VALUE` in kernels.cu.
     fn kernel_define(name: &str) -> usize {
