@@ -630,6 +630,7 @@ fn request_options_checks(
         frequency_penalty: 0.4,
         repetition_penalty: 1.3,
         logit_bias: vec![(plain.tokens[0], -100.0)],
+        ..Default::default()
     };
     let expected = specula::testing::adjusted_greedy_reference(model, tokens, n, &rules)?;
     let req = request(None, Some(rules));

@@ -272,6 +272,8 @@ pub struct Engine {
     pub vocab_size: usize,
     pub profiling: Profiling,
     pub options: EngineOptions,
+    /// The tokenizer's tokens as bytes for JSON mode, built by the first request that asks for it.
+    json_vocabulary: std::sync::OnceLock<Arc<specula::json_mode::JsonVocabulary>>,
 }
 
 /// Prepares the target's steps before the server takes requests ([`specula::model::Model::prepare_steps`]: on a
@@ -407,7 +409,15 @@ impl Engine {
             vocab_size,
             profiling,
             options,
+            json_vocabulary: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The vocabulary JSON mode masks (one for every request: masks computed for one state serve all).
+    pub fn json_vocabulary(&self) -> Arc<specula::json_mode::JsonVocabulary> {
+        self.json_vocabulary
+            .get_or_init(|| specula::json_mode::JsonVocabulary::new(&self.tokenizer))
+            .clone()
     }
 
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {

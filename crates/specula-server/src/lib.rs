@@ -586,6 +586,9 @@ fn adjustments(
         }
         Some(_) => return Err(bad_bias()),
     }
+    if json_mode(o)? {
+        a.json_object = Some(state.engine.json_vocabulary());
+    }
     a.validate(state.engine.vocab_size).map_err(|e| {
         let message = e.to_string();
         let param = [
@@ -599,6 +602,33 @@ fn adjustments(
         ApiError::bad(message, param)
     })?;
     Ok((!a.is_neutral()).then_some(a))
+}
+
+/// `response_format`: `{"type": "text"}` (or none) leaves the output free, `{"type": "json_object"}` constrains
+/// it to one JSON object (specula::json_mode). A JSON schema is refused rather than answered unconstrained.
+fn json_mode(o: &serde_json::Map<String, Value>) -> Result<bool, ApiError> {
+    let Some(v) = o.get("response_format").filter(|v| !v.is_null()) else {
+        return Ok(false);
+    };
+    let bad = |message: String| Err(ApiError::bad(message, Some("response_format")));
+    let Some(kind) = v.as_object().and_then(|f| f.get("type")) else {
+        return bad(
+            "response_format must be an object with a type: {\"type\": \"text\"} or {\"type\": \"json_object\"}"
+                .into(),
+        );
+    };
+    match kind.as_str() {
+        Some("text") => Ok(false),
+        Some("json_object") => Ok(true),
+        Some("json_schema") => bad(
+            "response_format json_schema is not supported by this server: only json_object (any JSON object) \
+             is constrained; describe the schema in the prompt and ask for json_object"
+                .into(),
+        ),
+        _ => bad(format!(
+            "response_format type {kind} is not known; use \"text\" or \"json_object\""
+        )),
+    }
 }
 
 /// The log-probabilities a request asks for: completions' `logprobs` is the number of alternatives (0: the
@@ -797,14 +827,6 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
         ))
     };
     let present = |key: &str| o.get(key).filter(|v| !v.is_null());
-    if let Some(v) = present("response_format") {
-        if v.get("type").and_then(Value::as_str) != Some("text") {
-            return refuse(
-                "response_format",
-                "structured output (JSON mode, JSON schema) is not constrained here; ask for JSON in the prompt",
-            );
-        }
-    }
     for key in ["tools", "functions"] {
         if present(key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
             return refuse(

@@ -605,10 +605,47 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
         "between -100 and 100",
     );
     refused(
-        chat(json!({"response_format": {"type": "json_object"}})),
+        chat(
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+        ),
         "response_format",
-        "structured output",
+        "json_schema is not supported",
     );
+    refused(
+        chat(json!({"response_format": {"type": "yaml"}})),
+        "response_format",
+        "not known",
+    );
+    refused(
+        completion(json!({"response_format": "json"})),
+        "response_format",
+        "must be an object",
+    );
+    // JSON mode is taken, on both endpoints, and its answers stay inside one JSON object.
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        ("/v1/completions", json!({"prompt": "hi"})),
+    ] {
+        let mut body = body;
+        body["max_tokens"] = json!(16);
+        body["temperature"] = json!(0);
+        body["response_format"] = json!({"type": "json_object"});
+        let (s, v) = post(addr, path, body);
+        assert_eq!(s, 200, "{v}");
+        let choice = &v["choices"][0];
+        let text = choice["message"]["content"]
+            .as_str()
+            .or(choice["text"].as_str())
+            .unwrap();
+        let state = specula::json_mode::JsonState::default().after(text.as_bytes());
+        assert!(state.is_some(), "{path}: {text:?} left the JSON language");
+        if choice["finish_reason"] == "stop" {
+            serde_json::from_str::<Value>(text).expect("a whole JSON object");
+        }
+    }
     refused(
         chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
         "tools",
@@ -1914,6 +1951,7 @@ fn penalties_and_logit_bias_answer_like_the_library() {
         frequency_penalty: 0.5,
         repetition_penalty: 1.3,
         logit_bias: vec![(first, -100.0), (104, 3.0)],
+        ..Default::default()
     };
     let want = library(Some(rules));
     assert_ne!(want.tokens, unadjusted.tokens);

@@ -11,6 +11,7 @@ pub mod draft;
 pub mod error;
 pub mod fuzz;
 pub mod hub;
+pub mod json_mode;
 pub mod model;
 pub mod parallel;
 pub mod profile;

@@ -109,6 +109,9 @@ pub struct LogitAdjustments {
     pub repetition_penalty: f32,
     /// (token, bias) pairs, each bias -100 to 100.
     pub logit_bias: Vec<(u32, f32)>,
+    /// JSON mode (OpenAI's `response_format` `json_object`): the output is one JSON object, every other token
+    /// masked out after the adjustments above (crate::json_mode).
+    pub json_object: Option<std::sync::Arc<crate::json_mode::JsonVocabulary>>,
 }
 
 impl Default for LogitAdjustments {
@@ -118,6 +121,7 @@ impl Default for LogitAdjustments {
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
+            json_object: None,
         }
     }
 }
@@ -128,6 +132,7 @@ impl LogitAdjustments {
             && self.frequency_penalty == 0.0
             && self.repetition_penalty == 1.0
             && self.logit_bias.iter().all(|&(_, b)| b == 0.0)
+            && self.json_object.is_none()
     }
 
     /// Checks the values against their ranges and the bias's tokens against a vocabulary of `vocab`.
@@ -154,6 +159,14 @@ impl LogitAdjustments {
                 self.logit_bias.len()
             )));
         }
+        if let Some(json) = &self.json_object {
+            if json.len() > vocab {
+                return Err(Error::InvalidArgument(format!(
+                    "JSON mode was set up for a tokenizer of {} tokens; the model has {vocab}",
+                    json.len()
+                )));
+            }
+        }
         for &(token, bias) in &self.logit_bias {
             if token as usize >= vocab {
                 return Err(Error::InvalidArgument(format!(
@@ -169,7 +182,8 @@ impl LogitAdjustments {
         Ok(())
     }
 
-    /// Adjusts one row of logits. `prompt_tokens` are the prompt's distinct tokens, sorted; `output_counts` how
+    /// Adjusts one row of logits by the penalties and the bias (the JSON mask needs the output's JSON state:
+    /// the generation applies it). `prompt_tokens` are the prompt's distinct tokens, sorted; `output_counts` how
     /// often each token occurs in the output so far (the row's own draft prefix included).
     pub fn apply(
         &self,
@@ -451,6 +465,7 @@ mod tests {
             frequency_penalty: 0.25,
             repetition_penalty: 1.3,
             logit_bias: vec![(7, 2.0), (20, -100.0), (3, 1.5)],
+            ..Default::default()
         };
         let mut want = base.clone();
         for (t, w) in want.iter_mut().enumerate() {

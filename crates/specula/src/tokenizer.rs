@@ -286,6 +286,19 @@ impl Tokenizer {
     pub fn stop_tokens(&self) -> &[u32] {
         &self.stop_tokens
     }
+
+    /// The special (control) tokens, sorted: matched whole in text, never part of ordinary output.
+    pub fn special_tokens(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
 }
 
 /// GGUF `gpt2` tokenizers: byte-level BPE from the vocabulary and merge list, with the family's pre-tokenizer.

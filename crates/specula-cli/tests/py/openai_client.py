@@ -89,12 +89,22 @@ first_id = tokenize("hello world" + done.choices[0].text)[len(prompt_ids)]
 penalized = client.completions.create(model=model, prompt="hello world", max_tokens=12, temperature=0,
                                       presence_penalty=1.0, frequency_penalty=0.5, logit_bias={str(first_id): -100})
 assert penalized.choices[0].text and penalized.choices[0].text != done.choices[0].text, (penalized, done)
+# JSON mode: the answer is one JSON object (whole, when the model stopped by itself).
+structured = client.chat.completions.create(
+    model=model, max_tokens=96, temperature=0, response_format={"type": "json_object"},
+    messages=[{"role": "user", "content": "Describe a cat named Tom, aged 3, as JSON with keys name and age."}])
+answer = structured.choices[0]
+print("json mode:", repr(answer.message.content), answer.finish_reason)
+assert answer.message.content.lstrip().startswith("{"), answer
+if answer.finish_reason == "stop":
+    assert isinstance(json.loads(answer.message.content), dict), answer
 try:
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                   response_format={"type": "json_object"})
-    raise SystemExit("response_format was accepted and would have been ignored")
+                                   response_format={"type": "json_schema",
+                                                    "json_schema": {"name": "x", "schema": {"type": "object"}}})
+    raise SystemExit("a JSON schema was accepted and would have been ignored")
 except openai.BadRequestError as e:
-    assert "response_format" in str(e), e
+    assert "json_schema" in str(e), e
 try:
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                    presence_penalty=3.0)

@@ -18,6 +18,7 @@ use std::time::Instant;
 use crate::draft::eagle3::{HeadCompute, HeadInput, HeadPass};
 use crate::draft::{BatchedPass, BatchedStart, Draft, Drafter, DrafterPrefix};
 use crate::error::{Error, Result};
+use crate::json_mode::JsonState;
 use crate::model::forward::check_batch;
 use crate::model::forward::HostRows;
 use crate::model::RowMatrix;
@@ -72,12 +73,14 @@ pub struct Generation<'d> {
     prepared_draft: Option<Draft>,
 }
 
-/// A request's logit adjustments with what they read: the prompt's distinct tokens and the output's counts.
+/// A request's logit adjustments with what they read: the prompt's distinct tokens, the output's counts and, in
+/// JSON mode, how far the output has come through its object.
 struct Adjuster {
     rules: LogitAdjustments,
     /// Sorted, each once.
     prompt_tokens: Vec<u32>,
     output_counts: std::collections::HashMap<u32, u32>,
+    json_state: JsonState,
 }
 
 impl Adjuster {
@@ -89,6 +92,18 @@ impl Adjuster {
             rules,
             prompt_tokens,
             output_counts: Default::default(),
+            json_state: JsonState::default(),
+        }
+    }
+
+    /// Counts an output token (the JSON state ignores one that leaves the language: the mask never lets one
+    /// through, so only a caller outside the masked path could commit it).
+    fn commit(&mut self, token: u32) {
+        *self.output_counts.entry(token).or_default() += 1;
+        if let Some(json) = &self.rules.json_object {
+            if let Some(next) = json.advance(self.json_state, token) {
+                self.json_state = next;
+            }
         }
     }
 
@@ -111,6 +126,16 @@ impl Adjuster {
             };
             self.rules
                 .apply(&mut data[start..], &self.prompt_tokens, &counts);
+            if let Some(json) = &self.rules.json_object {
+                // A row after a draft token that leaves the JSON is never read: that token's own row masks it
+                // out, so acceptance stops there.
+                let state = drafted
+                    .iter()
+                    .try_fold(self.json_state, |state, &t| json.advance(state, t));
+                if let Some(state) = state {
+                    json.apply(state, &mut data[start..])?;
+                }
+            }
         }
         Ok(HostRows {
             rows: rows.len(),
@@ -725,7 +750,7 @@ impl<'d> Generation<'d> {
             self.context.push(token);
             self.logprobs.extend(logprobs.next());
             if let Some(a) = self.adjust.as_mut() {
-                *a.output_counts.entry(token).or_default() += 1;
+                a.commit(token);
             }
             appended += 1;
             if self.tokens.len() >= self.req.max_new_tokens {

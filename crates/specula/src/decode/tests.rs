@@ -434,6 +434,7 @@ fn sampled_speculation_with_penalties_has_the_adjusted_distribution() {
         frequency_penalty: 0.4,
         repetition_penalty: 1.4,
         logit_bias: vec![(PROMPT[0], 1.5)],
+        ..Default::default()
     };
     for drafter in [
         SampledDrafter::FixedQ { stop_after: None },
@@ -1773,6 +1774,7 @@ fn penalties_and_bias_shape_greedy_output_and_speculation_keeps_it() {
             frequency_penalty: 0.3,
             repetition_penalty: 1.2,
             logit_bias: vec![(unadjusted[0], -100.0), (101, 2.5)],
+            ..Default::default()
         },
     ] {
         let mut req = request(&PROMPT, n, SamplingParams::default());
@@ -1841,4 +1843,195 @@ fn penalties_and_bias_shape_greedy_output_and_speculation_keeps_it() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("frequency_penalty"), "{err}");
+}
+
+/// JSON mode: greedy output is the reference loop's (one forward a token, every token that would leave the JSON
+/// masked out), its bytes are a prefix of one JSON object (the whole object once a stop token ends it), and every
+/// drafter keeps it token for token; sampled output stays inside the language too.
+#[test]
+fn json_mode_constrains_output_and_speculation_keeps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (target, close) = target_and_close_draft(dir.path());
+    // A weak pull towards `}` walks through nested keys and values until the tokens run out; a strong one
+    // closes the object at once, so a stop token ends it.
+    let stops: Vec<StopReason> = [6.0, 13.0]
+        .iter()
+        .map(|&close_bias| json_mode_case(&target, &close, close_bias))
+        .collect();
+    assert_eq!(stops, [StopReason::MaxTokens, StopReason::EndOfText]);
+}
+
+fn json_mode_case(target: &LoadedModel, close: &LoadedModel, close_bias: f32) -> StopReason {
+    use crate::json_mode::{JsonState, JsonVocabulary};
+    let json = JsonVocabulary::new(&target.tokenizer);
+    // Random weights favour whitespace, which JSON allows almost anywhere: a bias against it (applied before
+    // the mask, as the rules say) makes the output walk through keys, values and brackets.
+    let whitespace: Vec<(u32, f32)> = (0..target.tokenizer.vocab_size() as u32)
+        .filter(|&t| {
+            let b = target.tokenizer.token_bytes(t);
+            !b.is_empty() && b.iter().all(|c| c.is_ascii_whitespace())
+        })
+        .map(|t| (t, -100.0))
+        .chain(
+            // Structure a little more likely, so the object closes within the test's tokens.
+            [
+                (&b"\""[..], 12.0),
+                (b":", 5.0),
+                (b",", 5.0),
+                (b"}", close_bias),
+                (b"7", 5.0),
+                (b"[", 5.0),
+            ]
+            .iter()
+            .filter_map(|&(text, bias)| {
+                (0..target.tokenizer.vocab_size() as u32)
+                    .find(|&t| target.tokenizer.token_bytes(t) == text)
+                    .map(|t| (t, bias))
+            }),
+        )
+        .collect();
+    let rules = crate::sampling::LogitAdjustments {
+        json_object: Some(json.clone()),
+        logit_bias: whitespace.clone(),
+        ..Default::default()
+    };
+    let stop = target.tokenizer.stop_tokens().to_vec();
+    assert!(!stop.is_empty());
+    let n = 48;
+    // The reference: the mask computed token by token from the decoded bytes.
+    let reference = {
+        let model = target.model.as_ref();
+        let mut cache = model.new_cache(PROMPT.len() + n + 1).unwrap();
+        let mut state = JsonState::default();
+        let mut out = Vec::new();
+        let mut feed = PROMPT.to_vec();
+        for _ in 0..n {
+            let h = model
+                .forward_one(
+                    &feed,
+                    cache.as_mut(),
+                    &ForwardOptions::default(),
+                    LogitsFor::Last,
+                    &Profiler::disabled(),
+                )
+                .unwrap()
+                .to_host()
+                .unwrap();
+            let mut row = h.last().to_vec();
+            for &(t, b) in &whitespace {
+                row[t as usize] += b;
+            }
+            let special = target.tokenizer.special_tokens();
+            let best = (0..row.len() as u32)
+                .filter(|&t| {
+                    if stop.contains(&t) {
+                        state.is_done()
+                    } else {
+                        let bytes = target.tokenizer.token_bytes(t);
+                        !bytes.is_empty()
+                            && special.binary_search(&t).is_err()
+                            && state.after(&bytes).is_some()
+                    }
+                })
+                .max_by(|&a, &b| row[a as usize].total_cmp(&row[b as usize]).then(b.cmp(&a)))
+                .unwrap();
+            if stop.contains(&best) {
+                break;
+            }
+            state = state.after(&target.tokenizer.token_bytes(best)).unwrap();
+            out.push(best);
+            feed = vec![best];
+        }
+        out
+    };
+    let mut req = request(&PROMPT, n, SamplingParams::default());
+    req.stop_at_eos = true;
+    req.logit_adjustments = Some(rules.clone());
+    let plain = run(target, &req, None);
+    assert_eq!(plain.tokens, reference);
+    let unconstrained = run(
+        target,
+        &request(&PROMPT, n, SamplingParams::default()),
+        None,
+    );
+    assert_ne!(
+        plain.tokens, unconstrained.tokens,
+        "the mask changed nothing"
+    );
+    let bytes: Vec<u8> = plain
+        .tokens
+        .iter()
+        .flat_map(|&t| target.tokenizer.token_bytes(t))
+        .collect();
+    let state = JsonState::default()
+        .after(&bytes)
+        .expect("output left the JSON language");
+    if plain.stop_reason == StopReason::EndOfText {
+        assert!(state.is_done());
+        serde_json::from_slice::<serde_json::Value>(&bytes).expect("a whole JSON object");
+    }
+    let mut all = PROMPT.to_vec();
+    all.extend(&plain.tokens);
+    let mut drafter = ModelDrafter::new(close.model.as_ref(), 0).unwrap();
+    let mut ngram = NgramDrafter::with_stopping(1, 3, Some(0.0)).unwrap();
+    let mut oracle = OracleTreeDrafter {
+        plain: all,
+        vocab: target.model.config().vocab_size as u32,
+    };
+    let drafters: Vec<(&str, &mut dyn Drafter)> = vec![
+        ("draft model", &mut drafter),
+        ("ngram", &mut ngram),
+        ("tree", &mut oracle),
+    ];
+    for (name, d) in drafters {
+        let out = run(
+            target,
+            &req,
+            Some(Speculation {
+                drafter: d,
+                draft_tokens: 4,
+                simulate_acceptance: None,
+            }),
+        );
+        assert_eq!(out.tokens, plain.tokens, "{name}");
+    }
+    // Sampled, with a draft model: whatever is drawn stays a JSON prefix.
+    for seed in 0..4 {
+        let mut req = request(
+            &PROMPT,
+            n,
+            SamplingParams {
+                temperature: 1.0,
+                seed,
+                ..SamplingParams::default()
+            },
+        );
+        req.stop_at_eos = true;
+        req.logit_adjustments = Some(rules.clone());
+        let mut drafter = ModelDrafter::new(close.model.as_ref(), 0).unwrap();
+        let out = run(
+            target,
+            &req,
+            Some(Speculation {
+                drafter: &mut drafter,
+                draft_tokens: 3,
+                simulate_acceptance: None,
+            }),
+        );
+        let bytes: Vec<u8> = out
+            .tokens
+            .iter()
+            .flat_map(|&t| target.tokenizer.token_bytes(t))
+            .collect();
+        let state = JsonState::default().after(&bytes);
+        assert!(
+            state.is_some(),
+            "seed {seed}: {}",
+            String::from_utf8_lossy(&bytes)
+        );
+        if out.stop_reason == StopReason::EndOfText {
+            assert!(state.unwrap().is_done());
+        }
+    }
+    plain.stop_reason
 }
