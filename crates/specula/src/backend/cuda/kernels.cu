@@ -389,9 +389,11 @@ struct ScaledI8Weights {
 // 64-row pass of the qwen2.5-1.5b shape.)
 // RB is the number of row blocks a block takes (blocks blockIdx.x * RB ..): a warp loads a chunk's activations
 // once for all RB weight tiles. Activations come split (hi + lo), 512 bytes a token tile and chunk, so at 16
-// tokens a warp reads 2 KiB of them for every 1 KiB bf16 tile, 384-byte Q4_K tile or 640-byte int8 tile; one
-// row block a block made a 16-row pass cost 1.4-1.5x an 8-row one. Which row blocks a block takes never changes
-// which warp sums which chunk or in what order: every RB gives the same bits.
+// tokens a warp reads 2 KiB of them for every 1 KiB bf16 tile, 384-byte Q4_K tile or 640-byte int8 tile. On bf16
+// weights RB 2 was 8-9% slower at 9-16 rows on an H100 (half the blocks, fewer loads in flight; session 39), so
+// the host runs RB 1 unless asked (ops.rs gemv_row_blocks); Q4_K, where activations weigh most, is unmeasured.
+// Which row blocks a block takes never changes which warp sums which chunk or in what order: every RB gives the
+// same bits.
 // `w` holds the tiles of row blocks `first_block` on (a part of a mixed matrix, or the whole one).
 template <typename W, int NT, int DEPTH, int RB>
 __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const uint4* __restrict__ xs,

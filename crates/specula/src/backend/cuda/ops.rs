@@ -630,7 +630,8 @@ pub(crate) fn gemv_with(
 }
 
 /// Row blocks (16 outputs) a GEMV block takes at 16 and 32 tokens, 1 or 2 (`SPECULA_CUDA_GEMV_ROW_BLOCKS`): with 2,
-/// a warp's activation loads serve two weight tiles. The same bits either way (kernels.cu gemv_mma_tile).
+/// a warp's activation loads serve two weight tiles. The same bits either way (kernels.cu gemv_mma_tile). 1 by
+/// default: on bf16 weights 2 was 8-9% slower at 9-16 rows on an H100 (docs/benchmarks.md, session 39).
 fn gemv_row_blocks() -> usize {
     static ROW_BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ROW_BLOCKS.get_or_init(|| {
