@@ -383,7 +383,8 @@ struct ScaledI8Weights {
     }
 };
 
-// NT is the number of 8-token tiles a block takes (1 for decode and verify up to 8 rows, 2 up to 16, 4 past that:
+// NT is the number of 8-token tiles a block takes (1 for decode and verify up to 8 rows, 2 up to 16, 3 up to 24,
+// 4 past that:
 // the weights are read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT. (8 tiles
 // a block, at one chunk in flight a warp for want of registers, was slower on an H200: 5.75 ms against 3.71 for a
 // 64-row pass of the qwen2.5-1.5b shape.)
@@ -523,6 +524,7 @@ GEMV_MMA_KERNEL(gemv_mma_8_d4, Bf16Weights, 1, 4, 1)
 GEMV_MMA_KERNEL(gemv_mma_8_d2, Bf16Weights, 1, 2, 1)
 GEMV_MMA_KERNEL(gemv_mma_16, Bf16Weights, 2, 2, 1)
 GEMV_MMA_KERNEL(gemv_mma_16_r2, Bf16Weights, 2, 2, 2)
+GEMV_MMA_KERNEL(gemv_mma_24, Bf16Weights, 3, 2, 1)
 GEMV_MMA_KERNEL(gemv_mma_32, Bf16Weights, 4, 2, 1)
 GEMV_MMA_KERNEL(gemv_mma_32_r2, Bf16Weights, 4, 2, 2)
 // Native nibble weights (Q4_K, Q4_1; 2.7x fewer bytes than bf16), the same sums bit for bit.
@@ -530,6 +532,7 @@ GEMV_MMA_KERNEL(gemv_q4k_8_d4, Q4kWeights, 1, 4, 1)
 GEMV_MMA_KERNEL(gemv_q4k_8_d2, Q4kWeights, 1, 2, 1)
 GEMV_MMA_KERNEL(gemv_q4k_16, Q4kWeights, 2, 2, 1)
 GEMV_MMA_KERNEL(gemv_q4k_16_r2, Q4kWeights, 2, 2, 2)
+GEMV_MMA_KERNEL(gemv_q4k_24, Q4kWeights, 3, 2, 1)
 GEMV_MMA_KERNEL(gemv_q4k_32, Q4kWeights, 4, 2, 1)
 GEMV_MMA_KERNEL(gemv_q4k_32_r2, Q4kWeights, 4, 2, 2)
 // Native scaled-int8 weights (Q6_K, Q8_0, Q5_0, Q4_0; 1.6x fewer bytes than bf16), the same sums bit for bit.
@@ -537,6 +540,7 @@ GEMV_MMA_KERNEL(gemv_i8_8_d4, ScaledI8Weights, 1, 4, 1)
 GEMV_MMA_KERNEL(gemv_i8_8_d2, ScaledI8Weights, 1, 2, 1)
 GEMV_MMA_KERNEL(gemv_i8_16, ScaledI8Weights, 2, 2, 1)
 GEMV_MMA_KERNEL(gemv_i8_16_r2, ScaledI8Weights, 2, 2, 2)
+GEMV_MMA_KERNEL(gemv_i8_24, ScaledI8Weights, 3, 2, 1)
 GEMV_MMA_KERNEL(gemv_i8_32, ScaledI8Weights, 4, 2, 1)
 GEMV_MMA_KERNEL(gemv_i8_32_r2, ScaledI8Weights, 4, 2, 2)
 
@@ -581,6 +585,7 @@ GEMV_MIXED_KERNEL(gemv_mixed_8_d4, 1, 4, 1)
 GEMV_MIXED_KERNEL(gemv_mixed_8_d2, 1, 2, 1)
 GEMV_MIXED_KERNEL(gemv_mixed_16, 2, 2, 1)
 GEMV_MIXED_KERNEL(gemv_mixed_16_r2, 2, 2, 2)
+GEMV_MIXED_KERNEL(gemv_mixed_24, 3, 2, 1)
 GEMV_MIXED_KERNEL(gemv_mixed_32, 4, 2, 1)
 GEMV_MIXED_KERNEL(gemv_mixed_32_r2, 4, 2, 2)
 

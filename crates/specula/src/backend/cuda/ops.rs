@@ -648,11 +648,18 @@ fn gemv_row_blocks() -> usize {
 
 const DEFAULT_GEMV_ROW_BLOCKS: usize = 1;
 
-/// Whether GEMV variant `variant` (0-1: 8 tokens, 2: 16, 3: 32) runs as its two-row-block kernel: only at 16 and
-/// 32 tokens, where that is on, and for a mixed matrix only where its parts start at even row blocks (a block's
+/// Whether 17-24 tokens run as the 24-token tile (`SPECULA_CUDA_GEMV_24=0` runs them as the 32-token one, as before
+/// session 39). The same bits either way: a tile's width never changes a sum.
+fn gemv_24_tokens() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GEMV_24").map_or(true, |v| v != "0"))
+}
+
+/// Whether GEMV variant `variant` (0-1: 8 tokens, 2: 16, 3: 32, 6: 24) runs as its two-row-block kernel: only at 16
+/// and 32 tokens, where that is on, and for a mixed matrix only where its parts start at even row blocks (a block's
 /// two row blocks must share one format).
 fn pairs_row_blocks(variant: usize, parts: Option<&layout::MixedParts>, row_blocks: usize) -> bool {
-    variant >= 2
+    (variant == 2 || variant == 3)
         && row_blocks == 2
         && parts.is_none_or(|parts| parts.first.iter().all(|first| first % 2 == 0))
 }
@@ -688,8 +695,8 @@ fn launch_gemv_tile(
     blocks: usize,
 ) -> Result<()> {
     // 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices and split ones of
-    // few chunks a warp, 2 for the other split ones: split_depth4_max), 16 up to 16 rows (long verifies, trees), 32 past that (batches,
-    // prefill). The same arithmetic per output whichever runs.
+    // few chunks a warp, 2 for the other split ones: split_depth4_max), 16 up to 16 rows (long verifies, trees), 24 up to 24, 32 past that
+    // (batches, prefill). The same arithmetic per output whichever runs.
     let (variant, tokens) = match (m.div_ceil(layout::TOKENS), splits > 1) {
         (0 | 1, false) => (0, layout::TOKENS),
         (0 | 1, true) if w.chunks.div_ceil(splits).div_ceil(layout::WARPS) > split_depth4_max() => {
@@ -697,6 +704,7 @@ fn launch_gemv_tile(
         }
         (0 | 1, true) => (0, layout::TOKENS),
         (2, _) => (2, 2 * layout::TOKENS),
+        (3, _) if gemv_24_tokens() => (6, 3 * layout::TOKENS),
         _ => (3, 4 * layout::TOKENS),
     };
     let (variant, blocks) = if pairs_row_blocks(variant, w.parts.as_ref(), gemv_row_blocks()) {
@@ -774,8 +782,11 @@ mod tests {
             first,
             offsets: [0, 0, 0],
         };
-        for variant in 0..4 {
-            assert_eq!(pairs_row_blocks(variant, None, 2), variant >= 2);
+        for variant in 0..7 {
+            assert_eq!(
+                pairs_row_blocks(variant, None, 2),
+                variant == 2 || variant == 3
+            );
             assert!(!pairs_row_blocks(variant, None, 1));
         }
         assert!(pairs_row_blocks(2, Some(&parts([96, 112])), 2));
