@@ -648,11 +648,11 @@ fn gemv_row_blocks() -> usize {
 
 const DEFAULT_GEMV_ROW_BLOCKS: usize = 1;
 
-/// Whether 17-24 tokens run as the 24-token tile (`SPECULA_CUDA_GEMV_24=0` runs them as the 32-token one, as before
-/// session 39). The same bits either way: a tile's width never changes a sum.
+/// Whether 17-24 tokens run as the 24-token tile (`SPECULA_CUDA_GEMV_24=1`) rather than the 32-token one. The same
+/// bits either way (a tile's width never changes a sum); off until timed on a device (docs/gpu.md).
 fn gemv_24_tokens() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GEMV_24").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GEMV_24").is_ok_and(|v| v == "1"))
 }
 
 /// Whether GEMV variant `variant` (0-1: 8 tokens, 2: 16, 3: 32, 6: 24) runs as its two-row-block kernel: only at 16
