@@ -123,6 +123,9 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-turn tokens (fixed-length runs for benchmarks).
     #[arg(long)]
     pub ignore_eos: bool,
+    /// JSON mode: the output is one JSON object (the server's `response_format` `json_object`).
+    #[arg(long)]
+    pub json_object: bool,
     /// Profiling detail: off, phases (default), or fine (adds per-layer attention/MLP spans).
     #[arg(long, value_enum, default_value_t = ProfileLevel::Phases)]
     pub profile: ProfileLevel,
@@ -605,7 +608,12 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
         stop_at_eos: !args.ignore_eos,
         cancel: None,
         logprobs: None,
-        logit_adjustments: None,
+        logit_adjustments: args
+            .json_object
+            .then(|| specula::sampling::LogitAdjustments {
+                json_object: Some(specula::json_mode::JsonVocabulary::new(&loaded.tokenizer)),
+                ..Default::default()
+            }),
     };
     let prof = Profiler::with_clock(args.profile.detail(), loaded.model.clock(args.exact_timing));
     let eagle3_head = match &choice {

@@ -228,3 +228,46 @@ fn draft_with_another_vocabulary_is_refused() {
         "{stderr}"
     );
 }
+
+/// `--json-object` on a real model: the answer is one JSON object (or, cut by -n, a prefix of one), and prompt
+/// lookup keeps it token for token.
+#[test]
+fn json_object_mode_answers_json_and_speculation_keeps_it() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "-m",
+            "smollm2-135m",
+            "-p",
+            "Give the name and age of a cat called Tom, aged 3, as JSON.",
+            "-n",
+            "64",
+            "--temperature",
+            "0",
+            "-t",
+            "2",
+            "--json-object",
+        ];
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_specula"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let plain = run(&[]);
+    let text = plain.trim_end_matches('\n');
+    let state = specula::json_mode::JsonState::default().after(text.as_bytes());
+    assert!(state.is_some(), "not JSON: {text:?}");
+    if state.unwrap().is_done() {
+        let v: serde_json::Value = serde_json::from_str(text).unwrap();
+        assert!(v.is_object(), "{v}");
+    }
+    assert!(text.trim_start().starts_with('{'), "{text:?}");
+    assert_eq!(run(&["--draft", "ngram"]), plain);
+}
