@@ -1581,6 +1581,40 @@ fn draft_model_rounds_draft_what_each_request_drafts_alone() {
 
 /// A tiny target with an untied LM head, and the same weights in 4 bits as its draft model (agreeing often, not
 /// always).
+/// `req` run with a draft model (`close`), prompt lookup and a tree drafter that knows `plain` (plain decoding's
+/// tokens for it), each drafting 4 tokens: (name, output).
+fn run_with_each_drafter(
+    target: &LoadedModel,
+    close: &LoadedModel,
+    req: &GenerateRequest,
+    plain: &[u32],
+) -> Vec<(&'static str, GenerateOutput)> {
+    let mut all = req.prompt_tokens.clone();
+    all.extend(plain);
+    let mut drafter = ModelDrafter::new(close.model.as_ref(), 0).unwrap();
+    let mut ngram = NgramDrafter::with_stopping(1, 3, Some(0.0)).unwrap();
+    let mut oracle = OracleTreeDrafter {
+        plain: all,
+        vocab: target.model.config().vocab_size as u32,
+    };
+    let drafters: Vec<(&'static str, &mut dyn Drafter)> = vec![
+        ("draft model", &mut drafter),
+        ("ngram", &mut ngram),
+        ("tree", &mut oracle),
+    ];
+    drafters
+        .into_iter()
+        .map(|(name, d)| {
+            let spec = Speculation {
+                drafter: d,
+                draft_tokens: 4,
+                simulate_acceptance: None,
+            };
+            (name, run(target, req, Some(spec)))
+        })
+        .collect()
+}
+
 fn target_and_close_draft(dir: &std::path::Path) -> (LoadedModel, LoadedModel) {
     let spec = TinySpec {
         seed: 3,
@@ -1787,29 +1821,7 @@ fn penalties_and_bias_shape_greedy_output_and_speculation_keeps_it() {
             "{rules:?}"
         );
         assert_ne!(plain.tokens, unadjusted, "{rules:?} changed nothing");
-        let mut all = PROMPT.to_vec();
-        all.extend(&plain.tokens);
-        let mut drafter = ModelDrafter::new(close.model.as_ref(), 0).unwrap();
-        let mut ngram = NgramDrafter::with_stopping(1, 3, Some(0.0)).unwrap();
-        let mut oracle = OracleTreeDrafter {
-            plain: all,
-            vocab: target.model.config().vocab_size as u32,
-        };
-        let drafters: Vec<(&str, &mut dyn Drafter)> = vec![
-            ("draft model", &mut drafter),
-            ("ngram", &mut ngram),
-            ("tree", &mut oracle),
-        ];
-        for (name, d) in drafters {
-            let out = run(
-                &target,
-                &req,
-                Some(Speculation {
-                    drafter: d,
-                    draft_tokens: 4,
-                    simulate_acceptance: None,
-                }),
-            );
+        for (name, out) in run_with_each_drafter(&target, &close, &req, &plain.tokens) {
             assert_eq!(out.tokens, plain.tokens, "{name} {rules:?}");
             let drafted = out.speculation.unwrap().drafted;
             // Penalized output rarely repeats, so prompt lookup may find nothing to propose under one rule.
@@ -1970,29 +1982,7 @@ fn json_mode_case(target: &LoadedModel, close: &LoadedModel, close_bias: f32) ->
         assert!(state.is_done());
         serde_json::from_slice::<serde_json::Value>(&bytes).expect("a whole JSON object");
     }
-    let mut all = PROMPT.to_vec();
-    all.extend(&plain.tokens);
-    let mut drafter = ModelDrafter::new(close.model.as_ref(), 0).unwrap();
-    let mut ngram = NgramDrafter::with_stopping(1, 3, Some(0.0)).unwrap();
-    let mut oracle = OracleTreeDrafter {
-        plain: all,
-        vocab: target.model.config().vocab_size as u32,
-    };
-    let drafters: Vec<(&str, &mut dyn Drafter)> = vec![
-        ("draft model", &mut drafter),
-        ("ngram", &mut ngram),
-        ("tree", &mut oracle),
-    ];
-    for (name, d) in drafters {
-        let out = run(
-            target,
-            &req,
-            Some(Speculation {
-                drafter: d,
-                draft_tokens: 4,
-                simulate_acceptance: None,
-            }),
-        );
+    for (name, out) in run_with_each_drafter(target, close, &req, &plain.tokens) {
         assert_eq!(out.tokens, plain.tokens, "{name}");
     }
     // Sampled, with a draft model: whatever is drawn stays a JSON prefix.
