@@ -135,6 +135,13 @@ impl LogitAdjustments {
             && self.json_object.is_none()
     }
 
+    /// Whether `apply` reads the output's token counts (the repetition, frequency and presence penalties).
+    pub fn reads_output_counts(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+    }
+
     /// Checks the values against their ranges and the bias's tokens against a vocabulary of `vocab`.
     pub fn validate(&self, vocab: usize) -> Result<()> {
         for (name, v) in [

@@ -115,7 +115,8 @@ impl Adjuster {
         for (row, drafted) in rows {
             let start = data.len();
             data.extend_from_slice(&logits.row(*row)?);
-            let counts = if drafted.is_empty() {
+            // Only the penalties read the counts: JSON mode alone does not copy them for every drafted row.
+            let counts = if drafted.is_empty() || !self.rules.reads_output_counts() {
                 std::borrow::Cow::Borrowed(&self.output_counts)
             } else {
                 let mut c = self.output_counts.clone();
