@@ -24,8 +24,7 @@ e3="--draft eagle3 --draft-model $head --draft-tokens 3 --draft-confidence 0"
 declare -A flags_of=([plain]="" [ngram]="--draft ngram" [model]="--draft-model qwen2.5-coder-0.5b"
                      [eagle3]="$e3" [eagle3-alone]="$e3" [eagle3-cap8]="$e3 --spec-disable-batch-size 8"
                      [eagle3-count-cap]="$e3" [eagle3-keep]="$e3" [eagle3-idle8]="$e3" [eagle3-idle4]="$e3"
-                     [eagle3-margin5]="$e3" [ngram-margin5]="--draft ngram"
-                     [plain-rb1]="" [eagle3-rb1]="$e3" [eagle3-margin5-rb1]="$e3")
+                     [eagle3-margin5]="$e3" [ngram-margin5]="--draft ngram")
 run=0
 for name in ${CONFIGS:-plain ngram model}; do
     run=$((run + 1))
@@ -41,11 +40,9 @@ for name in ${CONFIGS:-plain ngram model}; do
     # *-margin5: the draft budget takes a drafted step only where it expects it to beat the undrafted one by 5%
     # (SPECULA_STEP_MARGIN; default 2%).
     margin=0.02; case "$name" in *-margin5*) margin=0.05 ;; esac
-    # *-rb1: the 16- and 32-token GEMVs take one row block a block (SPECULA_CUDA_GEMV_ROW_BLOCKS=1), else two.
-    rows=2; case "$name" in *-rb1) rows=1 ;; esac
     # A config named twice (an ABA order) keeps each run's files apart.
     [ -e "$out/serve-$name.log" ] && name="$name.$run"
-    SPECULA_CUDA_GEMV_ROW_BLOCKS=$rows SPECULA_STEP_MARGIN=$margin SPECULA_RELEASE_IDLE_AFTER=$after SPECULA_IDLE_DRAFTERS=$idle SPECULA_AUTO_CAP_NEIGHBOURS=$neighbours SPECULA_SHARED_HEAD=$shared "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags \
+    SPECULA_STEP_MARGIN=$margin SPECULA_RELEASE_IDLE_AFTER=$after SPECULA_IDLE_DRAFTERS=$idle SPECULA_AUTO_CAP_NEIGHBOURS=$neighbours SPECULA_SHARED_HEAD=$shared "$bin" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 $flags \
         > "$out/serve-$name.log" 2>&1 &
     pid=$!
     for _ in $(seq 120); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 1; done

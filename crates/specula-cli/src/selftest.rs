@@ -44,6 +44,13 @@ pub struct SelftestArgs {
     /// Time forward passes of 1 to this many rows (the verify(n) curve printed at the end).
     #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u64).range(1..=512))]
     pub verify_rows: u64,
+    /// Time forward passes of exactly these row counts instead of 1..=--verify-rows (e.g. `16,17`, to compare
+    /// two shapes under a kernel profiler).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=512))]
+    pub time_rows: Vec<u64>,
+    /// Only time the forward passes: no checks and no verdict (for kernel profiling on a device).
+    #[arg(long)]
+    pub timings_only: bool,
 }
 
 /// One check's outcome.
@@ -67,6 +74,17 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
         model.weight_types(),
         model.device(),
     );
+    let sizes: Vec<usize> = if args.time_rows.is_empty() {
+        (1..=args.verify_rows as usize).collect()
+    } else {
+        args.time_rows.iter().map(|&n| n as usize).collect()
+    };
+    if args.timings_only {
+        let ms = specula::bench::measure_forward_ms(model, &tokens, &sizes, 5)?;
+        print_timings(tokens.len(), &sizes, &ms);
+        println!("verdict: not checked (--timings-only)");
+        return Ok(());
+    }
     let out = forward(model, &tokens, None, LogitsFor::All)?;
     let mut hasher = Sha256::new();
     for v in &out.logits.data {
@@ -152,7 +170,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.eagle3_head {
         checks.extend(eagle3_head_checks(model, dir, &tokens)?);
     }
-    let timings = verify_timings(model, &tokens, args.verify_rows as usize)?;
+    let timings = specula::bench::measure_forward_ms(model, &tokens, &sizes, 5)?;
     let paths = specula::backend::cpu::kernels::active_kernel_paths();
     if !on_gpu {
         println!("kernel paths {}", paths.join("+"));
@@ -166,16 +184,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
             c.detail
         );
     }
-    println!(
-        "forward of n rows after {} tokens (median ms): {}",
-        tokens.len(),
-        timings
-            .iter()
-            .enumerate()
-            .map(|(i, ms)| format!("{}:{ms:.3}", i + 1))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    print_timings(tokens.len(), &sizes, &timings);
     let failed: Vec<&str> = checks
         .iter()
         .filter(|c| !c.passed)
@@ -204,6 +213,7 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
                 "matrix": c.name, "type": c.dtype, "max_relative_error": c.max_relative_error,
                 "tolerance": c.tolerance})).collect::<Vec<_>>(),
             "greedy_tokens_vs_cpu": cpu_tokens,
+            "forward_rows": sizes,
             "forward_ms_by_rows": timings,
             "passed": failed.is_empty(),
         });
@@ -1141,6 +1151,15 @@ fn captured_layer_checks(
 }
 
 /// Median forward time over 1..=9 rows after the prompt (a verify pass of k = 0..8), as bench measures it.
-fn verify_timings(model: &dyn Model, tokens: &[u32], rows: usize) -> anyhow::Result<Vec<f64>> {
-    Ok(specula::bench::measure_verify_cost(model, tokens, rows, 5)?.ms)
+/// The verify(n) curve's line: "n:ms" for each timed size.
+fn print_timings(context: usize, sizes: &[usize], ms: &[f64]) {
+    println!(
+        "forward of n rows after {context} tokens (median ms): {}",
+        sizes
+            .iter()
+            .zip(ms)
+            .map(|(n, ms)| format!("{n}:{ms:.3}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
 }

@@ -11,4 +11,4 @@ pub use run::{
     Progress,
 };
 pub use tune::{tune, TuneInput, TuneResult};
-pub use verify_cost::{measure_verify_cost, VerifyCost};
+pub use verify_cost::{measure_forward_ms, measure_verify_cost, VerifyCost};

@@ -39,6 +39,31 @@ pub fn measure_verify_cost(
     max_rows: usize,
     repeats: usize,
 ) -> Result<VerifyCost> {
+    let sizes: Vec<usize> = (1..=max_rows).collect();
+    let ms = measure_forward_ms(model, context_tokens, &sizes, repeats)?;
+    Ok(VerifyCost {
+        ms,
+        repeats,
+        context: context_tokens.len(),
+    })
+}
+
+/// Median milliseconds of a verify-shaped forward (logits for every row, then the rows' argmax) over each of
+/// `sizes` tokens after prefilling `context_tokens`, in the order given. Sizes are interleaved within each
+/// repetition (the order rotated each time) so that machine drift affects all of them alike; the cache is truncated
+/// back after every pass. Timing a few chosen sizes keeps a kernel profiler's run short.
+pub fn measure_forward_ms(
+    model: &dyn Model,
+    context_tokens: &[u32],
+    sizes: &[usize],
+    repeats: usize,
+) -> Result<Vec<f64>> {
+    let max_rows = sizes.iter().copied().max().unwrap_or(0);
+    if sizes.contains(&0) || context_tokens.is_empty() {
+        return Err(crate::error::Error::InvalidArgument(
+            "verify timings need at least one context token and sizes of at least one row".into(),
+        ));
+    }
     let prof = Profiler::disabled();
     let mut cache = model.new_cache_for(context_tokens.len(), max_rows, 0)?;
     let opts = ForwardOptions::default();
@@ -66,25 +91,20 @@ pub fn measure_verify_cost(
         Ok(())
     };
     // One untimed pass per size warms caches and the allocator.
-    for n in 1..=max_rows {
+    for &n in sizes {
         verify(n, cache.as_mut())?;
     }
-    let mut samples = vec![Vec::with_capacity(repeats); max_rows];
+    let mut samples = vec![Vec::with_capacity(repeats); sizes.len()];
     for rep in 0..repeats {
-        for i in 0..max_rows {
+        for i in 0..sizes.len() {
             // Rotate the order each repetition so no size always runs first.
-            let n = (i + rep) % max_rows + 1;
+            let at = (i + rep) % sizes.len();
             let start = Instant::now();
-            verify(n, cache.as_mut())?;
-            samples[n - 1].push(start.elapsed().as_secs_f64() * 1e3);
+            verify(sizes[at], cache.as_mut())?;
+            samples[at].push(start.elapsed().as_secs_f64() * 1e3);
         }
     }
-    let ms = samples.into_iter().map(median).collect();
-    Ok(VerifyCost {
-        ms,
-        repeats,
-        context: base,
-    })
+    Ok(samples.into_iter().map(median).collect())
 }
 
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
@@ -97,5 +117,32 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
         v[n / 2]
     } else {
         (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{write_tiny_gguf, TinySpec};
+
+    /// Chosen sizes are timed in the order given (the selftest's `--time-rows`), the full curve covers 1..=N, and
+    /// sizes the cache cannot hold or of zero rows are errors, not panics.
+    #[test]
+    fn forward_times_follow_the_sizes_asked_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        write_tiny_gguf(&path, &TinySpec::default()).unwrap();
+        let loaded = crate::model::load_gguf(&path, "tiny").unwrap();
+        let model = loaded.model.as_ref();
+        let context = [1u32, 2, 3, 4, 5];
+        let ms = measure_forward_ms(model, &context, &[5, 1, 3], 2).unwrap();
+        assert_eq!(ms.len(), 3);
+        assert!(ms.iter().all(|t| t.is_finite() && *t > 0.0), "{ms:?}");
+        let curve = measure_verify_cost(model, &context, 4, 1).unwrap();
+        assert_eq!(curve.ms.len(), 4);
+        assert_eq!(curve.context, context.len());
+        assert!(measure_forward_ms(model, &context, &[0, 2], 1).is_err());
+        assert!(measure_forward_ms(model, &[], &[2], 1).is_err());
+        assert!(measure_forward_ms(model, &context, &[10_000], 1).is_err());
     }
 }

@@ -17,29 +17,21 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_mma_8_d2",
     "gemv_mma_16",
     "gemv_mma_32",
-    "gemv_mma_16_r2",
-    "gemv_mma_32_r2",
     "gemv_mma_24",
     "gemv_q4k_8_d4",
     "gemv_q4k_8_d2",
     "gemv_q4k_16",
     "gemv_q4k_32",
-    "gemv_q4k_16_r2",
-    "gemv_q4k_32_r2",
     "gemv_q4k_24",
     "gemv_i8_8_d4",
     "gemv_i8_8_d2",
     "gemv_i8_16",
     "gemv_i8_32",
-    "gemv_i8_16_r2",
-    "gemv_i8_32_r2",
     "gemv_i8_24",
     "gemv_mixed_8_d4",
     "gemv_mixed_8_d2",
     "gemv_mixed_16",
     "gemv_mixed_32",
-    "gemv_mixed_16_r2",
-    "gemv_mixed_32_r2",
     "gemv_mixed_24",
     "gemm_mma_32",
     "gemm_mma_64",
@@ -102,16 +94,15 @@ pub struct Kernels {
     /// Activations split into the GEMV's bf16 hi + lo fragments (where no producing kernel writes them so).
     pub split_rows: CudaFunction,
     /// The tensor-core GEMV: 8 tokens a block with 4 or 2 chunks in flight a warp, 16 and 32 tokens a block, then
-    /// 16 and 32 tokens a block taking two row blocks (one activation load for both: `ops::gemv_row_blocks`), then
-    /// 24 tokens a block.
-    pub gemv_mma: [CudaFunction; 7],
-    /// The same seven over native Q4_K weights (layout.rs `tile_q4k`): the same sums, bit for bit.
-    pub gemv_q4k: [CudaFunction; 7],
+    /// 24 tokens a block (`ops::launch_gemv_tile` picks by rows).
+    pub gemv_mma: [CudaFunction; 5],
+    /// The same five over native Q4_K weights (layout.rs `tile_q4k`): the same sums, bit for bit.
+    pub gemv_q4k: [CudaFunction; 5],
     /// And over scaled-int8 weights (native Q6_K, Q8_0, Q5_0: layout.rs `tile_q6k` ...).
-    pub gemv_i8: [CudaFunction; 7],
+    pub gemv_i8: [CudaFunction; 5],
     /// And over a matrix stacked from parts of different formats (`layout::MixedParts`), each row block
     /// through its part's path.
-    pub gemv_mixed: [CudaFunction; 7],
+    pub gemv_mixed: [CudaFunction; 5],
     /// The same sums for many tokens, four row blocks a block: 32 and 64 tokens a block (off unless
     /// `SPECULA_CUDA_GEMM_ROWS` asks for it: slower than the GEMV since activations come split).
     pub gemm_mma: [CudaFunction; 2],
@@ -302,8 +293,6 @@ impl Gpu {
                 f("gemv_mma_8_d2")?,
                 f("gemv_mma_16")?,
                 f("gemv_mma_32")?,
-                f("gemv_mma_16_r2")?,
-                f("gemv_mma_32_r2")?,
                 f("gemv_mma_24")?,
             ],
             gemv_q4k: [
@@ -311,8 +300,6 @@ impl Gpu {
                 f("gemv_q4k_8_d2")?,
                 f("gemv_q4k_16")?,
                 f("gemv_q4k_32")?,
-                f("gemv_q4k_16_r2")?,
-                f("gemv_q4k_32_r2")?,
                 f("gemv_q4k_24")?,
             ],
             gemv_i8: [
@@ -320,8 +307,6 @@ impl Gpu {
                 f("gemv_i8_8_d2")?,
                 f("gemv_i8_16")?,
                 f("gemv_i8_32")?,
-                f("gemv_i8_16_r2")?,
-                f("gemv_i8_32_r2")?,
                 f("gemv_i8_24")?,
             ],
             gemv_mixed: [
@@ -329,8 +314,6 @@ impl Gpu {
                 f("gemv_mixed_8_d2")?,
                 f("gemv_mixed_16")?,
                 f("gemv_mixed_32")?,
-                f("gemv_mixed_16_r2")?,
-                f("gemv_mixed_32_r2")?,
                 f("gemv_mixed_24")?,
             ],
             gemm_mma: [f("gemm_mma_32")?, f("gemm_mma_64")?],

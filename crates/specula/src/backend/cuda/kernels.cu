@@ -388,60 +388,51 @@ struct ScaledI8Weights {
 // the weights are read once per 8 * NT tokens); the arithmetic per (row, token) is the same for every NT. (8 tiles
 // a block, at one chunk in flight a warp for want of registers, was slower on an H200: 5.75 ms against 3.71 for a
 // 64-row pass of the qwen2.5-1.5b shape.)
-// RB is the number of row blocks a block takes (blocks blockIdx.x * RB ..): a warp loads a chunk's activations
-// once for all RB weight tiles. Activations come split (hi + lo), 512 bytes a token tile and chunk, so at 16
-// tokens a warp reads 2 KiB of them for every 1 KiB bf16 tile, 384-byte Q4_K tile or 640-byte int8 tile. On bf16
-// weights RB 2 was 8-9% slower at 9-16 rows on an H100 (half the blocks, fewer loads in flight; session 39), so
-// the host runs RB 1 unless asked (ops.rs gemv_row_blocks); Q4_K, where activations weigh most, is unmeasured.
-// Which row blocks a block takes never changes which warp sums which chunk or in what order: every RB gives the
-// same bits.
 // `w` holds the tiles of row blocks `first_block` on (a part of a mixed matrix, or the whole one).
-template <typename W, int NT, int DEPTH, int RB>
+// (A block taking two row blocks, so that a warp's activation loads served two weight tiles, was slower on every
+// shape measured: bf16 8-9% at 9-16 rows on an H100, the real Q4_K_M 1.5B's server 3-10% at 8-16 streams on an
+// H200; docs/benchmarks.md, sessions 39 and 40. Half the blocks keep fewer loads in flight.)
+template <typename W, int NT, int DEPTH>
 __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const uint4* __restrict__ xs,
                                               float* __restrict__ y, int n, int k, int chunks, int m, int accumulate,
                                               int splits, float* __restrict__ scratch, int silu_pairs,
                                               int first_block = 0) {
-    __shared__ float partial[MMA_WARPS - 1][RB * NT * 4][32];
+    __shared__ float partial[MMA_WARPS - 1][NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int block0 = blockIdx.x * RB;
+    const int block = blockIdx.x;
     const int per_split = (chunks + splits - 1) / splits;
     const int c_begin = blockIdx.z * per_split, c_end = min(chunks, c_begin + per_split);
-    const uint4* tiles[RB];
-    bool valid[RB];
-#pragma unroll
-    for (int r = 0; r < RB; r++) {
-        tiles[r] = w + (size_t)(block0 + r - first_block) * chunks * W::TILE_U4;
-        valid[r] = (block0 + r) * 16 < n;
-    }
+    const uint4* tiles = w + (size_t)(block - first_block) * chunks * W::TILE_U4;
+    const bool valid = block * 16 < n;
     {
+        // Weights never depend on an earlier kernel: start pulling the warp's first four chunks into L2 (lanes
+        // 8j..8j+7 take the 128-byte lines of chunk j) while the previous kernel finishes.
         const int c = c_begin + warp + (lane >> 3) * MMA_WARPS;
-#pragma unroll
-        for (int r = 0; r < RB; r++)
-            if (valid[r] && c < c_end && (lane & 7) < W::LINES)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(tiles[r] + (size_t)c * W::TILE_U4) + (lane & 7) * 128));
+        if (valid && c < c_end && (lane & 7) < W::LINES)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(tiles + (size_t)c * W::TILE_U4) + (lane & 7) * 128));
     }
     PDL_ENTER();
-    if (!valid[0]) return;
+    if (!valid) return;
     const int g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.y * 8 * NT;
     bool has_token[NT];
 #pragma unroll
     for (int u = 0; u < NT; u++) has_token[u] = r0 + 8 * u + g < m;
-    float d[RB][NT][4];
+    float d[NT][4];
 #pragma unroll
-    for (int r = 0; r < RB; r++)
-#pragma unroll
-        for (int u = 0; u < NT; u++) d[r][u][0] = d[r][u][1] = d[r][u][2] = d[r][u][3] = 0.f;
+    for (int u = 0; u < NT; u++) d[u][0] = d[u][1] = d[u][2] = d[u][3] = 0.f;
+    // DEPTH chunks at a time: every weight and activation load of the group is issued before the first mma, so
+    // DEPTH KiB of weights per warp are in flight (one chunk at a time waited on memory every iteration and
+    // streamed at ~30% of bandwidth; DEPTH 8 needed 153 registers a thread and was slower than 4). Chunks past the
+    // split's end are neither loaded nor multiplied (c is the same in every lane: the mma stays warp-uniform).
     for (int base = c_begin + warp; base < c_end; base += DEPTH * MMA_WARPS) {
-        typename W::Raw raw[DEPTH][RB];
+        typename W::Raw raw[DEPTH];
         uint4 b[DEPTH][NT][2];
 #pragma unroll
         for (int j = 0; j < DEPTH; j++) {
             const int c = base + j * MMA_WARPS;
             if (c < c_end) {
-#pragma unroll
-                for (int r = 0; r < RB; r++)
-                    if (valid[r]) raw[j][r] = W::load(tiles[r] + (size_t)c * W::TILE_U4, lane);
+                raw[j] = W::load(tiles + (size_t)c * W::TILE_U4, lane);
 #pragma unroll
                 for (int u = 0; u < NT; u++)
                     load_split(xs, blockIdx.y * NT + u, chunks, c, lane, has_token[u], b[j][u][0], b[j][u][1]);
@@ -450,69 +441,56 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
 #pragma unroll
         for (int j = 0; j < DEPTH; j++) {
             if (base + j * MMA_WARPS < c_end) {
+                uint4 a[2];
+                W::expand(raw[j], a);
 #pragma unroll
-                for (int r = 0; r < RB; r++) {
-                    if (!valid[r]) continue;
-                    uint4 a[2];
-                    W::expand(raw[j][r], a);
-#pragma unroll
-                    for (int u = 0; u < NT; u++) mma_chunk(d[r][u], a, b[j][u][0], b[j][u][1]);
-                }
+                for (int u = 0; u < NT; u++) mma_chunk(d[u], a, b[j][u][0], b[j][u][1]);
             }
         }
     }
     if (warp > 0) {
 #pragma unroll
-        for (int r = 0; r < RB; r++)
+        for (int u = 0; u < NT; u++)
 #pragma unroll
-            for (int u = 0; u < NT; u++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) partial[warp - 1][(r * NT + u) * 4 + e][lane] = d[r][u][e];
+            for (int e = 0; e < 4; e++) partial[warp - 1][u * 4 + e][lane] = d[u][e];
     }
     __syncthreads();
     if (warp != 0) return;
     for (int w = 0; w < MMA_WARPS - 1; w++)
 #pragma unroll
-        for (int r = 0; r < RB; r++)
+        for (int u = 0; u < NT; u++)
 #pragma unroll
-            for (int u = 0; u < NT; u++)
+            for (int e = 0; e < 4; e++) d[u][e] += partial[w][u * 4 + e][lane];
+    const int row_a = block * 16 + g, row_b = row_a + 8;
 #pragma unroll
-                for (int e = 0; e < 4; e++) d[r][u][e] += partial[w][(r * NT + u) * 4 + e][lane];
+    for (int u = 0; u < NT; u++) {
 #pragma unroll
-    for (int r = 0; r < RB; r++) {
-        if (!valid[r]) continue;
-        const int block = block0 + r;
-        const int row_a = block * 16 + g, row_b = row_a + 8;
-#pragma unroll
-        for (int u = 0; u < NT; u++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int token = r0 + 8 * u + 2 * t + e;
-                const float va = d[r][u][e], vb = d[r][u][2 + e];
-                if (silu_pairs) {
-                    store_silu_split(y, n, m, token, block * 8 + g, g, va, vb);
-                    continue;
-                }
-                if (token >= m) continue;
-                if (splits > 1) {
-                    float* dst = scratch + ((size_t)blockIdx.z * m + token) * n;
-                    if (row_a < n) dst[row_a] = va;
-                    if (row_b < n) dst[row_b] = vb;
-                } else {
-                    float* dst = y + (size_t)token * n;
-                    if (row_a < n) dst[row_a] = accumulate ? dst[row_a] + va : va;
-                    if (row_b < n) dst[row_b] = accumulate ? dst[row_b] + vb : vb;
-                }
+        for (int e = 0; e < 2; e++) {
+            const int token = r0 + 8 * u + 2 * t + e;
+            const float va = d[u][e], vb = d[u][2 + e];
+            if (silu_pairs) {
+                store_silu_split(y, n, m, token, block * 8 + g, g, va, vb);
+                continue;
+            }
+            if (token >= m) continue;
+            if (splits > 1) {
+                float* dst = scratch + ((size_t)blockIdx.z * m + token) * n;
+                if (row_a < n) dst[row_a] = va;
+                if (row_b < n) dst[row_b] = vb;
+            } else {
+                float* dst = y + (size_t)token * n;
+                if (row_a < n) dst[row_a] = accumulate ? dst[row_a] + va : va;
+                if (row_b < n) dst[row_b] = accumulate ? dst[row_b] + vb : vb;
             }
         }
     }
 }
 
-#define GEMV_MMA_KERNEL(name, W, NT, DEPTH, RB)                                                                 \
+#define GEMV_MMA_KERNEL(name, W, NT, DEPTH)                                                                     \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                                 \
         name(const uint4* __restrict__ w, const uint4* __restrict__ xs, float* __restrict__ y, int n, int k,       \
              int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {       \
-        gemv_mma_tile<W, NT, DEPTH, RB>(w, xs, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);   \
+        gemv_mma_tile<W, NT, DEPTH>(w, xs, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs);       \
     }
 // DEPTH only changes how many chunks' loads are in flight, never which warp sums which chunk, so every variant
 // gives the same bits. Measured on an H200 (docs/benchmarks.md): DEPTH 4 streams the large unsplit gate/up
@@ -520,74 +498,66 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
 // split-K ones of many (the 8b shape's down projection 30.5 us against 36.1 us): ops.rs split_depth4_max.
 // (Loading a warp's first group of weights into registers before the PDL wait, instead of into L2, lost 8-9% on
 // every shape: docs/benchmarks.md, session 30.)
-GEMV_MMA_KERNEL(gemv_mma_8_d4, Bf16Weights, 1, 4, 1)
-GEMV_MMA_KERNEL(gemv_mma_8_d2, Bf16Weights, 1, 2, 1)
-GEMV_MMA_KERNEL(gemv_mma_16, Bf16Weights, 2, 2, 1)
-GEMV_MMA_KERNEL(gemv_mma_16_r2, Bf16Weights, 2, 2, 2)
-GEMV_MMA_KERNEL(gemv_mma_24, Bf16Weights, 3, 2, 1)
-GEMV_MMA_KERNEL(gemv_mma_32, Bf16Weights, 4, 2, 1)
-GEMV_MMA_KERNEL(gemv_mma_32_r2, Bf16Weights, 4, 2, 2)
+GEMV_MMA_KERNEL(gemv_mma_8_d4, Bf16Weights, 1, 4)
+GEMV_MMA_KERNEL(gemv_mma_8_d2, Bf16Weights, 1, 2)
+GEMV_MMA_KERNEL(gemv_mma_16, Bf16Weights, 2, 2)
+GEMV_MMA_KERNEL(gemv_mma_24, Bf16Weights, 3, 2)
+GEMV_MMA_KERNEL(gemv_mma_32, Bf16Weights, 4, 2)
 // Native nibble weights (Q4_K, Q4_1; 2.7x fewer bytes than bf16), the same sums bit for bit.
-GEMV_MMA_KERNEL(gemv_q4k_8_d4, Q4kWeights, 1, 4, 1)
-GEMV_MMA_KERNEL(gemv_q4k_8_d2, Q4kWeights, 1, 2, 1)
-GEMV_MMA_KERNEL(gemv_q4k_16, Q4kWeights, 2, 2, 1)
-GEMV_MMA_KERNEL(gemv_q4k_16_r2, Q4kWeights, 2, 2, 2)
-GEMV_MMA_KERNEL(gemv_q4k_24, Q4kWeights, 3, 2, 1)
-GEMV_MMA_KERNEL(gemv_q4k_32, Q4kWeights, 4, 2, 1)
-GEMV_MMA_KERNEL(gemv_q4k_32_r2, Q4kWeights, 4, 2, 2)
+GEMV_MMA_KERNEL(gemv_q4k_8_d4, Q4kWeights, 1, 4)
+GEMV_MMA_KERNEL(gemv_q4k_8_d2, Q4kWeights, 1, 2)
+GEMV_MMA_KERNEL(gemv_q4k_16, Q4kWeights, 2, 2)
+GEMV_MMA_KERNEL(gemv_q4k_24, Q4kWeights, 3, 2)
+GEMV_MMA_KERNEL(gemv_q4k_32, Q4kWeights, 4, 2)
 // Native scaled-int8 weights (Q6_K, Q8_0, Q5_0, Q4_0; 1.6x fewer bytes than bf16), the same sums bit for bit.
-GEMV_MMA_KERNEL(gemv_i8_8_d4, ScaledI8Weights, 1, 4, 1)
-GEMV_MMA_KERNEL(gemv_i8_8_d2, ScaledI8Weights, 1, 2, 1)
-GEMV_MMA_KERNEL(gemv_i8_16, ScaledI8Weights, 2, 2, 1)
-GEMV_MMA_KERNEL(gemv_i8_16_r2, ScaledI8Weights, 2, 2, 2)
-GEMV_MMA_KERNEL(gemv_i8_24, ScaledI8Weights, 3, 2, 1)
-GEMV_MMA_KERNEL(gemv_i8_32, ScaledI8Weights, 4, 2, 1)
-GEMV_MMA_KERNEL(gemv_i8_32_r2, ScaledI8Weights, 4, 2, 2)
+GEMV_MMA_KERNEL(gemv_i8_8_d4, ScaledI8Weights, 1, 4)
+GEMV_MMA_KERNEL(gemv_i8_8_d2, ScaledI8Weights, 1, 2)
+GEMV_MMA_KERNEL(gemv_i8_16, ScaledI8Weights, 2, 2)
+GEMV_MMA_KERNEL(gemv_i8_24, ScaledI8Weights, 3, 2)
+GEMV_MMA_KERNEL(gemv_i8_32, ScaledI8Weights, 4, 2)
 
 // A matrix stacked from parts of different formats (Q, K and V of mixed GGUF types): row blocks [0, first1) in
 // format f & 3, [first1, first2) in (f >> 2) & 3, [first2, ...) in (f >> 4) & 3 (0 bf16, 1 nibble, 2 scaled int8),
 // each part's tiles at its offset (in 16-byte units) into `w`. Every block takes one part's path, so every output
 // is that format's kernel's bits, which are the bf16 GEMV's.
-template <int NT, int DEPTH, int RB>
+template <int NT, int DEPTH>
 __device__ __forceinline__ void gemv_mixed_tile(const uint4* __restrict__ w, const uint4* __restrict__ xs,
                                                 float* __restrict__ y, int n, int k, int chunks, int m,
                                                 int accumulate, int splits, float* __restrict__ scratch,
                                                 int silu_pairs, int first1, int first2, u64 offset1, u64 offset2,
                                                 int formats) {
-    const int block = blockIdx.x * RB;  // the host keeps a block's RB row blocks in one part
+    const int block = blockIdx.x;
     const int part = block >= first2 ? 2 : (block >= first1 ? 1 : 0);
     const int first = part == 2 ? first2 : (part == 1 ? first1 : 0);
     const uint4* tiles = w + (part == 2 ? offset2 : (part == 1 ? offset1 : 0));
     switch ((formats >> (2 * part)) & 3) {
         case 1:
-            gemv_mma_tile<Q4kWeights, NT, DEPTH, RB>(tiles, xs, y, n, k, chunks, m, accumulate, splits, scratch,
+            gemv_mma_tile<Q4kWeights, NT, DEPTH>(tiles, xs, y, n, k, chunks, m, accumulate, splits, scratch,
                                                  silu_pairs, first);
             break;
         case 2:
-            gemv_mma_tile<ScaledI8Weights, NT, DEPTH, RB>(tiles, xs, y, n, k, chunks, m, accumulate, splits, scratch,
+            gemv_mma_tile<ScaledI8Weights, NT, DEPTH>(tiles, xs, y, n, k, chunks, m, accumulate, splits, scratch,
                                                       silu_pairs, first);
             break;
         default:
-            gemv_mma_tile<Bf16Weights, NT, DEPTH, RB>(tiles, xs, y, n, k, chunks, m, accumulate, splits, scratch,
+            gemv_mma_tile<Bf16Weights, NT, DEPTH>(tiles, xs, y, n, k, chunks, m, accumulate, splits, scratch,
                                                   silu_pairs, first);
     }
 }
 
-#define GEMV_MIXED_KERNEL(name, NT, DEPTH, RB)                                                                    \
+#define GEMV_MIXED_KERNEL(name, NT, DEPTH)                                                                        \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                                 \
         name(const uint4* __restrict__ w, const uint4* __restrict__ xs, float* __restrict__ y, int n, int k,       \
              int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs,        \
              int first1, int first2, u64 offset1, u64 offset2, int formats) {                                  \
-        gemv_mixed_tile<NT, DEPTH, RB>(w, xs, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs, first1,  \
+        gemv_mixed_tile<NT, DEPTH>(w, xs, y, n, k, chunks, m, accumulate, splits, scratch, silu_pairs, first1,      \
                                    first2, offset1, offset2, formats);                                         \
     }
-GEMV_MIXED_KERNEL(gemv_mixed_8_d4, 1, 4, 1)
-GEMV_MIXED_KERNEL(gemv_mixed_8_d2, 1, 2, 1)
-GEMV_MIXED_KERNEL(gemv_mixed_16, 2, 2, 1)
-GEMV_MIXED_KERNEL(gemv_mixed_16_r2, 2, 2, 2)
-GEMV_MIXED_KERNEL(gemv_mixed_24, 3, 2, 1)
-GEMV_MIXED_KERNEL(gemv_mixed_32, 4, 2, 1)
-GEMV_MIXED_KERNEL(gemv_mixed_32_r2, 4, 2, 2)
+GEMV_MIXED_KERNEL(gemv_mixed_8_d4, 1, 4)
+GEMV_MIXED_KERNEL(gemv_mixed_8_d2, 1, 2)
+GEMV_MIXED_KERNEL(gemv_mixed_16, 2, 2)
+GEMV_MIXED_KERNEL(gemv_mixed_24, 3, 2)
+GEMV_MIXED_KERNEL(gemv_mixed_32, 4, 2)
 
 // The GEMV's sums for many tokens at once (prefill, wide verifies and trees, batched serving), bit for bit: a
 // block of GEMM_ROW_BLOCKS x GEMM_TOKEN_GROUPS warps owns GEMM_ROW_BLOCKS row blocks and GEMM_TOKEN_GROUPS * NT

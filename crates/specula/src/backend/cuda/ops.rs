@@ -458,21 +458,24 @@ fn override_code(force: Option<bool>) -> u8 {
 /// steps; prompt chunks keep the grid of rows x heads x splits.
 pub(crate) const ATTENTION_LIST_MAX_ROWS: usize = 64;
 
-/// Whether launches of 12 to 64 rows take attention as a list (default; `SPECULA_CUDA_ATTENTION_LIST=0` keeps
-/// the grid of rows x heads x splits, to compare: the same bits either way).
+/// Whether launches of 12 to 64 rows take attention as a list (`SPECULA_CUDA_ATTENTION_LIST=1`; off by default: the
+/// same bits either way). Session 31 made the list the default when one head took a block (16 rows 1.97 -> 1.92 ms,
+/// 32 rows 3.04 -> 2.69); since heads of a KV head share a block (session 32) the grid holds a third as many blocks,
+/// and on an H200 in session 40 the grid was faster at every row count measured: the real Q4_K_M 1.5B's 12-32-row
+/// passes 5-7% at 14 cached tokens and 11-15% at 428, its server +15-20% at 16 streams and +10-14% at 32 (plain),
+/// equal at 2-8 (docs/benchmarks.md).
 fn attention_list_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_ATTENTION_LIST").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_ATTENTION_LIST").is_ok_and(|v| v == "1"))
 }
 
-/// Rows from which attention runs as a list. Measured on the H200 (qwen2.5-1.5b shape, 64-token contexts, ms a
-/// pass, grid / list): 1 row 1.26 / 1.35, 4 rows 1.39 / 1.38, 8 rows 1.51 / 1.57, 16 rows 1.97 / 1.92, 32 rows
-/// 3.04 / 2.69: each list item runs slower than the grid's block (why is not known), which pays only where the
-/// grid's empty blocks come in many waves.
+/// Rows from which attention runs as a list where the list is on. Measured on the H200 (qwen2.5-1.5b shape, 64-token
+/// contexts, ms a pass, grid / list, one head a block, session 31): 1 row 1.26 / 1.35, 4 rows 1.39 / 1.38, 8 rows
+/// 1.51 / 1.57, 16 rows 1.97 / 1.92, 32 rows 3.04 / 2.69.
 const DEFAULT_ATTENTION_LIST_MIN_ROWS: usize = 12;
 
-/// Whether a launch of `rows` rows takes attention as a list: with the list on, from
-/// `SPECULA_CUDA_ATTENTION_LIST_MIN_ROWS` rows (default 12) unless the selftest forces it.
+/// Whether a launch of `rows` rows takes attention as a list: with the list on (`SPECULA_CUDA_ATTENTION_LIST=1`),
+/// from `SPECULA_CUDA_ATTENTION_LIST_MIN_ROWS` rows (default 12), unless the selftest forces it either way.
 pub(crate) fn attention_as_list(rows: usize) -> bool {
     static MIN_ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     match ATTENTION_LIST_OVERRIDE.load(std::sync::atomic::Ordering::Relaxed) {
@@ -629,39 +632,27 @@ pub(crate) fn gemv_with(
     Ok(0)
 }
 
-/// Row blocks (16 outputs) a GEMV block takes at 16 and 32 tokens, 1 or 2 (`SPECULA_CUDA_GEMV_ROW_BLOCKS`): with 2,
-/// a warp's activation loads serve two weight tiles. The same bits either way (kernels.cu gemv_mma_tile). 1 by
-/// default: on bf16 weights 2 was 8-9% slower at 9-16 rows on an H100 (docs/benchmarks.md, session 39).
-fn gemv_row_blocks() -> usize {
-    static ROW_BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROW_BLOCKS.get_or_init(|| {
-        match std::env::var("SPECULA_CUDA_GEMV_ROW_BLOCKS")
-            .ok()
-            .as_deref()
-        {
-            Some("1") => 1,
-            Some("2") => 2,
-            _ => DEFAULT_GEMV_ROW_BLOCKS,
-        }
-    })
-}
-
-const DEFAULT_GEMV_ROW_BLOCKS: usize = 1;
-
-/// Whether 17-24 tokens run as the 24-token tile (`SPECULA_CUDA_GEMV_24=1`) rather than the 32-token one. The same
-/// bits either way (a tile's width never changes a sum); off until timed on a device (docs/gpu.md).
+/// Whether 17-24 tokens run as the 24-token tile (default) rather than the 32-token one (`SPECULA_CUDA_GEMV_24=0`).
+/// The same bits either way (a tile's width never changes a sum). On an H200 the 24-token tile made 17-24-row passes
+/// of the real Q4_K_M 1.5B 10-11% faster, the bf16 1.5B shape's 3-4% and the 8b's 2% (docs/benchmarks.md, session 40).
 fn gemv_24_tokens() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GEMV_24").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GEMV_24").map_or(true, |v| v != "0"))
 }
 
-/// Whether GEMV variant `variant` (0-1: 8 tokens, 2: 16, 3: 32, 6: 24) runs as its two-row-block kernel: only at 16
-/// and 32 tokens, where that is on, and for a mixed matrix only where its parts start at even row blocks (a block's
-/// two row blocks must share one format).
-fn pairs_row_blocks(variant: usize, parts: Option<&layout::MixedParts>, row_blocks: usize) -> bool {
-    (variant == 2 || variant == 3)
-        && row_blocks == 2
-        && parts.is_none_or(|parts| parts.first.iter().all(|first| first % 2 == 0))
+/// The GEMV kernel variant (its index in `Kernels::gemv_mma` and the other format tables) and tokens a block for
+/// `m` tokens: 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices and split
+/// ones of few chunks a warp: `deep_split`; 2 for the other split ones), 16 up to 16 rows (long verifies, trees),
+/// 24 up to 24 where `tile_24` (else 32), 32 past that (batches, prefill). The same arithmetic per output whichever
+/// runs.
+fn gemv_tile(m: usize, split: bool, deep_split: bool, tile_24: bool) -> (usize, usize) {
+    match m.div_ceil(layout::TOKENS) {
+        0 | 1 if split && !deep_split => (1, layout::TOKENS),
+        0 | 1 => (0, layout::TOKENS),
+        2 => (2, 2 * layout::TOKENS),
+        3 if tile_24 => (4, 3 * layout::TOKENS),
+        _ => (3, 4 * layout::TOKENS),
+    }
 }
 
 /// Split matrices at 8 tokens whose warps take at most this many chunks a split keep 4 chunks in flight a warp,
@@ -694,24 +685,8 @@ fn launch_gemv_tile(
     splits: usize,
     blocks: usize,
 ) -> Result<()> {
-    // 8 tokens a block for decode and verify (4 chunks in flight a warp for unsplit matrices and split ones of
-    // few chunks a warp, 2 for the other split ones: split_depth4_max), 16 up to 16 rows (long verifies, trees), 24 up to 24, 32 past that
-    // (batches, prefill). The same arithmetic per output whichever runs.
-    let (variant, tokens) = match (m.div_ceil(layout::TOKENS), splits > 1) {
-        (0 | 1, false) => (0, layout::TOKENS),
-        (0 | 1, true) if w.chunks.div_ceil(splits).div_ceil(layout::WARPS) > split_depth4_max() => {
-            (1, layout::TOKENS)
-        }
-        (0 | 1, true) => (0, layout::TOKENS),
-        (2, _) => (2, 2 * layout::TOKENS),
-        (3, _) if gemv_24_tokens() => (6, 3 * layout::TOKENS),
-        _ => (3, 4 * layout::TOKENS),
-    };
-    let (variant, blocks) = if pairs_row_blocks(variant, w.parts.as_ref(), gemv_row_blocks()) {
-        (variant + 2, blocks.div_ceil(2))
-    } else {
-        (variant, blocks)
-    };
+    let deep_split = w.chunks.div_ceil(splits).div_ceil(layout::WARPS) <= split_depth4_max();
+    let (variant, tokens) = gemv_tile(m, splits > 1, deep_split, gemv_24_tokens());
     let (kernels, name) = match w.format {
         WeightFormat::Bf16 => (&gpu.kernels.gemv_mma, "gemv_mma"),
         WeightFormat::Q4k => (&gpu.kernels.gemv_q4k, "gemv_q4k"),
@@ -771,28 +746,35 @@ fn launch_gemv_tile(
 mod tests {
     use super::*;
 
+    /// Each row count gets the narrowest tile that holds it, and each variant index names the kernel of that width
+    /// in the kernel tables (context.rs KERNEL_NAMES lists them in table order after the 8-token pair).
     #[test]
-    fn two_row_blocks_run_only_at_16_and_32_tokens_and_never_across_a_format_change() {
-        let parts = |first: [usize; 2]| layout::MixedParts {
-            formats: [
-                layout::TileFormat::Nibble,
-                layout::TileFormat::ScaledI8,
-                layout::TileFormat::Nibble,
-            ],
-            first,
-            offsets: [0, 0, 0],
-        };
-        for variant in 0..7 {
-            assert_eq!(
-                pairs_row_blocks(variant, None, 2),
-                variant == 2 || variant == 3
-            );
-            assert!(!pairs_row_blocks(variant, None, 1));
+    fn gemv_tiles_fit_the_rows_and_index_their_kernels() {
+        let names: Vec<&str> = crate::backend::cuda::context::KERNEL_NAMES
+            .iter()
+            .copied()
+            .filter(|n| n.starts_with("gemv_mma_"))
+            .collect();
+        let suffix = |variant: usize| names[variant].trim_start_matches("gemv_mma_");
+        for tile_24 in [false, true] {
+            for m in 1..=40 {
+                for (split, deep) in [(false, false), (true, false), (true, true)] {
+                    let (variant, tokens) = gemv_tile(m, split, deep, tile_24);
+                    assert!(tokens >= m.min(32), "{m} rows in a {tokens}-token tile");
+                    let narrowest = [8, 16, 24, 32]
+                        .into_iter()
+                        .find(|&t| t >= m && (tile_24 || t != 24))
+                        .unwrap_or(32);
+                    assert_eq!(tokens, narrowest, "{m} rows, 24-token tile {tile_24}");
+                    let expected = match tokens {
+                        8 if split && !deep => "8_d2".to_string(),
+                        8 => "8_d4".to_string(),
+                        t => t.to_string(),
+                    };
+                    assert_eq!(suffix(variant), expected, "{m} rows");
+                }
+            }
         }
-        assert!(pairs_row_blocks(2, Some(&parts([96, 112])), 2));
-        assert!(pairs_row_blocks(3, Some(&parts([96, 112])), 2));
-        assert!(!pairs_row_blocks(2, Some(&parts([96, 113])), 2));
-        assert!(!pairs_row_blocks(3, Some(&parts([95, 112])), 2));
     }
 
     /// The value of `#define NAME VALUE` in kernels.cu.
