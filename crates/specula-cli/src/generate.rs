@@ -124,8 +124,12 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub ignore_eos: bool,
     /// JSON mode: the output is one JSON object (the server's `response_format` `json_object`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "json_schema")]
     pub json_object: bool,
+    /// The output is one JSON object matching the JSON Schema in FILE (the server's `response_format`
+    /// `json_schema`; the subset docs/serving.md lists).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<std::path::PathBuf>,
     /// Profiling detail: off, phases (default), or fine (adds per-layer attention/MLP spans).
     #[arg(long, value_enum, default_value_t = ProfileLevel::Phases)]
     pub profile: ProfileLevel,
@@ -601,6 +605,20 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
     let text = loaded.format_prompt(&prompt, args.raw, args.system.as_deref())?;
     let prompt_tokens = loaded.tokenizer.encode(&text)?;
     note_context_cap(loaded.model.as_ref(), prompt_tokens.len(), args.max_tokens);
+    let json_grammar = match (&args.json_schema, args.json_object) {
+        (Some(path), _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the JSON schema {}", path.display()))?;
+            let schema: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not JSON", path.display()))?;
+            Some(
+                specula::json_mode::JsonGrammar::from_schema(&schema)
+                    .with_context(|| format!("the JSON schema in {}", path.display()))?,
+            )
+        }
+        (None, true) => Some(specula::json_mode::JsonGrammar::any_object()),
+        (None, false) => None,
+    };
     let req = GenerateRequest {
         prompt_tokens,
         max_new_tokens: args.max_tokens,
@@ -608,12 +626,13 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
         stop_at_eos: !args.ignore_eos,
         cancel: None,
         logprobs: None,
-        logit_adjustments: args
-            .json_object
-            .then(|| specula::sampling::LogitAdjustments {
-                json_object: Some(specula::json_mode::JsonVocabulary::new(&loaded.tokenizer)),
-                ..Default::default()
-            }),
+        logit_adjustments: json_grammar.map(|grammar| specula::sampling::LogitAdjustments {
+            json: Some(specula::json_mode::JsonConstraint::new(
+                grammar,
+                specula::json_mode::JsonVocabulary::new(&loaded.tokenizer),
+            )),
+            ..Default::default()
+        }),
     };
     let prof = Profiler::with_clock(args.profile.detail(), loaded.model.clock(args.exact_timing));
     let eagle3_head = match &choice {

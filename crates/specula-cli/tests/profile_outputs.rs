@@ -229,10 +229,23 @@ fn draft_with_another_vocabulary_is_refused() {
     );
 }
 
-/// `--json-object` on a real model: the answer is one JSON object (or, cut by -n, a prefix of one), and prompt
-/// lookup keeps it token for token.
+/// `--json-object` and `--json-schema` on a real model: the answer is one JSON object (of the schema's shape; cut
+/// by -n, a prefix of one), and prompt lookup keeps it token for token. A schema the grammar cannot enforce is an
+/// error naming the keyword.
 #[test]
-fn json_object_mode_answers_json_and_speculation_keeps_it() {
+fn json_modes_answer_json_and_speculation_keeps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let schema_path = dir.path().join("cat.json");
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer"},
+            "toys": {"type": "array", "items": {"type": "string"}, "maxItems": 2}
+        },
+        "required": ["name", "age"]
+    });
+    std::fs::write(&schema_path, schema.to_string()).unwrap();
     let run = |extra: &[&str]| {
         let mut args = vec![
             "generate",
@@ -246,28 +259,51 @@ fn json_object_mode_answers_json_and_speculation_keeps_it() {
             "0",
             "-t",
             "2",
-            "--json-object",
         ];
         args.extend_from_slice(extra);
         let out = Command::new(env!("CARGO_BIN_EXE_specula"))
             .args(&args)
             .output()
             .unwrap();
-        assert!(
+        (
             out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     };
-    let plain = run(&[]);
-    let text = plain.trim_end_matches('\n');
-    let state = specula::json_mode::JsonState::default().after(text.as_bytes());
-    assert!(state.is_some(), "not JSON: {text:?}");
-    if state.unwrap().is_done() {
-        let v: serde_json::Value = serde_json::from_str(text).unwrap();
-        assert!(v.is_object(), "{v}");
+    let schema_arg = schema_path.to_str().unwrap();
+    for (mode, grammar) in [
+        (
+            vec!["--json-object"],
+            specula::json_mode::JsonGrammar::any_object(),
+        ),
+        (
+            vec!["--json-schema", schema_arg],
+            specula::json_mode::JsonGrammar::from_schema(&schema).unwrap(),
+        ),
+    ] {
+        let (ok, plain, stderr) = run(&mode);
+        assert!(ok, "{stderr}");
+        let text = plain.trim_end_matches('\n');
+        let state = grammar.after(specula::json_mode::JsonState::default(), text.as_bytes());
+        assert!(state.is_some(), "{mode:?}: not in the language: {text:?}");
+        if state.unwrap().is_done() {
+            let v: serde_json::Value = serde_json::from_str(text).unwrap();
+            assert!(v.is_object(), "{v}");
+        }
+        assert!(text.trim_start().starts_with('{'), "{text:?}");
+        let mut drafted = mode.clone();
+        drafted.extend(["--draft", "ngram"]);
+        assert_eq!(run(&drafted).1, plain, "{mode:?}");
     }
-    assert!(text.trim_start().starts_with('{'), "{text:?}");
-    assert_eq!(run(&["--draft", "ngram"]), plain);
+    std::fs::write(
+        &schema_path,
+        r#"{"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}"#,
+    )
+    .unwrap();
+    let (ok, _, stderr) = run(&["--json-schema", schema_arg]);
+    assert!(
+        !ok && stderr.contains("\"minimum\"") && stderr.contains("cat.json"),
+        "{stderr}"
+    );
 }

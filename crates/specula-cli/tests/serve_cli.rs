@@ -348,3 +348,76 @@ fn serve_survives_a_mixed_load_from_many_clients() {
         "{aborted} aborts counted, {left} clients left"
     );
 }
+
+/// Tools on a real model whose chat template renders them (qwen2.5-coder-0.5b, greedy): the weather question is
+/// answered with a call of the given function, arguments as a JSON string, finish reason `tool_calls`; streamed,
+/// the same call arrives as one delta. A conversation holding the call and its result renders and answers.
+#[test]
+fn serve_answers_with_tool_calls_on_a_qwen_model() {
+    let (mut child, addr) = spawn_server("qwen2.5-coder-0.5b", &[]);
+    let tools = serde_json::json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let ask = |extra: serde_json::Value| {
+        let mut body = serde_json::json!({
+            "temperature": 0, "max_tokens": 48, "tools": tools,
+            "messages": [{"role": "user", "content": "What is the weather like in Paris today?"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        send(
+            &addr,
+            "POST",
+            "/v1/chat/completions",
+            &body.to_string(),
+            false,
+        )
+    };
+    let (status, resp) = ask(serde_json::json!({}));
+    assert_eq!(status, 200, "{resp}");
+    let v: serde_json::Value = serde_json::from_str(&resp[resp.find('{').unwrap()..]).unwrap();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather", "{v}");
+    let args: serde_json::Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args["city"], "Paris", "{v}");
+    assert!(call["id"].as_str().unwrap().starts_with("call_"));
+    // Streamed: the call in one delta, then the finish reason.
+    let (status, resp) = ask(serde_json::json!({"stream": true}));
+    assert_eq!(status, 200, "{resp}");
+    let events: Vec<serde_json::Value> = resp
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let streamed: Vec<&serde_json::Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(streamed.len(), 1, "{resp}");
+    assert_eq!(streamed[0]["function"], call["function"]);
+    assert_eq!(streamed[0]["index"], 0);
+    assert_eq!(
+        events.last().unwrap()["choices"][0]["finish_reason"],
+        "tool_calls"
+    );
+    // tool_choice none: the tools are shown but nothing is parsed.
+    let (status, resp) = ask(serde_json::json!({"tool_choice": "none"}));
+    assert_eq!(status, 200, "{resp}");
+    let v: serde_json::Value = serde_json::from_str(&resp[resp.find('{').unwrap()..]).unwrap();
+    assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+    // The call and its result in the history.
+    let (status, resp) = ask(serde_json::json!({"messages": [
+        {"role": "user", "content": "What is the weather like in Paris today?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 18}"}]}));
+    assert_eq!(status, 200, "{resp}");
+    child.kill().unwrap();
+    let _ = child.wait();
+}

@@ -8,7 +8,7 @@
 //! client goes away. The CPU backend computes each row as it would alone, so a greedy request's output does not
 //! depend on what else runs with it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -147,7 +147,8 @@ pub enum DraftSetup {
 #[derive(Clone)]
 pub enum Input {
     Prompt(String),
-    Chat(Vec<ChatMessage>),
+    /// The messages, and the tool definitions the chat template renders (OpenAI's `tools`).
+    Chat(Vec<ChatMessage>, Option<serde_json::Value>),
     Tokens(Vec<u32>),
 }
 
@@ -159,9 +160,14 @@ pub fn tokenize_input(
 ) -> Result<Vec<u32>, String> {
     let text = match input {
         Input::Prompt(p) => std::borrow::Cow::Borrowed(p.as_str()),
-        Input::Chat(messages) => std::borrow::Cow::Owned(
-            specula::model::format_chat(chat_template, tokenizer, messages)
-                .map_err(|e| e.to_string())?,
+        Input::Chat(messages, tools) => std::borrow::Cow::Owned(
+            specula::model::format_chat_with_tools(
+                chat_template,
+                tokenizer,
+                messages,
+                tools.as_ref(),
+            )
+            .map_err(|e| e.to_string())?,
         ),
         Input::Tokens(t) => return Ok(t.clone()),
     };
@@ -272,9 +278,17 @@ pub struct Engine {
     pub vocab_size: usize,
     pub profiling: Profiling,
     pub options: EngineOptions,
-    /// The tokenizer's tokens as bytes for JSON mode, built by the first request that asks for it.
+    /// The tokenizer's tokens as bytes for constrained JSON, built by the first request that asks for it.
     json_vocabulary: std::sync::OnceLock<Arc<specula::json_mode::JsonVocabulary>>,
+    /// `json_object`'s constraint: one for every request, so masks computed for one state serve all.
+    json_object: std::sync::OnceLock<Arc<specula::json_mode::JsonConstraint>>,
+    /// Recent schemas' constraints by the schema's text (an application sends the same schema again and again;
+    /// each new state's mask is a pass over the vocabulary).
+    json_schemas: std::sync::Mutex<HashMap<String, Arc<specula::json_mode::JsonConstraint>>>,
 }
+
+/// Schemas whose constraints (and masks) a server keeps.
+const JSON_SCHEMAS_KEPT: usize = 32;
 
 /// Prepares the target's steps before the server takes requests ([`specula::model::Model::prepare_steps`]: on a
 /// GPU, its step buffers at their final size and a CUDA graph for every decoding and verifying row count), so a
@@ -410,14 +424,49 @@ impl Engine {
             profiling,
             options,
             json_vocabulary: std::sync::OnceLock::new(),
+            json_object: std::sync::OnceLock::new(),
+            json_schemas: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
-    /// The vocabulary JSON mode masks (one for every request: masks computed for one state serve all).
-    pub fn json_vocabulary(&self) -> Arc<specula::json_mode::JsonVocabulary> {
+    fn json_vocabulary(&self) -> Arc<specula::json_mode::JsonVocabulary> {
         self.json_vocabulary
             .get_or_init(|| specula::json_mode::JsonVocabulary::new(&self.tokenizer))
             .clone()
+    }
+
+    /// The constraint for `response_format` `json_object` (None) or `json_schema` (the schema): shared with every
+    /// request that asks for the same, so each state's mask is computed once. Errors name what in the schema is
+    /// not supported.
+    pub fn json_constraint(
+        &self,
+        schema: Option<&serde_json::Value>,
+    ) -> specula::Result<Arc<specula::json_mode::JsonConstraint>> {
+        use specula::json_mode::{JsonConstraint, JsonGrammar};
+        let Some(schema) = schema else {
+            return Ok(self
+                .json_object
+                .get_or_init(|| {
+                    JsonConstraint::new(JsonGrammar::any_object(), self.json_vocabulary())
+                })
+                .clone());
+        };
+        let key = schema.to_string();
+        if let Some(c) = self
+            .json_schemas
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
+            return Ok(c.clone());
+        }
+        let constraint =
+            JsonConstraint::new(JsonGrammar::from_schema(schema)?, self.json_vocabulary());
+        let mut kept = self.json_schemas.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() >= JSON_SCHEMAS_KEPT {
+            kept.clear();
+        }
+        Ok(kept.entry(key).or_insert(constraint).clone())
     }
 
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {

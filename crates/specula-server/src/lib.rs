@@ -381,6 +381,8 @@ struct Common {
     logprobs: Option<LogprobsRequest>,
     /// Penalties and logit bias (None when all are neutral).
     logit_adjustments: Option<LogitAdjustments>,
+    /// Chat with tools (`tool_choice` auto): the tools' names; the answer's calls become `tool_calls`.
+    tool_names: Option<Arc<Vec<String>>>,
 }
 
 /// A seed no earlier request got: std's per-process random hash keys over a counter and the clock (not for
@@ -550,7 +552,155 @@ fn common(
         n: choices(state, o)?,
         logprobs: None,
         logit_adjustments,
+        tool_names: None,
     })
+}
+
+/// A chat request's tools: the definitions for the chat template, and the names whose calls are parsed from the
+/// answer (None: `tool_choice` none).
+struct Tools {
+    definitions: Value,
+    parse_calls: Option<Arc<Vec<String>>>,
+}
+
+/// `tools` (OpenAI's list of `{"type": "function", "function": {"name": ..., "parameters": {...}}}`) and
+/// `tool_choice` (`auto`, the default, or `none`). The model's chat template renders the definitions; the answer's
+/// calls are parsed in the Hermes form its template asks for (`<tool_call>{"name": ..., "arguments": {...}}
+/// </tool_call>`: Qwen2 / Qwen2.5, Hermes). A template that does not render tools or ask for that form, and a
+/// `tool_choice` that would force a call, are refused by name rather than answered as if there were no tools.
+fn tools_asked(
+    state: &AppState,
+    o: &serde_json::Map<String, Value>,
+) -> Result<Option<Tools>, ApiError> {
+    let Some(list) = o.get("tools").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let bad = |m: String| ApiError::bad(m, Some("tools"));
+    let list = list
+        .as_array()
+        .ok_or_else(|| bad("tools must be a list of function tools".into()))?;
+    if list.is_empty() {
+        return Ok(None);
+    }
+    let mut names = Vec::with_capacity(list.len());
+    for (i, tool) in list.iter().enumerate() {
+        let name = tool
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty());
+        match name {
+            Some(name) if tool.get("type").and_then(Value::as_str) == Some("function") => {
+                names.push(name.to_string())
+            }
+            _ => {
+                return Err(bad(format!(
+                    "tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": {{...}}}}}}"
+                )))
+            }
+        }
+    }
+    let parse_calls = match o.get("tool_choice") {
+        None | Some(Value::Null) => Some(Arc::new(names)),
+        Some(Value::String(c)) if c == "auto" => Some(Arc::new(names)),
+        Some(Value::String(c)) if c == "none" => None,
+        Some(other) => {
+            return Err(ApiError::bad(
+                format!(
+                    "tool_choice {other} is not supported by this server: only \"auto\" and \"none\" (a call is \
+                     never forced)"
+                ),
+                Some("tool_choice"),
+            ))
+        }
+    };
+    let template = state.engine.chat_template.as_ref();
+    if !template.is_some_and(|t| t.takes_hermes_tools()) {
+        return Err(bad(format!(
+            "this model's chat template does not render tools in the form this server parses (Hermes \
+             <tool_call> blocks: Qwen2 / Qwen2.5 templates); {} was not given its tools",
+            state.engine.model_name
+        )));
+    }
+    Ok(Some(Tools {
+        definitions: Value::Array(list.clone()),
+        parse_calls,
+    }))
+}
+
+/// An answer's tool calls, in the Hermes form (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as
+/// Qwen2.5's template asks): the text outside the blocks (None when blank) and the calls in OpenAI's shape,
+/// arguments as a JSON string. Small models often drop the tags: an answer that is nothing but one such object
+/// naming one of `names` is a call too. None where the answer holds no call, or a block is not one (then it is all
+/// content, as vLLM's Hermes parser leaves it).
+fn parse_tool_calls(
+    text: &str,
+    names: &[String],
+    id_seed: u64,
+) -> Option<(Option<String>, Vec<Value>)> {
+    const OPEN: &str = "<tool_call>";
+    const CLOSE: &str = "</tool_call>";
+    let call_of = |json: &str, index: usize| -> Option<Value> {
+        let call: Value = serde_json::from_str(json.trim()).ok()?;
+        let name = call.get("name")?.as_str()?;
+        let arguments = match call.get("arguments") {
+            None | Some(Value::Null) => "{}".to_string(),
+            Some(Value::String(s)) => s.clone(),
+            Some(v @ Value::Object(_)) => v.to_string(),
+            Some(_) => return None,
+        };
+        Some(json!({
+            "id": format!("call_{:016x}", id_seed.wrapping_add(index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }))
+    };
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(OPEN) {
+        content.push_str(&rest[..start]);
+        let after = &rest[start + OPEN.len()..];
+        let end = after.find(CLOSE)?;
+        calls.push(call_of(&after[..end], calls.len())?);
+        rest = &after[end + CLOSE.len()..];
+    }
+    if calls.is_empty() {
+        // A bare call: the whole answer one object naming a tool.
+        let call = call_of(text, 0)?;
+        let name = call["function"]["name"].as_str()?;
+        return names.iter().any(|n| n == name).then(|| (None, vec![call]));
+    }
+    content.push_str(rest);
+    let content = content.trim();
+    Some(((!content.is_empty()).then(|| content.to_string()), calls))
+}
+
+/// A chat choice's message and finish reason: with tools, the calls parsed out of the text (finish reason
+/// `tool_calls` where the model stopped by itself after them).
+fn chat_message(
+    text: String,
+    finish_reason: &str,
+    tools: Option<&[String]>,
+    id_seed: u64,
+) -> (Value, String) {
+    if let Some(names) = tools {
+        if let Some((content, calls)) = parse_tool_calls(&text, names, id_seed) {
+            let finish = if finish_reason == "stop" {
+                "tool_calls"
+            } else {
+                finish_reason
+            };
+            return (
+                json!({"role": "assistant", "content": content, "tool_calls": calls}),
+                finish.to_string(),
+            );
+        }
+    }
+    (
+        json!({"role": "assistant", "content": text}),
+        finish_reason.to_string(),
+    )
 }
 
 /// `presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty` and `logit_bias` (token ids as strings,
@@ -586,8 +736,10 @@ fn adjustments(
         }
         Some(_) => return Err(bad_bias()),
     }
-    if json_mode(o)? {
-        a.json_object = Some(state.engine.json_vocabulary());
+    match response_format(o)? {
+        ResponseFormat::Text => {}
+        ResponseFormat::JsonObject => a.json = Some(engine_json(state, None)?),
+        ResponseFormat::JsonSchema(schema) => a.json = Some(engine_json(state, Some(&schema))?),
     }
     a.validate(state.engine.vocab_size).map_err(|e| {
         let message = e.to_string();
@@ -604,31 +756,62 @@ fn adjustments(
     Ok((!a.is_neutral()).then_some(a))
 }
 
+/// What a request's `response_format` asks for.
+enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema(Value),
+}
+
 /// `response_format`: `{"type": "text"}` (or none) leaves the output free, `{"type": "json_object"}` constrains
-/// it to one JSON object (specula::json_mode). A JSON schema is refused rather than answered unconstrained.
-fn json_mode(o: &serde_json::Map<String, Value>) -> Result<bool, ApiError> {
+/// it to one JSON object, `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}` to one object
+/// matching the schema (specula::json_mode; a schema it cannot enforce is refused by name, never answered
+/// unconstrained).
+fn response_format(o: &serde_json::Map<String, Value>) -> Result<ResponseFormat, ApiError> {
     let Some(v) = o.get("response_format").filter(|v| !v.is_null()) else {
-        return Ok(false);
+        return Ok(ResponseFormat::Text);
     };
     let bad = |message: String| Err(ApiError::bad(message, Some("response_format")));
     let Some(kind) = v.as_object().and_then(|f| f.get("type")) else {
         return bad(
-            "response_format must be an object with a type: {\"type\": \"text\"} or {\"type\": \"json_object\"}"
-                .into(),
+            "response_format must be an object with a type: \"text\", \"json_object\" or \"json_schema\"".into(),
         );
     };
     match kind.as_str() {
-        Some("text") => Ok(false),
-        Some("json_object") => Ok(true),
-        Some("json_schema") => bad(
-            "response_format json_schema is not supported by this server: only json_object (any JSON object) \
-             is constrained; describe the schema in the prompt and ask for json_object"
-                .into(),
-        ),
+        Some("text") => Ok(ResponseFormat::Text),
+        Some("json_object") => Ok(ResponseFormat::JsonObject),
+        Some("json_schema") => {
+            let Some(spec) = v.get("json_schema").and_then(Value::as_object) else {
+                return bad(
+                    "response_format json_schema needs a json_schema object: {\"name\": ..., \"schema\": {...}}"
+                        .into(),
+                );
+            };
+            match spec.get("schema") {
+                Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
+                    Ok(ResponseFormat::JsonSchema(schema.clone()))
+                }
+                Some(other) => bad(format!(
+                    "response_format json_schema.schema must be a JSON Schema object, got {other}"
+                )),
+                None => bad("response_format json_schema has no schema".into()),
+            }
+        }
         _ => bad(format!(
-            "response_format type {kind} is not known; use \"text\" or \"json_object\""
+            "response_format type {kind} is not known; use \"text\", \"json_object\" or \"json_schema\""
         )),
     }
+}
+
+/// The engine's JSON constraint for a request, a schema's errors as 400s naming response_format.
+fn engine_json(
+    state: &AppState,
+    schema: Option<&Value>,
+) -> Result<Arc<specula::json_mode::JsonConstraint>, ApiError> {
+    state
+        .engine
+        .json_constraint(schema)
+        .map_err(|e| ApiError::bad(e.to_string(), Some("response_format")))
 }
 
 /// The log-probabilities a request asks for: completions' `logprobs` is the number of alternatives (0: the
@@ -827,13 +1010,19 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
         ))
     };
     let present = |key: &str| o.get(key).filter(|v| !v.is_null());
-    for key in ["tools", "functions"] {
-        if present(key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
-            return refuse(
-                key,
-                "tool calls are not parsed; describe the tools in a message instead",
-            );
-        }
+    let listed =
+        |key: &str| present(key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty()));
+    if listed("functions") {
+        return refuse(
+            "functions",
+            "the legacy functions field is not parsed; give them as tools (type function)",
+        );
+    }
+    if kind == Kind::Completion && listed("tools") {
+        return refuse(
+            "tools",
+            "tools are taken by /v1/chat/completions, whose chat template renders them",
+        );
     }
     if kind == Kind::Completion && present("suffix").is_some_and(|v| v.as_str() != Some("")) {
         return refuse(
@@ -1005,7 +1194,7 @@ fn parse_prompt(
         let empty = match input {
             Input::Prompt(p) => p.is_empty(),
             Input::Tokens(t) => t.is_empty(),
-            Input::Chat(_) => false,
+            Input::Chat(..) => false,
         };
         if empty {
             return Err(bad(if inputs.len() == 1 {
@@ -1025,15 +1214,19 @@ fn parse_messages(o: &serde_json::Map<String, Value>) -> Result<Vec<ChatMessage>
             .iter()
             .map(|m| {
                 let role = m.get("role").and_then(Value::as_str);
+                let tool_calls = template_tool_calls(m)?;
                 let content = match m.get("content") {
                     Some(Value::String(c)) => Some(c.clone()),
                     Some(Value::Array(parts)) => Some(text_parts(parts)?),
+                    // An assistant turn that only called tools has no content.
+                    None | Some(Value::Null) if tool_calls.is_some() => Some(String::new()),
                     _ => None,
                 };
                 match (role, content) {
                     (Some(r), Some(c)) => Ok(ChatMessage {
                         role: r.to_string(),
                         content: c,
+                        tool_calls,
                     }),
                     _ => Err(ApiError::bad(
                         "each message needs a string role and a string content (or a list of text parts)",
@@ -1046,6 +1239,39 @@ fn parse_messages(o: &serde_json::Map<String, Value>) -> Result<Vec<ChatMessage>
         None => Err(ApiError::bad("messages is required", Some("messages"))),
         Some(_) => Err(ApiError::bad("messages must be a list", Some("messages"))),
     }
+}
+
+/// An assistant message's `tool_calls` (OpenAI's shape, arguments as a JSON string) as chat templates read them:
+/// arguments as an object (Qwen2.5's template writes `arguments | tojson`).
+fn template_tool_calls(m: &Value) -> Result<Option<Value>, ApiError> {
+    let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let bad = || {
+        ApiError::bad(
+            "tool_calls must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": \"{...}\"}}",
+            Some("messages"),
+        )
+    };
+    let calls = calls.as_array().ok_or_else(bad)?;
+    let mut out = Vec::with_capacity(calls.len());
+    for call in calls {
+        let f = call.get("function").ok_or_else(bad)?;
+        let name = f.get("name").and_then(Value::as_str).ok_or_else(bad)?;
+        let arguments = match f.get("arguments") {
+            None | Some(Value::Null) => json!({}),
+            Some(Value::String(s)) => serde_json::from_str(s).map_err(|e| {
+                ApiError::bad(
+                    format!("the arguments of tool call {name:?} are not JSON: {e}"),
+                    Some("messages"),
+                )
+            })?,
+            Some(v @ Value::Object(_)) => v.clone(),
+            Some(_) => return Err(bad()),
+        };
+        out.push(json!({"type": "function", "function": {"name": name, "arguments": arguments}}));
+    }
+    Ok(Some(Value::Array(out)))
 }
 
 /// A message's content given as parts (OpenAI's newer form): the text parts joined; other kinds (images,
@@ -1092,9 +1318,17 @@ async fn chat_completions_inner(
     let o = parse_body(&body)?;
     refuse_unsupported(&o, Kind::Chat)?;
     let messages = parse_messages(&o)?;
+    let tools = tools_asked(&state, &o)?;
     let mut c = common(&state, &o, 256)?;
     c.logprobs = logprobs_asked(&o, Kind::Chat)?;
-    run(state, vec![Input::Chat(messages)], c, Kind::Chat).await
+    c.tool_names = tools.as_ref().and_then(|t| t.parse_calls.clone());
+    run(
+        state,
+        vec![Input::Chat(messages, tools.map(|t| t.definitions))],
+        c,
+        Kind::Chat,
+    )
+    .await
 }
 
 fn now() -> u64 {
@@ -1131,7 +1365,7 @@ async fn run(
                     return Err(ApiError::bad("the prompt is empty", None));
                 }
                 let echo = match (echo, input) {
-                    (false, _) | (_, Input::Chat(_)) => None,
+                    (false, _) | (_, Input::Chat(..)) => None,
                     (true, Input::Prompt(p)) => Some(p),
                     (true, Input::Tokens(t)) => Some(
                         tokenizer
@@ -1218,6 +1452,7 @@ async fn submit_and_answer(
     );
     let created = now();
     let model = state.engine.model_name.clone();
+    let id_seed = now() ^ (Arc::as_ptr(&cancel) as u64).rotate_left(17);
     if !c.stream {
         let mut choices = Vec::with_capacity(total);
         let mut finished_all = Vec::with_capacity(total);
@@ -1273,7 +1508,13 @@ async fn submit_and_answer(
                     json!({"index": index, "text": text, "finish_reason": finished.finish_reason, "logprobs": logprobs})
                 }
                 Kind::Chat => {
-                    json!({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finished.finish_reason, "logprobs": logprobs})
+                    let (message, finish_reason) = chat_message(
+                        text,
+                        finished.finish_reason,
+                        c.tool_names.as_deref().map(Vec::as_slice),
+                        id_seed ^ index as u64,
+                    );
+                    json!({"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs})
                 }
             });
             finished_all.push(finished);
@@ -1341,8 +1582,15 @@ async fn submit_and_answer(
             }
         }
         let mut finished_all: Vec<Option<Finished>> = vec![None; total];
+        // With tools the answer is held back to its end, where its calls are parsed out of it: one delta then.
+        let mut held: Vec<(String, Vec<engine::ScoredToken>)> = vec![Default::default(); total];
         while let Some((index, event)) = merged.recv().await {
             let out = match event {
+                Event::Text(t, tokens) if c.tool_names.is_some() => {
+                    held[index].0.push_str(&t);
+                    held[index].1.extend(tokens);
+                    continue;
+                }
                 Event::Text(t, tokens) => {
                     let mut choice = match kind {
                         Kind::Completion => {
@@ -1387,12 +1635,49 @@ async fn submit_and_answer(
                     )
                 }
                 Event::Done(Ok(f)) => {
+                    let mut finish_reason = f.finish_reason.to_string();
+                    if let Some(names) = &c.tool_names {
+                        let (text, tokens) = std::mem::take(&mut held[index]);
+                        let (message, reason) = chat_message(
+                            text,
+                            f.finish_reason,
+                            Some(names.as_slice()),
+                            id_seed ^ index as u64,
+                        );
+                        finish_reason = reason;
+                        let mut delta = json!({});
+                        if let Some(content) = message.get("content").filter(|v| !v.is_null()) {
+                            delta["content"] = content.clone();
+                        }
+                        if let Some(Value::Array(calls)) = message.get("tool_calls") {
+                            // Streamed calls carry their position in the list.
+                            delta["tool_calls"] = calls
+                                .iter()
+                                .enumerate()
+                                .map(|(i, call)| {
+                                    let mut call = call.clone();
+                                    call["index"] = json!(i);
+                                    call
+                                })
+                                .collect();
+                        }
+                        let mut choice =
+                            json!({"index": index, "delta": delta, "finish_reason": null});
+                        if c.logprobs.is_some() {
+                            choice["logprobs"] =
+                                chat_logprobs(&tokenizer, tokens.iter().map(|s| &s.logprob));
+                        }
+                        if sse_tx.send(chunk(choice, None)).is_err() {
+                            leave();
+                            return;
+                        }
+                    }
                     let last = match kind {
                         Kind::Completion => {
-                            json!({"index": index, "text": "", "finish_reason": f.finish_reason})
+                            json!({"index": index, "text": "", "finish_reason": finish_reason})
                         }
                         Kind::Chat => {
-                            json!({"index": index, "delta": {}, "finish_reason": f.finish_reason})
+                            json!({"index": index, "delta": {}, "finish_reason": finish_reason})
                         }
                     };
                     finished_all[index] = Some(f);
@@ -1432,4 +1717,51 @@ async fn submit_and_answer(
     });
     let stream = UnboundedReceiverStream::new(sse_rx).map(Ok::<_, Infallible>);
     Ok(Sse::new(stream).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tool_calls_are_parsed_from_hermes_blocks_and_bare_calls() {
+        let names = vec!["get_weather".to_string(), "add".to_string()];
+        // Blocks, with text around them and arguments as an object or a string.
+        let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\": \"add\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>";
+        let (content, calls) = parse_tool_calls(text, &names, 7).unwrap();
+        assert_eq!(content.as_deref(), Some("Let me check."));
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        assert_eq!(calls[0]["function"]["arguments"], "{\"city\":\"Paris\"}");
+        assert_eq!(calls[1]["function"]["arguments"], "{\"a\": 1}");
+        assert_ne!(calls[0]["id"], calls[1]["id"]);
+        // A bare object naming a tool is a call; one naming no tool, or any other text, is content.
+        let (content, calls) = parse_tool_calls(
+            " {\"name\": \"add\", \"arguments\": {\"a\": 2}} ",
+            &names,
+            1,
+        )
+        .unwrap();
+        assert!(content.is_none());
+        assert_eq!(calls[0]["function"]["name"], "add");
+        assert!(parse_tool_calls("{\"name\": \"other\", \"arguments\": {}}", &names, 1).is_none());
+        assert!(parse_tool_calls("{\"city\": \"Paris\"}", &names, 1).is_none());
+        assert!(parse_tool_calls("It is sunny.", &names, 1).is_none());
+        // A block that is not a call, or not closed, leaves everything as content.
+        assert!(parse_tool_calls("<tool_call>{\"name\": 3}</tool_call>", &names, 1).is_none());
+        assert!(parse_tool_calls("<tool_call>{\"name\": \"add\"", &names, 1).is_none());
+        // Finish reasons: tool_calls only when the model stopped by itself.
+        let call = "<tool_call>{\"name\": \"add\", \"arguments\": {}}</tool_call>";
+        let (m, finish) = chat_message(call.into(), "stop", Some(&names), 0);
+        assert_eq!(finish, "tool_calls");
+        assert!(m["content"].is_null());
+        assert_eq!(m["tool_calls"][0]["function"]["arguments"], "{}");
+        let (_, finish) = chat_message(call.into(), "length", Some(&names), 0);
+        assert_eq!(finish, "length");
+        let (m, finish) = chat_message(call.into(), "stop", None, 0);
+        assert_eq!(
+            (m["content"].as_str(), finish.as_str()),
+            (Some(call), "stop")
+        );
+    }
 }

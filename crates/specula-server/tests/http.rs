@@ -604,12 +604,30 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
         "logit_bias",
         "between -100 and 100",
     );
+    // A schema the grammar cannot enforce, or that is not a schema, is refused by name.
     refused(
         chat(
-            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "^a"}}}}}}),
         ),
         "response_format",
-        "json_schema is not supported",
+        "keyword \"pattern\"",
+    );
+    refused(
+        chat(
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}}}),
+        ),
+        "response_format",
+        "root must be an object",
+    );
+    refused(
+        chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})),
+        "response_format",
+        "has no schema",
+    );
+    refused(
+        chat(json!({"response_format": {"type": "json_schema"}})),
+        "response_format",
+        "needs a json_schema object",
     );
     refused(
         chat(json!({"response_format": {"type": "yaml"}})),
@@ -640,16 +658,97 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
             .as_str()
             .or(choice["text"].as_str())
             .unwrap();
-        let state = specula::json_mode::JsonState::default().after(text.as_bytes());
+        let state = specula::json_mode::JsonGrammar::any_object()
+            .after(specula::json_mode::JsonState::default(), text.as_bytes());
         assert!(state.is_some(), "{path}: {text:?} left the JSON language");
         if choice["finish_reason"] == "stop" {
             serde_json::from_str::<Value>(text).expect("a whole JSON object");
         }
     }
+    // A JSON schema: keys in its order, values of its types, on both endpoints; the same request twice (the
+    // second served from the server's kept constraint) answers the same.
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "maxLength": 12},
+            "confidence": {"enum": ["low", "high"]},
+            "items": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}
+        },
+        "required": ["answer", "confidence"]
+    });
+    let grammar = specula::json_mode::JsonGrammar::from_schema(&schema).unwrap();
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        ("/v1/completions", json!({"prompt": "hi"})),
+    ] {
+        let mut body = body;
+        body["max_tokens"] = json!(40);
+        body["temperature"] = json!(0);
+        body["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": true}});
+        let mut texts = Vec::new();
+        for _ in 0..2 {
+            let (s, v) = post(addr, path, body.clone());
+            assert_eq!(s, 200, "{v}");
+            let choice = &v["choices"][0];
+            let text = choice["message"]["content"]
+                .as_str()
+                .or(choice["text"].as_str())
+                .unwrap()
+                .to_string();
+            let state = grammar.after(specula::json_mode::JsonState::default(), text.as_bytes());
+            assert!(
+                state.is_some(),
+                "{path}: {text:?} left the schema's language"
+            );
+            if choice["finish_reason"] == "stop" {
+                let v: Value = serde_json::from_str(&text).expect("a whole JSON object");
+                assert!(
+                    v["answer"].is_string() && v["confidence"].is_string(),
+                    "{v}"
+                );
+            }
+            texts.push(text);
+        }
+        assert_eq!(texts[0], texts[1], "{path}");
+    }
+    // Tools: this tiny model's template does not render them, so they are refused by name rather than dropped;
+    // so are forced calls, malformed tools, tools on completions and the legacy functions field.
     refused(
         chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
         "tools",
-        "tool calls",
+        "does not render tools",
+    );
+    refused(
+        chat(
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+        ),
+        "tool_choice",
+        "only \"auto\" and \"none\"",
+    );
+    refused(
+        chat(json!({"tools": [{"type": "function", "function": {}}]})),
+        "tools",
+        "tools[0] must be",
+    );
+    refused(
+        completion(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
+        "tools",
+        "/v1/chat/completions",
+    );
+    refused(
+        chat(json!({"functions": [{"name": "f"}]})),
+        "functions",
+        "give them as tools",
+    );
+    refused(
+        chat(
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}),
+        ),
+        "messages",
+        "not JSON",
     );
     refused(
         completion(json!({"suffix": "end"})),

@@ -12,6 +12,10 @@ pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls, as chat templates read them: `[{"type": "function", "function": {"name":
+    /// ..., "arguments": {...}}}]` (arguments as an object, not OpenAI's JSON string).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
 }
 
 impl ChatMessage {
@@ -19,12 +23,14 @@ impl ChatMessage {
         ChatMessage {
             role: "user".into(),
             content: content.into(),
+            tool_calls: None,
         }
     }
     pub fn system(content: impl Into<String>) -> Self {
         ChatMessage {
             role: "system".into(),
             content: content.into(),
+            tool_calls: None,
         }
     }
 }
@@ -49,6 +55,25 @@ impl ChatTemplate {
     pub fn render(
         &self,
         messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt, bos_token, eos_token)
+    }
+
+    /// Whether the template renders tool definitions (reads `tools`) and asks for tool calls in the Hermes form
+    /// (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`: Qwen2 / Qwen2.5 and Hermes models), the one
+    /// form the server parses.
+    pub fn takes_hermes_tools(&self) -> bool {
+        self.source.contains("tools") && self.source.contains("<tool_call>")
+    }
+
+    /// As `render`, with the request's tool definitions (OpenAI's `tools` list) for templates that read them.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
         bos_token: &str,
         eos_token: &str,
@@ -83,7 +108,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => bos_token,
                 eos_token => eos_token,
-                tools => minijinja::Value::UNDEFINED,
+                tools => tools.map_or(minijinja::Value::UNDEFINED, minijinja::Value::from_serialize),
             },
             &mut out,
         );

@@ -1,329 +1,1177 @@
-//! JSON mode (OpenAI's `response_format: {"type": "json_object"}`): the output is constrained to one JSON object.
+//! Constrained JSON output (OpenAI's `response_format`): `json_object` (one JSON object) and `json_schema` (one
+//! object that matches a JSON Schema, in the subset [`JsonGrammar::from_schema`] lists).
 //!
-//! A byte-level automaton ([`JsonState`]) accepts exactly the prefixes of `ws* object`, where `object` is a JSON
-//! object (RFC 8259; strings may hold any byte of 0x20 and up, so a token may end inside a UTF-8 character). Before
-//! each token is chosen, every token whose bytes would leave that language gets a logit of minus infinity; stop
-//! tokens are allowed only once the object is closed, and then only they are. The mask is a logit adjustment like
-//! the penalties (decode/generation.rs), applied to each verify row after the draft tokens it follows, so
-//! speculation stays lossless against plain decoding in JSON mode; drafters propose without it and lose only
-//! acceptance.
+//! A schema compiles to a small grammar ([`JsonGrammar`]): objects with their properties, arrays, strings, numbers,
+//! fixed texts (`enum`, `const`, booleans, null) and unions told apart by their first byte. A byte-level automaton
+//! walks it: its state ([`JsonState`], small and `Copy`) is a stack of frames, one for each container open and one
+//! for the value being written. It accepts exactly the prefixes of `ws* value` for the grammar's root (RFC 8259
+//! syntax; strings may hold any byte of 0x20 and up, so a token may end inside a UTF-8 character). Before each token
+//! is chosen, every token whose bytes would leave that language gets a logit of minus infinity; stop tokens are
+//! allowed only once the value is complete, and then only they are. The mask is a logit adjustment like the
+//! penalties (decode/generation.rs), applied to each verify row after the draft tokens it follows, so speculation
+//! stays lossless against plain decoding; drafters propose without it and lose only acceptance.
 //!
-//! A mask depends only on the automaton's state, which is small and `Copy`; [`JsonVocabulary`] computes each
-//! state's mask once (a pass over the vocabulary) and keeps it for every request of the same tokenizer.
+//! A mask depends only on the grammar and the state; [`JsonConstraint`] computes each state's mask once (a pass
+//! over the tokens whose first byte the state takes) and keeps it for every request that shares the constraint.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use serde_json::Value;
+
 use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
 
-/// Containers (objects and arrays) open at once, at most.
-pub const MAX_DEPTH: u8 = 64;
+/// Frames a state holds at most: each open container takes one, and so does a scalar being written (so at most
+/// `MAX_DEPTH` containers are open at once, the innermost of them then empty).
+pub const MAX_DEPTH: usize = 32;
 /// Whitespace bytes in a row, at most: JSON allows any number, and a model that starts emitting blank lines
 /// inside a constrained object may never stop.
 pub const MAX_WHITESPACE_RUN: u8 = 64;
-/// States whose masks are kept (about vocabulary / 8 bytes each: 19 KB for Qwen's 151,936 tokens).
+/// States whose masks a constraint keeps (about vocabulary / 8 bytes each: 19 KB for Qwen's 151,936 tokens).
 const MASK_CACHE_STATES: usize = 512;
+/// Grammar nodes a schema may compile to.
+const MAX_NODES: usize = 4096;
+/// Counts (string characters, array items) saturate here: a bound at or above it is no bound.
+const COUNT_LIMIT: u32 = u16::MAX as u32;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Mode {
-    /// Before the object: whitespace or `{`.
+type NodeId = u16;
+
+/// A value the grammar allows.
+#[derive(Debug, Clone)]
+enum Node {
+    Object(ObjectNode),
+    Array {
+        items: NodeId,
+        min: u32,
+        max: u32,
+    },
+    /// A string of `min..=max` characters (a character: a UTF-8 sequence or a JSON escape).
+    String {
+        min: u32,
+        max: u32,
+    },
+    Number {
+        integer: bool,
+    },
+    /// One of a few fixed JSON texts (`enum`, `const`, booleans, null): a trie of their bytes.
+    Literals(Trie),
+    /// One of several nodes, told apart by the value's first byte (checked when the grammar is built).
+    Union(Vec<NodeId>),
+    /// Reserved while a `$ref` is being compiled; never left in a finished grammar.
+    Pending,
+}
+
+#[derive(Debug, Clone)]
+struct ObjectNode {
+    /// Listed properties, written in this order (optional ones may be left out).
+    props: Vec<NodeId>,
+    /// `next_required[i]`: the first required property at or after i (`props.len()` where none is).
+    next_required: Vec<u16>,
+    /// The listed keys as JSON strings (quotes included); each key's end names its property.
+    keys: Trie,
+    /// With no properties listed: any key, with values of this node (None: the object must be empty).
+    any_keys: Option<NodeId>,
+}
+
+impl ObjectNode {
+    fn may_close(&self, next: u16) -> bool {
+        self.any_keys.is_some() || self.next_required[next as usize] as usize == self.props.len()
+    }
+
+    /// The properties a key may name when the next one not yet written is `next`: up to the first required one.
+    fn key_range(&self, next: u16) -> (u16, u16) {
+        let last = (self.props.len() as u16).saturating_sub(1);
+        (next, self.next_required[next as usize].min(last))
+    }
+}
+
+/// A byte trie; node 0 is the root.
+#[derive(Debug, Clone, Default)]
+struct Trie {
+    nodes: Vec<TrieNode>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct TrieNode {
+    children: Vec<(u8, u16)>,
+    /// The text that ends here.
+    end: Option<u16>,
+    /// Every text that ends here or below, sorted.
+    below: Vec<u16>,
+}
+
+impl Trie {
+    fn new(texts: &[Vec<u8>]) -> Result<Trie> {
+        let mut trie = Trie {
+            nodes: vec![TrieNode::default()],
+        };
+        for (i, text) in texts.iter().enumerate() {
+            let mut at = 0usize;
+            trie.nodes[0].below.push(i as u16);
+            for &b in text {
+                at = match trie.child(at as u16, b) {
+                    Some(c) => c as usize,
+                    None => {
+                        if trie.nodes.len() >= u16::MAX as usize {
+                            return Err(schema_error("its keys and enum values are too long"));
+                        }
+                        trie.nodes.push(TrieNode::default());
+                        let c = trie.nodes.len() - 1;
+                        trie.nodes[at].children.push((b, c as u16));
+                        c
+                    }
+                };
+                trie.nodes[at].below.push(i as u16);
+            }
+            // Duplicate texts keep the first index.
+            trie.nodes[at].end.get_or_insert(i as u16);
+        }
+        Ok(trie)
+    }
+
+    fn child(&self, node: u16, b: u8) -> Option<u16> {
+        self.nodes[node as usize]
+            .children
+            .iter()
+            .find(|&&(c, _)| c == b)
+            .map(|&(_, n)| n)
+    }
+
+    fn end(&self, node: u16) -> Option<u16> {
+        self.nodes[node as usize].end
+    }
+
+    /// Whether a text with an index in `lo..=hi` ends at or below `node`.
+    fn leads_to(&self, node: u16, (lo, hi): (u16, u16)) -> bool {
+        let below = &self.nodes[node as usize].below;
+        let i = below.partition_point(|&t| t < lo);
+        i < below.len() && below[i] <= hi
+    }
+}
+
+/// A compiled output grammar: what [`JsonState`] walks. Node 0 is the root, always an object.
+#[derive(Debug, Clone)]
+pub struct JsonGrammar {
+    nodes: Vec<Node>,
+    /// The bytes each node's values may begin with (a union's first byte picks its alternative).
+    first: Vec<ByteSet>,
+}
+
+fn schema_error(msg: impl std::fmt::Display) -> Error {
+    Error::InvalidArgument(format!("json_schema: {msg}"))
+}
+
+/// Keywords that describe a schema without constraining its values.
+const ANNOTATIONS: &[&str] = &[
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$schema",
+    "$id",
+    "$comment",
+    "$defs",
+    "definitions",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+];
+
+/// Keywords the compiler enforces.
+const ENFORCED: &[&str] = &[
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "$ref",
+];
+
+struct Compiler<'a> {
+    document: &'a Value,
+    nodes: Vec<Node>,
+    refs: HashMap<String, NodeId>,
+    any: Option<NodeId>,
+}
+
+impl<'a> Compiler<'a> {
+    fn reserve(&mut self) -> Result<NodeId> {
+        if self.nodes.len() >= MAX_NODES {
+            return Err(schema_error(format!(
+                "the schema needs more than {MAX_NODES} grammar nodes"
+            )));
+        }
+        self.nodes.push(Node::Pending);
+        Ok((self.nodes.len() - 1) as NodeId)
+    }
+
+    fn add(&mut self, node: Node) -> Result<NodeId> {
+        let id = self.reserve()?;
+        self.nodes[id as usize] = node;
+        Ok(id)
+    }
+
+    /// Any JSON value: one node a grammar, built on first use.
+    fn any(&mut self) -> Result<NodeId> {
+        if let Some(id) = self.any {
+            return Ok(id);
+        }
+        let id = self.reserve()?;
+        self.any = Some(id);
+        let object = self.add(Node::Object(ObjectNode {
+            props: Vec::new(),
+            next_required: vec![0],
+            keys: Trie::new(&[])?,
+            any_keys: Some(id),
+        }))?;
+        let array = self.add(Node::Array {
+            items: id,
+            min: 0,
+            max: COUNT_LIMIT,
+        })?;
+        let string = self.add(Node::String {
+            min: 0,
+            max: COUNT_LIMIT,
+        })?;
+        let number = self.add(Node::Number { integer: false })?;
+        let literals = self.add(Node::Literals(Trie::new(&[
+            b"true".to_vec(),
+            b"false".to_vec(),
+            b"null".to_vec(),
+        ])?))?;
+        self.nodes[id as usize] = Node::Union(vec![object, array, string, number, literals]);
+        Ok(id)
+    }
+
+    fn compile(&mut self, schema: &Value, at: &str) -> Result<NodeId> {
+        let map = match schema {
+            Value::Bool(true) => return self.any(),
+            Value::Bool(false) => {
+                return Err(schema_error(format!("{at} is `false`: nothing matches it")))
+            }
+            Value::Object(map) => map,
+            _ => {
+                return Err(schema_error(format!(
+                    "{at} must be a schema object, got {schema}"
+                )))
+            }
+        };
+        for key in map.keys() {
+            if !ANNOTATIONS.contains(&key.as_str()) && !ENFORCED.contains(&key.as_str()) {
+                return Err(schema_error(format!(
+                    "keyword {key:?} at {at} is not supported (supported: {})",
+                    ENFORCED.join(", ")
+                )));
+            }
+        }
+        let constraining = |except: &[&str]| {
+            map.keys()
+                .find(|k| ENFORCED.contains(&k.as_str()) && !except.contains(&k.as_str()))
+                .cloned()
+        };
+        if let Some(target) = map.get("$ref") {
+            if let Some(other) = constraining(&["$ref"]) {
+                return Err(schema_error(format!(
+                    "{at} combines $ref with {other:?}, which is not supported"
+                )));
+            }
+            let target = target
+                .as_str()
+                .ok_or_else(|| schema_error(format!("{at}.$ref must be a string")))?;
+            return self.reference(target, at);
+        }
+        for union in ["anyOf", "oneOf", "allOf"] {
+            let Some(list) = map.get(union) else {
+                continue;
+            };
+            if let Some(other) = constraining(&[union]) {
+                return Err(schema_error(format!(
+                    "{at} combines {union} with {other:?}, which is not supported"
+                )));
+            }
+            let list = list
+                .as_array()
+                .filter(|l| !l.is_empty())
+                .ok_or_else(|| schema_error(format!("{at}.{union} must be a non-empty list")))?;
+            if union == "allOf" && list.len() > 1 {
+                return Err(schema_error(format!(
+                    "{at}.allOf lists {} schemas; only one is supported",
+                    list.len()
+                )));
+            }
+            let id = self.reserve()?;
+            let mut alternatives = Vec::with_capacity(list.len());
+            for (i, s) in list.iter().enumerate() {
+                alternatives.push(self.compile(s, &format!("{at}.{union}[{i}]"))?);
+            }
+            self.nodes[id as usize] = Node::Union(alternatives);
+            return Ok(id);
+        }
+        if let Some(values) = map.get("enum").or(map.get("const")) {
+            let values: Vec<&Value> = match (map.get("enum"), values) {
+                (Some(_), Value::Array(list)) if !list.is_empty() => list.iter().collect(),
+                (Some(_), _) => {
+                    return Err(schema_error(format!("{at}.enum must be a non-empty list")))
+                }
+                (None, v) => vec![v],
+            };
+            let texts: Vec<Vec<u8>> = values
+                .iter()
+                .map(|v| serde_json::to_vec(v).expect("a JSON value serializes"))
+                .collect();
+            return self.add(Node::Literals(Trie::new(&texts)?));
+        }
+        let types: Vec<&str> = match map.get("type") {
+            None if map.contains_key("properties") || map.contains_key("additionalProperties") => {
+                vec!["object"]
+            }
+            None if map.contains_key("items") => vec!["array"],
+            None => return self.any(),
+            Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(list)) if !list.is_empty() => list
+                .iter()
+                .map(|t| {
+                    t.as_str().ok_or_else(|| {
+                        schema_error(format!("{at}.type lists {t}, not a type name"))
+                    })
+                })
+                .collect::<Result<_>>()?,
+            Some(t) => {
+                return Err(schema_error(format!(
+                    "{at}.type must be a type name or a list of them, got {t}"
+                )))
+            }
+        };
+        if types.len() == 1 {
+            return self.typed(types[0], map, at);
+        }
+        let id = self.reserve()?;
+        let mut alternatives = Vec::with_capacity(types.len());
+        for t in types {
+            alternatives.push(self.typed(t, map, at)?);
+        }
+        self.nodes[id as usize] = Node::Union(alternatives);
+        Ok(id)
+    }
+
+    fn reference(&mut self, target: &str, at: &str) -> Result<NodeId> {
+        if let Some(&id) = self.refs.get(target) {
+            return Ok(id);
+        }
+        let pointer = target.strip_prefix('#').ok_or_else(|| {
+            schema_error(format!(
+                "{at}.$ref {target:?} is not supported: only references inside the schema (\"#/$defs/...\")"
+            ))
+        })?;
+        let document = self.document;
+        let schema = document.pointer(pointer).ok_or_else(|| {
+            schema_error(format!(
+                "{at}.$ref {target:?} points at nothing in the schema"
+            ))
+        })?;
+        // An alias (a union of one) so that references may be recursive.
+        let id = self.reserve()?;
+        self.refs.insert(target.to_string(), id);
+        let inner = self.compile(schema, target)?;
+        self.nodes[id as usize] = Node::Union(vec![inner]);
+        Ok(id)
+    }
+
+    fn count(map: &serde_json::Map<String, Value>, key: &str, at: &str) -> Result<Option<u32>> {
+        match map.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n.min(COUNT_LIMIT as u64) as u32))
+                .ok_or_else(|| schema_error(format!("{at}.{key} must be a whole number, got {v}"))),
+        }
+    }
+
+    fn bounds(
+        map: &serde_json::Map<String, Value>,
+        (min_key, max_key): (&str, &str),
+        at: &str,
+    ) -> Result<(u32, u32)> {
+        let min = Self::count(map, min_key, at)?.unwrap_or(0);
+        let max = Self::count(map, max_key, at)?.unwrap_or(COUNT_LIMIT);
+        if min > max {
+            return Err(schema_error(format!(
+                "{at}: {min_key} {min} is above {max_key} {max}"
+            )));
+        }
+        Ok((min, max))
+    }
+
+    fn typed(
+        &mut self,
+        kind: &str,
+        map: &serde_json::Map<String, Value>,
+        at: &str,
+    ) -> Result<NodeId> {
+        match kind {
+            "null" => self.add(Node::Literals(Trie::new(&[b"null".to_vec()])?)),
+            "boolean" => self.add(Node::Literals(Trie::new(&[
+                b"true".to_vec(),
+                b"false".to_vec(),
+            ])?)),
+            "integer" | "number" => self.add(Node::Number {
+                integer: kind == "integer",
+            }),
+            "string" => {
+                let (min, max) = Self::bounds(map, ("minLength", "maxLength"), at)?;
+                self.add(Node::String { min, max })
+            }
+            "array" => {
+                let (min, max) = Self::bounds(map, ("minItems", "maxItems"), at)?;
+                let id = self.reserve()?;
+                let items = match map.get("items") {
+                    None => self.any()?,
+                    Some(Value::Array(_)) => {
+                        return Err(schema_error(format!(
+                            "{at}.items as a list (a tuple) is not supported: give one schema for every item"
+                        )))
+                    }
+                    Some(s) => self.compile(s, &format!("{at}.items"))?,
+                };
+                self.nodes[id as usize] = Node::Array { items, min, max };
+                Ok(id)
+            }
+            "object" => self.object(map, at),
+            other => Err(schema_error(format!(
+                "{at}.type {other:?} is not a JSON Schema type (object, array, string, number, integer, boolean, null)"
+            ))),
+        }
+    }
+
+    fn object(&mut self, map: &serde_json::Map<String, Value>, at: &str) -> Result<NodeId> {
+        let id = self.reserve()?;
+        let empty = serde_json::Map::new();
+        let properties = match map.get("properties") {
+            None => &empty,
+            Some(Value::Object(p)) => p,
+            Some(p) => {
+                return Err(schema_error(format!(
+                    "{at}.properties must be an object, got {p}"
+                )))
+            }
+        };
+        if properties.len() >= u16::MAX as usize {
+            return Err(schema_error(format!("{at} lists too many properties")));
+        }
+        let mut required = vec![false; properties.len()];
+        if let Some(list) = map.get("required") {
+            let list = list
+                .as_array()
+                .ok_or_else(|| schema_error(format!("{at}.required must be a list of names")))?;
+            for name in list {
+                let name = name.as_str().ok_or_else(|| {
+                    schema_error(format!("{at}.required lists {name}, not a property name"))
+                })?;
+                let i = properties.keys().position(|k| k == name).ok_or_else(|| {
+                    schema_error(format!(
+                        "{at}.required names {name:?}, which is not in its properties (only listed properties are written)"
+                    ))
+                })?;
+                required[i] = true;
+            }
+        }
+        let mut props = Vec::with_capacity(properties.len());
+        let mut keys = Vec::with_capacity(properties.len());
+        for (name, schema) in properties {
+            keys.push(serde_json::to_vec(name).expect("a string serializes"));
+            props.push(self.compile(schema, &format!("{at}.properties.{name}"))?);
+        }
+        let mut next_required = vec![props.len() as u16; props.len() + 1];
+        for i in (0..props.len()).rev() {
+            next_required[i] = if required[i] {
+                i as u16
+            } else {
+                next_required[i + 1]
+            };
+        }
+        // Listed properties are the only keys written (an object without the others still matches); with none
+        // listed, additionalProperties decides.
+        let any_keys = if props.is_empty() {
+            match map.get("additionalProperties") {
+                None | Some(Value::Bool(true)) => Some(self.any()?),
+                Some(Value::Bool(false)) => None,
+                Some(s) => Some(self.compile(s, &format!("{at}.additionalProperties"))?),
+            }
+        } else {
+            None
+        };
+        self.nodes[id as usize] = Node::Object(ObjectNode {
+            props,
+            next_required,
+            keys: Trie::new(&keys)?,
+            any_keys,
+        });
+        Ok(id)
+    }
+}
+
+/// 256 bits: the bytes a value may start with.
+type ByteSet = [u64; 4];
+
+fn has(set: &ByteSet, b: u8) -> bool {
+    set[b as usize / 64] >> (b % 64) & 1 == 1
+}
+
+impl JsonGrammar {
+    /// Any JSON object (`response_format` `json_object`).
+    pub fn any_object() -> JsonGrammar {
+        let document = Value::Null;
+        let mut c = Compiler {
+            document: &document,
+            nodes: Vec::new(),
+            refs: HashMap::new(),
+            any: None,
+        };
+        let root = c
+            .object(&serde_json::Map::new(), "schema")
+            .expect("the any-object grammar is small");
+        debug_assert_eq!(root, 0);
+        JsonGrammar::finish(c.nodes).expect("the any-object grammar's unions begin differently")
+    }
+
+    /// Compiles a JSON Schema whose root is an object. Enforced: `type` (one or a list), `properties` (written in
+    /// the order listed; optional ones may be left out, others are never written), `required`,
+    /// `additionalProperties` (for objects that list no properties), `items`, `minItems`, `maxItems`,
+    /// `minLength`, `maxLength`, `enum`, `const`, `anyOf` / `oneOf` (alternatives must begin with different
+    /// bytes: a string and null, say, not two objects), `allOf` of one schema, and `$ref` into the schema itself
+    /// (recursion included). Annotations (`title`, `description`, `default`, ...) are ignored; any other keyword
+    /// (`pattern`, `format`, `minimum`, ...) is refused by name rather than left unenforced.
+    pub fn from_schema(schema: &Value) -> Result<JsonGrammar> {
+        let mut c = Compiler {
+            document: schema,
+            nodes: Vec::new(),
+            refs: HashMap::new(),
+            any: None,
+        };
+        let root = c.compile(schema, "schema")?;
+        let grammar = JsonGrammar {
+            nodes: c.nodes,
+            first: Vec::new(),
+        };
+        // The root's own node first: follow aliases down to the object.
+        let mut at = root;
+        for _ in 0..=grammar.nodes.len() {
+            match &grammar.nodes[at as usize] {
+                Node::Union(alts) if alts.len() == 1 => at = alts[0],
+                Node::Object(_) => break,
+                _ => {
+                    return Err(schema_error(
+                        "the schema's root must be an object (\"type\": \"object\")",
+                    ))
+                }
+            }
+        }
+        if !matches!(grammar.nodes[at as usize], Node::Object(_)) {
+            return Err(schema_error("the schema's root refers only to itself"));
+        }
+        let mut grammar = grammar;
+        grammar.nodes.swap(0, at as usize);
+        // Renumber the two swapped ids everywhere.
+        let swap = |id: &mut NodeId| {
+            if *id == 0 {
+                *id = at
+            } else if *id == at {
+                *id = 0
+            }
+        };
+        for node in &mut grammar.nodes {
+            match node {
+                Node::Object(o) => {
+                    o.props.iter_mut().for_each(swap);
+                    o.any_keys.iter_mut().for_each(swap);
+                }
+                Node::Array { items, .. } => swap(items),
+                Node::Union(alts) => alts.iter_mut().for_each(swap),
+                _ => {}
+            }
+        }
+        JsonGrammar::finish(grammar.nodes)
+    }
+
+    /// Checks every union's alternatives begin with different bytes (so the first byte picks one) and that no
+    /// union holds itself, and notes each node's first bytes.
+    fn finish(nodes: Vec<Node>) -> Result<JsonGrammar> {
+        let mut grammar = JsonGrammar {
+            nodes,
+            first: Vec::new(),
+        };
+        grammar.check_unions()?;
+        grammar.first = (0..grammar.nodes.len())
+            .map(|id| grammar.first_bytes(id as NodeId, &mut Vec::new()))
+            .collect::<Result<_>>()?;
+        Ok(grammar)
+    }
+
+    fn check_unions(&self) -> Result<()> {
+        for id in 0..self.nodes.len() {
+            let Node::Union(alts) = &self.nodes[id] else {
+                continue;
+            };
+            let mut seen: ByteSet = [0; 4];
+            for &alt in alts {
+                let first = self.first_bytes(alt, &mut Vec::new())?;
+                for w in 0..4 {
+                    let both = seen[w] & first[w];
+                    if both != 0 {
+                        let b = (w * 64 + both.trailing_zeros() as usize) as u8;
+                        return Err(schema_error(format!(
+                            "anyOf / oneOf / a list of types whose alternatives can begin alike ({:?}): the \
+                             alternatives must begin differently (e.g. a string or null, not two objects)",
+                            b as char
+                        )));
+                    }
+                    seen[w] |= first[w];
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn first_bytes(&self, id: NodeId, visiting: &mut Vec<NodeId>) -> Result<ByteSet> {
+        let mut set: ByteSet = [0; 4];
+        let mut add = |b: u8| set[b as usize / 64] |= 1 << (b % 64);
+        match &self.nodes[id as usize] {
+            Node::Object(_) => add(b'{'),
+            Node::Array { .. } => add(b'['),
+            Node::String { .. } => add(b'"'),
+            Node::Number { .. } => b"-0123456789".iter().for_each(|&b| add(b)),
+            Node::Literals(trie) => trie.nodes[0].children.iter().for_each(|&(b, _)| add(b)),
+            Node::Union(alts) => {
+                if visiting.contains(&id) {
+                    return Err(schema_error("a $ref or union that only refers to itself"));
+                }
+                visiting.push(id);
+                for &alt in alts {
+                    let first = self.first_bytes(alt, visiting)?;
+                    for w in 0..4 {
+                        set[w] |= first[w];
+                    }
+                }
+                visiting.pop();
+            }
+            Node::Pending => unreachable!("a finished grammar has no pending nodes"),
+        }
+        Ok(set)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+enum Phase {
+    /// Before the value (the node's first byte decides; a union's picks its alternative).
+    #[default]
     Start,
     /// After `{`: a key or `}`.
     ObjectOpen,
     /// After `,` in an object: a key.
     KeyNext,
+    /// Inside a key (`aux`: the key trie's node; for any keys, `sub` and `aux` are the escape and UTF-8 states).
+    Key,
     /// After a key: `:`.
     Colon,
-    /// After `:`, or `,` in an array: a value.
-    Value,
-    /// After `[`: a value or `]`.
+    /// After `:`: the value.
+    PropertyValue,
+    /// After a property's value: `,` or `}`.
+    ObjectAfter,
+    /// After `[`: an item or `]`.
     ArrayOpen,
-    /// After a value in a container: `,` or the container's closing bracket.
-    AfterValue,
-    String {
-        key: bool,
-        escape: Escape,
-    },
-    Number(NumberPart),
-    /// `true`, `false` or `null` (index into LITERALS), `matched` bytes of it read.
-    Literal {
-        word: u8,
-        matched: u8,
-    },
-    /// The object is closed: only a stop token may follow.
-    Done,
+    /// After `,` in an array: an item.
+    ItemNext,
+    /// After an item: `,` or `]`.
+    ArrayAfter,
+    /// Inside a string (`sub`: the escape state, `aux`: characters so far, `count`: the UTF-8 state).
+    String,
+    /// Inside a number (`sub`: where, `NUM_*`).
+    Number,
+    /// Inside a fixed text (`aux`: the trie's node).
+    Literal,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Escape {
-    None,
-    Backslash,
-    /// Hex digits of a `\u` escape still to come.
-    Hex(u8),
+impl Phase {
+    fn takes_whitespace(self) -> bool {
+        matches!(
+            self,
+            Phase::Start
+                | Phase::ObjectOpen
+                | Phase::KeyNext
+                | Phase::Colon
+                | Phase::PropertyValue
+                | Phase::ObjectAfter
+                | Phase::ArrayOpen
+                | Phase::ItemNext
+                | Phase::ArrayAfter
+        )
+    }
 }
 
-/// Where a number is: after `-`, a lone `0`, integer digits, `.`, fraction digits, `e`, the exponent's sign, its
-/// digits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum NumberPart {
-    Minus,
-    Zero,
-    Int,
-    Dot,
-    Frac,
-    E,
-    ESign,
-    Exp,
+// Escape states of a string (`Frame::sub`): none, after a backslash, or n = 4..1 hex digits of `\u` still to come
+// (ESC_HEX_BASE + n: 5..2).
+const ESC_NONE: u8 = 0;
+const ESC_BACKSLASH: u8 = 1;
+const ESC_HEX_BASE: u8 = 1;
+
+// Where a number is (`Frame::sub`): after `-`, a lone `0`, integer digits, `.`, fraction digits, `e`, the
+// exponent's sign, its digits.
+const NUM_MINUS: u8 = 0;
+const NUM_ZERO: u8 = 1;
+const NUM_INT: u8 = 2;
+const NUM_DOT: u8 = 3;
+const NUM_FRAC: u8 = 4;
+const NUM_E: u8 = 5;
+const NUM_E_SIGN: u8 = 6;
+const NUM_EXP: u8 = 7;
+
+fn number_next(part: u8, b: u8, integer: bool) -> Option<u8> {
+    Some(match (part, b) {
+        (NUM_MINUS, b'0') => NUM_ZERO,
+        (NUM_MINUS, b'1'..=b'9') => NUM_INT,
+        (NUM_INT, b'0'..=b'9') => NUM_INT,
+        (NUM_ZERO | NUM_INT, b'.') if !integer => NUM_DOT,
+        (NUM_DOT | NUM_FRAC, b'0'..=b'9') => NUM_FRAC,
+        (NUM_ZERO | NUM_INT | NUM_FRAC, b'e' | b'E') if !integer => NUM_E,
+        (NUM_E, b'+' | b'-') => NUM_E_SIGN,
+        (NUM_E | NUM_E_SIGN | NUM_EXP, b'0'..=b'9') => NUM_EXP,
+        _ => return None,
+    })
 }
 
-const LITERALS: [&[u8]; 3] = [b"true", b"false", b"null"];
+fn number_complete(part: u8) -> bool {
+    matches!(part, NUM_ZERO | NUM_INT | NUM_FRAC | NUM_EXP)
+}
 
-/// How far a prefix of the output has come through one JSON object.
+/// One open container or the value being written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+struct Frame {
+    node: NodeId,
+    phase: Phase,
+    sub: u8,
+    aux: u16,
+    /// An object's next property not yet written (a key's property once it is read); an array's items so far; a
+    /// string's UTF-8 state.
+    count: u16,
+}
+
+/// How far a prefix of the output has come through the grammar's value: the frames open, innermost last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct JsonState {
-    mode: Mode,
-    /// Containers open.
-    depth: u8,
-    /// Bit i: container i (0 outermost) is an object, else an array.
-    objects: u64,
+    frames: [Frame; MAX_DEPTH],
+    len: u8,
     /// Whitespace bytes just read in a row.
     spaces: u8,
 }
 
 impl Default for JsonState {
+    /// Before the output: the root (node 0) not begun.
     fn default() -> Self {
         JsonState {
-            mode: Mode::Start,
-            depth: 0,
-            objects: 0,
+            frames: [Frame::default(); MAX_DEPTH],
+            len: 1,
             spaces: 0,
         }
     }
 }
 
 impl JsonState {
-    /// The object is complete.
+    /// The value is complete: only a stop token may follow.
     pub fn is_done(&self) -> bool {
-        self.mode == Mode::Done
+        self.len == 0
     }
 
+    fn top(&mut self) -> &mut Frame {
+        &mut self.frames[self.len as usize - 1]
+    }
+
+    fn push(&mut self, node: NodeId) -> bool {
+        if self.len as usize >= MAX_DEPTH {
+            return false;
+        }
+        self.frames[self.len as usize] = Frame {
+            node,
+            ..Frame::default()
+        };
+        self.len += 1;
+        true
+    }
+
+    /// The innermost value is complete.
+    fn pop(&mut self) -> bool {
+        self.len -= 1;
+        self.frames[self.len as usize] = Frame::default();
+        true
+    }
+}
+
+impl JsonGrammar {
     /// The state after `bytes`, or None where they leave the language.
-    pub fn after(mut self, bytes: &[u8]) -> Option<JsonState> {
+    pub fn after(&self, mut state: JsonState, bytes: &[u8]) -> Option<JsonState> {
         for &b in bytes {
-            if !self.step(b) {
+            if !self.step(&mut state, b) {
                 return None;
             }
         }
-        Some(self)
+        Some(state)
     }
 
-    fn in_object(&self) -> bool {
-        self.depth > 0 && self.objects >> (self.depth - 1) & 1 == 1
-    }
-
-    fn open(&mut self, object: bool) -> bool {
-        if self.depth >= MAX_DEPTH {
-            return false;
+    fn object(&self, id: NodeId) -> &ObjectNode {
+        match &self.nodes[id as usize] {
+            Node::Object(o) => o,
+            _ => unreachable!("object phases belong to object nodes"),
         }
-        let bit = 1u64 << self.depth;
-        self.objects = if object {
-            self.objects | bit
-        } else {
-            self.objects & !bit
-        };
-        self.depth += 1;
-        self.mode = if object {
-            Mode::ObjectOpen
-        } else {
-            Mode::ArrayOpen
-        };
-        true
     }
 
-    fn close(&mut self) -> bool {
-        self.depth -= 1;
-        self.objects &= !(1u64 << self.depth);
-        self.mode = if self.depth == 0 {
-            Mode::Done
-        } else {
-            Mode::AfterValue
-        };
-        true
-    }
-
-    /// The first byte of a value.
-    fn value(&mut self, b: u8) -> bool {
-        self.mode = match b {
-            b'{' => return self.open(true),
-            b'[' => return self.open(false),
-            b'"' => Mode::String {
-                key: false,
-                escape: Escape::None,
-            },
-            b'-' => Mode::Number(NumberPart::Minus),
-            b'0' => Mode::Number(NumberPart::Zero),
-            b'1'..=b'9' => Mode::Number(NumberPart::Int),
-            b't' => Mode::Literal {
-                word: 0,
-                matched: 1,
-            },
-            b'f' => Mode::Literal {
-                word: 1,
-                matched: 1,
-            },
-            b'n' => Mode::Literal {
-                word: 2,
-                matched: 1,
-            },
-            _ => return false,
-        };
-        true
-    }
-
-    fn step(&mut self, b: u8) -> bool {
+    fn step(&self, s: &mut JsonState, b: u8) -> bool {
         let whitespace = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
-        // A number ends at the first byte that cannot continue it, which the container then reads.
-        if let Mode::Number(part) = self.mode {
-            let next = match (part, b) {
-                (NumberPart::Minus, b'0') => Some(NumberPart::Zero),
-                (NumberPart::Minus, b'1'..=b'9') => Some(NumberPart::Int),
-                (NumberPart::Int, b'0'..=b'9') => Some(NumberPart::Int),
-                (NumberPart::Zero | NumberPart::Int, b'.') => Some(NumberPart::Dot),
-                (NumberPart::Dot | NumberPart::Frac, b'0'..=b'9') => Some(NumberPart::Frac),
-                (NumberPart::Zero | NumberPart::Int | NumberPart::Frac, b'e' | b'E') => {
-                    Some(NumberPart::E)
-                }
-                (NumberPart::E, b'+' | b'-') => Some(NumberPart::ESign),
-                (NumberPart::E | NumberPart::ESign | NumberPart::Exp, b'0'..=b'9') => {
-                    Some(NumberPart::Exp)
-                }
-                _ => None,
-            };
-            match next {
-                Some(part) => {
-                    self.mode = Mode::Number(part);
-                    return true;
-                }
-                None if matches!(
-                    part,
-                    NumberPart::Zero | NumberPart::Int | NumberPart::Frac | NumberPart::Exp
-                ) =>
-                {
-                    self.mode = Mode::AfterValue
-                }
-                None => return false,
-            }
-        }
-        if whitespace
-            && matches!(
-                self.mode,
-                Mode::Start
-                    | Mode::ObjectOpen
-                    | Mode::KeyNext
-                    | Mode::Colon
-                    | Mode::Value
-                    | Mode::ArrayOpen
-                    | Mode::AfterValue
-            )
-        {
-            if self.spaces >= MAX_WHITESPACE_RUN {
+        loop {
+            if s.is_done() {
                 return false;
             }
-            self.spaces += 1;
-            return true;
-        }
-        self.spaces = 0;
-        match self.mode {
-            Mode::Start => b == b'{' && self.open(true),
-            Mode::ObjectOpen | Mode::KeyNext => match b {
-                b'"' => {
-                    self.mode = Mode::String {
-                        key: true,
-                        escape: Escape::None,
+            let f = *s.top();
+            let node = &self.nodes[f.node as usize];
+            // A number or a fixed text ends at the first byte that cannot continue it, which the container then
+            // reads.
+            match f.phase {
+                Phase::Number => {
+                    let integer = matches!(node, Node::Number { integer: true });
+                    match number_next(f.sub, b, integer) {
+                        Some(part) => {
+                            s.top().sub = part;
+                            return true;
+                        }
+                        None if number_complete(f.sub) => {
+                            s.pop();
+                            continue;
+                        }
+                        None => return false,
+                    }
+                }
+                Phase::Literal => {
+                    let Node::Literals(trie) = node else {
+                        unreachable!("literal phases belong to literal nodes")
                     };
-                    true
-                }
-                b'}' if self.mode == Mode::ObjectOpen => self.close(),
-                _ => false,
-            },
-            Mode::Colon => {
-                self.mode = Mode::Value;
-                b == b':'
-            }
-            Mode::Value => self.value(b),
-            Mode::ArrayOpen => {
-                if b == b']' {
-                    self.close()
-                } else {
-                    self.value(b)
-                }
-            }
-            Mode::AfterValue => match b {
-                b',' => {
-                    self.mode = if self.in_object() {
-                        Mode::KeyNext
-                    } else {
-                        Mode::Value
-                    };
-                    true
-                }
-                b'}' if self.in_object() => self.close(),
-                b']' if !self.in_object() => self.close(),
-                _ => false,
-            },
-            Mode::String { key, escape } => {
-                let escape = match (escape, b) {
-                    (Escape::None, b'"') => {
-                        self.mode = if key { Mode::Colon } else { Mode::AfterValue };
+                    if let Some(c) = trie.child(f.aux, b) {
+                        s.top().aux = c;
                         return true;
                     }
-                    (Escape::None, b'\\') => Escape::Backslash,
-                    (Escape::None, 0..=0x1f) => return false,
-                    (Escape::None, _) => Escape::None,
-                    (Escape::Backslash, b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => {
-                        Escape::None
+                    if trie.end(f.aux).is_some() {
+                        s.pop();
+                        continue;
                     }
-                    (Escape::Backslash, b'u') => Escape::Hex(4),
-                    (Escape::Hex(n), b) if b.is_ascii_hexdigit() => {
-                        if n == 1 {
-                            Escape::None
-                        } else {
-                            Escape::Hex(n - 1)
-                        }
-                    }
-                    _ => return false,
-                };
-                self.mode = Mode::String { key, escape };
-                true
-            }
-            Mode::Literal { word, matched } => {
-                let literal = LITERALS[word as usize];
-                if literal[matched as usize] != b {
                     return false;
                 }
-                let matched = matched + 1;
-                self.mode = if matched as usize == literal.len() {
-                    Mode::AfterValue
-                } else {
-                    Mode::Literal { word, matched }
-                };
-                true
+                _ => {}
             }
-            Mode::Number(_) => unreachable!("a number reads its own bytes above"),
-            Mode::Done => false,
+            if whitespace && f.phase.takes_whitespace() {
+                if s.spaces >= MAX_WHITESPACE_RUN {
+                    return false;
+                }
+                s.spaces += 1;
+                return true;
+            }
+            s.spaces = 0;
+            match f.phase {
+                Phase::Start => {
+                    let top = s.top();
+                    match (node, b) {
+                        (Node::Union(alts), _) => {
+                            match alts.iter().find(|&&alt| has(&self.first[alt as usize], b)) {
+                                Some(&alt) => {
+                                    top.node = alt;
+                                    continue;
+                                }
+                                None => return false,
+                            }
+                        }
+                        (Node::Object(_), b'{') => top.phase = Phase::ObjectOpen,
+                        (Node::Array { .. }, b'[') => top.phase = Phase::ArrayOpen,
+                        (Node::String { .. }, b'"') => top.phase = Phase::String,
+                        (Node::Number { .. }, b'-' | b'0'..=b'9') => {
+                            top.phase = Phase::Number;
+                            top.sub = match b {
+                                b'-' => NUM_MINUS,
+                                b'0' => NUM_ZERO,
+                                _ => NUM_INT,
+                            };
+                        }
+                        (Node::Literals(trie), _) => match trie.child(0, b) {
+                            Some(c) => {
+                                top.phase = Phase::Literal;
+                                top.aux = c;
+                            }
+                            None => return false,
+                        },
+                        _ => return false,
+                    }
+                    return true;
+                }
+                Phase::ObjectOpen | Phase::KeyNext => {
+                    let o = self.object(f.node);
+                    return match b {
+                        b'"' if o.any_keys.is_some() => {
+                            let top = s.top();
+                            top.phase = Phase::Key;
+                            top.sub = ESC_NONE;
+                            top.aux = 0;
+                            true
+                        }
+                        b'"' => match o.keys.child(0, b) {
+                            Some(c) if o.keys.leads_to(c, o.key_range(f.count)) => {
+                                let top = s.top();
+                                top.phase = Phase::Key;
+                                top.aux = c;
+                                true
+                            }
+                            _ => false,
+                        },
+                        b'}' if f.phase == Phase::ObjectOpen && o.may_close(f.count) => s.pop(),
+                        _ => false,
+                    };
+                }
+                Phase::Key => {
+                    let o = self.object(f.node);
+                    if o.any_keys.is_some() {
+                        // Any key: a string whose UTF-8 state lies in `aux`.
+                        return match string_step(f.sub, f.aux, b) {
+                            StringStep::Continue { escape, utf8, .. } => {
+                                let top = s.top();
+                                top.sub = escape;
+                                top.aux = utf8;
+                                true
+                            }
+                            StringStep::Close => {
+                                s.top().phase = Phase::Colon;
+                                true
+                            }
+                            StringStep::Invalid => false,
+                        };
+                    }
+                    return match o.keys.child(f.aux, b) {
+                        Some(c) if o.keys.leads_to(c, o.key_range(f.count)) => {
+                            let top = s.top();
+                            top.aux = c;
+                            // Keys are JSON strings, so none is a prefix of another: the end is the key.
+                            if let Some(property) = o.keys.end(c) {
+                                top.count = property;
+                                top.phase = Phase::Colon;
+                            }
+                            true
+                        }
+                        _ => false,
+                    };
+                }
+                Phase::Colon => {
+                    s.top().phase = Phase::PropertyValue;
+                    return b == b':';
+                }
+                Phase::PropertyValue => {
+                    let o = self.object(f.node);
+                    let value = match o.any_keys {
+                        Some(v) => v,
+                        None => o.props[f.count as usize],
+                    };
+                    let top = s.top();
+                    top.phase = Phase::ObjectAfter;
+                    if o.any_keys.is_none() {
+                        top.count += 1;
+                    }
+                    if !s.push(value) {
+                        return false;
+                    }
+                }
+                Phase::ObjectAfter => {
+                    let o = self.object(f.node);
+                    return match b {
+                        b',' if o.any_keys.is_some() || (f.count as usize) < o.props.len() => {
+                            s.top().phase = Phase::KeyNext;
+                            true
+                        }
+                        b'}' if o.may_close(f.count) => s.pop(),
+                        _ => false,
+                    };
+                }
+                Phase::ArrayOpen | Phase::ItemNext | Phase::ArrayAfter => {
+                    let Node::Array { items, min, max } = *node else {
+                        unreachable!("array phases belong to array nodes")
+                    };
+                    let count = f.count as u32;
+                    let closes = b == b']' && count >= min;
+                    match f.phase {
+                        Phase::ArrayAfter => {
+                            return match b {
+                                b',' if count < max => {
+                                    s.top().phase = Phase::ItemNext;
+                                    true
+                                }
+                                b']' if closes => s.pop(),
+                                _ => false,
+                            }
+                        }
+                        Phase::ArrayOpen if b == b']' => return closes && s.pop(),
+                        _ => {}
+                    }
+                    if count >= max {
+                        return false;
+                    }
+                    let top = s.top();
+                    top.phase = Phase::ArrayAfter;
+                    top.count = count_kept(count + 1, min, max);
+                    if !s.push(items) {
+                        return false;
+                    }
+                }
+                Phase::String => {
+                    let Node::String { min, max } = *node else {
+                        unreachable!("string phases belong to string nodes")
+                    };
+                    return match string_step(f.sub, f.count, b) {
+                        StringStep::Continue {
+                            escape,
+                            utf8,
+                            character,
+                        } => {
+                            let chars = f.aux as u32 + character as u32;
+                            if chars > max {
+                                return false;
+                            }
+                            let top = s.top();
+                            top.sub = escape;
+                            top.aux = count_kept(chars, min, max);
+                            top.count = utf8;
+                            true
+                        }
+                        StringStep::Close => f.aux as u32 >= min && s.pop(),
+                        StringStep::Invalid => false,
+                    };
+                }
+                Phase::Number | Phase::Literal => unreachable!("read above"),
+            }
         }
     }
 }
 
-/// A tokenizer's tokens as bytes, with the masks of the states met so far: one a tokenizer, shared by every
-/// request in JSON mode.
+/// A count (a string's characters, an array's items) as a state keeps it: only as far as its bounds can tell
+/// apart, so that an unbounded string or array does not make a new state (and a new mask) at every character or
+/// item. With a maximum, up to it (a count past it was refused); with only a minimum, up to that.
+fn count_kept(count: u32, min: u32, max: u32) -> u16 {
+    let cap = if max < COUNT_LIMIT { max } else { min };
+    count.min(cap) as u16
+}
+
+enum StringStep {
+    /// Still inside: the escape and UTF-8 states after the byte, and whether the byte begins a character.
+    Continue {
+        escape: u8,
+        utf8: u16,
+        character: bool,
+    },
+    /// The closing quote.
+    Close,
+    Invalid,
+}
+
+// UTF-8 inside a string (`utf8`): continuation bytes still to come (low 2 bits) and the range the next one must
+// fall in (`<< 2`), so that only well-formed UTF-8 passes (no overlong forms, surrogates or code points past
+// U+10FFFF: RFC 3629), as JSON parsers require.
+const UTF8_ANY: u16 = 0; // 0x80..=0xBF
+const UTF8_A0: u16 = 1; // 0xA0..=0xBF (after 0xE0)
+const UTF8_BELOW_A0: u16 = 2; // 0x80..=0x9F (after 0xED)
+const UTF8_90: u16 = 3; // 0x90..=0xBF (after 0xF0)
+const UTF8_BELOW_90: u16 = 4; // 0x80..=0x8F (after 0xF4)
+
+/// The UTF-8 state after a lead byte `b` (>= 0x80), or None where it cannot begin a character.
+fn utf8_lead(b: u8) -> Option<u16> {
+    let (pending, range) = match b {
+        0xC2..=0xDF => (1, UTF8_ANY),
+        0xE0 => (2, UTF8_A0),
+        0xE1..=0xEC | 0xEE..=0xEF => (2, UTF8_ANY),
+        0xED => (2, UTF8_BELOW_A0),
+        0xF0 => (3, UTF8_90),
+        0xF1..=0xF3 => (3, UTF8_ANY),
+        0xF4 => (3, UTF8_BELOW_90),
+        _ => return None,
+    };
+    Some(pending | range << 2)
+}
+
+/// One byte of a JSON string's body, in escape state `escape` and UTF-8 state `utf8`.
+fn string_step(escape: u8, utf8: u16, b: u8) -> StringStep {
+    let pending = utf8 & 3;
+    if pending > 0 {
+        let fits = match utf8 >> 2 {
+            UTF8_A0 => (0xA0..=0xBF).contains(&b),
+            UTF8_BELOW_A0 => (0x80..=0x9F).contains(&b),
+            UTF8_90 => (0x90..=0xBF).contains(&b),
+            UTF8_BELOW_90 => (0x80..=0x8F).contains(&b),
+            _ => (0x80..=0xBF).contains(&b),
+        };
+        return if fits {
+            StringStep::Continue {
+                escape,
+                utf8: pending - 1,
+                character: false,
+            }
+        } else {
+            StringStep::Invalid
+        };
+    }
+    let plain = |escape: u8| StringStep::Continue {
+        escape,
+        utf8: 0,
+        character: false,
+    };
+    match (escape, b) {
+        (ESC_NONE, b'"') => StringStep::Close,
+        (ESC_NONE, b'\\') => StringStep::Continue {
+            escape: ESC_BACKSLASH,
+            utf8: 0,
+            character: true,
+        },
+        (ESC_NONE, 0..=0x1f) => StringStep::Invalid,
+        (ESC_NONE, 0x20..=0x7f) => StringStep::Continue {
+            escape: ESC_NONE,
+            utf8: 0,
+            character: true,
+        },
+        (ESC_NONE, _) => match utf8_lead(b) {
+            Some(utf8) => StringStep::Continue {
+                escape: ESC_NONE,
+                utf8,
+                character: true,
+            },
+            None => StringStep::Invalid,
+        },
+        (ESC_BACKSLASH, b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => plain(ESC_NONE),
+        (ESC_BACKSLASH, b'u') => plain(ESC_HEX_BASE + 4),
+        (e, b) if e > ESC_HEX_BASE && b.is_ascii_hexdigit() => plain(if e == ESC_HEX_BASE + 1 {
+            ESC_NONE
+        } else {
+            e - 1
+        }),
+        _ => StringStep::Invalid,
+    }
+}
+
+/// A tokenizer's tokens as bytes: one a tokenizer, shared by every constraint over it.
 pub struct JsonVocabulary {
     /// Each token's bytes; None for tokens that never appear in JSON output (special tokens that do not stop).
     tokens: Vec<Option<Box<[u8]>>>,
+    /// Tokens by their first byte (a state that refuses the byte refuses them all).
+    by_first_byte: Vec<Vec<u32>>,
     /// Sorted.
     stop: Vec<u32>,
-    masks: Mutex<HashMap<JsonState, Arc<[u64]>>>,
 }
 
 impl JsonVocabulary {
@@ -343,10 +1191,18 @@ impl JsonVocabulary {
     pub fn from_tokens(tokens: Vec<Option<Box<[u8]>>>, mut stop: Vec<u32>) -> Arc<Self> {
         stop.sort_unstable();
         stop.dedup();
+        let mut by_first_byte = vec![Vec::new(); 256];
+        for (t, bytes) in tokens.iter().enumerate() {
+            if let Some(&first) = bytes.as_deref().and_then(|b| b.first()) {
+                if stop.binary_search(&(t as u32)).is_err() {
+                    by_first_byte[first as usize].push(t as u32);
+                }
+            }
+        }
         Arc::new(JsonVocabulary {
             tokens,
+            by_first_byte,
             stop,
-            masks: Mutex::new(HashMap::new()),
         })
     }
 
@@ -360,70 +1216,6 @@ impl JsonVocabulary {
 
     fn is_stop(&self, token: u32) -> bool {
         self.stop.binary_search(&token).is_ok()
-    }
-
-    /// The state after `token`: stop tokens leave it as it is; None where the token leaves the language.
-    pub fn advance(&self, state: JsonState, token: u32) -> Option<JsonState> {
-        if self.is_stop(token) {
-            return state.is_done().then_some(state);
-        }
-        state.after(self.tokens.get(token as usize)?.as_deref()?)
-    }
-
-    /// The tokens allowed in `state`, one bit each (bit t % 64 of word t / 64).
-    pub fn mask(&self, state: JsonState) -> Arc<[u64]> {
-        if let Some(mask) = self
-            .masks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&state)
-        {
-            return mask.clone();
-        }
-        let mut mask = vec![0u64; self.tokens.len().div_ceil(64)];
-        for (t, bytes) in self.tokens.iter().enumerate() {
-            let allowed = if self.is_stop(t as u32) {
-                state.is_done()
-            } else {
-                bytes.as_deref().is_some_and(|b| state.after(b).is_some())
-            };
-            if allowed {
-                mask[t / 64] |= 1 << (t % 64);
-            }
-        }
-        let mask: Arc<[u64]> = mask.into();
-        let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
-        if masks.len() >= MASK_CACHE_STATES {
-            masks.clear();
-        }
-        masks.insert(state, mask.clone());
-        mask
-    }
-
-    /// Sets the logits of the tokens `state` does not allow to minus infinity. Errors where it allows none (a
-    /// vocabulary without the bytes JSON needs), rather than sampling from nothing.
-    pub fn apply(&self, state: JsonState, logits: &mut [f32]) -> Result<()> {
-        let mask = self.mask(state);
-        let mut any = false;
-        // Rows past the tokenizer's vocabulary (a model's padded embedding rows) are never allowed.
-        let words = mask.iter().copied().chain(std::iter::repeat(0));
-        for (chunk, word) in logits.chunks_mut(64).zip(words) {
-            any |= word != 0;
-            if word == u64::MAX {
-                continue;
-            }
-            for (i, l) in chunk.iter_mut().enumerate() {
-                if word >> i & 1 == 0 {
-                    *l = f32::NEG_INFINITY;
-                }
-            }
-        }
-        if !any {
-            return Err(Error::InvalidArgument(
-                "JSON mode: no token of this vocabulary continues the JSON output here".into(),
-            ));
-        }
-        Ok(())
     }
 }
 
@@ -442,12 +1234,161 @@ impl std::fmt::Debug for JsonVocabulary {
     }
 }
 
+/// A grammar over a vocabulary, with the masks of the states met so far: shared by every request with the same
+/// `response_format` (the server keeps one for json_object and one for each recent schema).
+pub struct JsonConstraint {
+    grammar: JsonGrammar,
+    vocab: Arc<JsonVocabulary>,
+    masks: Mutex<HashMap<JsonState, Arc<[u64]>>>,
+}
+
+impl JsonConstraint {
+    pub fn new(grammar: JsonGrammar, vocab: Arc<JsonVocabulary>) -> Arc<Self> {
+        Arc::new(JsonConstraint {
+            grammar,
+            vocab,
+            masks: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Tokens in the vocabulary.
+    pub fn len(&self) -> usize {
+        self.vocab.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.vocab.is_empty()
+    }
+
+    pub fn grammar(&self) -> &JsonGrammar {
+        &self.grammar
+    }
+
+    /// The state after `token`: stop tokens leave it as it is; None where the token leaves the language.
+    pub fn advance(&self, state: JsonState, token: u32) -> Option<JsonState> {
+        if self.vocab.is_stop(token) {
+            return state.is_done().then_some(state);
+        }
+        self.grammar
+            .after(state, self.vocab.tokens.get(token as usize)?.as_deref()?)
+    }
+
+    /// The tokens allowed in `state`, one bit each (bit t % 64 of word t / 64).
+    pub fn mask(&self, state: JsonState) -> Arc<[u64]> {
+        if let Some(mask) = self
+            .masks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&state)
+        {
+            return mask.clone();
+        }
+        let mut mask = vec![0u64; self.vocab.tokens.len().div_ceil(64)];
+        if state.is_done() {
+            for &t in &self.vocab.stop {
+                if (t as usize) < self.vocab.tokens.len() {
+                    mask[t as usize / 64] |= 1 << (t % 64);
+                }
+            }
+        } else {
+            for first in 0..=255u8 {
+                let Some(after_first) = self.grammar.after(state, &[first]) else {
+                    continue;
+                };
+                for &t in &self.vocab.by_first_byte[first as usize] {
+                    let bytes = self.vocab.tokens[t as usize]
+                        .as_deref()
+                        .expect("indexed tokens have bytes");
+                    if self.grammar.after(after_first, &bytes[1..]).is_some() {
+                        mask[t as usize / 64] |= 1 << (t % 64);
+                    }
+                }
+            }
+        }
+        let mask: Arc<[u64]> = mask.into();
+        let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+        if masks.len() >= MASK_CACHE_STATES {
+            masks.clear();
+        }
+        masks.insert(state, mask.clone());
+        mask
+    }
+
+    /// Sets the logits of the tokens `state` does not allow to minus infinity. Errors where it allows none (a
+    /// vocabulary without the bytes the output needs), rather than sampling from nothing.
+    pub fn apply(&self, state: JsonState, logits: &mut [f32]) -> Result<()> {
+        let mask = self.mask(state);
+        let mut any = false;
+        // Rows past the tokenizer's vocabulary (a model's padded embedding rows) are never allowed.
+        let words = mask.iter().copied().chain(std::iter::repeat(0));
+        for (chunk, word) in logits.chunks_mut(64).zip(words) {
+            any |= word != 0;
+            if word == u64::MAX {
+                continue;
+            }
+            for (i, l) in chunk.iter_mut().enumerate() {
+                if word >> i & 1 == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        if !any {
+            return Err(Error::InvalidArgument(
+                "JSON output: no token of this vocabulary continues the output here".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for JsonConstraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JsonConstraint")
+            .field("nodes", &self.grammar.nodes.len())
+            .field("vocab", &self.vocab)
+            .finish()
+    }
+}
+
+impl PartialEq for JsonConstraint {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    fn any_object() -> &'static JsonGrammar {
+        static G: std::sync::OnceLock<JsonGrammar> = std::sync::OnceLock::new();
+        G.get_or_init(JsonGrammar::any_object)
+    }
 
     fn accepts(text: &str) -> Option<JsonState> {
-        JsonState::default().after(text.as_bytes())
+        any_object().after(JsonState::default(), text.as_bytes())
+    }
+
+    fn schema(s: Value) -> JsonGrammar {
+        JsonGrammar::from_schema(&s).unwrap_or_else(|e| panic!("{s}: {e}"))
+    }
+
+    /// Whether `g` takes `text` whole (complete, nothing more expected).
+    fn whole(g: &JsonGrammar, text: &str) -> bool {
+        g.after(JsonState::default(), text.as_bytes())
+            .is_some_and(|s| s.is_done())
+    }
+
+    /// Every prefix of `text` is taken and none but the whole is complete.
+    fn every_prefix(g: &JsonGrammar, text: &str) {
+        for end in 0..text.len() {
+            let state = g
+                .after(JsonState::default(), &text.as_bytes()[..end])
+                .unwrap_or_else(|| panic!("{:?} refused", &text[..end]));
+            assert!(!state.is_done(), "{:?} is not whole", &text[..end]);
+        }
+        assert!(whole(g, text), "{text} refused");
     }
 
     #[test]
@@ -472,12 +1413,10 @@ mod tests {
 
     #[test]
     fn prefixes_are_accepted_and_not_done() {
-        let doc = r#"{"a": [1.5, "x\u00e9", {"b": null}], "c": -3}"#;
-        for end in 0..doc.len() {
-            let state = accepts(&doc[..end]).unwrap_or_else(|| panic!("{} refused", &doc[..end]));
-            assert!(!state.is_done(), "{} is not a whole object", &doc[..end]);
-        }
-        assert!(accepts(doc).unwrap().is_done());
+        every_prefix(
+            any_object(),
+            r#"{"a": [1.5, "x\u00e9", {"b": null}], "c": -3}"#,
+        );
     }
 
     #[test]
@@ -501,24 +1440,76 @@ mod tests {
             ("{}}", "{}"),
         ] {
             assert!(accepts(doc).is_none(), "{doc} was accepted");
-            assert!(
-                accepts(valid_prefix).is_some(),
-                "{valid_prefix} was refused"
-            );
+            let prefix = accepts(valid_prefix).unwrap_or_else(|| panic!("{valid_prefix} refused"));
             let bad = doc.as_bytes()[valid_prefix.len()];
             assert!(
-                accepts(valid_prefix).unwrap().after(&[bad]).is_none(),
+                any_object().after(prefix, &[bad]).is_none(),
                 "{doc}: byte {:?} after {valid_prefix}",
                 bad as char
             );
         }
     }
 
+    /// Strings hold well-formed UTF-8 only (what JSON parsers take), split across tokens or not, and a
+    /// character of several bytes counts once against maxLength.
+    #[test]
+    fn strings_hold_well_formed_utf8() {
+        let any = any_object();
+        let start = any.after(JsonState::default(), br#"{"k": ""#).unwrap();
+        for good in ["é", "✓", "😀", "aé✓😀z", "\\u00e9"] {
+            let s = any
+                .after(start, good.as_bytes())
+                .unwrap_or_else(|| panic!("{good}"));
+            assert!(any.after(s, b"\"}").unwrap().is_done(), "{good}");
+        }
+        for bad in [
+            &b"\xff"[..],
+            b"\x80",             // a continuation byte first
+            b"\xc0\x80",         // overlong
+            b"\xe0\x80\x80",     // overlong
+            b"\xed\xa0\x80",     // a surrogate
+            b"\xf4\x90\x80\x80", // past U+10FFFF
+            b"\xc3\"",           // cut short by the quote
+            b"\xe2\x9c\"",
+        ] {
+            assert!(any.after(start, bad).is_none(), "{bad:?}");
+        }
+        // Keys of any-key objects too.
+        let key = any.after(JsonState::default(), b"{\"").unwrap();
+        assert!(any.after(key, "é\": 1}".as_bytes()).unwrap().is_done());
+        assert!(any.after(key, b"\xc3\": 1}").is_none());
+        let g = schema(
+            json!({"type": "object", "properties": {"s": {"type": "string", "maxLength": 2}}}),
+        );
+        assert!(whole(&g, r#"{"s": "é😀"}"#));
+        assert!(!whole(&g, r#"{"s": "é😀a"}"#));
+        // Unbounded strings and arrays keep no count, so their states (and masks) repeat; bounded ones count.
+        assert_eq!(
+            any.after(start, b"ab"),
+            any.after(start, "abcdefé".as_bytes())
+        );
+        let items = any.after(JsonState::default(), br#"{"k": [1, "#).unwrap();
+        assert_eq!(any.after(items, b"2, "), any.after(items, b"2, 3, 4, "));
+        let g = schema(json!({"type": "object", "properties": {
+            "s": {"type": "string", "minLength": 2},
+            "a": {"type": "array", "maxItems": 3}
+        }}));
+        let s = g.after(JsonState::default(), br#"{"s": ""#).unwrap();
+        assert_ne!(g.after(s, b"a"), g.after(s, b"ab"));
+        assert_eq!(g.after(s, b"ab"), g.after(s, b"abcd"));
+        let a = g.after(JsonState::default(), br#"{"a": [1, "#).unwrap();
+        assert_ne!(g.after(a, b"2, "), g.after(a, b"2, 3, "));
+        assert!(g.after(a, b"2, 3, 4").is_none());
+    }
+
     #[test]
     fn depth_and_whitespace_runs_are_bounded() {
-        let deep = format!("{{\"a\": {}", "[".repeat(MAX_DEPTH as usize - 1));
+        // The object, then MAX_DEPTH - 1 arrays: every frame in use once the innermost array is open.
+        let deep = format!("{{\"a\": {}", "[".repeat(MAX_DEPTH - 1));
         let state = accepts(&deep).unwrap();
-        assert!(state.after(b"[").is_none());
+        assert!(any_object().after(state, b"[").is_none());
+        assert!(any_object().after(state, b"1").is_none());
+        assert!(any_object().after(state, b"]").is_some());
         let spaces = " ".repeat(MAX_WHITESPACE_RUN as usize);
         assert!(accepts(&format!("{{{spaces}")).is_some());
         assert!(accepts(&format!("{{{spaces} ")).is_none());
@@ -527,12 +1518,168 @@ mod tests {
     }
 
     #[test]
-    fn masks_allow_exactly_the_tokens_that_keep_the_prefix_valid() {
-        let words = [
-            "{", "}", "{\"", "\":", " ", "\n", "  ", "\"", "a", "key", ",", ":", "[", "]", "1",
-            "0", "12", ".", "5", "e", "-", "true", "tr", "ue", "null", "\\", "u", "00", "é", "\"}",
-            "}\n",
-        ];
+    fn a_schema_fixes_keys_their_order_and_their_values() {
+        let g = schema(json!({
+            "type": "object",
+            "title": "a person",
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 5, "description": "given name"},
+                "age": {"type": "integer"},
+                "email": {"type": ["string", "null"]},
+                "tags": {"type": "array", "items": {"enum": ["a", "b", 3]}, "minItems": 1, "maxItems": 2},
+                "ok": {"type": "boolean"},
+                "score": {"type": "number"},
+            },
+            "required": ["name", "age", "ok"],
+            "additionalProperties": false
+        }));
+        for good in [
+            r#"{"name": "Tom", "age": 3, "ok": true}"#,
+            r#"{"name":"Tomé","age":-12,"email":null,"tags":["a",3],"ok":false,"score":1.5e3}"#,
+            r#"{"name": "\u00e9x", "age": 0, "email": "t@x", "ok": true, "score": -0.25}"#,
+            "{\n  \"name\": \"A\",\n  \"age\": 7,\n  \"tags\": [\"b\"],\n  \"ok\": true\n}",
+        ] {
+            assert!(whole(&g, good), "{good} refused");
+            every_prefix(&g, good);
+        }
+        for bad in [
+            r#"{"age": 3, "name": "Tom", "ok": true}"#, // out of order
+            r#"{"name": "Tom", "ok": true}"#,           // age is required
+            r#"{"name": "Tom", "age": 3}"#,             // ok is required
+            r#"{"name": "", "age": 3, "ok": true}"#,    // minLength 1
+            r#"{"name": "Tomasz", "age": 3, "ok": true}"#, // maxLength 5
+            r#"{"name": "Tom", "age": 3.5, "ok": true}"#, // an integer
+            r#"{"name": "Tom", "age": 1e3, "ok": true}"#,
+            r#"{"name": "Tom", "age": 3, "tags": [], "ok": true}"#, // minItems 1
+            r#"{"name": "Tom", "age": 3, "tags": ["a", "b", "a"], "ok": true}"#, // maxItems 2
+            r#"{"name": "Tom", "age": 3, "tags": ["c"], "ok": true}"#, // not in the enum
+            r#"{"name": "Tom", "age": 3, "tags": [33], "ok": true}"#,
+            r#"{"name": "Tom", "age": 3, "ok": 1}"#,
+            r#"{"name": "Tom", "age": 3, "ok": true, "extra": 1}"#,
+            r#"{"name": "Tom", "age": 3, "ok": true, "name": "x"}"#,
+            r#"{"name": "Tom", "age": 3, "email": 5, "ok": true}"#,
+        ] {
+            assert!(!whole(&g, bad), "{bad} accepted");
+            assert!(serde_json::from_str::<Value>(bad).is_ok(), "{bad} is JSON");
+        }
+        // The schema's order, not the alphabet's.
+        let s = g
+            .after(JsonState::default(), br#"{"name": "T", "a"#)
+            .unwrap();
+        assert!(g.after(s, b"ge").is_some());
+        assert!(g.after(JsonState::default(), br#"{"ok""#).is_none());
+    }
+
+    #[test]
+    fn definitions_nest_and_recurse_through_refs() {
+        let g = schema(json!({
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {
+                        "value": {"type": "integer"},
+                        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}
+                    },
+                    "required": ["value"]
+                }
+            },
+            "$ref": "#/$defs/node"
+        }));
+        let tree = r#"{"value": 1, "children": [{"value": 2}, {"value": 3, "children": [{"value": 4, "children": []}]}]}"#;
+        every_prefix(&g, tree);
+        assert!(!whole(
+            &g,
+            r#"{"value": 1, "children": [{"children": []}]}"#
+        ));
+        // An object with no properties takes any keys of additionalProperties' values; false leaves it empty.
+        let g = schema(json!({
+            "type": "object",
+            "properties": {
+                "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "none": {"type": "object", "additionalProperties": false},
+                "any": {}
+            }
+        }));
+        assert!(whole(
+            &g,
+            r#"{"counts": {"a": 1, "b\"": -2}, "none": {}, "any": [1, {"x": null}]}"#
+        ));
+        assert!(!whole(&g, r#"{"counts": {"a": "1"}}"#));
+        assert!(!whole(&g, r#"{"none": {"a": 1}}"#));
+        assert!(whole(&g, "{}"));
+    }
+
+    #[test]
+    fn unsupported_or_contradictory_schemas_are_refused_by_name() {
+        for (s, needle) in [
+            (json!({"type": "string"}), "root must be an object"),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}),
+                "\"pattern\"",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}),
+                "\"minimum\"",
+            ),
+            (
+                json!({"type": "object", "required": ["b"], "properties": {"a": {}}}),
+                "\"b\"",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"}, {"type": "object", "properties": {}}]}}}),
+                "begin",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": ["integer", "number"]}}}),
+                "begin",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "strin"}}}),
+                "\"strin\"",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
+                "points at nothing",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}),
+                "only references inside",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "array", "items": [{}]}}}),
+                "tuple",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 2}}}),
+                "above",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": false}}),
+                "nothing matches",
+            ),
+            (
+                json!({"$defs": {"a": {"$ref": "#/$defs/a"}}, "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}),
+                "itself",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"enum": []}}}),
+                "non-empty",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"allOf": [{}, {}]}}}),
+                "allOf",
+            ),
+        ] {
+            let e = JsonGrammar::from_schema(&s)
+                .expect_err(&s.to_string())
+                .to_string();
+            assert!(e.contains(needle), "{s}: {e}");
+            assert!(e.starts_with("invalid argument: json_schema:"), "{e}");
+        }
+    }
+
+    /// A small vocabulary whose words cover keys, values and structure.
+    fn vocab(words: &[&str]) -> (Arc<JsonVocabulary>, u32) {
         let mut tokens: Vec<Option<Box<[u8]>>> = words
             .iter()
             .map(|w| Some(w.as_bytes().to_vec().into_boxed_slice()))
@@ -540,47 +1687,98 @@ mod tests {
         tokens.push(None); // a special token
         let stop = tokens.len() as u32;
         tokens.push(Some(b"<|end|>".to_vec().into_boxed_slice()));
-        let vocab = JsonVocabulary::from_tokens(tokens, vec![stop]);
-        for prefix in [
-            "",
-            "{",
-            "{\"a",
-            "{\"a\":",
-            "{\"a\": 1",
-            "{\"a\": [tr",
-            "{\"a\": \"\\u0",
-            "{}",
+        (JsonVocabulary::from_tokens(tokens, vec![stop]), stop)
+    }
+
+    #[test]
+    fn masks_allow_exactly_the_tokens_that_keep_the_prefix_valid() {
+        let words = [
+            "{", "}", "{\"", "\":", " ", "\n", "  ", "\"", "a", "key", ",", ":", "[", "]", "1",
+            "0", "12", "2", ".", "5", "e", "-", "true", "tr", "ue", "null", "\\", "u", "00", "é",
+            "\"}", "}\n", "name", "\"name\"", "age", "\"age\":", "Tom",
+        ];
+        let (v, stop) = vocab(&words);
+        let person = schema(json!({
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": [true, 12]}}},
+            "required": ["name"]
+        }));
+        for (grammar, prefixes) in [
+            (
+                JsonGrammar::any_object(),
+                &[
+                    "",
+                    "{",
+                    "{\"a",
+                    "{\"a\":",
+                    "{\"a\": 1",
+                    "{\"a\": [tr",
+                    "{\"a\": \"\\u0",
+                    "{}",
+                ][..],
+            ),
+            (
+                person,
+                &[
+                    "",
+                    "{",
+                    "{\"",
+                    "{\"name\": \"T",
+                    "{\"name\": \"Tom\"",
+                    "{\"name\": \"Tom\",",
+                    "{\"name\": \"Tom\", \"age\": 1",
+                    "{\"name\": \"Tom\", \"tags\": [1",
+                    "{\"name\": \"Tom\", \"tags\": [tr",
+                    "{\"name\": \"Tom\"}",
+                ][..],
+            ),
         ] {
-            let state = accepts(prefix).unwrap();
-            let mask = vocab.mask(state);
-            for t in 0..vocab.len() {
-                let allowed = mask[t / 64] >> (t % 64) & 1 == 1;
-                let expected = if t as u32 == stop {
-                    state.is_done()
-                } else {
-                    words
-                        .get(t)
-                        .is_some_and(|w| state.after(w.as_bytes()).is_some())
-                };
-                assert_eq!(allowed, expected, "prefix {prefix:?}, token {t}");
+            let constraint = JsonConstraint::new(grammar, v.clone());
+            let g = constraint.grammar();
+            for prefix in prefixes {
+                let state = g
+                    .after(JsonState::default(), prefix.as_bytes())
+                    .unwrap_or_else(|| panic!("{prefix} refused"));
+                let mask = constraint.mask(state);
+                for t in 0..constraint.len() {
+                    let allowed = mask[t / 64] >> (t % 64) & 1 == 1;
+                    let expected = if t as u32 == stop {
+                        state.is_done()
+                    } else {
+                        words
+                            .get(t)
+                            .is_some_and(|w| g.after(state, w.as_bytes()).is_some())
+                    };
+                    assert_eq!(allowed, expected, "prefix {prefix:?}, token {t}");
+                    assert_eq!(
+                        constraint.advance(state, t as u32).is_some(),
+                        expected,
+                        "prefix {prefix:?}, token {t}"
+                    );
+                }
+                // A model's padded rows past the tokenizer's vocabulary are masked too.
+                let mut logits = vec![0.0f32; constraint.len() + 70];
+                constraint
+                    .apply(state, &mut logits)
+                    .unwrap_or_else(|e| panic!("prefix {prefix:?}: {e}"));
+                for (t, l) in logits.iter().enumerate() {
+                    let allowed = t < constraint.len() && mask[t / 64] >> (t % 64) & 1 == 1;
+                    assert_eq!(l.is_finite(), allowed, "prefix {prefix:?}, token {t}");
+                }
             }
-            // A model's padded rows past the tokenizer's vocabulary are masked too.
-            let mut logits = vec![0.0f32; vocab.len() + 70];
-            vocab.apply(state, &mut logits).unwrap();
-            for (t, l) in logits.iter().enumerate() {
-                let allowed = t < vocab.len() && mask[t / 64] >> (t % 64) & 1 == 1;
-                assert_eq!(l.is_finite(), allowed, "prefix {prefix:?}, token {t}");
-            }
+            // Once done only the stop token is allowed, and it leaves the state as it is.
+            let done = g
+                .after(JsonState::default(), br#"{"name": "Tom"}"#)
+                .unwrap();
+            assert!(done.is_done());
+            assert_eq!(constraint.advance(done, stop), Some(done));
+            assert_eq!(constraint.advance(JsonState::default(), stop), None);
+            assert_eq!(constraint.advance(done, 1), None);
         }
-        // Once done only the stop token is allowed, and it leaves the state as it is.
-        let done = accepts("{}").unwrap();
-        assert_eq!(vocab.advance(done, stop), Some(done));
-        assert_eq!(vocab.advance(accepts("{").unwrap(), stop), None);
-        assert_eq!(vocab.advance(done, 1), None);
         // A state no token continues is an error, not a row of minus infinities.
-        let lonely =
-            JsonVocabulary::from_tokens(vec![Some(b"x".to_vec().into_boxed_slice())], vec![]);
-        let mut logits = vec![0.0f32];
-        assert!(lonely.apply(JsonState::default(), &mut logits).is_err());
+        let (lonely, _) = vocab(&["x"]);
+        let constraint = JsonConstraint::new(JsonGrammar::any_object(), lonely);
+        let mut logits = vec![0.0f32; 3];
+        assert!(constraint.apply(JsonState::default(), &mut logits).is_err());
     }
 }

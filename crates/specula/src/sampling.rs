@@ -109,9 +109,9 @@ pub struct LogitAdjustments {
     pub repetition_penalty: f32,
     /// (token, bias) pairs, each bias -100 to 100.
     pub logit_bias: Vec<(u32, f32)>,
-    /// JSON mode (OpenAI's `response_format` `json_object`): the output is one JSON object, every other token
-    /// masked out after the adjustments above (crate::json_mode).
-    pub json_object: Option<std::sync::Arc<crate::json_mode::JsonVocabulary>>,
+    /// Constrained JSON output (OpenAI's `response_format` `json_object` or `json_schema`): every token that would
+    /// leave the grammar masked out after the adjustments above (crate::json_mode).
+    pub json: Option<std::sync::Arc<crate::json_mode::JsonConstraint>>,
 }
 
 impl Default for LogitAdjustments {
@@ -121,7 +121,7 @@ impl Default for LogitAdjustments {
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
-            json_object: None,
+            json: None,
         }
     }
 }
@@ -132,7 +132,7 @@ impl LogitAdjustments {
             && self.frequency_penalty == 0.0
             && self.repetition_penalty == 1.0
             && self.logit_bias.iter().all(|&(_, b)| b == 0.0)
-            && self.json_object.is_none()
+            && self.json.is_none()
     }
 
     /// Whether `apply` reads the output's token counts (the repetition, frequency and presence penalties).
@@ -166,7 +166,7 @@ impl LogitAdjustments {
                 self.logit_bias.len()
             )));
         }
-        if let Some(json) = &self.json_object {
+        if let Some(json) = &self.json {
             if json.len() > vocab {
                 return Err(Error::InvalidArgument(format!(
                     "JSON mode was set up for a tokenizer of {} tokens; the model has {vocab}",

@@ -98,13 +98,35 @@ print("json mode:", repr(answer.message.content), answer.finish_reason)
 assert answer.message.content.lstrip().startswith("{"), answer
 if answer.finish_reason == "stop":
     assert isinstance(json.loads(answer.message.content), dict), answer
+# Structured outputs: the answer is an object of the schema's shape, keys in its order.
+cat = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+       "required": ["name", "age"], "additionalProperties": False}
+structured = client.chat.completions.create(
+    model=model, max_tokens=64, temperature=0,
+    response_format={"type": "json_schema", "json_schema": {"name": "cat", "schema": cat, "strict": True}},
+    messages=[{"role": "user", "content": "Describe a cat named Tom, aged 3, as JSON."}])
+answer = structured.choices[0]
+print("json schema:", repr(answer.message.content), answer.finish_reason)
+assert answer.message.content.lstrip().startswith('{'), answer
+if answer.finish_reason == "stop":
+    v = json.loads(answer.message.content)
+    assert list(v) == ["name", "age"] and isinstance(v["name"], str) and isinstance(v["age"], int), v
+# Tools this model's chat template cannot render are refused by name, never dropped.
 try:
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                   response_format={"type": "json_schema",
-                                                    "json_schema": {"name": "x", "schema": {"type": "object"}}})
-    raise SystemExit("a JSON schema was accepted and would have been ignored")
+                                   tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    raise SystemExit("tools were accepted by a template that cannot render them")
 except openai.BadRequestError as e:
-    assert "json_schema" in str(e), e
+    assert "tools" in str(e), e
+# A schema keyword the server cannot enforce is refused by name, never ignored.
+try:
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                   response_format={"type": "json_schema", "json_schema": {
+                                       "name": "x", "schema": {"type": "object", "properties": {
+                                           "s": {"type": "string", "format": "email"}}}}})
+    raise SystemExit("a JSON schema keyword was accepted and would have been ignored")
+except openai.BadRequestError as e:
+    assert "format" in str(e), e
 try:
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                    presence_penalty=3.0)

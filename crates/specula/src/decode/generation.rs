@@ -100,7 +100,7 @@ impl Adjuster {
     /// through, so only a caller outside the masked path could commit it).
     fn commit(&mut self, token: u32) {
         *self.output_counts.entry(token).or_default() += 1;
-        if let Some(json) = &self.rules.json_object {
+        if let Some(json) = &self.rules.json {
             if let Some(next) = json.advance(self.json_state, token) {
                 self.json_state = next;
             }
@@ -127,7 +127,7 @@ impl Adjuster {
             };
             self.rules
                 .apply(&mut data[start..], &self.prompt_tokens, &counts);
-            if let Some(json) = &self.rules.json_object {
+            if let Some(json) = &self.rules.json {
                 // A row after a draft token that leaves the JSON is never read: that token's own row masks it
                 // out, so acceptance stops there.
                 let state = drafted

@@ -1868,14 +1868,46 @@ fn json_mode_constrains_output_and_speculation_keeps_it() {
     // closes the object at once, so a stop token ends it.
     let stops: Vec<StopReason> = [6.0, 13.0]
         .iter()
-        .map(|&close_bias| json_mode_case(&target, &close, close_bias))
+        .map(|&close_bias| {
+            json_mode_case(
+                &target,
+                &close,
+                close_bias,
+                crate::json_mode::JsonGrammar::any_object(),
+            )
+        })
         .collect();
     assert_eq!(stops, [StopReason::MaxTokens, StopReason::EndOfText]);
 }
 
-fn json_mode_case(target: &LoadedModel, close: &LoadedModel, close_bias: f32) -> StopReason {
-    use crate::json_mode::{JsonState, JsonVocabulary};
-    let json = JsonVocabulary::new(&target.tokenizer);
+/// The same with a JSON schema (`response_format` `json_schema`): keys in the schema's order, typed values.
+#[test]
+fn json_schema_constrains_output_and_speculation_keeps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (target, close) = target_and_close_draft(dir.path());
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "id": {"enum": [7, 42]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+            "ok": {"type": "boolean"}
+        },
+        "required": ["id", "ok"]
+    });
+    let grammar = crate::json_mode::JsonGrammar::from_schema(&schema).unwrap();
+    let stop = json_mode_case(&target, &close, 13.0, grammar);
+    assert_eq!(stop, StopReason::EndOfText);
+}
+
+fn json_mode_case(
+    target: &LoadedModel,
+    close: &LoadedModel,
+    close_bias: f32,
+    grammar: crate::json_mode::JsonGrammar,
+) -> StopReason {
+    use crate::json_mode::{JsonConstraint, JsonState, JsonVocabulary};
+    let json = JsonConstraint::new(grammar, JsonVocabulary::new(&target.tokenizer));
+    let g = json.grammar();
     // Random weights favour whitespace, which JSON allows almost anywhere: a bias against it (applied before
     // the mask, as the rules say) makes the output walk through keys, values and brackets.
     let whitespace: Vec<(u32, f32)> = (0..target.tokenizer.vocab_size() as u32)
@@ -1903,7 +1935,7 @@ fn json_mode_case(target: &LoadedModel, close: &LoadedModel, close_bias: f32) ->
         )
         .collect();
     let rules = crate::sampling::LogitAdjustments {
-        json_object: Some(json.clone()),
+        json: Some(json.clone()),
         logit_bias: whitespace.clone(),
         ..Default::default()
     };
@@ -1942,7 +1974,7 @@ fn json_mode_case(target: &LoadedModel, close: &LoadedModel, close_bias: f32) ->
                         let bytes = target.tokenizer.token_bytes(t);
                         !bytes.is_empty()
                             && special.binary_search(&t).is_err()
-                            && state.after(&bytes).is_some()
+                            && g.after(state, &bytes).is_some()
                     }
                 })
                 .max_by(|&a, &b| row[a as usize].total_cmp(&row[b as usize]).then(b.cmp(&a)))
@@ -1950,7 +1982,7 @@ fn json_mode_case(target: &LoadedModel, close: &LoadedModel, close_bias: f32) ->
             if stop.contains(&best) {
                 break;
             }
-            state = state.after(&target.tokenizer.token_bytes(best)).unwrap();
+            state = g.after(state, &target.tokenizer.token_bytes(best)).unwrap();
             out.push(best);
             feed = vec![best];
         }
@@ -1975,8 +2007,8 @@ fn json_mode_case(target: &LoadedModel, close: &LoadedModel, close_bias: f32) ->
         .iter()
         .flat_map(|&t| target.tokenizer.token_bytes(t))
         .collect();
-    let state = JsonState::default()
-        .after(&bytes)
+    let state = g
+        .after(JsonState::default(), &bytes)
         .expect("output left the JSON language");
     if plain.stop_reason == StopReason::EndOfText {
         assert!(state.is_done());
@@ -2013,7 +2045,7 @@ fn json_mode_case(target: &LoadedModel, close: &LoadedModel, close_bias: f32) ->
             .iter()
             .flat_map(|&t| target.tokenizer.token_bytes(t))
             .collect();
-        let state = JsonState::default().after(&bytes);
+        let state = g.after(JsonState::default(), &bytes);
         assert!(
             state.is_some(),
             "seed {seed}: {}",

@@ -268,6 +268,16 @@ pub fn format_chat(
     tokenizer: &Tokenizer,
     messages: &[crate::chat::ChatMessage],
 ) -> Result<String> {
+    format_chat_with_tools(template, tokenizer, messages, None)
+}
+
+/// As `format_chat`, with tool definitions (OpenAI's `tools` list) for a template that reads them.
+pub fn format_chat_with_tools(
+    template: Option<&ChatTemplate>,
+    tokenizer: &Tokenizer,
+    messages: &[crate::chat::ChatMessage],
+    tools: Option<&serde_json::Value>,
+) -> Result<String> {
     let Some(template) = template else {
         return Ok(messages
             .iter()
@@ -276,8 +286,9 @@ pub fn format_chat(
             .join("\n"));
     };
     let text_of = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
-    template.render(
+    template.render_with_tools(
         messages,
+        tools,
         true,
         &text_of(tokenizer.bos_token),
         &text_of(tokenizer.eos_token),
