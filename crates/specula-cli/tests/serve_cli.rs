@@ -411,6 +411,34 @@ fn serve_answers_with_tool_calls_on_a_qwen_model() {
     assert_eq!(status, 200, "{resp}");
     let v: serde_json::Value = serde_json::from_str(&resp[resp.find('{').unwrap()..]).unwrap();
     assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+    // A forced call (a named function, or any with "required"), even where the question asks for none: the
+    // answer is constrained to the call object, arguments to the function's parameters.
+    for choice in [
+        serde_json::json!({"type": "function", "function": {"name": "get_weather"}}),
+        serde_json::json!("required"),
+    ] {
+        let (status, resp) = ask(serde_json::json!({"tool_choice": choice,
+            "messages": [{"role": "user", "content": "Tell me a joke about London."}]}));
+        assert_eq!(status, 200, "{resp}");
+        let v: serde_json::Value = serde_json::from_str(&resp[resp.find('{').unwrap()..]).unwrap();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+        let call = &choice["message"]["tool_calls"][0]["function"];
+        assert_eq!(call["name"], "get_weather", "{v}");
+        let args: serde_json::Value =
+            serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+        assert!(args["city"].is_string(), "{v}");
+    }
+    // A forced call whose parameters the grammar cannot enforce is refused by name.
+    let (status, resp) = ask(serde_json::json!({
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string", "pattern": "^[A-Z]"}}}}}]}));
+    assert_eq!(status, 400, "{resp}");
+    assert!(
+        resp.contains("\\\"pattern\\\"") && resp.contains("tool_choice"),
+        "{resp}"
+    );
     // The call and its result in the history.
     let (status, resp) = ask(serde_json::json!({"messages": [
         {"role": "user", "content": "What is the weather like in Paris today?"},

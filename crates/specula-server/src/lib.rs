@@ -557,17 +557,21 @@ fn common(
 }
 
 /// A chat request's tools: the definitions for the chat template, and the names whose calls are parsed from the
-/// answer (None: `tool_choice` none).
+/// answer (None: `tool_choice` none), and where a call is forced, the schema the answer must match.
 struct Tools {
     definitions: Value,
     parse_calls: Option<Arc<Vec<String>>>,
+    forced: Option<Value>,
 }
 
 /// `tools` (OpenAI's list of `{"type": "function", "function": {"name": ..., "parameters": {...}}}`) and
-/// `tool_choice` (`auto`, the default, or `none`). The model's chat template renders the definitions; the answer's
-/// calls are parsed in the Hermes form its template asks for (`<tool_call>{"name": ..., "arguments": {...}}
-/// </tool_call>`: Qwen2 / Qwen2.5, Hermes). A template that does not render tools or ask for that form, and a
-/// `tool_choice` that would force a call, are refused by name rather than answered as if there were no tools.
+/// `tool_choice`. The model's chat template renders the definitions; the answer's calls are parsed in the Hermes
+/// form its template asks for (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: Qwen2 / Qwen2.5,
+/// Hermes). `auto` (default) parses whatever calls the model makes, `none` parses none; `required` and a named
+/// function force a call: the answer is constrained (json_mode) to one bare call object, `{"name": <one of the
+/// tools>, "arguments": {...}}` (`required`: any object as arguments) or `{"name": <that function>, "arguments":
+/// <its parameters schema>}` (named). A template that does not render tools in that form is refused by name
+/// rather than answered as if there were no tools.
 fn tools_asked(
     state: &AppState,
     o: &serde_json::Map<String, Value>,
@@ -600,20 +604,53 @@ fn tools_asked(
             }
         }
     }
-    let parse_calls = match o.get("tool_choice") {
-        None | Some(Value::Null) => Some(Arc::new(names)),
-        Some(Value::String(c)) if c == "auto" => Some(Arc::new(names)),
-        Some(Value::String(c)) if c == "none" => None,
+    let call_of = |name: Value, arguments: Value| {
+        json!({"type": "object", "properties": {"name": name, "arguments": arguments},
+               "required": ["name", "arguments"], "additionalProperties": false})
+    };
+    let bad_choice = |m: String| ApiError::bad(m, Some("tool_choice"));
+    let (parse, forced) = match o.get("tool_choice") {
+        None | Some(Value::Null) => (true, None),
+        Some(Value::String(c)) if c == "auto" => (true, None),
+        Some(Value::String(c)) if c == "none" => (false, None),
+        Some(Value::String(c)) if c == "required" => (
+            true,
+            Some(call_of(json!({"enum": names}), json!({"type": "object"}))),
+        ),
+        Some(choice @ Value::Object(_)) => {
+            let name = choice
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| choice.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| {
+                    bad_choice(
+                        "tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \
+                         \"function\": {\"name\": ...}}"
+                            .into(),
+                    )
+                })?;
+            let i = names.iter().position(|n| n == name).ok_or_else(|| {
+                bad_choice(format!(
+                    "tool_choice names {name:?}, which is not among the tools ({})",
+                    names.join(", ")
+                ))
+            })?;
+            let parameters = list[i]["function"]
+                .get("parameters")
+                .filter(|p| !p.is_null())
+                .cloned()
+                .unwrap_or_else(|| json!({"type": "object"}));
+            (true, Some(call_of(json!({"const": name}), parameters)))
+        }
         Some(other) => {
-            return Err(ApiError::bad(
-                format!(
-                    "tool_choice {other} is not supported by this server: only \"auto\" and \"none\" (a call is \
-                     never forced)"
-                ),
-                Some("tool_choice"),
-            ))
+            return Err(bad_choice(format!(
+                "tool_choice {other} is not known: \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \
+                 \"function\": {{\"name\": ...}}}}"
+            )))
         }
     };
+    let parse_calls = parse.then(|| Arc::new(names));
     let template = state.engine.chat_template.as_ref();
     if !template.is_some_and(|t| t.takes_hermes_tools()) {
         return Err(bad(format!(
@@ -625,6 +662,7 @@ fn tools_asked(
     Ok(Some(Tools {
         definitions: Value::Array(list.clone()),
         parse_calls,
+        forced,
     }))
 }
 
@@ -1322,6 +1360,21 @@ async fn chat_completions_inner(
     let mut c = common(&state, &o, 256)?;
     c.logprobs = logprobs_asked(&o, Kind::Chat)?;
     c.tool_names = tools.as_ref().and_then(|t| t.parse_calls.clone());
+    if let Some(schema) = tools.as_ref().and_then(|t| t.forced.as_ref()) {
+        // A forced call: the answer is constrained to the call object (a parameters schema the grammar cannot
+        // enforce is refused by name, as a response_format's would be).
+        let constraint = state.engine.json_constraint(Some(schema)).map_err(|e| {
+            ApiError::bad(format!("the forced tool call: {e}"), Some("tool_choice"))
+        })?;
+        let a = c.logit_adjustments.get_or_insert_with(Default::default);
+        if a.json.is_some() {
+            return Err(ApiError::bad(
+                "response_format and a tool_choice that forces a call cannot both constrain the answer",
+                Some("tool_choice"),
+            ));
+        }
+        a.json = Some(constraint);
+    }
     run(
         state,
         vec![Input::Chat(messages, tools.map(|t| t.definitions))],

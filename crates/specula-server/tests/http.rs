@@ -723,10 +723,18 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
     );
     refused(
         chat(
-            json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}),
         ),
         "tool_choice",
-        "only \"auto\" and \"none\"",
+        "is not known",
+    );
+    refused(
+        chat(
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                    "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+        ),
+        "tool_choice",
+        "not among the tools (f)",
     );
     refused(
         chat(json!({"tools": [{"type": "function", "function": {}}]})),
