@@ -826,6 +826,26 @@ impl JsonGrammar {
         Some(state)
     }
 
+    /// Where `state` is inside a string (a value, or a key of an object that takes any keys), that string's state.
+    fn string_scan(&self, state: &JsonState) -> Option<StringScan> {
+        let f = state.frames[(state.len as usize).checked_sub(1)?];
+        match (f.phase, &self.nodes[f.node as usize]) {
+            (Phase::String, &Node::String { max, .. }) => Some(StringScan {
+                escape: f.sub,
+                utf8: f.count,
+                chars: f.aux as u32,
+                max,
+            }),
+            (Phase::Key, Node::Object(o)) if o.any_keys.is_some() => Some(StringScan {
+                escape: f.sub,
+                utf8: f.aux,
+                chars: 0,
+                max: COUNT_LIMIT,
+            }),
+            _ => None,
+        }
+    }
+
     fn object(&self, id: NodeId) -> &ObjectNode {
         match &self.nodes[id as usize] {
             Node::Object(o) => o,
@@ -1070,6 +1090,54 @@ fn count_kept(count: u32, min: u32, max: u32) -> u16 {
     count.min(cap) as u16
 }
 
+/// The state of a string being written, apart from the frames around it (`JsonGrammar::string_scan`).
+#[derive(Clone, Copy)]
+struct StringScan {
+    escape: u8,
+    utf8: u16,
+    chars: u32,
+    max: u32,
+}
+
+impl StringScan {
+    /// Some(whether the string takes all of `bytes` and stays open); None where they close it (the grammar
+    /// around it decides).
+    fn run(mut self, bytes: &[u8]) -> Option<bool> {
+        for &b in bytes {
+            // Most bytes are plain ASCII outside any escape: one character each.
+            if self.escape == ESC_NONE
+                && self.utf8 == 0
+                && (0x20..0x80).contains(&b)
+                && b != b'"'
+                && b != b'\\'
+            {
+                self.chars += 1;
+                if self.chars > self.max {
+                    return Some(false);
+                }
+                continue;
+            }
+            match string_step(self.escape, self.utf8, b) {
+                StringStep::Continue {
+                    escape,
+                    utf8,
+                    character,
+                } => {
+                    self.chars += character as u32;
+                    if self.chars > self.max {
+                        return Some(false);
+                    }
+                    self.escape = escape;
+                    self.utf8 = utf8;
+                }
+                StringStep::Close => return None,
+                StringStep::Invalid => return Some(false),
+            }
+        }
+        Some(true)
+    }
+}
+
 enum StringStep {
     /// Still inside: the escape and UTF-8 states after the byte, and whether the byte begins a character.
     Continue {
@@ -1291,6 +1359,9 @@ impl JsonConstraint {
                 }
             }
         } else {
+            // Inside a string most tokens stay inside it: those are judged by the string's own few bytes of
+            // state, and only tokens that close it walk the whole grammar.
+            let string = self.grammar.string_scan(&state);
             for first in 0..=255u8 {
                 let Some(after_first) = self.grammar.after(state, &[first]) else {
                     continue;
@@ -1299,7 +1370,11 @@ impl JsonConstraint {
                     let bytes = self.vocab.tokens[t as usize]
                         .as_deref()
                         .expect("indexed tokens have bytes");
-                    if self.grammar.after(after_first, &bytes[1..]).is_some() {
+                    let allowed = match string.map(|s| s.run(bytes)) {
+                        Some(Some(inside)) => inside,
+                        _ => self.grammar.after(after_first, &bytes[1..]).is_some(),
+                    };
+                    if allowed {
                         mask[t as usize / 64] |= 1 << (t % 64);
                     }
                 }
