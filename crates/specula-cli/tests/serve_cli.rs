@@ -406,6 +406,36 @@ fn serve_answers_with_tool_calls_on_a_qwen_model() {
         events.last().unwrap()["choices"][0]["finish_reason"],
         "tool_calls"
     );
+    // An answer that calls nothing streams as content, token by token, as it would without tools.
+    let haiku = serde_json::json!({"max_tokens": 24,
+        "messages": [{"role": "user", "content": "Write a haiku about the sea."}]});
+    let (_, resp) = ask(haiku.clone());
+    let whole: serde_json::Value = serde_json::from_str(&resp[resp.find('{').unwrap()..]).unwrap();
+    let mut streamed_body = haiku;
+    streamed_body["stream"] = serde_json::json!(true);
+    let (status, resp) = ask(streamed_body);
+    assert_eq!(status, 200, "{resp}");
+    let deltas: Vec<String> = resp
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| {
+            let e: serde_json::Value = serde_json::from_str(d).unwrap();
+            e["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .filter(|c| !c.is_empty())
+        .collect();
+    assert!(
+        whole["choices"][0]["message"]["tool_calls"].is_null(),
+        "{whole}"
+    );
+    assert!(deltas.len() > 3, "{resp}");
+    assert_eq!(
+        deltas.concat(),
+        whole["choices"][0]["message"]["content"].as_str().unwrap()
+    );
     // tool_choice none: the tools are shown but nothing is parsed.
     let (status, resp) = ask(serde_json::json!({"tool_choice": "none"}));
     assert_eq!(status, 200, "{resp}");

@@ -714,6 +714,57 @@ fn parse_tool_calls(
     Some(((!content.is_empty()).then(|| content.to_string()), calls))
 }
 
+/// A streamed chat answer with tools: its text, how much of it went out as content, and the log-probabilities of
+/// tokens not sent yet.
+#[derive(Clone, Default)]
+struct ToolStream {
+    text: String,
+    sent: usize,
+    /// A call may have begun: the rest is held to the end.
+    holding: bool,
+    tokens: Vec<engine::ScoredToken>,
+}
+
+impl ToolStream {
+    /// The content that can go out now, with its tokens' log-probabilities: the text up to a `<tool_call>` (or a
+    /// tail that may begin one). An answer that begins with `{` may be a bare call and is held whole.
+    fn stream_content(&mut self) -> Option<(String, Vec<engine::ScoredToken>)> {
+        const OPEN: &str = "<tool_call>";
+        if self.holding {
+            return None;
+        }
+        if self.sent == 0 {
+            match self.text.trim_start().chars().next() {
+                None => return None,
+                Some('{') => {
+                    self.holding = true;
+                    return None;
+                }
+                Some(_) => {}
+            }
+        }
+        let pending = &self.text[self.sent..];
+        let cut = match pending.find(OPEN) {
+            Some(i) => {
+                self.holding = true;
+                i
+            }
+            // Hold a tail that could still grow into the tag.
+            None => (1..OPEN.len())
+                .rev()
+                .find(|&k| pending.ends_with(&OPEN[..k]))
+                .map_or(pending.len(), |k| pending.len() - k),
+        };
+        if cut == 0 {
+            return None;
+        }
+        let content = pending[..cut].to_string();
+        self.sent += cut;
+        let n = self.tokens.partition_point(|t| t.offset < self.sent);
+        Some((content, self.tokens.drain(..n).collect()))
+    }
+}
+
 /// A chat choice's message and finish reason: with tools, the calls parsed out of the text (finish reason
 /// `tool_calls` where the model stopped by itself after them).
 fn chat_message(
@@ -1635,14 +1686,24 @@ async fn submit_and_answer(
             }
         }
         let mut finished_all: Vec<Option<Finished>> = vec![None; total];
-        // With tools the answer is held back to its end, where its calls are parsed out of it: one delta then.
-        let mut held: Vec<(String, Vec<engine::ScoredToken>)> = vec![Default::default(); total];
+        // With tools, text streams as content until it could be a call; from there it is held to the end, where
+        // the calls are parsed out of it.
+        let mut held: Vec<ToolStream> = vec![ToolStream::default(); total];
         while let Some((index, event)) = merged.recv().await {
             let out = match event {
                 Event::Text(t, tokens) if c.tool_names.is_some() => {
-                    held[index].0.push_str(&t);
-                    held[index].1.extend(tokens);
-                    continue;
+                    let h = &mut held[index];
+                    h.text.push_str(&t);
+                    h.tokens.extend(tokens);
+                    let Some((content, tokens)) = h.stream_content() else {
+                        continue;
+                    };
+                    let mut choice = json!({"index": index, "delta": {"content": content}, "finish_reason": null});
+                    if c.logprobs.is_some() {
+                        choice["logprobs"] =
+                            chat_logprobs(&tokenizer, tokens.iter().map(|s| &s.logprob));
+                    }
+                    chunk(choice, None)
                 }
                 Event::Text(t, tokens) => {
                     let mut choice = match kind {
@@ -1690,16 +1751,20 @@ async fn submit_and_answer(
                 Event::Done(Ok(f)) => {
                     let mut finish_reason = f.finish_reason.to_string();
                     if let Some(names) = &c.tool_names {
-                        let (text, tokens) = std::mem::take(&mut held[index]);
+                        let h = std::mem::take(&mut held[index]);
+                        let tokens = h.tokens;
                         let (message, reason) = chat_message(
-                            text,
+                            h.text[h.sent..].to_string(),
                             f.finish_reason,
                             Some(names.as_slice()),
                             id_seed ^ index as u64,
                         );
                         finish_reason = reason;
                         let mut delta = json!({});
-                        if let Some(content) = message.get("content").filter(|v| !v.is_null()) {
+                        if let Some(content) = message
+                            .get("content")
+                            .filter(|v| v.as_str().is_some_and(|s| !s.is_empty()))
+                        {
                             delta["content"] = content.clone();
                         }
                         if let Some(Value::Array(calls)) = message.get("tool_calls") {
@@ -1714,15 +1779,17 @@ async fn submit_and_answer(
                                 })
                                 .collect();
                         }
-                        let mut choice =
-                            json!({"index": index, "delta": delta, "finish_reason": null});
-                        if c.logprobs.is_some() {
-                            choice["logprobs"] =
-                                chat_logprobs(&tokenizer, tokens.iter().map(|s| &s.logprob));
-                        }
-                        if sse_tx.send(chunk(choice, None)).is_err() {
-                            leave();
-                            return;
+                        if delta.as_object().is_some_and(|d| !d.is_empty()) || !tokens.is_empty() {
+                            let mut choice =
+                                json!({"index": index, "delta": delta, "finish_reason": null});
+                            if c.logprobs.is_some() {
+                                choice["logprobs"] =
+                                    chat_logprobs(&tokenizer, tokens.iter().map(|s| &s.logprob));
+                            }
+                            if sse_tx.send(chunk(choice, None)).is_err() {
+                                leave();
+                                return;
+                            }
                         }
                     }
                     let last = match kind {
@@ -1816,5 +1883,43 @@ mod tests {
             (m["content"].as_str(), finish.as_str()),
             (Some(call), "stop")
         );
+    }
+
+    /// Streamed with tools, text goes out as content up to where a call may begin; an answer that begins with `{`
+    /// (a bare call?) is held whole; each delta takes the log-probabilities of its tokens.
+    #[test]
+    fn tool_streams_send_content_until_a_call_may_begin() {
+        let token = |offset| engine::ScoredToken {
+            offset,
+            logprob: TokenLogprob {
+                token: 0,
+                logprob: 0.0,
+                top: Vec::new(),
+            },
+        };
+        let push = |h: &mut ToolStream, text: &str| {
+            let offset = h.text.len();
+            h.text.push_str(text);
+            h.tokens.push(token(offset));
+            h.stream_content().map(|(c, t)| (c, t.len()))
+        };
+        let mut h = ToolStream::default();
+        assert_eq!(push(&mut h, "  "), None); // undecided: only whitespace
+        assert_eq!(push(&mut h, "Sure"), Some(("  Sure".into(), 2)));
+        assert_eq!(
+            push(&mut h, ", calling <tool"),
+            Some((", calling ".into(), 1))
+        );
+        assert_eq!(push(&mut h, "_call>{\"name\""), None);
+        assert!(h.holding);
+        assert_eq!(h.text[h.sent..], *"<tool_call>{\"name\"");
+        // A tail that turns out not to be the tag goes out once it cannot be.
+        let mut h = ToolStream::default();
+        assert_eq!(push(&mut h, "a <to"), Some(("a ".into(), 1)));
+        assert_eq!(push(&mut h, "p"), Some(("<top".into(), 1)));
+        let mut h = ToolStream::default();
+        assert_eq!(push(&mut h, " {\"name\": "), None);
+        assert_eq!(push(&mut h, "\"f\"}"), None);
+        assert!(h.holding && h.sent == 0);
     }
 }
