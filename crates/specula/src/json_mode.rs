@@ -202,7 +202,13 @@ struct Compiler<'a> {
     nodes: Vec<Node>,
     refs: HashMap<String, NodeId>,
     any: Option<NodeId>,
+    /// Schemas being compiled inside one another (nesting and `$ref` chains), bounded by `MAX_SCHEMA_DEPTH` so
+    /// that a request's schema cannot exhaust a server thread's stack.
+    depth: usize,
 }
+
+/// Schemas nested inside one another (through properties, items, unions or `$ref` chains), at most.
+const MAX_SCHEMA_DEPTH: usize = 64;
 
 impl<'a> Compiler<'a> {
     fn reserve(&mut self) -> Result<NodeId> {
@@ -254,6 +260,18 @@ impl<'a> Compiler<'a> {
     }
 
     fn compile(&mut self, schema: &Value, at: &str) -> Result<NodeId> {
+        if self.depth >= MAX_SCHEMA_DEPTH {
+            return Err(schema_error(format!(
+                "{at} is nested more than {MAX_SCHEMA_DEPTH} schemas deep"
+            )));
+        }
+        self.depth += 1;
+        let compiled = self.compile_nested(schema, at);
+        self.depth -= 1;
+        compiled
+    }
+
+    fn compile_nested(&mut self, schema: &Value, at: &str) -> Result<NodeId> {
         let map = match schema {
             Value::Bool(true) => return self.any(),
             Value::Bool(false) => {
@@ -536,6 +554,7 @@ impl JsonGrammar {
             nodes: Vec::new(),
             refs: HashMap::new(),
             any: None,
+            depth: 0,
         };
         let root = c
             .object(&serde_json::Map::new(), "schema")
@@ -557,6 +576,7 @@ impl JsonGrammar {
             nodes: Vec::new(),
             refs: HashMap::new(),
             any: None,
+            depth: 0,
         };
         let root = c.compile(schema, "schema")?;
         let grammar = JsonGrammar {
@@ -1855,5 +1875,89 @@ mod tests {
         let constraint = JsonConstraint::new(JsonGrammar::any_object(), lonely);
         let mut logits = vec![0.0f32; 3];
         assert!(constraint.apply(JsonState::default(), &mut logits).is_err());
+    }
+
+    /// Random schemas (valid, invalid, deep, self-referring) compile or fail with an error, and random bytes
+    /// walk any compiled grammar without a panic; what a grammar takes is always a JSON prefix.
+    #[test]
+    fn random_schemas_and_bytes_never_panic() {
+        let mut seed = 0x5eed_u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as usize
+        };
+        fn random_schema(next: &mut dyn FnMut() -> usize, depth: usize) -> Value {
+            let leaf = |n: usize| match n % 9 {
+                0 => json!({"type": "string", "maxLength": n % 5}),
+                1 => json!({"type": "integer"}),
+                2 => json!({"type": "number"}),
+                3 => json!({"type": "boolean"}),
+                4 => json!({"type": "null"}),
+                5 => json!({"enum": ["a", 1, null, [1], {"k": 2}]}),
+                6 => json!({"$ref": "#"}),
+                7 => json!({"$ref": "#/properties/p0"}),
+                _ => json!({"type": ["string", "null"]}),
+            };
+            if depth == 0 {
+                return leaf(next());
+            }
+            match next() % 6 {
+                0 | 1 => {
+                    let mut props = serde_json::Map::new();
+                    for i in 0..next() % 4 {
+                        props.insert(format!("p{i}"), random_schema(next, depth - 1));
+                    }
+                    let required: Vec<String> = props
+                        .keys()
+                        .filter(|_| next().is_multiple_of(2))
+                        .cloned()
+                        .collect();
+                    json!({"type": "object", "properties": props, "required": required})
+                }
+                2 => {
+                    json!({"type": "array", "items": random_schema(next, depth - 1), "maxItems": next() % 4})
+                }
+                3 => {
+                    json!({"anyOf": [random_schema(next, depth - 1), random_schema(next, depth - 1)]})
+                }
+                4 => {
+                    json!({"type": "object", "additionalProperties": random_schema(next, depth - 1)})
+                }
+                _ => leaf(next()),
+            }
+        }
+        let mut compiled = 0;
+        for _ in 0..400 {
+            let s = random_schema(&mut next, 4);
+            let Ok(g) = JsonGrammar::from_schema(&s) else {
+                continue;
+            };
+            compiled += 1;
+            for _ in 0..20 {
+                let bytes: Vec<u8> = (0..next() % 40)
+                    .map(|_| b"{}[]\":, 0123456789.-eEtrufalsn\\\"pk"[next() % 31])
+                    .collect();
+                let _ = g.after(JsonState::default(), &bytes);
+            }
+        }
+        assert!(
+            compiled > 50,
+            "only {compiled} of 400 random schemas compiled"
+        );
+        // A chain of references deeper than the bound is an error, not a stack overflow.
+        let mut defs = serde_json::Map::new();
+        for i in 0..500 {
+            defs.insert(
+                format!("d{i}"),
+                json!({"type": "array", "items": {"$ref": format!("#/$defs/d{}", i + 1)}}),
+            );
+        }
+        defs.insert("d500".into(), json!({"type": "string"}));
+        let deep =
+            json!({"type": "object", "$defs": defs, "properties": {"x": {"$ref": "#/$defs/d0"}}});
+        let e = JsonGrammar::from_schema(&deep).unwrap_err().to_string();
+        assert!(e.contains("nested more than"), "{e}");
     }
 }
