@@ -280,6 +280,29 @@ __device__ __forceinline__ void store_silu_split(float* __restrict__ y, int n, i
                          feature + 1 < features ? next : 0.f);
 }
 
+// One lane's two outputs of a GEMV or GEMM tile for one token: rows 16 * row_block + g and + 8 (g = lane / 4), as
+// SiLU(gate) * up pairs split for the down projection, a split-K partial, or y itself (added to where
+// accumulating). Every lane must call it (the SiLU store shuffles), tokens past m included.
+__device__ __forceinline__ void store_outputs(float* __restrict__ y, float* __restrict__ scratch, int n, int m,
+                                              int token, int row_block, int g, float va, float vb, int silu_pairs,
+                                              int splits, int accumulate) {
+    if (silu_pairs) {
+        store_silu_split(y, n, m, token, row_block * 8 + g, g, va, vb);
+        return;
+    }
+    if (token >= m) return;
+    const int row_a = row_block * 16 + g, row_b = row_a + 8;
+    if (splits > 1) {
+        float* dst = scratch + ((size_t)blockIdx.z * m + token) * n;
+        if (row_a < n) dst[row_a] = va;
+        if (row_b < n) dst[row_b] = vb;
+    } else {
+        float* dst = y + (size_t)token * n;
+        if (row_a < n) dst[row_a] = accumulate ? dst[row_a] + va : va;
+        if (row_b < n) dst[row_b] = accumulate ? dst[row_b] + vb : vb;
+    }
+}
+
 // A lane's two B-fragment pieces of chunk c for the 8-token tile `tile` (zeros for a token past m).
 __device__ __forceinline__ void load_split(const uint4* __restrict__ xs, int tile, int chunks, int c, int lane,
                                            bool has_token, uint4& b0, uint4& b1) {
@@ -461,27 +484,12 @@ __device__ __forceinline__ void gemv_mma_tile(const uint4* __restrict__ w, const
         for (int u = 0; u < NT; u++)
 #pragma unroll
             for (int e = 0; e < 4; e++) d[u][e] += partial[w][u * 4 + e][lane];
-    const int row_a = block * 16 + g, row_b = row_a + 8;
 #pragma unroll
     for (int u = 0; u < NT; u++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int token = r0 + 8 * u + 2 * t + e;
-            const float va = d[u][e], vb = d[u][2 + e];
-            if (silu_pairs) {
-                store_silu_split(y, n, m, token, block * 8 + g, g, va, vb);
-                continue;
-            }
-            if (token >= m) continue;
-            if (splits > 1) {
-                float* dst = scratch + ((size_t)blockIdx.z * m + token) * n;
-                if (row_a < n) dst[row_a] = va;
-                if (row_b < n) dst[row_b] = vb;
-            } else {
-                float* dst = y + (size_t)token * n;
-                if (row_a < n) dst[row_a] = accumulate ? dst[row_a] + va : va;
-                if (row_b < n) dst[row_b] = accumulate ? dst[row_b] + vb : vb;
-            }
+            store_outputs(y, scratch, n, m, token, block, g, d[u][e], d[u][2 + e], silu_pairs, splits, accumulate);
         }
     }
 }
@@ -621,7 +629,6 @@ __device__ __forceinline__ void gemm_mma_tile(const uint4* __restrict__ w, const
             }
         }
     }
-    const int row_a = row_block * 16 + g, row_b = row_a + 8;
 #pragma unroll
     for (int u = 0; u < NT; u++) {
         float d[4];
@@ -630,21 +637,7 @@ __device__ __forceinline__ void gemm_mma_tile(const uint4* __restrict__ w, const
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int token = (tile0 + u) * 8 + 2 * t + e;
-            const float va = d[e], vb = d[2 + e];
-            if (silu_pairs) {
-                store_silu_split(y, n, m, token, row_block * 8 + g, g, va, vb);
-                continue;
-            }
-            if (token >= m) continue;
-            if (splits > 1) {
-                float* dst = scratch + ((size_t)blockIdx.z * m + token) * n;
-                if (row_a < n) dst[row_a] = va;
-                if (row_b < n) dst[row_b] = vb;
-            } else {
-                float* dst = y + (size_t)token * n;
-                if (row_a < n) dst[row_a] = accumulate ? dst[row_a] + va : va;
-                if (row_b < n) dst[row_b] = accumulate ? dst[row_b] + vb : vb;
-            }
+            store_outputs(y, scratch, n, m, token, row_block, g, d[e], d[2 + e], silu_pairs, splits, accumulate);
         }
     }
 }
