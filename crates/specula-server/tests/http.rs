@@ -607,10 +607,17 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
     // A schema the grammar cannot enforce, or that is not a schema, is refused by name.
     refused(
         chat(
-            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "^a"}}}}}}),
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "color"}}}}}}),
         ),
         "response_format",
-        "keyword \"pattern\"",
+        "format \"color\" is not supported",
+    );
+    refused(
+        chat(
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}}}}),
+        ),
+        "response_format",
+        "look-around",
     );
     refused(
         chat(
@@ -670,9 +677,10 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
     let schema = json!({
         "type": "object",
         "properties": {
-            "answer": {"type": "string", "maxLength": 12},
+            "answer": {"type": "string", "maxLength": 12, "pattern": "^[a-z ]*$"},
             "confidence": {"enum": ["low", "high"]},
-            "items": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}
+            "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 3},
+            "when": {"type": "string", "format": "date"}
         },
         "required": ["answer", "confidence"]
     });

@@ -1,6 +1,6 @@
 //! What constrained JSON costs a token: building the vocabulary's bytes, computing one state's mask (a pass over
 //! the tokens whose first byte the state takes, once per state), and applying a cached mask to a row of logits, for
-//! `json_object` (any object) and for a JSON schema.
+//! `json_object` (any object), for a JSON schema, and for one whose values a pattern, formats and bounds shape.
 //! `cargo run --release --example json_mask_cost -- [MODEL]`
 
 use std::time::Instant;
@@ -29,11 +29,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         "required": ["name"]
     });
-    let cases = [
-        ("json_object", JsonGrammar::any_object()),
-        ("schema", JsonGrammar::from_schema(&schema)?),
-    ];
-    let prefixes = [
+    let shaped = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
+            "seen": {"type": "string", "format": "date-time"},
+            "mail": {"type": "string", "format": "email"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130}
+        }
+    });
+    let start = Instant::now();
+    let shaped = JsonGrammar::from_schema(&shaped)?;
+    println!(
+        "schema with a pattern, date-time, email and bounds compiled in {:.1} ms",
+        start.elapsed().as_secs_f64() * 1e3
+    );
+    let structural: &[&str] = &[
         "",
         "{",
         "{\n  \"name",
@@ -42,8 +53,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "{\n  \"name\": \"Tom\",\n  \"toys\": [\n    \"ball\",",
         "{\"name\": \"x\", \"a\": {\"b\": [1, 2.5e",
     ];
+    let cases = [
+        ("json_object", JsonGrammar::any_object(), structural),
+        ("schema", JsonGrammar::from_schema(&schema)?, structural),
+        (
+            "shaped schema",
+            shaped,
+            &[
+                "{\"name\": \"",
+                "{\"name\": \"To",
+                "{\"name\": \"Tom\", \"seen\": \"2024-0",
+                "{\"name\": \"Tom\", \"mail\": \"tom@exa",
+                "{\"name\": \"Tom\", \"age\": 1",
+            ][..],
+        ),
+    ];
     let mut logits = vec![0.5f32; loaded.model.config().vocab_size];
-    for (name, grammar) in cases {
+    for (name, grammar, prefixes) in cases {
         let constraint = JsonConstraint::new(grammar, vocab.clone());
         for prefix in prefixes {
             let state = constraint

@@ -22,6 +22,11 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
 
+mod byte_dfa;
+mod value_regex;
+
+use byte_dfa::ByteDfa;
+
 /// Frames a state holds at most: each open container takes one, and so does a scalar being written (so at most
 /// `MAX_DEPTH` containers are open at once, the innermost of them then empty).
 pub const MAX_DEPTH: usize = 32;
@@ -32,6 +37,8 @@ pub const MAX_WHITESPACE_RUN: u8 = 64;
 const MASK_CACHE_STATES: usize = 512;
 /// Grammar nodes a schema may compile to.
 const MAX_NODES: usize = 4096;
+/// Different automata (patterns, formats, bounds) a schema may need.
+const MAX_DFAS: usize = 64;
 /// Counts (string characters, array items) saturate here: a bound at or above it is no bound.
 const COUNT_LIMIT: u32 = u16::MAX as u32;
 
@@ -53,6 +60,12 @@ enum Node {
     },
     Number {
         integer: bool,
+    },
+    /// A string (`quoted`) or a number whose text the automaton `dfa` (an index into the grammar's) takes whole:
+    /// a `pattern` or `format`, bounds, `multipleOf`.
+    Matched {
+        dfa: u16,
+        quoted: bool,
     },
     /// One of a few fixed JSON texts (`enum`, `const`, booleans, null): a trie of their bytes.
     Literals(Trie),
@@ -156,6 +169,8 @@ pub struct JsonGrammar {
     nodes: Vec<Node>,
     /// The bytes each node's values may begin with (a union's first byte picks its alternative).
     first: Vec<ByteSet>,
+    /// The automata of `Node::Matched` values.
+    dfas: Vec<ByteDfa>,
 }
 
 fn schema_error(msg: impl std::fmt::Display) -> Error {
@@ -195,11 +210,30 @@ const ENFORCED: &[&str] = &[
     "oneOf",
     "allOf",
     "$ref",
+    "pattern",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
 ];
+
+/// Bytes a string's text may hold as they are (others need escapes, which strings shaped by an automaton do
+/// not write: their text is then their value).
+fn plain_string_byte(b: u8) -> bool {
+    b >= 0x20 && b != b'"' && b != b'\\'
+}
+
+/// Bounds a number's bound may have here (whole numbers up to 2^53 are exact in a JSON parser's f64).
+const MAX_BOUND: f64 = 9_007_199_254_740_992.0;
 
 struct Compiler<'a> {
     document: &'a Value,
     nodes: Vec<Node>,
+    /// Automata of `Node::Matched`, and the index of each by the text that describes it.
+    dfas: Vec<ByteDfa>,
+    dfa_ids: HashMap<String, u16>,
     refs: HashMap<String, NodeId>,
     any: Option<NodeId>,
     /// Schemas being compiled inside one another (nesting and `$ref` chains), bounded by `MAX_SCHEMA_DEPTH` so
@@ -405,6 +439,164 @@ impl<'a> Compiler<'a> {
         Ok(id)
     }
 
+    /// The automaton `key` describes, built by `build` the first time (errors name the schema position).
+    fn dfa(
+        &mut self,
+        key: String,
+        at: &str,
+        build: impl FnOnce(()) -> std::result::Result<ByteDfa, String>,
+    ) -> Result<u16> {
+        if let Some(&id) = self.dfa_ids.get(&key) {
+            return Ok(id);
+        }
+        if self.dfas.len() >= MAX_DFAS {
+            return Err(schema_error(format!(
+                "{at}: the schema shapes more than {MAX_DFAS} different values by pattern, format or bounds"
+            )));
+        }
+        let dfa = build(()).map_err(|e| schema_error(format!("{at} cannot be enforced: {e}")))?;
+        let id = self.dfas.len() as u16;
+        self.dfas.push(dfa);
+        self.dfa_ids.insert(key, id);
+        Ok(id)
+    }
+
+    /// A bound keyword's value (`minimum` with `exclusiveMinimum`, or the maximums): the tighter one, as
+    /// (value, exclusive); `exclusive*` may also be draft 4's boolean that makes the plain bound exclusive.
+    fn bound(
+        map: &serde_json::Map<String, Value>,
+        (plain, exclusive): (&str, &str),
+        lower: bool,
+        at: &str,
+    ) -> Result<Option<(f64, bool)>> {
+        let number = |key: &str, v: &Value| {
+            v.as_f64()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| schema_error(format!("{at}.{key} must be a number, got {v}")))
+        };
+        let mut bound = match map.get(plain) {
+            None => None,
+            Some(v) => Some((number(plain, v)?, false)),
+        };
+        match map.get(exclusive) {
+            None | Some(Value::Bool(false)) => {}
+            Some(Value::Bool(true)) => match &mut bound {
+                Some(b) => b.1 = true,
+                None => {
+                    return Err(schema_error(format!(
+                        "{at}.{exclusive} is true but {at}.{plain} is missing"
+                    )))
+                }
+            },
+            Some(v) => {
+                let x = number(exclusive, v)?;
+                let tighter = match bound {
+                    None => true,
+                    Some((b, _)) => (lower && x >= b) || (!lower && x <= b),
+                };
+                if tighter {
+                    bound = Some((x, true));
+                }
+            }
+        }
+        Ok(bound)
+    }
+
+    /// For a number or integer with bounds or `multipleOf`: the regex of its texts and a whole number they
+    /// must be multiples of; None where it has neither.
+    fn number_regex(
+        integer: bool,
+        map: &serde_json::Map<String, Value>,
+        at: &str,
+    ) -> Result<Option<(String, Option<u64>)>> {
+        let lo = Self::bound(map, ("minimum", "exclusiveMinimum"), true, at)?;
+        let hi = Self::bound(map, ("maximum", "exclusiveMaximum"), false, at)?;
+        let multiple = match map.get("multipleOf") {
+            None => None,
+            Some(v) => Some(
+                v.as_f64()
+                    .filter(|m| m.is_finite() && *m > 0.0)
+                    .ok_or_else(|| {
+                        schema_error(format!("{at}.multipleOf must be a number above 0, got {v}"))
+                    })?,
+            ),
+        };
+        if lo.is_none() && hi.is_none() && multiple.is_none() {
+            return Ok(None);
+        }
+        for (key, b) in [("minimum", lo), ("maximum", hi)] {
+            if let Some((x, _)) = b {
+                if x.abs() > MAX_BOUND {
+                    return Err(schema_error(format!(
+                        "{at}: a {key} of {x} is not supported (at most 2^53 either way)"
+                    )));
+                }
+            }
+        }
+        // Fraction digits a number may have: multipleOf 10^-k allows k; a whole multipleOf makes it an integer.
+        let mut digits = None;
+        let mut whole_multiple = None;
+        let mut whole = integer;
+        if let Some(m) = multiple {
+            if m.fract() == 0.0 {
+                whole = true;
+                if m > 1.0 {
+                    whole_multiple = Some(m as u64);
+                }
+            } else if integer {
+                return Err(schema_error(format!(
+                    "{at}.multipleOf {m} is not supported for an integer (a whole number is)"
+                )));
+            } else {
+                let k = (1..=12).find(|&k| (m * 10f64.powi(k) - 1.0).abs() < 1e-9);
+                match k {
+                    Some(k) => digits = Some(k as u32),
+                    None => {
+                        return Err(schema_error(format!(
+                            "{at}.multipleOf {m} is not supported for a number (a whole number or 0.1, 0.01, ... is)"
+                        )))
+                    }
+                }
+            }
+        }
+        let regex = if whole {
+            // Integers: a fractional bound rounds inward and becomes inclusive.
+            let lo = lo.map(|(x, excl)| {
+                if x.fract() == 0.0 {
+                    (x as i64, excl)
+                } else {
+                    (x.ceil() as i64, false)
+                }
+            });
+            let hi = hi.map(|(x, excl)| {
+                if x.fract() == 0.0 {
+                    (x as i64, excl)
+                } else {
+                    (x.floor() as i64, false)
+                }
+            });
+            value_regex::integer_range(lo, hi)
+        } else {
+            for (key, b) in [("minimum", lo), ("maximum", hi)] {
+                if let Some((x, _)) = b {
+                    if x.fract() != 0.0 {
+                        return Err(schema_error(format!(
+                            "{at}: a {key} of {x} is not supported for a number (whole-number bounds are)"
+                        )));
+                    }
+                }
+            }
+            let whole_bound = |b: Option<(f64, bool)>| b.map(|(x, excl)| (x as i64, excl));
+            value_regex::number_range(whole_bound(lo), whole_bound(hi), digits)
+        };
+        let regex = regex.ok_or_else(|| {
+            schema_error(format!(
+                "{at}: no number lies within its minimum and maximum"
+            ))
+        })?;
+        Ok(Some((regex, whole_multiple)))
+    }
+
     fn count(map: &serde_json::Map<String, Value>, key: &str, at: &str) -> Result<Option<u32>> {
         match map.get(key) {
             None => Ok(None),
@@ -442,12 +634,66 @@ impl<'a> Compiler<'a> {
                 b"true".to_vec(),
                 b"false".to_vec(),
             ])?)),
-            "integer" | "number" => self.add(Node::Number {
-                integer: kind == "integer",
-            }),
+            "integer" | "number" => match Self::number_regex(kind == "integer", map, at)? {
+                None => self.add(Node::Number {
+                    integer: kind == "integer",
+                }),
+                Some((regex, multiple)) => {
+                    let key = format!("number {regex} {multiple:?}");
+                    let dfa = self.dfa(key, at, |_| {
+                        let mut dfa = ByteDfa::from_regex(&regex, |_| true)?;
+                        if let Some(m) = multiple {
+                            dfa = dfa.intersect(&ByteDfa::multiples_of(m)?)?;
+                        }
+                        Ok(dfa)
+                    })?;
+                    self.add(Node::Matched { dfa, quoted: false })
+                }
+            },
             "string" => {
                 let (min, max) = Self::bounds(map, ("minLength", "maxLength"), at)?;
-                self.add(Node::String { min, max })
+                let pattern = match map.get("pattern") {
+                    None => None,
+                    Some(Value::String(p)) => Some(value_regex::pattern(p).map_err(|e| {
+                        schema_error(format!("{at}.pattern {p:?} is not supported: {e}"))
+                    })?),
+                    Some(p) => {
+                        return Err(schema_error(format!("{at}.pattern must be a string, got {p}")))
+                    }
+                };
+                let format = match map.get("format") {
+                    None => None,
+                    Some(Value::String(f)) => Some(value_regex::format(f).ok_or_else(|| {
+                        schema_error(format!(
+                            "{at}.format {f:?} is not supported (supported: {})",
+                            value_regex::FORMATS.join(", ")
+                        ))
+                    })?),
+                    Some(f) => {
+                        return Err(schema_error(format!("{at}.format must be a string, got {f}")))
+                    }
+                };
+                if pattern.is_none() && format.is_none() {
+                    return self.add(Node::String { min, max });
+                }
+                let key = format!("string {pattern:?} {format:?} {min} {max}");
+                let dfa = self.dfa(key, at, |_| {
+                    let mut dfa: Option<ByteDfa> = None;
+                    for regex in pattern.iter().chain(format.iter()) {
+                        let next = ByteDfa::from_regex(regex, plain_string_byte)?;
+                        dfa = Some(match dfa {
+                            None => next,
+                            Some(d) => d.intersect(&next)?,
+                        });
+                    }
+                    let mut dfa = dfa.expect("a pattern or a format");
+                    if min > 0 || max < COUNT_LIMIT {
+                        let upper = (max < COUNT_LIMIT).then_some(max);
+                        dfa = dfa.intersect(&ByteDfa::char_count(min, upper)?)?;
+                    }
+                    Ok(dfa)
+                })?;
+                self.add(Node::Matched { dfa, quoted: true })
             }
             "array" => {
                 let (min, max) = Self::bounds(map, ("minItems", "maxItems"), at)?;
@@ -552,6 +798,8 @@ impl JsonGrammar {
         let mut c = Compiler {
             document: &document,
             nodes: Vec::new(),
+            dfas: Vec::new(),
+            dfa_ids: HashMap::new(),
             refs: HashMap::new(),
             any: None,
             depth: 0,
@@ -560,7 +808,8 @@ impl JsonGrammar {
             .object(&serde_json::Map::new(), "schema")
             .expect("the any-object grammar is small");
         debug_assert_eq!(root, 0);
-        JsonGrammar::finish(c.nodes).expect("the any-object grammar's unions begin differently")
+        JsonGrammar::finish(c.nodes, c.dfas)
+            .expect("the any-object grammar's unions begin differently")
     }
 
     /// Compiles a JSON Schema whose root is an object. Enforced: `type` (one or a list), `properties` (written in
@@ -574,6 +823,8 @@ impl JsonGrammar {
         let mut c = Compiler {
             document: schema,
             nodes: Vec::new(),
+            dfas: Vec::new(),
+            dfa_ids: HashMap::new(),
             refs: HashMap::new(),
             any: None,
             depth: 0,
@@ -582,6 +833,7 @@ impl JsonGrammar {
         let grammar = JsonGrammar {
             nodes: c.nodes,
             first: Vec::new(),
+            dfas: Vec::new(),
         };
         // The root's own node first: follow aliases down to the object.
         let mut at = root;
@@ -620,15 +872,16 @@ impl JsonGrammar {
                 _ => {}
             }
         }
-        JsonGrammar::finish(grammar.nodes)
+        JsonGrammar::finish(grammar.nodes, c.dfas)
     }
 
     /// Checks every union's alternatives begin with different bytes (so the first byte picks one) and that no
     /// union holds itself, and notes each node's first bytes.
-    fn finish(nodes: Vec<Node>) -> Result<JsonGrammar> {
+    fn finish(nodes: Vec<Node>, dfas: Vec<ByteDfa>) -> Result<JsonGrammar> {
         let mut grammar = JsonGrammar {
             nodes,
             first: Vec::new(),
+            dfas,
         };
         grammar.check_unions()?;
         grammar.first = (0..grammar.nodes.len())
@@ -670,6 +923,10 @@ impl JsonGrammar {
             Node::Array { .. } => add(b'['),
             Node::String { .. } => add(b'"'),
             Node::Number { .. } => b"-0123456789".iter().for_each(|&b| add(b)),
+            Node::Matched { quoted: true, .. } => add(b'"'),
+            Node::Matched { dfa, quoted: false } => {
+                self.dfas[*dfa as usize].first_bytes().for_each(add)
+            }
             Node::Literals(trie) => trie.nodes[0].children.iter().for_each(|&(b, _)| add(b)),
             Node::Union(alts) => {
                 if visiting.contains(&id) {
@@ -719,6 +976,8 @@ enum Phase {
     Number,
     /// Inside a fixed text (`aux`: the trie's node).
     Literal,
+    /// Inside a value an automaton shapes (`count`: its state).
+    Matched,
 }
 
 impl Phase {
@@ -898,6 +1157,26 @@ impl JsonGrammar {
                         None => return false,
                     }
                 }
+                Phase::Matched => {
+                    let Node::Matched { dfa, quoted } = *node else {
+                        unreachable!("matched phases belong to matched nodes")
+                    };
+                    let dfa = &self.dfas[dfa as usize];
+                    if let Some(next) = dfa.next(f.count, b) {
+                        s.top().count = next;
+                        return true;
+                    }
+                    // A string ends at its quote, a number at the first byte that does not continue it.
+                    let whole = dfa.accepts(f.count);
+                    if quoted {
+                        return b == b'"' && whole && s.pop();
+                    }
+                    if !whole {
+                        return false;
+                    }
+                    s.pop();
+                    continue;
+                }
                 Phase::Literal => {
                     let Node::Literals(trie) = node else {
                         unreachable!("literal phases belong to literal nodes")
@@ -938,6 +1217,19 @@ impl JsonGrammar {
                         (Node::Object(_), b'{') => top.phase = Phase::ObjectOpen,
                         (Node::Array { .. }, b'[') => top.phase = Phase::ArrayOpen,
                         (Node::String { .. }, b'"') => top.phase = Phase::String,
+                        (&Node::Matched { quoted: true, .. }, b'"') => {
+                            top.phase = Phase::Matched;
+                            top.count = 0;
+                        }
+                        (&Node::Matched { dfa, quoted: false }, _) => {
+                            match self.dfas[dfa as usize].next(0, b) {
+                                Some(next) => {
+                                    top.phase = Phase::Matched;
+                                    top.count = next;
+                                }
+                                None => return false,
+                            }
+                        }
                         (Node::Number { .. }, b'-' | b'0'..=b'9') => {
                             top.phase = Phase::Number;
                             top.sub = match b {
@@ -1096,7 +1388,7 @@ impl JsonGrammar {
                         StringStep::Invalid => false,
                     };
                 }
-                Phase::Number | Phase::Literal => unreachable!("read above"),
+                Phase::Number | Phase::Literal | Phase::Matched => unreachable!("read above"),
             }
         }
     }
@@ -1709,12 +2001,40 @@ mod tests {
         for (s, needle) in [
             (json!({"type": "string"}), "root must be an object"),
             (
-                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}),
-                "\"pattern\"",
+                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}}),
+                "properties.a cannot be enforced: look-around",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}),
-                "\"minimum\"",
+                json!({"type": "object", "properties": {"a": {"type": "string", "format": "color"}}}),
+                "\"color\" is not supported (supported: date-time",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a{5}$", "maxLength": 3}}}),
+                "no value matches",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "exclusiveMaximum": 5}}}),
+                "no number lies",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "number", "minimum": 0.5}}}),
+                "whole-number bounds",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.3}}}),
+                "multipleOf 0.3",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "integer", "maximum": 1e300}}}),
+                "2^53",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "integer", "exclusiveMinimum": true}}}),
+                "minimum is missing",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "string", "uniqueItems": true}}}),
+                "\"uniqueItems\"",
             ),
             (
                 json!({"type": "object", "required": ["b"], "properties": {"a": {}}}),
@@ -1773,6 +2093,61 @@ mod tests {
         }
     }
 
+    #[test]
+    fn patterns_formats_and_bounds_shape_values() {
+        let g = schema(json!({
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d+$"},
+                "day": {"type": "string", "format": "date"},
+                "mail": {"type": ["string", "null"], "format": "email", "maxLength": 12},
+                "n": {"type": "integer", "minimum": -3, "exclusiveMaximum": 100, "multipleOf": 3},
+                "price": {"type": "number", "minimum": 0, "multipleOf": 0.01},
+                "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                "ids": {"type": "array", "items": {"type": "integer", "minimum": 1}}
+            }
+        }));
+        for good in [
+            r#"{"code": "AB-12", "day": "2024-02-29", "mail": "a@b.co", "n": -3, "price": 9.99, "ratio": 0.5, "ids": [1, 20]}"#,
+            r#"{"mail": null, "n": 99 , "ratio": 1}"#,
+            r#"{"n": 0, "price": 0, "ids": [7]}"#,
+            r#"{"ratio": 1.000}"#,
+        ] {
+            every_prefix(&g, good);
+        }
+        for bad in [
+            r#"{"code": "ab-12"}"#,
+            r#"{"code": "AB-"}"#,
+            r#"{"code": "AB-1\u0031"}"#,
+            r#"{"day": "2023-02-29"}"#,
+            r#"{"mail": "a@b..c"}"#,
+            r#"{"mail": "abcdefgh@ij.kl"}"#,
+            r#"{"n": 100}"#,
+            r#"{"n": 4}"#,
+            r#"{"n": -6}"#,
+            r#"{"n": 3.0}"#,
+            r#"{"price": 1.234}"#,
+            r#"{"price": -1}"#,
+            r#"{"price": 1e2}"#,
+            r#"{"ratio": 0}"#,
+            r#"{"ratio": 1.01}"#,
+            r#"{"ids": [0]}"#,
+        ] {
+            assert!(!whole(&g, bad), "{bad} taken");
+        }
+        // A value is refused at its first byte no valid value continues: the prefix of a number past its bound.
+        // ("1" may become 12 or 15; "10" only 100 and on, past the bound, or 10 itself, no multiple of 3.)
+        assert!(g.after(JsonState::default(), br#"{"n": 1"#).is_some());
+        assert!(g.after(JsonState::default(), br#"{"n": 10"#).is_none());
+        assert!(g.after(JsonState::default(), br#"{"n": 99"#).is_some());
+        assert!(g.after(JsonState::default(), br#"{"n": 990"#).is_none());
+        assert!(g.after(JsonState::default(), br#"{"code": "A1"#).is_none());
+        // The same description compiles to one automaton.
+        let twice = schema(json!({"type": "object", "properties": {
+            "a": {"type": "string", "format": "uuid"}, "b": {"type": "string", "format": "uuid"}}}));
+        assert_eq!(twice.dfas.len(), 1);
+    }
+
     /// A small vocabulary whose words cover keys, values and structure.
     fn vocab(words: &[&str]) -> (Arc<JsonVocabulary>, u32) {
         let mut tokens: Vec<Option<Box<[u8]>>> = words
@@ -1796,6 +2171,11 @@ mod tests {
         let person = schema(json!({
             "type": "object",
             "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": [true, 12]}}},
+            "required": ["name"]
+        }));
+        let shaped = schema(json!({
+            "type": "object",
+            "properties": {"name": {"type": "string", "pattern": "^T[a-z]+$"}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
             "required": ["name"]
         }));
         for (grammar, prefixes) in [
@@ -1825,6 +2205,18 @@ mod tests {
                     "{\"name\": \"Tom\", \"tags\": [1",
                     "{\"name\": \"Tom\", \"tags\": [tr",
                     "{\"name\": \"Tom\"}",
+                ][..],
+            ),
+            (
+                shaped,
+                &[
+                    "{\"name\": \"",
+                    "{\"name\": \"T",
+                    "{\"name\": \"Tom",
+                    "{\"name\": \"Tom\", \"age\": ",
+                    "{\"name\": \"Tom\", \"age\": 1",
+                    "{\"name\": \"Tom\", \"age\": 12",
+                    "{\"name\": \"Tom\", \"age\": 0",
                 ][..],
             ),
         ] {
@@ -1889,8 +2281,17 @@ mod tests {
             (seed >> 33) as usize
         };
         fn random_schema(next: &mut dyn FnMut() -> usize, depth: usize) -> Value {
-            let leaf = |n: usize| match n % 9 {
+            let leaf = |n: usize| match n % 12 {
                 0 => json!({"type": "string", "maxLength": n % 5}),
+                9 => {
+                    json!({"type": "string", "pattern": (["^a+$", "[0-9]", "x|yz"][n % 3]), "maxLength": n % 7})
+                }
+                10 => {
+                    json!({"type": ["string", "null"], "format": value_regex::FORMATS[n % value_regex::FORMATS.len()]})
+                }
+                11 => {
+                    json!({"type": (["integer", "number"][n % 2]), "minimum": (n as i64 % 13 - 6), "maximum": (n as i64 % 7), "multipleOf": ([1.0, 3.0, 0.1][n % 3])})
+                }
                 1 => json!({"type": "integer"}),
                 2 => json!({"type": "number"}),
                 3 => json!({"type": "boolean"}),
@@ -1937,7 +2338,7 @@ mod tests {
             compiled += 1;
             for _ in 0..20 {
                 let bytes: Vec<u8> = (0..next() % 40)
-                    .map(|_| b"{}[]\":, 0123456789.-eEtrufalsn\\\"pk"[next() % 31])
+                    .map(|_| b"{}[]\":, 0123456789.-eEtrufalsn\\\"pkaxyz@T:"[next() % 38])
                     .collect();
                 let _ = g.after(JsonState::default(), &bytes);
             }
