@@ -278,10 +278,13 @@ async fn tokenize(
     let o = parse_body(&body)?;
     let (text, param) = if o.contains_key("messages") {
         let messages = parse_messages(&o)?;
-        let text = specula::model::format_chat(
+        // With `tools`, rendered as a chat request with those tools would be (its prompt's length counted).
+        let tools = tools_asked(&state, &o)?;
+        let text = specula::model::format_chat_with_tools(
             state.engine.chat_template.as_ref(),
             &state.engine.tokenizer,
             &messages,
+            tools.as_ref().map(|t| &t.definitions),
         )
         .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
         (text, "messages")
@@ -565,13 +568,14 @@ struct Tools {
 }
 
 /// `tools` (OpenAI's list of `{"type": "function", "function": {"name": ..., "parameters": {...}}}`) and
-/// `tool_choice`. The model's chat template renders the definitions; the answer's calls are parsed in the Hermes
-/// form its template asks for (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: Qwen2 / Qwen2.5,
-/// Hermes). `auto` (default) parses whatever calls the model makes, `none` parses none; `required` and a named
-/// function force a call: the answer is constrained (json_mode) to one bare call object, `{"name": <one of the
-/// tools>, "arguments": {...}}` (`required`: any object as arguments) or `{"name": <that function>, "arguments":
-/// <its parameters schema>}` (named). A template that does not render tools in that form is refused by name
-/// rather than answered as if there were no tools.
+/// `tool_choice`. The model's chat template renders the definitions; the answer's calls are parsed in the form
+/// its template asks for (`ToolCallForm`): Hermes blocks (`<tool_call>{"name": ..., "arguments": {...}}
+/// </tool_call>`: Qwen2 / Qwen2.5, Hermes) or Llama 3.1's JSON calls (the answer is `{"name": ...,
+/// "parameters": {...}}`). `auto` (default) parses whatever calls the model makes, `none` parses none;
+/// `required` and a named function force a call: the answer is constrained (json_mode) to one bare call object,
+/// `{"name": <one of the tools>, KEY: {...}}` (`required`: any object as arguments) or `{"name": <that
+/// function>, KEY: <its parameters schema>}` (named), KEY being the form's (`arguments` or `parameters`). A
+/// template that renders tools in no known form is refused by name rather than answered as if there were none.
 fn tools_asked(
     state: &AppState,
     o: &serde_json::Map<String, Value>,
@@ -604,10 +608,13 @@ fn tools_asked(
             }
         }
     }
-    let call_of = |name: Value, arguments: Value| {
-        json!({"type": "object", "properties": {"name": name, "arguments": arguments},
-               "required": ["name", "arguments"], "additionalProperties": false})
-    };
+    // The form is checked after `tool_choice` (whose errors name the request's own mistake first).
+    let form = state
+        .engine
+        .chat_template
+        .as_ref()
+        .and_then(|t| t.tool_call_form());
+    let call_of = |name: Value, arguments: Value| forced_call_schema(form, name, arguments);
     let bad_choice = |m: String| ApiError::bad(m, Some("tool_choice"));
     let (parse, forced) = match o.get("tool_choice") {
         None | Some(Value::Null) => (true, None),
@@ -650,20 +657,32 @@ fn tools_asked(
             )))
         }
     };
-    let parse_calls = parse.then(|| Arc::new(names));
-    let template = state.engine.chat_template.as_ref();
-    if !template.is_some_and(|t| t.takes_hermes_tools()) {
+    if form.is_none() {
         return Err(bad(format!(
-            "this model's chat template does not render tools in the form this server parses (Hermes \
-             <tool_call> blocks: Qwen2 / Qwen2.5 templates); {} was not given its tools",
+            "this model's chat template does not render tools in a form this server parses (Hermes \
+             <tool_call> blocks: Qwen2 / Qwen2.5 templates; JSON calls: Llama 3.1-3.3 templates); {} was not \
+             given its tools",
             state.engine.model_name
         )));
     }
+    let parse_calls = parse.then(|| Arc::new(names));
     Ok(Some(Tools {
         definitions: Value::Array(list.clone()),
         parse_calls,
         forced,
     }))
+}
+
+/// The schema a forced tool call's answer must match: one call object in the template's form, `{"name": NAME,
+/// KEY: ARGUMENTS}` (KEY `arguments`, or `parameters` for Llama 3.1's JSON calls).
+fn forced_call_schema(
+    form: Option<specula::chat::ToolCallForm>,
+    name: Value,
+    arguments: Value,
+) -> Value {
+    let key = form.map_or("arguments", |f| f.arguments_key());
+    json!({"type": "object", "properties": {"name": name, key: arguments},
+           "required": ["name", key], "additionalProperties": false})
 }
 
 /// An answer's tool calls, in the Hermes form (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as
@@ -681,7 +700,7 @@ fn parse_tool_calls(
     let call_of = |json: &str, index: usize| -> Option<Value> {
         let call: Value = serde_json::from_str(json.trim()).ok()?;
         let name = call.get("name")?.as_str()?;
-        let arguments = match call.get("arguments") {
+        let arguments = match call.get("arguments").or(call.get("parameters")) {
             None | Some(Value::Null) => "{}".to_string(),
             Some(Value::String(s)) => s.clone(),
             Some(v @ Value::Object(_)) => v.to_string(),
@@ -704,10 +723,29 @@ fn parse_tool_calls(
         rest = &after[end + CLOSE.len()..];
     }
     if calls.is_empty() {
-        // A bare call: the whole answer one object naming a tool.
-        let call = call_of(text, 0)?;
-        let name = call["function"]["name"].as_str()?;
-        return names.iter().any(|n| n == name).then(|| (None, vec![call]));
+        // Bare calls: the whole answer one call object naming a tool (Llama 3.1's form, and small models that
+        // drop Hermes tags), or several separated by `;`, optionally after Llama's `<|python_tag|>`.
+        let body = text.trim();
+        let body = body.strip_prefix("<|python_tag|>").unwrap_or(body);
+        let mut calls = Vec::new();
+        let mut rest = body.trim();
+        while !rest.is_empty() {
+            let mut objects = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+            objects.next()?.ok()?;
+            let end = objects.byte_offset();
+            let call = call_of(&rest[..end], calls.len())?;
+            if !names.iter().any(|n| call["function"]["name"] == n.as_str()) {
+                return None;
+            }
+            calls.push(call);
+            rest = rest[end..].trim_start();
+            if let Some(after) = rest.strip_prefix(';') {
+                rest = after.trim_start();
+            } else if !rest.is_empty() {
+                return None;
+            }
+        }
+        return (!calls.is_empty()).then_some((None, calls));
     }
     content.push_str(rest);
     let content = content.trim();
@@ -1870,6 +1908,30 @@ mod tests {
         // A block that is not a call, or not closed, leaves everything as content.
         assert!(parse_tool_calls("<tool_call>{\"name\": 3}</tool_call>", &names, 1).is_none());
         assert!(parse_tool_calls("<tool_call>{\"name\": \"add\"", &names, 1).is_none());
+        // Llama 3.1's JSON calls: "parameters", several separated by `;`, after `<|python_tag|>`.
+        let (content, calls) = parse_tool_calls(
+            "<|python_tag|>{\"name\": \"add\", \"parameters\": {\"a\": 1}}; {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}",
+            &names,
+            3,
+        )
+        .unwrap();
+        assert!(content.is_none());
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0]["function"]["arguments"], "{\"a\":1}");
+        assert_eq!(calls[1]["function"]["name"], "get_weather");
+        // One call among them naming no tool, or text after them, leaves it all content.
+        assert!(parse_tool_calls(
+            "{\"name\": \"add\", \"parameters\": {}}; {\"name\": \"x\", \"parameters\": {}}",
+            &names,
+            1
+        )
+        .is_none());
+        assert!(parse_tool_calls(
+            "{\"name\": \"add\", \"parameters\": {}} and more",
+            &names,
+            1
+        )
+        .is_none());
         // Finish reasons: tool_calls only when the model stopped by itself.
         let call = "<tool_call>{\"name\": \"add\", \"arguments\": {}}</tool_call>";
         let (m, finish) = chat_message(call.into(), "stop", Some(&names), 0);
@@ -1887,6 +1949,29 @@ mod tests {
 
     /// Streamed with tools, text goes out as content up to where a call may begin; an answer that begins with `{`
     /// (a bare call?) is held whole; each delta takes the log-probabilities of its tokens.
+    #[test]
+    fn forced_calls_take_the_templates_arguments_key() {
+        use specula::chat::ToolCallForm;
+        let grammar = |form| {
+            specula::json_mode::JsonGrammar::from_schema(&forced_call_schema(
+                Some(form),
+                json!({"const": "f"}),
+                json!({"type": "object"}),
+            ))
+            .unwrap()
+        };
+        let whole = |g: &specula::json_mode::JsonGrammar, text: &str| {
+            g.after(specula::json_mode::JsonState::default(), text.as_bytes())
+                .is_some_and(|s| s.is_done())
+        };
+        let llama = grammar(ToolCallForm::LlamaJson);
+        assert!(whole(&llama, r#"{"name": "f", "parameters": {}}"#));
+        assert!(!whole(&llama, r#"{"name": "f", "arguments": {}}"#));
+        let hermes = grammar(ToolCallForm::Hermes);
+        assert!(whole(&hermes, r#"{"name": "f", "arguments": {}}"#));
+        assert!(!whole(&hermes, r#"{"name": "f", "parameters": {}}"#));
+    }
+
     #[test]
     fn tool_streams_send_content_until_a_call_may_begin() {
         let token = |offset| engine::ScoredToken {

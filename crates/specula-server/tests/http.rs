@@ -984,6 +984,68 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
     assert_eq!(s, 200, "{v}");
 }
 
+/// A model whose chat template asks for Llama 3.1's JSON tool calls: the tools reach the prompt, and a forced
+/// call is constrained to `{"name": ..., "parameters": <the function's schema>}` and comes back as `tool_calls`.
+#[test]
+fn a_llama_json_template_gets_its_tools_and_forced_calls_in_its_form() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("tiny-1k.gguf");
+    let spec = TinySpec {
+        untied_head: true,
+        context: 1024,
+        ..Default::default()
+    };
+    write_tiny_gguf(&p, &spec).unwrap();
+    let mut model = load_gguf(&p, "tiny").unwrap();
+    model.chat_template = Some(specula::chat::ChatTemplate::new(
+        "{%- if tools %}<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, please respond \
+         with a JSON for a function call with its proper arguments.\nRespond in the format {\"name\": function \
+         name, \"parameters\": dictionary of argument name and its value}.\n\n{%- for t in tools %}{{ t | \
+         tojson }}\n\n{% endfor %}{%- endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}\
+         assistant:",
+    ));
+    let addr = start(model, DraftSetup::None, None, queue(8));
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}}]);
+    // The tools are in the prompt the template renders.
+    let (s, v) = post(
+        addr,
+        "/tokenize",
+        json!({"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": tools}),
+    );
+    assert_eq!(s, 200, "{v}");
+    let (_, plain) = post(
+        addr,
+        "/tokenize",
+        json!({"messages": [{"role": "user", "content": "Weather in Oslo?"}]}),
+    );
+    assert!(
+        v["count"].as_u64().unwrap() > plain["count"].as_u64().unwrap() + 100,
+        "{v} {plain}"
+    );
+    let (s, v) = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": tools, "max_tokens": 500,
+               "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+               // This random model would pad the call with whitespace to the grammar's limit at every turn.
+               "logit_bias": {"9": -100, "10": -100, "13": -100, "32": -100}}),
+    );
+    assert_eq!(s, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather", "{v}");
+    let arguments: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        arguments["city"]
+            .as_str()
+            .is_some_and(|c| c.chars().count() <= 6),
+        "{v}"
+    );
+    assert!(choice["message"]["content"].is_null(), "{v}");
+}
+
 #[test]
 fn an_api_key_is_required_when_set() {
     let dir = tempfile::tempdir().unwrap();

@@ -40,6 +40,26 @@ pub struct ChatTemplate {
     source: String,
 }
 
+/// The form in which a chat template asks the model to call tools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolCallForm {
+    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen2 / Qwen2.5, Hermes).
+    Hermes,
+    /// The answer is the call, `{"name": ..., "parameters": {...}}` (Llama 3.1-3.3's JSON tool calling; its
+    /// template renders the tools into the first user message).
+    LlamaJson,
+}
+
+impl ToolCallForm {
+    /// The key of a call's arguments in this form.
+    pub fn arguments_key(self) -> &'static str {
+        match self {
+            ToolCallForm::Hermes => "arguments",
+            ToolCallForm::LlamaJson => "parameters",
+        }
+    }
+}
+
 impl ChatTemplate {
     pub fn new(source: impl Into<String>) -> Self {
         ChatTemplate {
@@ -62,11 +82,23 @@ impl ChatTemplate {
         self.render_with_tools(messages, None, add_generation_prompt, bos_token, eos_token)
     }
 
-    /// Whether the template renders tool definitions (reads `tools`) and asks for tool calls in the Hermes form
-    /// (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`: Qwen2 / Qwen2.5 and Hermes models), the one
-    /// form the server parses.
-    pub fn takes_hermes_tools(&self) -> bool {
-        self.source.contains("tools") && self.source.contains("<tool_call>")
+    /// How the template asks for tool calls, where it renders tool definitions (reads `tools`) in a form the
+    /// server parses; None for templates without tools or with another form.
+    pub fn tool_call_form(&self) -> Option<ToolCallForm> {
+        if !self.source.contains("tools") {
+            return None;
+        }
+        if self.source.contains("<tool_call>") {
+            Some(ToolCallForm::Hermes)
+        } else if self
+            .source
+            .contains("respond with a JSON for a function call")
+            && self.source.contains("\"parameters\"")
+        {
+            Some(ToolCallForm::LlamaJson)
+        } else {
+            None
+        }
     }
 
     /// As `render`, with the request's tool definitions (OpenAI's `tools` list) for templates that read them.
@@ -199,6 +231,40 @@ mod tests {
         let t = ChatTemplate::new(CHATML_TEMPLATE);
         let s = t.render(&[ChatMessage::user("hi")], true, "", "").unwrap();
         assert_eq!(s, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    /// A template in the form of Llama 3.1's JSON tool calling (tools in the first user message, calls answered
+    /// as `{"name": ..., "parameters": ...}`): its form is recognized and the tools reach the prompt.
+    #[test]
+    fn tool_call_forms_are_recognized_and_tools_rendered() {
+        let llama_like = ChatTemplate::new(
+            "{%- if tools %}<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, please \
+             respond with a JSON for a function call with its proper arguments.\nRespond in the format \
+             {\"name\": function name, \"parameters\": dictionary of argument name and its value}.\n\n\
+             {%- for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}{{ messages[0].content }}<|eot_id|>\
+             {%- endif %}<|start_header_id|>assistant<|end_header_id|>\n\n",
+        );
+        assert_eq!(llama_like.tool_call_form(), Some(ToolCallForm::LlamaJson));
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+        let text = llama_like
+            .render_with_tools(
+                &[ChatMessage::user("Weather in Oslo?")],
+                Some(&tools),
+                true,
+                "",
+                "",
+            )
+            .unwrap();
+        assert!(
+            text.contains("\"name\": \"get_weather\"") && text.contains("Weather in Oslo?"),
+            "{text}"
+        );
+        let hermes = ChatTemplate::new(
+            "{% if tools %}<tools>{{ tools | tojson }}</tools> <tool_call>{% endif %}",
+        );
+        assert_eq!(hermes.tool_call_form(), Some(ToolCallForm::Hermes));
+        assert_eq!(ChatTemplate::new(CHATML_TEMPLATE).tool_call_form(), None);
+        assert_eq!(ToolCallForm::LlamaJson.arguments_key(), "parameters");
     }
 
     #[test]
