@@ -34,6 +34,8 @@ pub struct Metrics {
     pub admitted_without_drafter: IntCounter,
     /// Drafters taken from running requests that had been allowed no draft for a while under load.
     pub released_drafters: IntCounter,
+    /// Requests admitted beside others that went without their drafter to reuse a cached prompt it could not.
+    pub prefix_over_drafter: IntCounter,
     pub num_draft_tokens: IntCounter,
     pub num_accepted_tokens: IntCounter,
     pub accepted_per_pos: IntCounterVec,
@@ -257,6 +259,10 @@ impl Metrics {
             admitted_without_drafter: counter(
                 "specula:spec_decode_admitted_without_drafter",
                 "Requests admitted without a drafter: past --spec-disable-batch-size, or where drafting measured no gain or drafters were mostly idle at that many requests.",
+            ),
+            prefix_over_drafter: counter(
+                "specula:spec_decode_prefix_over_drafter",
+                "Requests admitted beside others without their drafter because without it they reused at least 64 more cached prompt tokens (the cached prompt kept no drafter state).",
             ),
             released_drafters: counter(
                 "specula:spec_decode_released_drafters",

@@ -852,10 +852,32 @@ impl<'d> Generation<'d> {
     /// drafter that reads the target's features of every position (EAGLE-3), as far as the drafter's state
     /// reaches. 0 once the generation has started.
     pub fn prefix_reach(&self, prefix: &CachedPrefix) -> usize {
+        let Some((n, common)) = self.target_reach(prefix) else {
+            return 0;
+        };
+        if self.capture.is_empty() {
+            return n;
+        }
+        match (self.drafter.as_ref(), prefix.drafter.as_ref()) {
+            (Some(d), Some(p)) => n.min(d.prefix_reach(p, common)),
+            _ => 0,
+        }
+    }
+
+    /// [`Self::prefix_reach`] as it would be without the drafter: the target's keys and values alone (a prefix
+    /// kept by a request without a drafter has no drafter state, and an EAGLE-3 head that never drafted keeps
+    /// little, so a drafting request may reuse much less of it than a plain one).
+    pub fn prefix_reach_without_drafter(&self, prefix: &CachedPrefix) -> usize {
+        self.target_reach(prefix).map_or(0, |(n, _)| n)
+    }
+
+    /// The positions of `prefix` the target's cache could start from, and the tokens the prompt shares with it;
+    /// None once the generation has started or where its prompt must be scored.
+    fn target_reach(&self, prefix: &CachedPrefix) -> Option<(usize, usize)> {
         // A scored prompt needs every position's logits, which a cached prefix does not keep.
         let scored = self.req.logprobs.is_some_and(|l| l.prompt);
         if scored || self.prefilled > 0 || !self.cache.is_empty() || self.planned.is_some() {
-            return 0;
+            return None;
         }
         let prompt = &self.req.prompt_tokens;
         let common = prompt
@@ -867,13 +889,7 @@ impl<'d> Generation<'d> {
         let n = common
             .min(prompt.len().saturating_sub(1))
             .min(self.cache.capacity());
-        if self.capture.is_empty() {
-            return n;
-        }
-        match (self.drafter.as_ref(), prefix.drafter.as_ref()) {
-            (Some(d), Some(p)) => n.min(d.prefix_reach(p, common)),
-            _ => 0,
-        }
+        Some((n, common))
     }
 
     /// Starts from the first `n` positions of `prefix` (at most [`Self::prefix_reach`]): the KV cache takes

@@ -105,6 +105,18 @@ impl PrefixCache {
         })
     }
 
+    /// The most positions of one entry `generation` could reuse as it is, and without its drafter
+    /// ([`Generation::prefix_reach_without_drafter`]).
+    pub fn reaches(&self, generation: &Generation<'_>) -> (usize, usize) {
+        let usable = |n: usize| if n >= Self::MIN_POSITIONS { n } else { 0 };
+        self.entries.iter().fold((0, 0), |(with, without), e| {
+            (
+                with.max(usable(generation.prefix_reach(&e.prefix))),
+                without.max(usable(generation.prefix_reach_without_drafter(&e.prefix))),
+            )
+        })
+    }
+
     /// Starts `generation` from the entry it can reuse the most positions of, when that is at least
     /// [`Self::MIN_POSITIONS`]; returns the positions reused (0: none).
     pub fn adopt_into(&mut self, generation: &mut Generation<'_>) -> Result<usize> {

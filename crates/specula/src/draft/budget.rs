@@ -809,8 +809,22 @@ impl DraftBudget {
         };
         let overhead = self.overhead_s.unwrap_or(0.0);
         let per_draft = self.draft_token_s.unwrap_or(0.0);
-        let step_time =
-            |rows: f64, draft_s: f64| curve.seconds(rows).unwrap_or(0.0) + overhead + draft_s;
+        // A step that prefills a prompt chunk is judged without the chunk's time: the chunk runs whether or not
+        // anyone drafts, so a drafted token must cost less than the decoding steps that would otherwise make it,
+        // not less than the prefill step's own (low) rate. Judged with it, a 16-row decode beside a 256-row
+        // chunk (~19 ms on an H100) made a drafted row at ~0.1 ms for half a token look like a gain, where a
+        // 16-row decoding step makes a token in 0.17 ms (session 41: long prompts at 16 streams, drafts in
+        // prefill steps cost the head server 1-2% against plain; `SPECULA_BUDGET_PREFILL=step` judges the old way).
+        let prefill_s = if base_rows > base_tokens && !prefill_judged_with_step() {
+            (curve.seconds(base_rows as f64).unwrap_or(0.0)
+                - curve.seconds(base_tokens.max(1) as f64).unwrap_or(0.0))
+            .max(0.0)
+        } else {
+            0.0
+        };
+        let step_time = |rows: f64, draft_s: f64| {
+            curve.seconds(rows).unwrap_or(0.0) + overhead + draft_s - prefill_s
+        };
         // What feeding `tokens` missed tokens costs a draft model. Measured: per token. Until then (the first
         // one that would hold up no other request is allowed once so that it gets measured, below): a catch-up
         // widens the drafter's first pass, which feeds the last step's two tokens anyway, by `tokens` rows,
@@ -1220,7 +1234,8 @@ impl DraftBudget {
                     "pass_ms": per_pass_s.map(|v| v * 1e3),
                     "round_ms": round_s * 1e3,
                     "undrafted_ms": undrafted_time * 1e3,
-                    "expected_ms": step_time(rows, draft_s) * 1e3,
+                    "prefill_ms": prefill_s * 1e3,
+                    "expected_ms": (step_time(rows, draft_s) + prefill_s) * 1e3,
                     "expected_tokens": tokens,
                     "calibration": calibration,
                     "refused": refused.map(|r| (r.position, r.gain, r.cost_s * 1e3)),
@@ -1230,12 +1245,19 @@ impl DraftBudget {
         }
         DraftPlan {
             limits,
-            expected_s: Some(step_time(rows, draft_s) + deferred_catch_up_s),
+            expected_s: Some(step_time(rows, draft_s) + prefill_s + deferred_catch_up_s),
             expected_tokens: tokens,
             refused,
             baseline_probe,
         }
     }
+}
+
+/// Whether a step with a prompt chunk is judged with the chunk's time in it (`SPECULA_BUDGET_PREFILL=step`, as
+/// until session 41, to compare); by default the chunk's time is left out ([`DraftBudget::plan`]).
+fn prefill_judged_with_step() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_BUDGET_PREFILL").is_ok_and(|v| v == "step"))
 }
 
 /// Whether [`DraftBudget::plan`] writes each plan to stderr (`SPECULA_BUDGET_TRACE=1`: what a server's budget
@@ -2681,6 +2703,51 @@ mod tests {
             refused.tokens_per_s_with < refused.tokens_per_s,
             "{refused:?}"
         );
+    }
+
+    /// A step that prefills a prompt chunk drafts only where drafted tokens cost less than decoding steps make
+    /// them: the chunk's own time is not a cost the drafts share (H100-like prices of the real 1.5B at 16 streams,
+    /// session 41: a decoding step 2.7 ms, a pass with a 256-row chunk ~19 ms and 0.1 ms a row more).
+    #[test]
+    fn a_prefill_steps_drafts_pay_against_decoding_not_against_the_chunk() {
+        let mut b = DraftBudget::new();
+        for (rows, ms) in [(16, 2.7), (32, 3.5), (272, 19.0), (288, 20.6), (304, 22.2)] {
+            for _ in 0..4 {
+                b.observe_step(rows, ms * 1e-3, 0, 0, 0, 0.0, 0.1e-3);
+            }
+        }
+        for _ in 0..4 {
+            b.observe_step(32, 3.5e-3, 16, 16, 0, 0.3e-3, 0.1e-3);
+        }
+        for id in 0..16 {
+            history(&mut b, id, 1, 40, 0.5);
+        }
+        let sixteen = one_token_candidates(0..=15, true);
+        // Decoding alone: sixteen rows for ~8 tokens cost 0.8 ms (0.1 ms a token against 0.17 undrafted): taken.
+        let plan = b.plan(&sixteen, 16, 16);
+        assert_eq!(plan.limits, vec![1; 16], "{plan:?}");
+        // Beside a 256-row chunk the same rows cost 1.6 ms (0.2 ms a token): refused, though they would raise
+        // that step's own rate (24 tokens in 20.9 ms against 16 in 19.1).
+        let plan = b.plan(&sixteen, 272, 16);
+        assert_eq!(plan.limits, vec![0; 16], "{plan:?}");
+        assert!(plan.refused.is_some(), "{plan:?}");
+        // Its expected time is still the whole step's, chunk included (what the step will be measured against).
+        let expected = plan.expected_s.expect("an expected time");
+        assert!((expected - 19.1e-3).abs() < 0.5e-3, "{expected}");
+        // Where rows beside the chunk are as cheap as beside a decode (a pass not yet compute-bound), they pay.
+        let mut cheap = DraftBudget::new();
+        for (rows, ms) in [(16, 2.7), (32, 3.5), (272, 19.0), (288, 19.4), (304, 19.8)] {
+            for _ in 0..4 {
+                cheap.observe_step(rows, ms * 1e-3, 0, 0, 0, 0.0, 0.1e-3);
+            }
+        }
+        for _ in 0..4 {
+            cheap.observe_step(32, 3.5e-3, 16, 16, 0, 0.3e-3, 0.1e-3);
+        }
+        for id in 0..16 {
+            history(&mut cheap, id, 1, 40, 0.5);
+        }
+        assert_eq!(cheap.plan(&sixteen, 272, 16).limits, vec![1; 16]);
     }
 
     #[test]

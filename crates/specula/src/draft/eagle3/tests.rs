@@ -1000,6 +1000,69 @@ fn a_released_head_drafter_leaves_plain_decoding_behind() {
     }
 }
 
+/// A prompt kept by a request without a drafter holds no head state: a request with a head drafter reaches none
+/// of it, the same request without its drafter all of it (what the server compares before admitting it beside
+/// others), and after the drafter goes it reuses the prompt and answers as plain decoding does.
+#[test]
+fn a_prefix_without_head_state_is_reached_only_without_the_drafter() {
+    use crate::decode::{Generation, PrefixCache};
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let model = t.model.as_ref();
+    let prompt: Vec<u32> = PROMPT.iter().chain(&PROMPT).copied().collect();
+    let req = |p: &[u32]| GenerateRequest {
+        prompt_tokens: p.to_vec(),
+        max_new_tokens: 12,
+        sampling: SamplingParams::default(),
+        stop_at_eos: false,
+        cancel: None,
+        logprobs: None,
+        logit_adjustments: None,
+    };
+    let plain = Generation::new(model, req(&prompt)).unwrap();
+    let (_, prefix) = crate::testing::run_alone_to_end(&t, plain);
+    let prefix = prefix.expect("a finished generation leaves its cache");
+    assert!(prefix.drafter.is_none());
+    let mut cache = PrefixCache::new();
+    cache.insert(prefix, 1000);
+    let mut next = prompt.clone();
+    next.extend_from_slice(&[32, 72, 101]);
+    let d = Eagle3Drafter::new(&h, model, 0).unwrap();
+    let mut g = Generation::with_drafter(model, req(&next), Box::new(d), 3).unwrap();
+    let (with, without) = cache.reaches(&g);
+    assert_eq!(with, 0);
+    assert_eq!(without, prompt.len());
+    assert!(g.release_drafter());
+    assert_eq!(cache.adopt_into(&mut g).unwrap(), prompt.len());
+    let (out, _) = crate::testing::run_alone_to_end(&t, g);
+    let fresh = run_plain(&t, &next, 12);
+    assert_eq!(out.tokens, fresh);
+    assert_eq!(out.cached_prompt_tokens, prompt.len());
+}
+
+fn run_plain(t: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let req = GenerateRequest {
+        prompt_tokens: prompt.to_vec(),
+        max_new_tokens: n,
+        sampling: SamplingParams::default(),
+        stop_at_eos: false,
+        cancel: None,
+        logprobs: None,
+        logit_adjustments: None,
+    };
+    generate(
+        t.model.as_ref(),
+        &t.tokenizer,
+        &req,
+        None,
+        &Profiler::disabled(),
+        &mut |_| {},
+    )
+    .unwrap()
+    .tokens
+}
+
 #[test]
 fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
     use crate::decode::{Generation, PrefixCache};
