@@ -459,14 +459,31 @@ fn serve_answers_with_tool_calls_on_a_qwen_model() {
             serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
         assert!(args["city"].is_string(), "{v}");
     }
-    // A forced call whose parameters the grammar cannot enforce is refused by name.
+    // A forced call's parameters are enforced, patterns included; one the grammar cannot enforce is refused by
+    // name.
     let (status, resp) = ask(serde_json::json!({
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
-            "properties": {"city": {"type": "string", "pattern": "^[A-Z]"}}}}}]}));
+            "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]+$"}}, "required": ["city"]}}}]}));
+    assert_eq!(status, 200, "{resp}");
+    let v: serde_json::Value = serde_json::from_str(&resp[resp.find('{').unwrap()..]).unwrap();
+    let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    let args: serde_json::Value =
+        serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    let city = args["city"].as_str().unwrap_or_default();
+    assert!(
+        city.len() > 1
+            && city.starts_with(|c: char| c.is_ascii_uppercase())
+            && city[1..].chars().all(|c| c.is_ascii_lowercase()),
+        "{resp}"
+    );
+    let (status, resp) = ask(serde_json::json!({
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"cities": {"type": "array", "uniqueItems": true}}}}}]}));
     assert_eq!(status, 400, "{resp}");
     assert!(
-        resp.contains("\\\"pattern\\\"") && resp.contains("tool_choice"),
+        resp.contains("\\\"uniqueItems\\\"") && resp.contains("tool_choice"),
         "{resp}"
     );
     // The call and its result in the history.

@@ -48,7 +48,9 @@ type NodeId = u16;
 #[derive(Debug, Clone)]
 enum Node {
     Object(ObjectNode),
+    /// An array: item i of `prefix` (a tuple's positions), then `items` for the rest.
     Array {
+        prefix: Vec<NodeId>,
         items: NodeId,
         min: u32,
         max: u32,
@@ -210,6 +212,8 @@ const ENFORCED: &[&str] = &[
     "oneOf",
     "allOf",
     "$ref",
+    "prefixItems",
+    "additionalItems",
     "pattern",
     "format",
     "minimum",
@@ -275,6 +279,7 @@ impl<'a> Compiler<'a> {
             any_keys: Some(id),
         }))?;
         let array = self.add(Node::Array {
+            prefix: Vec::new(),
             items: id,
             min: 0,
             max: COUNT_LIMIT,
@@ -696,18 +701,45 @@ impl<'a> Compiler<'a> {
                 self.add(Node::Matched { dfa, quoted: true })
             }
             "array" => {
-                let (min, max) = Self::bounds(map, ("minItems", "maxItems"), at)?;
+                let (min, mut max) = Self::bounds(map, ("minItems", "maxItems"), at)?;
                 let id = self.reserve()?;
-                let items = match map.get("items") {
-                    None => self.any()?,
-                    Some(Value::Array(_)) => {
-                        return Err(schema_error(format!(
-                            "{at}.items as a list (a tuple) is not supported: give one schema for every item"
-                        )))
+                // A tuple's positions: `prefixItems` (2020-12) with `items` for the rest, or `items` as a list
+                // (drafts 4-2019) with `additionalItems` for the rest.
+                let (prefix, rest_key) = match (map.get("prefixItems"), map.get("items")) {
+                    (Some(Value::Array(p)), _) => (Some(("prefixItems", p)), "items"),
+                    (Some(p), _) => {
+                        return Err(schema_error(format!("{at}.prefixItems must be a list, got {p}")))
                     }
-                    Some(s) => self.compile(s, &format!("{at}.items"))?,
+                    (None, Some(Value::Array(p))) => (Some(("items", p)), "additionalItems"),
+                    (None, _) => (None, "items"),
                 };
-                self.nodes[id as usize] = Node::Array { items, min, max };
+                let mut positions = Vec::new();
+                if let Some((key, list)) = prefix {
+                    for (i, s) in list.iter().enumerate() {
+                        positions.push(self.compile(s, &format!("{at}.{key}[{i}]"))?);
+                    }
+                }
+                let items = match map.get(rest_key) {
+                    None | Some(Value::Bool(true)) => self.any()?,
+                    // No items past the tuple's (a placeholder never read).
+                    Some(Value::Bool(false)) => {
+                        max = max.min(positions.len() as u32);
+                        if min > max {
+                            return Err(schema_error(format!(
+                                "{at}: minItems {min} is more than the tuple's {} positions",
+                                positions.len()
+                            )));
+                        }
+                        self.any()?
+                    }
+                    Some(s) => self.compile(s, &format!("{at}.{rest_key}"))?,
+                };
+                self.nodes[id as usize] = Node::Array {
+                    prefix: positions,
+                    items,
+                    min,
+                    max,
+                };
                 Ok(id)
             }
             "object" => self.object(map, at),
@@ -867,7 +899,10 @@ impl JsonGrammar {
                     o.props.iter_mut().for_each(swap);
                     o.any_keys.iter_mut().for_each(swap);
                 }
-                Node::Array { items, .. } => swap(items),
+                Node::Array { prefix, items, .. } => {
+                    prefix.iter_mut().for_each(swap);
+                    swap(items)
+                }
                 Node::Union(alts) => alts.iter_mut().for_each(swap),
                 _ => {}
             }
@@ -1335,9 +1370,16 @@ impl JsonGrammar {
                     };
                 }
                 Phase::ArrayOpen | Phase::ItemNext | Phase::ArrayAfter => {
-                    let Node::Array { items, min, max } = *node else {
+                    let Node::Array {
+                        prefix,
+                        items,
+                        min,
+                        max,
+                    } = node
+                    else {
                         unreachable!("array phases belong to array nodes")
                     };
+                    let (min, max) = (*min, *max);
                     let count = f.count as u32;
                     let closes = b == b']' && count >= min;
                     match f.phase {
@@ -1357,10 +1399,12 @@ impl JsonGrammar {
                     if count >= max {
                         return false;
                     }
+                    let item = prefix.get(count as usize).copied().unwrap_or(*items);
                     let top = s.top();
                     top.phase = Phase::ArrayAfter;
-                    top.count = count_kept(count + 1, min, max);
-                    if !s.push(items) {
+                    // Counted exactly through the tuple's positions at least.
+                    top.count = count_kept(count + 1, min.max(prefix.len() as u32), max);
+                    if !s.push(item) {
                         return false;
                     }
                 }
@@ -2061,8 +2105,8 @@ mod tests {
                 "only references inside",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": "array", "items": [{}]}}}),
-                "tuple",
+                json!({"type": "object", "properties": {"a": {"type": "array", "prefixItems": [{}], "items": false, "minItems": 2}}}),
+                "tuple's 1 positions",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 2}}}),
@@ -2146,6 +2190,34 @@ mod tests {
         let twice = schema(json!({"type": "object", "properties": {
             "a": {"type": "string", "format": "uuid"}, "b": {"type": "string", "format": "uuid"}}}));
         assert_eq!(twice.dfas.len(), 1);
+    }
+
+    #[test]
+    fn tuples_take_each_position_then_the_rest() {
+        let g = schema(json!({"type": "object", "properties": {
+            "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": false, "minItems": 2},
+            "head": {"type": "array", "items": [{"type": "boolean"}], "additionalItems": {"type": "null"}},
+            "open": {"type": "array", "prefixItems": [{"const": "a"}, {"const": "b"}, {"const": "c"}]}
+        }}));
+        for good in [
+            r#"{"pair": [1, "a"]}"#,
+            r#"{"head": [true, null, null]}"#,
+            r#"{"head": []}"#,
+            r#"{"open": ["a", "b", "c", 7, {"x": 1}]}"#,
+            r#"{"open": ["a"]}"#,
+        ] {
+            every_prefix(&g, good);
+        }
+        for bad in [
+            r#"{"pair": [1]}"#,
+            r#"{"pair": ["a", 1]}"#,
+            r#"{"pair": [1, "a", 2]}"#,
+            r#"{"head": [null]}"#,
+            r#"{"head": [true, false]}"#,
+            r#"{"open": ["a", "c"]}"#,
+        ] {
+            assert!(!whole(&g, bad), "{bad} taken");
+        }
     }
 
     /// A small vocabulary whose words cover keys, values and structure.

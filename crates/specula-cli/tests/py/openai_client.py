@@ -123,7 +123,7 @@ try:
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                    response_format={"type": "json_schema", "json_schema": {
                                        "name": "x", "schema": {"type": "object", "properties": {
-                                           "s": {"type": "string", "format": "email"}}}}})
+                                           "s": {"type": "string", "format": "color"}}}}})
     raise SystemExit("a JSON schema keyword was accepted and would have been ignored")
 except openai.BadRequestError as e:
     assert "format" in str(e), e
