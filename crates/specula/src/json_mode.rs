@@ -507,13 +507,14 @@ impl<'a> Compiler<'a> {
         Ok(bound)
     }
 
-    /// For a number or integer with bounds or `multipleOf`: the regex of its texts and a whole number they
-    /// must be multiples of; None where it has neither.
+    /// For a number or integer with bounds or `multipleOf`: regexes its texts must all match (an integer's
+    /// range; or a plain number, each decimal bound, the fraction digits a `multipleOf` 10^-k allows) and a
+    /// whole number they must be multiples of; None where it has neither.
     fn number_regex(
         integer: bool,
         map: &serde_json::Map<String, Value>,
         at: &str,
-    ) -> Result<Option<(String, Option<u64>)>> {
+    ) -> Result<Option<(Vec<String>, Option<u64>)>> {
         let lo = Self::bound(map, ("minimum", "exclusiveMinimum"), true, at)?;
         let hi = Self::bound(map, ("maximum", "exclusiveMaximum"), false, at)?;
         let multiple = match map.get("multipleOf") {
@@ -564,7 +565,7 @@ impl<'a> Compiler<'a> {
                 }
             }
         }
-        let regex = if whole {
+        if whole {
             // Integers: a fractional bound rounds inward and becomes inclusive.
             let lo = lo.map(|(x, excl)| {
                 if x.fract() == 0.0 {
@@ -580,26 +581,28 @@ impl<'a> Compiler<'a> {
                     (x.floor() as i64, false)
                 }
             });
-            value_regex::integer_range(lo, hi)
-        } else {
-            for (key, b) in [("minimum", lo), ("maximum", hi)] {
-                if let Some((x, _)) = b {
-                    if x.fract() != 0.0 {
-                        return Err(schema_error(format!(
-                            "{at}: a {key} of {x} is not supported for a number (whole-number bounds are)"
-                        )));
-                    }
-                }
+            let regex = value_regex::integer_range(lo, hi).ok_or_else(|| {
+                schema_error(format!(
+                    "{at}: no number lies within its minimum and maximum"
+                ))
+            })?;
+            return Ok(Some((vec![regex], whole_multiple)));
+        }
+        // Numbers: the texts of plain numbers, on the allowed side of each bound, with at most `digits` fraction
+        // digits (the automata intersect).
+        let mut regexes = vec![value_regex::PLAIN_NUMBER.to_string()];
+        for (key, b, lower) in [("minimum", lo, true), ("maximum", hi, false)] {
+            if let Some((x, excl)) = b {
+                regexes.push(
+                    value_regex::decimal_bound(x, lower, excl)
+                        .map_err(|e| schema_error(format!("{at}.{key}: {e}")))?,
+                );
             }
-            let whole_bound = |b: Option<(f64, bool)>| b.map(|(x, excl)| (x as i64, excl));
-            value_regex::number_range(whole_bound(lo), whole_bound(hi), digits)
-        };
-        let regex = regex.ok_or_else(|| {
-            schema_error(format!(
-                "{at}: no number lies within its minimum and maximum"
-            ))
-        })?;
-        Ok(Some((regex, whole_multiple)))
+        }
+        if let Some(k) = digits {
+            regexes.push(value_regex::fraction_digits(k));
+        }
+        Ok(Some((regexes, None)))
     }
 
     fn count(map: &serde_json::Map<String, Value>, key: &str, at: &str) -> Result<Option<u32>> {
@@ -643,10 +646,13 @@ impl<'a> Compiler<'a> {
                 None => self.add(Node::Number {
                     integer: kind == "integer",
                 }),
-                Some((regex, multiple)) => {
-                    let key = format!("number {regex} {multiple:?}");
+                Some((regexes, multiple)) => {
+                    let key = format!("number {regexes:?} {multiple:?}");
                     let dfa = self.dfa(key, at, |_| {
-                        let mut dfa = ByteDfa::from_regex(&regex, |_| true)?;
+                        let mut dfa = ByteDfa::from_regex(&regexes[0], |_| true)?;
+                        for regex in &regexes[1..] {
+                            dfa = dfa.intersect(&ByteDfa::from_regex(regex, |_| true)?)?;
+                        }
                         if let Some(m) = multiple {
                             dfa = dfa.intersect(&ByteDfa::multiples_of(m)?)?;
                         }
@@ -2061,8 +2067,8 @@ mod tests {
                 "no number lies",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": "number", "minimum": 0.5}}}),
-                "whole-number bounds",
+                json!({"type": "object", "properties": {"a": {"type": "number", "minimum": 0.5, "exclusiveMaximum": 0.5}}}),
+                "no value matches",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.3}}}),
@@ -2148,6 +2154,7 @@ mod tests {
                 "n": {"type": "integer", "minimum": -3, "exclusiveMaximum": 100, "multipleOf": 3},
                 "price": {"type": "number", "minimum": 0, "multipleOf": 0.01},
                 "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                "temp": {"type": "number", "minimum": -0.5, "exclusiveMaximum": 1.25},
                 "ids": {"type": "array", "items": {"type": "integer", "minimum": 1}}
             }
         }));
@@ -2156,6 +2163,8 @@ mod tests {
             r#"{"mail": null, "n": 99 , "ratio": 1}"#,
             r#"{"n": 0, "price": 0, "ids": [7]}"#,
             r#"{"ratio": 1.000}"#,
+            r#"{"ratio": 0.001, "temp": -0.5}"#,
+            r#"{"temp": 1.2499}"#,
         ] {
             every_prefix(&g, good);
         }
@@ -2175,6 +2184,9 @@ mod tests {
             r#"{"price": 1e2}"#,
             r#"{"ratio": 0}"#,
             r#"{"ratio": 1.01}"#,
+            r#"{"temp": -0.51}"#,
+            r#"{"temp": 1.25}"#,
+            r#"{"temp": 1.250}"#,
             r#"{"ids": [0]}"#,
         ] {
             assert!(!whole(&g, bad), "{bad} taken");

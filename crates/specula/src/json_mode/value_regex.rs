@@ -184,21 +184,6 @@ pub fn pattern(ecma: &str) -> Result<String, String> {
     Ok(format!("(?s:.)*(?:{out})(?s:.)*"))
 }
 
-/// `(?:\.[0-9]{1,k})?`-style fractions: any (`digits` None: unbounded), all zeros, or not all zeros.
-fn fraction(digits: Option<u32>) -> (String, String, String) {
-    let upto = |class: &str| match digits {
-        Some(k) => format!("{class}{{1,{k}}}"),
-        None => format!("{class}+"),
-    };
-    let any = format!("(?:\\.{})?", upto(DIGIT));
-    let zeros = format!("(?:\\.{})?", upto("0"));
-    let nonzero = match digits {
-        Some(k) => format!("\\.(?:[0-9]{{0,{}}}[1-9])0{{0,{}}}", k - 1, k - 1),
-        None => "\\.[0-9]*[1-9][0-9]*".to_string(),
-    };
-    (any, zeros, nonzero)
-}
-
 /// Canonical non-negative integers (no leading zeros) in `lo..=hi` (`hi` None: no upper bound), or None when
 /// there are none.
 pub fn whole_range(lo: u64, hi: Option<u64>) -> Option<String> {
@@ -304,68 +289,145 @@ pub fn integer_range(lo: Option<Bound>, hi: Option<Bound>) -> Option<String> {
     (!alts.is_empty()).then(|| format!("(?:{})", alts.join("|")))
 }
 
-/// Non-negative decimals (no exponent) above `lo` (exclusive or not) and below `hi`, with at most `digits`
-/// fraction digits; None when there are none.
-fn nonneg_decimals(
-    lo: (u64, bool),
-    hi: Option<(u64, bool)>,
-    digits: Option<u32>,
-) -> Option<String> {
-    let (any, zeros, nonzero) = fraction(digits);
-    let ((a, a_excl), b) = (lo, hi);
-    let mut alts = Vec::new();
-    match b {
-        Some((b, b_excl)) if b == a => {
-            if !a_excl && !b_excl {
-                alts.push(format!("{a}{zeros}"));
-            }
+/// JSON numbers without an exponent (what a number with bounds or a decimal `multipleOf` is written as).
+pub const PLAIN_NUMBER: &str = "-?(?:0|[1-9][0-9]*)(?:\\.[0-9]+)?";
+
+/// A finite decimal as written: whether it is negative, its integer part and its fraction's digits (no trailing
+/// zeros).
+struct Decimal {
+    negative: bool,
+    int: u64,
+    frac: Vec<u8>,
+}
+
+impl Decimal {
+    /// The shortest decimal that reads back as `x` (how the schema most likely wrote it).
+    fn of(x: f64) -> Result<Decimal, String> {
+        if !x.is_finite() || x.abs() > 9_007_199_254_740_992.0 {
+            return Err(format!(
+                "a bound of {x} is not supported (at most 2^53 either way)"
+            ));
         }
-        Some((b, _)) if b < a => {}
-        _ => {
-            // The integer part equal to `lo`: a fraction above zero where `lo` is excluded.
-            alts.push(format!("{a}{}", if a_excl { &nonzero } else { &any }));
-            // Integer parts strictly between.
-            let inner_hi = b.map(|(b, _)| b - 1);
-            if inner_hi.is_none_or(|h| h > a) {
-                if let Some(r) = whole_range(a + 1, inner_hi) {
-                    alts.push(format!("{r}{any}"));
-                }
-            }
-            // The integer part equal to `hi`: no fraction but zeros, and only where `hi` is included.
-            if let Some((b, false)) = b {
-                alts.push(format!("{b}{zeros}"));
-            }
+        let text = format!("{}", x.abs());
+        let (int, frac) = text.split_once('.').unwrap_or((&text, ""));
+        let frac = frac.trim_end_matches('0');
+        if frac.len() > 15 {
+            return Err(format!(
+                "a bound of {x} has more fraction digits than supported (15)"
+            ));
+        }
+        Ok(Decimal {
+            negative: x < 0.0,
+            int: int
+                .parse()
+                .map_err(|_| format!("a bound of {x} could not be read"))?,
+            frac: frac.bytes().collect(),
+        })
+    }
+}
+
+/// Digits after the point (possibly none) whose fraction compares with 0.`f` as `order` asks (Less / Greater,
+/// and with `or_equal` also equal); None when no digits do. Trailing zeros are implicit on both sides.
+fn fraction_tail(f: &[u8], order: std::cmp::Ordering, or_equal: bool) -> Option<String> {
+    use std::cmp::Ordering::*;
+    let Some((&first, rest)) = f.split_first() else {
+        // Past the bound's digits (all zeros now): any digits are >= it, all zeros equal it.
+        return match (order, or_equal) {
+            (Greater, true) => Some("[0-9]*".into()),
+            (Greater, false) => Some("[0-9]*[1-9][0-9]*".into()),
+            (Less, true) => Some("0*".into()),
+            _ => None,
+        };
+    };
+    let d = first - b'0';
+    let mut alts = Vec::new();
+    if order == Less {
+        // Ending here reads as zeros, below the bound's remaining digits (the last one is not zero).
+        alts.push(String::new());
+        if d > 0 {
+            alts.push(format!("[0-{}][0-9]*", d - 1));
+        }
+    } else if d < 9 {
+        alts.push(format!("[{}-9][0-9]*", d + 1));
+    }
+    if let Some(t) = fraction_tail(rest, order, or_equal) {
+        alts.push(format!("{}{t}", first as char));
+    }
+    (!alts.is_empty()).then(|| format!("(?:{})", alts.join("|")))
+}
+
+/// Non-negative decimal texts (integer part, optional point and digits; an intersection with PLAIN_NUMBER
+/// makes them JSON) that compare with `d` (read without its sign) as `order` asks.
+fn magnitude(d: &Decimal, order: std::cmp::Ordering, or_equal: bool) -> Option<String> {
+    use std::cmp::Ordering::*;
+    let any_fraction = "(?:\\.[0-9]*)?";
+    let mut alts = Vec::new();
+    // Integer parts strictly beyond the bound's.
+    match order {
+        Greater => alts.push(format!("{}{any_fraction}", whole_range(d.int + 1, None)?)),
+        _ if d.int > 0 => alts.push(format!(
+            "{}{any_fraction}",
+            whole_range(0, Some(d.int - 1))?
+        )),
+        _ => {}
+    }
+    // The bound's own integer part: its fraction decides; written without one, it reads as a fraction of
+    // zeros, which the bound takes below a fraction of its own and, with equality, at a whole bound.
+    if let Some(tail) = fraction_tail(&d.frac, order, or_equal) {
+        alts.push(format!("{}\\.{tail}", d.int));
+        let bare = match order {
+            Less => or_equal || !d.frac.is_empty(),
+            _ => or_equal && d.frac.is_empty(),
+        };
+        if bare {
+            alts.push(d.int.to_string());
         }
     }
     (!alts.is_empty()).then(|| format!("(?:{})", alts.join("|")))
 }
 
-/// Numbers in the bounds (whole-number bounds; no exponent; at most `digits` fraction digits), None when none
-/// is. `-0` is never written.
-pub fn number_range(lo: Option<Bound>, hi: Option<Bound>, digits: Option<u32>) -> Option<String> {
+/// The texts of numbers on the allowed side of one bound: at or above `x` (`lower`) or at or below it,
+/// `exclusive` leaving `x` out. Meant to be intersected with PLAIN_NUMBER (a bare `1.` or `-0` may match here).
+pub fn decimal_bound(x: f64, lower: bool, exclusive: bool) -> Result<String, String> {
+    use std::cmp::Ordering::*;
+    let d = Decimal::of(x)?;
+    let any = "[0-9]+(?:\\.[0-9]*)?";
+    // Negative numbers below a non-negative upper bound: any magnitude but zero (`-0` is 0, not below 0).
+    let nonzero = "(?:[0-9]*[1-9][0-9]*(?:\\.[0-9]*)?|[0-9]+\\.[0-9]*[1-9][0-9]*)";
+    let (order, or_equal) = (if lower { Greater } else { Less }, !exclusive);
+    // A non-negative bound: numbers of one sign are all on the allowed side (negatives below a lower bound are
+    // not, below an upper one they are); the others compare by magnitude.
+    let (positive, negative) = if !d.negative {
+        (
+            magnitude(&d, order, or_equal),
+            (!lower).then(|| nonzero.to_string()),
+        )
+    } else {
+        let flipped = if lower { Less } else { Greater };
+        (
+            (lower).then(|| any.to_string()),
+            magnitude(&d, flipped, or_equal),
+        )
+    };
     let mut alts = Vec::new();
-    // Negative numbers x = -y, y > 0: -hi <= y <= -lo (exclusivity carried over).
-    if lo.is_none_or(|(l, _)| l < 0) {
-        let y_lo = match hi {
-            Some((h, excl)) if h < 0 => ((-(h as i128)) as u64, excl),
-            _ => (0, true),
-        };
-        let y_hi = lo.map(|(l, excl)| ((-(l as i128)) as u64, excl));
-        if let Some(r) = nonneg_decimals(y_lo, y_hi, digits) {
-            alts.push(format!("-{r}"));
-        }
+    if let Some(p) = positive {
+        alts.push(p);
     }
-    if hi.is_none_or(|(h, excl)| h > 0 || (h == 0 && !excl)) {
-        let x_lo = match lo {
-            Some((l, excl)) if l >= 0 => (l as u64, excl),
-            _ => (0, false),
-        };
-        let x_hi = hi.map(|(h, excl)| (h as u64, excl));
-        if let Some(r) = nonneg_decimals(x_lo, x_hi, digits) {
-            alts.push(r);
-        }
+    if let Some(n) = negative {
+        alts.push(format!("-{n}"));
     }
-    (!alts.is_empty()).then(|| format!("(?:{})", alts.join("|")))
+    if alts.is_empty() {
+        return Err(format!(
+            "no number is {} {x}",
+            if lower { "above" } else { "below" }
+        ));
+    }
+    Ok(format!("(?:{})", alts.join("|")))
+}
+
+/// Numbers with at most `k` fraction digits (`multipleOf` 10^-k).
+pub fn fraction_digits(k: u32) -> String {
+    format!("[^.]*(?:\\.[0-9]{{1,{k}}})?")
 }
 
 #[cfg(test)]
@@ -428,59 +490,115 @@ mod tests {
         assert!(d.matches(b"9223372036854775807") && !d.matches(b"9223372036854775808"));
     }
 
+    /// Numbers within decimal bounds: the intersection the compiler builds (PLAIN_NUMBER, each bound, and the
+    /// fraction digits), against exact comparison in thousandths.
+    fn number_dfa(
+        lo: Option<(f64, bool)>,
+        hi: Option<(f64, bool)>,
+        digits: Option<u32>,
+    ) -> Option<ByteDfa> {
+        let mut d = dfa(PLAIN_NUMBER);
+        for (b, lower) in [(lo, true), (hi, false)] {
+            if let Some((x, excl)) = b {
+                let r = decimal_bound(x, lower, excl).ok()?;
+                d = d.intersect(&dfa(&r)).ok()?;
+            }
+        }
+        if let Some(k) = digits {
+            d = d.intersect(&dfa(&fraction_digits(k))).ok()?;
+        }
+        Some(d)
+    }
+
     #[test]
     fn number_ranges_hold_exactly_their_decimals() {
-        // Every decimal with up to 3 fraction digits in [-12, 12], as thousandths.
+        // Decimals with up to 3 fraction digits in [-12, 12], as thousandths, in several spellings.
         let texts: Vec<(i64, String)> = (-12_000i64..=12_000)
-            .filter(|m| m % 7 == 0 || m % 50 == 0)
+            .filter(|m| m % 7 == 0 || m % 25 == 0)
             .flat_map(|m| {
                 let sign = if m < 0 { "-" } else { "" };
                 let (i, f) = (m.abs() / 1000, m.abs() % 1000);
-                let mut v = vec![(m, format!("{sign}{i}.{f:03}"))];
+                let mut v = vec![
+                    (m, format!("{sign}{i}.{f:03}")),
+                    (m, format!("{sign}{i}.{f:03}0")),
+                ];
                 if f == 0 {
                     v.push((m, format!("{sign}{i}")));
-                    v.push((m, format!("{sign}{i}.0")));
-                } else if f % 100 == 0 {
-                    v.push((m, format!("{sign}{i}.{}", f / 100)));
+                } else if f % 10 == 0 {
+                    v.push((m, format!("{sign}{i}.{:02}", f / 10)));
                 }
                 v
             })
-            .filter(|(_, t)| t != "-0" && !t.starts_with("-0.000") && t != "-0.0")
             .collect();
-        for lo in [None, Some(-5), Some(0), Some(3)] {
-            for hi in [None, Some(-2), Some(0), Some(4)] {
-                for (lo_excl, hi_excl) in [(false, false), (true, true), (true, false)] {
+        let bounds = [
+            None,
+            Some(-5.25),
+            Some(-2.0),
+            Some(-0.5),
+            Some(0.0),
+            Some(0.05),
+            Some(0.5),
+            Some(1.0),
+            Some(2.125),
+            Some(4.0),
+        ];
+        for lo in bounds {
+            for hi in bounds {
+                for (lo_excl, hi_excl) in
+                    [(false, false), (true, true), (true, false), (false, true)]
+                {
                     let l = lo.map(|v| (v, lo_excl));
                     let h = hi.map(|v| (v, hi_excl));
+                    let thousandths = |x: f64| (x * 1000.0).round() as i64;
                     let inside = |m: i64| {
-                        l.is_none_or(|(v, e)| if e { m > v * 1000 } else { m >= v * 1000 })
-                            && h.is_none_or(|(v, e)| if e { m < v * 1000 } else { m <= v * 1000 })
+                        l.is_none_or(|(v, e)| {
+                            if e {
+                                m > thousandths(v)
+                            } else {
+                                m >= thousandths(v)
+                            }
+                        }) && h.is_none_or(|(v, e)| {
+                            if e {
+                                m < thousandths(v)
+                            } else {
+                                m <= thousandths(v)
+                            }
+                        })
                     };
-                    let Some(r) = number_range(l, h, None) else {
-                        assert!(texts.iter().all(|(m, _)| !inside(*m)), "{l:?} {h:?}");
+                    let Some(d) = number_dfa(l, h, None) else {
+                        assert!(texts.iter().all(|(m, _)| !inside(*m)), "{l:?} {h:?}: none?");
                         continue;
                     };
-                    let d = dfa(&r);
                     for (m, t) in &texts {
-                        assert_eq!(d.matches(t.as_bytes()), inside(*m), "{l:?} {h:?} {t}");
+                        // "-0.000" and the like are zero: on the allowed side only where zero is.
+                        assert!(
+                            !d.matches(t.as_bytes()) || inside(*m),
+                            "{l:?} {h:?} {t} taken"
+                        );
+                        if !t.starts_with("-0") || *m != 0 {
+                            assert_eq!(d.matches(t.as_bytes()), inside(*m), "{l:?} {h:?} {t}");
+                        }
                     }
-                    for bad in ["-0", "-0.0", "1e3", "01.5", "1.", ".5"] {
+                    for bad in ["1e3", "01.5", "1.", ".5", "--1", "+1"] {
                         assert!(!d.matches(bad.as_bytes()), "{l:?} {h:?} {bad}");
                     }
                 }
             }
         }
         // Two fraction digits at most (multipleOf 0.01).
-        let d = dfa(&number_range(Some((0, false)), Some((10, false)), Some(2)).unwrap());
+        let d = number_dfa(Some((0.0, false)), Some((10.0, false)), Some(2)).unwrap();
         for (t, m) in [
             ("9.99", true),
             ("9.999", false),
             ("10.00", true),
             ("10.01", false),
             ("0.5", true),
+            ("-1", false),
         ] {
             assert_eq!(d.matches(t.as_bytes()), m, "{t}");
         }
+        assert!(decimal_bound(1e300, true, false).is_err());
+        assert!(decimal_bound(0.1234567890123456, true, false).is_err());
     }
 
     #[test]
