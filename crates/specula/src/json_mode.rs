@@ -39,6 +39,9 @@ const MASK_CACHE_STATES: usize = 512;
 const MAX_NODES: usize = 4096;
 /// Different automata (patterns, formats, bounds) a schema may need.
 const MAX_DFAS: usize = 64;
+/// Automaton states a schema's automata hold together (512 bytes each: 16 MiB), so that a request's schema cannot
+/// make the server keep hundreds of megabytes (it keeps 32 schemas' constraints).
+const MAX_DFA_STATES: usize = 32_768;
 /// Counts (string characters, array items) saturate here: a bound at or above it is no bound.
 const COUNT_LIMIT: u32 = u16::MAX as u32;
 
@@ -460,6 +463,13 @@ impl<'a> Compiler<'a> {
             )));
         }
         let dfa = build(()).map_err(|e| schema_error(format!("{at} cannot be enforced: {e}")))?;
+        let states: usize = self.dfas.iter().map(ByteDfa::states).sum::<usize>() + dfa.states();
+        if states > MAX_DFA_STATES {
+            return Err(schema_error(format!(
+                "{at}: the schema's patterns, formats and bounds need more than {MAX_DFA_STATES} automaton states \
+                 together ({states})"
+            )));
+        }
         let id = self.dfas.len() as u16;
         self.dfas.push(dfa);
         self.dfa_ids.insert(key, id);
@@ -2081,6 +2091,13 @@ mod tests {
             (
                 json!({"type": "object", "properties": {"a": {"type": "integer", "exclusiveMinimum": true}}}),
                 "minimum is missing",
+            ),
+            (
+                json!({"type": "object", "properties": (
+                    (0..40).map(|i| (format!("p{i}"), json!({"type": "string", "pattern": format!("^[a-z]{{{}}}$", 1000 + i)})))
+                        .collect::<serde_json::Map<String, Value>>()
+                )}),
+                "automaton states together",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "string", "uniqueItems": true}}}),

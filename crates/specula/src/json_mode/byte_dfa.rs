@@ -52,6 +52,11 @@ impl std::fmt::Debug for ByteDfa {
 }
 
 impl ByteDfa {
+    /// States held (each a 256-entry row).
+    pub fn states(&self) -> usize {
+        self.accepts.len()
+    }
+
     /// The state after `b` in `state`, None where no value continues so.
     pub fn next(&self, state: u16, b: u8) -> Option<u16> {
         let n = self.next[state as usize * 256 + b as usize];
