@@ -37,6 +37,8 @@ pub const MAX_WHITESPACE_RUN: u8 = 64;
 const MASK_CACHE_STATES: usize = 512;
 /// Grammar nodes a schema may compile to.
 const MAX_NODES: usize = 4096;
+/// Length bounds up to this are built into a string's automaton (beyond, its frame counts characters).
+const MAX_COUNTED_IN_DFA: u32 = 256;
 /// Different automata (patterns, formats, bounds) a schema may need.
 const MAX_DFAS: usize = 64;
 /// Automaton states a schema's automata hold together (512 bytes each: 16 MiB), so that a request's schema cannot
@@ -71,6 +73,10 @@ enum Node {
     Matched {
         dfa: u16,
         quoted: bool,
+        /// Characters a string must have, counted in its frame where the automaton does not count them itself
+        /// (a bound too long for the product: `maxLength` 2083 on a `uri`); 0 and COUNT_LIMIT otherwise.
+        min: u32,
+        max: u32,
     },
     /// One of a few fixed JSON texts (`enum`, `const`, booleans, null): a trie of their bytes.
     Literals(Trie),
@@ -668,7 +674,12 @@ impl<'a> Compiler<'a> {
                         }
                         Ok(dfa)
                     })?;
-                    self.add(Node::Matched { dfa, quoted: false })
+                    self.add(Node::Matched {
+                        dfa,
+                        quoted: false,
+                        min: 0,
+                        max: COUNT_LIMIT,
+                    })
                 }
             },
             "string" => {
@@ -697,8 +708,7 @@ impl<'a> Compiler<'a> {
                 if pattern.is_none() && format.is_none() {
                     return self.add(Node::String { min, max });
                 }
-                let key = format!("string {pattern:?} {format:?} {min} {max}");
-                let dfa = self.dfa(key, at, |_| {
+                let shape = || -> std::result::Result<ByteDfa, String> {
                     let mut dfa: Option<ByteDfa> = None;
                     for regex in pattern.iter().chain(format.iter()) {
                         let next = ByteDfa::from_regex(regex, plain_string_byte)?;
@@ -707,14 +717,49 @@ impl<'a> Compiler<'a> {
                             Some(d) => d.intersect(&next)?,
                         });
                     }
-                    let mut dfa = dfa.expect("a pattern or a format");
-                    if min > 0 || max < COUNT_LIMIT {
+                    Ok(dfa.expect("a pattern or a format"))
+                };
+                let bounded = min > 0 || max < COUNT_LIMIT;
+                // Length bounds join the automaton where the product stays small (then no state is a dead end);
+                // else the frame counts characters, and a byte is taken only where the value can still be
+                // finished within `max` (`ByteDfa::chars_left`), and `min` must hold for every value it takes.
+                let product = if bounded && max <= MAX_COUNTED_IN_DFA {
+                    let key = format!("string {pattern:?} {format:?} {min} {max}");
+                    self.dfa(key, at, |_| {
                         let upper = (max < COUNT_LIMIT).then_some(max);
-                        dfa = dfa.intersect(&ByteDfa::char_count(min, upper)?)?;
+                        shape()?.intersect(&ByteDfa::char_count(min, upper)?)
+                    })
+                    .ok()
+                } else {
+                    None
+                };
+                let (dfa, min, max) = match product {
+                    Some(dfa) => (dfa, 0, COUNT_LIMIT),
+                    None => {
+                        let key = format!("string {pattern:?} {format:?}");
+                        let dfa = self.dfa(key, at, |_| shape())?;
+                        let shortest = self.dfas[dfa as usize].chars_left(0);
+                        if shortest > max {
+                            return Err(schema_error(format!(
+                                "{at}: no value of its pattern or format has at most maxLength {max} characters"
+                            )));
+                        }
+                        if bounded && shortest < min {
+                            return Err(schema_error(format!(
+                                "{at}: minLength {min} together with a pattern or format whose values may be \
+                                 shorter ({shortest}) is not supported unless maxLength is at most \
+                                 {MAX_COUNTED_IN_DFA}"
+                            )));
+                        }
+                        (dfa, 0, max)
                     }
-                    Ok(dfa)
-                })?;
-                self.add(Node::Matched { dfa, quoted: true })
+                };
+                self.add(Node::Matched {
+                    dfa,
+                    quoted: true,
+                    min,
+                    max,
+                })
             }
             "array" => {
                 let (min, mut max) = Self::bounds(map, ("minItems", "maxItems"), at)?;
@@ -975,9 +1020,9 @@ impl JsonGrammar {
             Node::String { .. } => add(b'"'),
             Node::Number { .. } => b"-0123456789".iter().for_each(|&b| add(b)),
             Node::Matched { quoted: true, .. } => add(b'"'),
-            Node::Matched { dfa, quoted: false } => {
-                self.dfas[*dfa as usize].first_bytes().for_each(add)
-            }
+            Node::Matched {
+                dfa, quoted: false, ..
+            } => self.dfas[*dfa as usize].first_bytes().for_each(add),
             Node::Literals(trie) => trie.nodes[0].children.iter().for_each(|&(b, _)| add(b)),
             Node::Union(alts) => {
                 if visiting.contains(&id) {
@@ -1209,11 +1254,25 @@ impl JsonGrammar {
                     }
                 }
                 Phase::Matched => {
-                    let Node::Matched { dfa, quoted } = *node else {
+                    let Node::Matched {
+                        dfa,
+                        quoted,
+                        min,
+                        max,
+                    } = *node
+                    else {
                         unreachable!("matched phases belong to matched nodes")
                     };
                     let dfa = &self.dfas[dfa as usize];
                     if let Some(next) = dfa.next(f.count, b) {
+                        if max < COUNT_LIMIT {
+                            // Counted here: only while the value can still end within `max` characters.
+                            let chars = f.aux as u32 + u32::from(!(0x80..=0xBF).contains(&b));
+                            if chars.saturating_add(dfa.chars_left(next)) > max {
+                                return false;
+                            }
+                            s.top().aux = count_kept(chars, min, max);
+                        }
                         s.top().count = next;
                         return true;
                     }
@@ -1271,16 +1330,20 @@ impl JsonGrammar {
                         (&Node::Matched { quoted: true, .. }, b'"') => {
                             top.phase = Phase::Matched;
                             top.count = 0;
+                            top.aux = 0;
                         }
-                        (&Node::Matched { dfa, quoted: false }, _) => {
-                            match self.dfas[dfa as usize].next(0, b) {
-                                Some(next) => {
-                                    top.phase = Phase::Matched;
-                                    top.count = next;
-                                }
-                                None => return false,
+                        (
+                            &Node::Matched {
+                                dfa, quoted: false, ..
+                            },
+                            _,
+                        ) => match self.dfas[dfa as usize].next(0, b) {
+                            Some(next) => {
+                                top.phase = Phase::Matched;
+                                top.count = next;
                             }
-                        }
+                            None => return false,
+                        },
                         (Node::Number { .. }, b'-' | b'0'..=b'9') => {
                             top.phase = Phase::Number;
                             top.sub = match b {
@@ -2070,7 +2133,7 @@ mod tests {
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a{5}$", "maxLength": 3}}}),
-                "no value matches",
+                "at most maxLength 3",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "exclusiveMaximum": 5}}}),
@@ -2215,6 +2278,38 @@ mod tests {
         assert!(g.after(JsonState::default(), br#"{"n": 99"#).is_some());
         assert!(g.after(JsonState::default(), br#"{"n": 990"#).is_none());
         assert!(g.after(JsonState::default(), br#"{"code": "A1"#).is_none());
+        // A length bound too long for the product is counted in the frame (pydantic's HttpUrl: a uri of at most
+        // 2083 characters), and a byte is refused once the value could not end within the bound.
+        let url = schema(json!({"type": "object", "properties": {
+            "site": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 300},
+            "mail": {"type": "string", "format": "email", "maxLength": 320}}}));
+        let base = "https://x.io/";
+        let full = format!("{base}{}", "a".repeat(300 - base.len()));
+        every_prefix(&url, &format!(r#"{{"site": "{full}"}}"#));
+        assert!(!whole(&url, &format!(r#"{{"site": "{full}a"}}"#)));
+        let almost = format!(r#"{{"site": "{base}{}"#, "a".repeat(300 - base.len() - 3));
+        let s = url.after(JsonState::default(), almost.as_bytes()).unwrap();
+        // After 297 characters "a%" cannot end in time (299 + 2 more > 300); "%4F" ends at 300.
+        assert!(url.after(s, b"a%").is_none());
+        assert!(url.after(s, b"%4F\"}").is_some_and(|s| s.is_done()));
+        every_prefix(&url, r#"{"mail": "a@b.co"}"#);
+        // A pattern whose values are all longer than maxLength, or possibly shorter than minLength beside a long
+        // maxLength, is refused by name.
+        for (bad, needle) in [
+            (
+                json!({"type": "string", "pattern": "^a{400}$", "maxLength": 300}),
+                "no value of its pattern",
+            ),
+            (
+                json!({"type": "string", "pattern": "^a+$", "minLength": 5, "maxLength": 300}),
+                "minLength 5",
+            ),
+        ] {
+            let e = JsonGrammar::from_schema(&json!({"type": "object", "properties": {"x": bad}}))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle), "{e}");
+        }
         // The same description compiles to one automaton.
         let twice = schema(json!({"type": "object", "properties": {
             "a": {"type": "string", "format": "uuid"}, "b": {"type": "string", "format": "uuid"}}}));

@@ -43,6 +43,8 @@ pub struct ByteDfa {
     /// `next[state * 256 + byte]`: the next state, or DEAD.
     next: Vec<u16>,
     accepts: Vec<bool>,
+    /// The fewest characters (bytes that are not UTF-8 continuation bytes) from each state to an accepting one.
+    chars_left: Vec<u32>,
 }
 
 impl std::fmt::Debug for ByteDfa {
@@ -61,6 +63,11 @@ impl ByteDfa {
     pub fn next(&self, state: u16, b: u8) -> Option<u16> {
         let n = self.next[state as usize * 256 + b as usize];
         (n != DEAD).then_some(n)
+    }
+
+    /// The fewest characters that take `state` to a whole value.
+    pub fn chars_left(&self, state: u16) -> u32 {
+        self.chars_left[state as usize]
     }
 
     /// Whether the bytes that led to `state` are a whole value.
@@ -147,7 +154,12 @@ impl ByteDfa {
                 next.push(id);
             }
         }
-        ByteDfa { next, accepts }.pruned()
+        ByteDfa {
+            next,
+            accepts,
+            chars_left: Vec::new(),
+        }
+        .pruned()
     }
 
     /// Byte strings of `min..=max` characters (a character: a byte that is not a UTF-8 continuation byte), any
@@ -176,7 +188,12 @@ impl ByteDfa {
             }
         }
         let accepts = (0..=last).map(|c| c as u32 >= min).collect();
-        ByteDfa { next, accepts }.pruned()
+        ByteDfa {
+            next,
+            accepts,
+            chars_left: Vec::new(),
+        }
+        .pruned()
     }
 
     /// Decimal integers (an optional `-`, digits) that are multiples of `m`; any digits, so intersect it with an
@@ -199,7 +216,12 @@ impl ByteDfa {
             }
         }
         let accepts = (0..states).map(|s| s == 2).collect();
-        ByteDfa { next, accepts }.pruned()
+        ByteDfa {
+            next,
+            accepts,
+            chars_left: Vec::new(),
+        }
+        .pruned()
     }
 
     /// The values both automata take.
@@ -232,7 +254,12 @@ impl ByteDfa {
                 next.push(id);
             }
         }
-        ByteDfa { next, accepts }.pruned()
+        ByteDfa {
+            next,
+            accepts,
+            chars_left: Vec::new(),
+        }
+        .pruned()
     }
 
     /// Keeps the states from which an accepting one can be reached (transitions into the others become dead),
@@ -280,8 +307,48 @@ impl ByteDfa {
                 }
             }));
         }
-        Ok(ByteDfa { next, accepts })
+        let chars_left = chars_left(&next, &accepts);
+        Ok(ByteDfa {
+            next,
+            accepts,
+            chars_left,
+        })
     }
+}
+
+/// The fewest characters from each state to an accepting one (a breadth-first search backwards from the accepting
+/// states, where a UTF-8 continuation byte adds no character).
+fn chars_left(next: &[u16], accepts: &[bool]) -> Vec<u32> {
+    let n = accepts.len();
+    let mut into: Vec<Vec<(u16, bool)>> = vec![Vec::new(); n];
+    for s in 0..n {
+        for (b, &t) in next[s * 256..(s + 1) * 256].iter().enumerate() {
+            if t != DEAD {
+                into[t as usize].push((s as u16, !(0x80..=0xBF).contains(&b)));
+            }
+        }
+    }
+    let mut dist = vec![u32::MAX; n];
+    let mut queue = VecDeque::new();
+    for s in (0..n).filter(|&s| accepts[s]) {
+        dist[s] = 0;
+        queue.push_back(s);
+    }
+    // 0-1 breadth first: a continuation byte's edge goes to the front.
+    while let Some(t) = queue.pop_front() {
+        for &(s, counts) in &into[t] {
+            let d = dist[t] + u32::from(counts);
+            if d < dist[s as usize] {
+                dist[s as usize] = d;
+                if counts {
+                    queue.push_back(s as usize);
+                } else {
+                    queue.push_front(s as usize);
+                }
+            }
+        }
+    }
+    dist
 }
 
 #[cfg(test)]
@@ -353,6 +420,15 @@ mod tests {
             d.accepts(s)
                 && d.first_bytes().count() > 0
                 && (0..=255).all(|b| d.next(s, b).is_none())
+        );
+        // The fewest characters still to write: "ab" -> 0 more, "a" -> 1, start -> 2.
+        assert_eq!(d.chars_left(0), 2);
+        assert_eq!(d.chars_left(d.next(0, b'a').unwrap()), 1);
+        let e = d.next(0, 0xC3).unwrap();
+        // A lead byte counts its character; its continuation byte adds none.
+        assert_eq!(
+            (d.chars_left(e), d.chars_left(d.next(e, 0xA9).unwrap())),
+            (1, 1)
         );
         let at_least_two = ByteDfa::char_count(2, None).unwrap();
         assert!(!at_least_two.matches(b"a") && at_least_two.matches("aé".as_bytes()));
