@@ -1,8 +1,9 @@
 //! Constrained JSON output (OpenAI's `response_format`): `json_object` (one JSON object) and `json_schema` (one
 //! object that matches a JSON Schema, in the subset [`JsonGrammar::from_schema`] lists).
 //!
-//! A schema compiles to a small grammar ([`JsonGrammar`]): objects with their properties, arrays, strings, numbers,
-//! fixed texts (`enum`, `const`, booleans, null) and unions told apart by their first byte. A byte-level automaton
+//! A schema compiles to a small grammar ([`JsonGrammar`]): objects with their properties, arrays (tuples too),
+//! strings, numbers, values a byte DFA shapes (patterns, formats, numeric bounds), fixed texts (`enum`, `const`,
+//! booleans, null) and unions told apart by their first byte. A byte-level automaton
 //! walks it: its state ([`JsonState`], small and `Copy`) is a stack of frames, one for each container open and one
 //! for the value being written. It accepts exactly the prefixes of `ws* value` for the grammar's root (RFC 8259
 //! syntax; strings may hold any byte of 0x20 and up, so a token may end inside a UTF-8 character). Before each token
@@ -909,9 +910,12 @@ impl JsonGrammar {
     /// the order listed; optional ones may be left out, others are never written), `required`,
     /// `additionalProperties` (for objects that list no properties), `items`, `minItems`, `maxItems`,
     /// `minLength`, `maxLength`, `enum`, `const`, `anyOf` / `oneOf` (alternatives must begin with different
-    /// bytes: a string and null, say, not two objects), `allOf` of one schema, and `$ref` into the schema itself
-    /// (recursion included). Annotations (`title`, `description`, `default`, ...) are ignored; any other keyword
-    /// (`pattern`, `format`, `minimum`, ...) is refused by name rather than left unenforced.
+    /// bytes: a string and null, say, not two objects), `allOf` of one schema, `$ref` into the schema itself
+    /// (recursion included), tuples (`prefixItems`, `items` as a list, `additionalItems`), and values shaped by
+    /// automata (`json_mode/byte_dfa.rs`): `pattern`, `format` (`value_regex::FORMATS`), `minimum` / `maximum` /
+    /// `exclusiveMinimum` / `exclusiveMaximum` and `multipleOf`. Annotations (`title`, `description`,
+    /// `default`, ...) are ignored; any other keyword (`uniqueItems`, `patternProperties`, ...) is refused by name
+    /// rather than left unenforced.
     pub fn from_schema(schema: &Value) -> Result<JsonGrammar> {
         let mut c = Compiler {
             document: schema,
