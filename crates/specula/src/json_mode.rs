@@ -60,6 +60,8 @@ enum Node {
         items: NodeId,
         min: u32,
         max: u32,
+        /// `uniqueItems` (items are then fixed texts, at most 16: the array's frame keeps a bit per text written).
+        unique: bool,
     },
     /// A string of `min..=max` characters (a character: a UTF-8 sequence or a JSON escape).
     String {
@@ -167,6 +169,14 @@ impl Trie {
         self.nodes[node as usize].end
     }
 
+    /// Whether a text not in `used` (a bit per text index) ends at or below `node`.
+    fn leads_to_unused(&self, node: u16, used: u16) -> bool {
+        self.nodes[node as usize]
+            .below
+            .iter()
+            .any(|&i| i >= 16 || used >> i & 1 == 0)
+    }
+
     /// Whether a text with an index in `lo..=hi` ends at or below `node`.
     fn leads_to(&self, node: u16, (lo, hi): (u16, u16)) -> bool {
         let below = &self.nodes[node as usize].below;
@@ -224,6 +234,7 @@ const ENFORCED: &[&str] = &[
     "$ref",
     "prefixItems",
     "additionalItems",
+    "uniqueItems",
     "pattern",
     "format",
     "minimum",
@@ -290,6 +301,7 @@ impl<'a> Compiler<'a> {
         }))?;
         let array = self.add(Node::Array {
             prefix: Vec::new(),
+            unique: false,
             items: id,
             min: 0,
             max: COUNT_LIMIT,
@@ -481,6 +493,18 @@ impl<'a> Compiler<'a> {
         self.dfas.push(dfa);
         self.dfa_ids.insert(key, id);
         Ok(id)
+    }
+
+    /// How many fixed texts a node is (through aliases), None for any other node.
+    fn literal_count(&self, mut id: NodeId) -> Option<u32> {
+        for _ in 0..=self.nodes.len() {
+            match &self.nodes[id as usize] {
+                Node::Union(alts) if alts.len() == 1 => id = alts[0],
+                Node::Literals(trie) => return Some(trie.nodes[0].below.len() as u32),
+                _ => return None,
+            }
+        }
+        None
     }
 
     /// A bound keyword's value (`minimum` with `exclusiveMinimum`, or the maximums): the tighter one, as
@@ -796,11 +820,36 @@ impl<'a> Compiler<'a> {
                     }
                     Some(s) => self.compile(s, &format!("{at}.{rest_key}"))?,
                 };
+                let unique = match map.get("uniqueItems") {
+                    None | Some(Value::Bool(false)) => false,
+                    Some(Value::Bool(true)) => true,
+                    Some(v) => {
+                        return Err(schema_error(format!("{at}.uniqueItems must be true or false, got {v}")))
+                    }
+                };
+                if unique {
+                    // Distinct items are kept track of only among a few fixed texts (`enum` / `const` items: a
+                    // set of choices), a bit each in the array's frame.
+                    let texts = self.literal_count(items).filter(|&n| n <= 16 && positions.is_empty());
+                    let Some(texts) = texts else {
+                        return Err(schema_error(format!(
+                            "{at}.uniqueItems is supported only for items given by enum or const (at most 16 values), \
+                             not for a tuple or other items"
+                        )));
+                    };
+                    max = max.min(texts);
+                    if min > max {
+                        return Err(schema_error(format!(
+                            "{at}: minItems {min} is more than its {texts} distinct values"
+                        )));
+                    }
+                }
                 self.nodes[id as usize] = Node::Array {
                     prefix: positions,
                     items,
                     min,
                     max,
+                    unique,
                 };
                 Ok(id)
             }
@@ -1225,6 +1274,17 @@ impl JsonGrammar {
         }
     }
 
+    /// Where the value being written is an item of a `uniqueItems` array, the items written before it (a bit
+    /// per fixed text, kept in the array's frame).
+    fn unique_siblings(&self, s: &JsonState) -> Option<u16> {
+        let len = s.len as usize;
+        let parent = s.frames[len.checked_sub(2)?];
+        match &self.nodes[parent.node as usize] {
+            Node::Array { unique: true, .. } => Some(parent.aux),
+            _ => None,
+        }
+    }
+
     fn object(&self, id: NodeId) -> &ObjectNode {
         match &self.nodes[id as usize] {
             Node::Object(o) => o,
@@ -1295,11 +1355,22 @@ impl JsonGrammar {
                     let Node::Literals(trie) = node else {
                         unreachable!("literal phases belong to literal nodes")
                     };
+                    let used = self.unique_siblings(s);
                     if let Some(c) = trie.child(f.aux, b) {
-                        s.top().aux = c;
-                        return true;
+                        if used.is_none_or(|u| trie.leads_to_unused(c, u)) {
+                            s.top().aux = c;
+                            return true;
+                        }
                     }
-                    if trie.end(f.aux).is_some() {
+                    if let Some(text) = trie.end(f.aux) {
+                        if let Some(u) = used {
+                            // An item of a uniqueItems array: not one written before, and noted as written.
+                            if text < 16 && u >> text & 1 == 1 {
+                                return false;
+                            }
+                            let parent = s.len as usize - 2;
+                            s.frames[parent].aux |= 1 << text;
+                        }
                         s.pop();
                         continue;
                     }
@@ -1317,6 +1388,7 @@ impl JsonGrammar {
             s.spaces = 0;
             match f.phase {
                 Phase::Start => {
+                    let used = self.unique_siblings(s);
                     let top = s.top();
                     match (node, b) {
                         (Node::Union(alts), _) => {
@@ -1357,11 +1429,11 @@ impl JsonGrammar {
                             };
                         }
                         (Node::Literals(trie), _) => match trie.child(0, b) {
-                            Some(c) => {
+                            Some(c) if used.is_none_or(|u| trie.leads_to_unused(c, u)) => {
                                 top.phase = Phase::Literal;
                                 top.aux = c;
                             }
-                            None => return false,
+                            _ => return false,
                         },
                         _ => return false,
                     }
@@ -1458,6 +1530,7 @@ impl JsonGrammar {
                         items,
                         min,
                         max,
+                        ..
                     } = node
                     else {
                         unreachable!("array phases belong to array nodes")
@@ -2167,8 +2240,16 @@ mod tests {
                 "automaton states together",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": "string", "uniqueItems": true}}}),
-                "\"uniqueItems\"",
+                json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}, "uniqueItems": true}}}),
+                "uniqueItems is supported only for items given by enum",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": true, "minItems": 3}}}),
+                "minItems 3 is more than its 2 distinct values",
+            ),
+            (
+                json!({"type": "object", "patternProperties": {"^x": {}}}),
+                "\"patternProperties\"",
             ),
             (
                 json!({"type": "object", "required": ["b"], "properties": {"a": {}}}),
@@ -2318,6 +2399,42 @@ mod tests {
         let twice = schema(json!({"type": "object", "properties": {
             "a": {"type": "string", "format": "uuid"}, "b": {"type": "string", "format": "uuid"}}}));
         assert_eq!(twice.dfas.len(), 1);
+    }
+
+    #[test]
+    fn unique_items_of_a_set_of_choices_never_repeat() {
+        let g = schema(json!({"type": "object", "properties": {
+            "tags": {"type": "array", "items": {"enum": ["red", "green", 1, 12]}, "uniqueItems": true},
+            "two": {"type": "array", "items": {"$ref": "#/$defs/c"}, "uniqueItems": true, "minItems": 2}
+        }, "$defs": {"c": {"enum": [true, false]}}}));
+        for good in [
+            r#"{"tags": ["red", 12, 1, "green"]}"#,
+            r#"{"tags": [1, 12]}"#,
+            r#"{"tags": []}"#,
+            r#"{"two": [false, true]}"#,
+        ] {
+            every_prefix(&g, good);
+        }
+        for bad in [
+            r#"{"tags": ["red", "red"]}"#,
+            r#"{"tags": [12, 1, 12]}"#,
+            r#"{"tags": [1, 1]}"#,
+            r#"{"tags": ["red", "green", 1, 12, "red"]}"#,
+            r#"{"two": [true]}"#,
+            r#"{"two": [true, true]}"#,
+        ] {
+            assert!(!whole(&g, bad), "{bad} taken");
+        }
+        // A used choice is refused at its first byte that no unused choice shares.
+        assert!(g
+            .after(JsonState::default(), br#"{"tags": ["red", "r"#)
+            .is_none());
+        assert!(g
+            .after(JsonState::default(), br#"{"tags": [12, 1"#)
+            .is_some());
+        assert!(g
+            .after(JsonState::default(), br#"{"tags": [1, 12, 1"#)
+            .is_none());
     }
 
     #[test]
