@@ -1,6 +1,7 @@
 //! What constrained JSON costs a token: building the vocabulary's bytes, computing one state's mask (a pass over
 //! the tokens whose first byte the state takes, once per state), and applying a cached mask to a row of logits, for
-//! `json_object` (any object), for a JSON schema, and for one whose values a pattern, formats and bounds shape.
+//! `json_object` (any object), for a JSON schema, for one whose values a pattern, formats and bounds shape, and for
+//! a union of two objects that begin alike (states of two paths while the keys have not told them apart).
 //! `cargo run --release --example json_mask_cost -- [MODEL]`
 
 use std::time::Instant;
@@ -44,6 +45,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "schema with a pattern, date-time, email and bounds compiled in {:.1} ms",
         start.elapsed().as_secs_f64() * 1e3
     );
+    let pets = serde_json::json!({
+        "$defs": {
+            "Cat": {"type": "object", "properties": {"name": {"type": "string"}, "meows": {"type": "integer"}}, "required": ["name", "meows"]},
+            "Dog": {"type": "object", "properties": {"name": {"type": "string"}, "barks": {"type": "boolean"}}, "required": ["name"]}
+        },
+        "type": "object",
+        "properties": {"pet": {"anyOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}, {"type": "null"}]}}
+    });
     let structural: &[&str] = &[
         "",
         "{",
@@ -65,6 +74,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "{\"name\": \"Tom\", \"seen\": \"2024-0",
                 "{\"name\": \"Tom\", \"mail\": \"tom@exa",
                 "{\"name\": \"Tom\", \"age\": 1",
+            ][..],
+        ),
+        (
+            "union of objects",
+            JsonGrammar::from_schema(&pets)?,
+            &[
+                "{\"pet\": ",
+                "{\"pet\": {",
+                "{\"pet\": {\"name\": \"To",
+                "{\"pet\": {\"name\": \"Tom\", \"",
+                "{\"pet\": {\"name\": \"Tom\", \"meows\": 3",
             ][..],
         ),
     ];

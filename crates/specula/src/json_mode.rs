@@ -3,17 +3,19 @@
 //!
 //! A schema compiles to a small grammar ([`JsonGrammar`]): objects with their properties, arrays (tuples too),
 //! strings, numbers, values a byte DFA shapes (patterns, formats, numeric bounds), fixed texts (`enum`, `const`,
-//! booleans, null) and unions told apart by their first byte. A byte-level automaton
-//! walks it: its state ([`JsonState`], small and `Copy`) is a stack of frames, one for each container open and one
-//! for the value being written. It accepts exactly the prefixes of `ws* value` for the grammar's root (RFC 8259
+//! booleans, null) and unions. A byte-level automaton walks it: a path is a stack of frames, one for each
+//! container open and one for the value being written, and its state ([`JsonState`], `Copy`) holds one path, or
+//! several where a union's alternatives began alike (pydantic's `Union[Cat, Dog]`: two objects) until the bytes
+//! tell them apart. It accepts exactly the prefixes of `ws* value` for the grammar's root (RFC 8259
 //! syntax; strings may hold any byte of 0x20 and up, so a token may end inside a UTF-8 character). Before each token
 //! is chosen, every token whose bytes would leave that language gets a logit of minus infinity; stop tokens are
 //! allowed only once the value is complete, and then only they are. The mask is a logit adjustment like the
 //! penalties (decode/generation.rs), applied to each verify row after the draft tokens it follows, so speculation
 //! stays lossless against plain decoding; drafters propose without it and lose only acceptance.
 //!
-//! A mask depends only on the grammar and the state; [`JsonConstraint`] computes each state's mask once (a pass
-//! over the tokens whose first byte the state takes) and keeps it for every request that shares the constraint.
+//! A mask depends only on the grammar and the path; [`JsonConstraint`] computes each path's mask once (a pass
+//! over the tokens whose first byte the path takes) and keeps it for every request that shares the constraint; a
+//! state of several paths allows the tokens any of them allows.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -34,6 +36,10 @@ pub const MAX_DEPTH: usize = 32;
 /// Whitespace bytes in a row, at most: JSON allows any number, and a model that starts emitting blank lines
 /// inside a constrained object may never stop.
 pub const MAX_WHITESPACE_RUN: u8 = 64;
+/// Paths a state follows at once: alternatives of a union that begin alike (two objects) are each followed until
+/// the bytes tell them apart. A schema whose union begins more alike is refused; where nested unions would make
+/// more, the first ones in the schema's order are kept (the output still matches; only some of its choices go).
+pub const MAX_PATHS: usize = 8;
 /// States whose masks a constraint keeps (about vocabulary / 8 bytes each: 19 KB for Qwen's 151,936 tokens).
 const MASK_CACHE_STATES: usize = 512;
 /// Grammar nodes a schema may compile to.
@@ -83,8 +89,15 @@ enum Node {
     },
     /// One of a few fixed JSON texts (`enum`, `const`, booleans, null): a trie of their bytes.
     Literals(Trie),
-    /// One of several nodes, told apart by the value's first byte (checked when the grammar is built).
-    Union(Vec<NodeId>),
+    /// One of several nodes. The value's first byte picks one; where it begins several alike (two objects),
+    /// the state follows each as a path of its own until the bytes tell them apart (at most `MAX_PATHS`).
+    Union {
+        alts: Vec<NodeId>,
+        /// `oneOf`: exactly one alternative may match, so those that begin alike must exclude one another.
+        one_of: bool,
+        /// Where in the schema (for errors found once the grammar is whole).
+        at: Box<str>,
+    },
     /// Reserved while a `$ref` is being compiled; never left in a finished grammar.
     Pending,
 }
@@ -99,6 +112,9 @@ struct ObjectNode {
     keys: Trie,
     /// With no properties listed: any key, with values of this node (None: the object must be empty).
     any_keys: Option<NodeId>,
+    /// `additionalProperties: false`: a key not listed makes a value fail the schema (a union's alternatives
+    /// exclude one another by it).
+    closed: bool,
 }
 
 impl ObjectNode {
@@ -117,6 +133,8 @@ impl ObjectNode {
 #[derive(Debug, Clone, Default)]
 struct Trie {
     nodes: Vec<TrieNode>,
+    /// The texts, by index.
+    texts: Vec<Vec<u8>>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -132,6 +150,7 @@ impl Trie {
     fn new(texts: &[Vec<u8>]) -> Result<Trie> {
         let mut trie = Trie {
             nodes: vec![TrieNode::default()],
+            texts: texts.to_vec(),
         };
         for (i, text) in texts.iter().enumerate() {
             let mut at = 0usize;
@@ -193,6 +212,10 @@ pub struct JsonGrammar {
     first: Vec<ByteSet>,
     /// The automata of `Node::Matched` values.
     dfas: Vec<ByteDfa>,
+    /// Where a union's first byte begins several alternatives alike: those alternatives (never unions).
+    forks: HashMap<(NodeId, u8), Box<[NodeId]>>,
+    /// Unions with an entry in `forks` (so that the others skip the lookup).
+    forking: Vec<bool>,
 }
 
 fn schema_error(msg: impl std::fmt::Display) -> Error {
@@ -213,6 +236,9 @@ const ANNOTATIONS: &[&str] = &[
     "deprecated",
     "readOnly",
     "writeOnly",
+    // OpenAPI's (pydantic writes it beside a oneOf): its alternatives' own `const` properties say the same, and
+    // those are enforced.
+    "discriminator",
 ];
 
 /// Keywords the compiler enforces.
@@ -298,6 +324,7 @@ impl<'a> Compiler<'a> {
             next_required: vec![0],
             keys: Trie::new(&[])?,
             any_keys: Some(id),
+            closed: false,
         }))?;
         let array = self.add(Node::Array {
             prefix: Vec::new(),
@@ -316,7 +343,11 @@ impl<'a> Compiler<'a> {
             b"false".to_vec(),
             b"null".to_vec(),
         ])?))?;
-        self.nodes[id as usize] = Node::Union(vec![object, array, string, number, literals]);
+        self.nodes[id as usize] = Node::Union {
+            alts: vec![object, array, string, number, literals],
+            one_of: false,
+            at: "any value".into(),
+        };
         Ok(id)
     }
 
@@ -393,7 +424,11 @@ impl<'a> Compiler<'a> {
             for (i, s) in list.iter().enumerate() {
                 alternatives.push(self.compile(s, &format!("{at}.{union}[{i}]"))?);
             }
-            self.nodes[id as usize] = Node::Union(alternatives);
+            self.nodes[id as usize] = Node::Union {
+                alts: alternatives,
+                one_of: union == "oneOf",
+                at: format!("{at}.{union}").into(),
+            };
             return Ok(id);
         }
         if let Some(values) = map.get("enum").or(map.get("const")) {
@@ -439,7 +474,11 @@ impl<'a> Compiler<'a> {
         for t in types {
             alternatives.push(self.typed(t, map, at)?);
         }
-        self.nodes[id as usize] = Node::Union(alternatives);
+        self.nodes[id as usize] = Node::Union {
+            alts: alternatives,
+            one_of: false,
+            at: format!("{at}.type").into(),
+        };
         Ok(id)
     }
 
@@ -462,7 +501,11 @@ impl<'a> Compiler<'a> {
         let id = self.reserve()?;
         self.refs.insert(target.to_string(), id);
         let inner = self.compile(schema, target)?;
-        self.nodes[id as usize] = Node::Union(vec![inner]);
+        self.nodes[id as usize] = Node::Union {
+            alts: vec![inner],
+            one_of: false,
+            at: target.into(),
+        };
         Ok(id)
     }
 
@@ -499,7 +542,7 @@ impl<'a> Compiler<'a> {
     fn literal_count(&self, mut id: NodeId) -> Option<u32> {
         for _ in 0..=self.nodes.len() {
             match &self.nodes[id as usize] {
-                Node::Union(alts) if alts.len() == 1 => id = alts[0],
+                Node::Union { alts, .. } if alts.len() == 1 => id = alts[0],
                 Node::Literals(trie) => return Some(trie.nodes[0].below.len() as u32),
                 _ => return None,
             }
@@ -922,6 +965,7 @@ impl<'a> Compiler<'a> {
             next_required,
             keys: Trie::new(&keys)?,
             any_keys,
+            closed: map.get("additionalProperties") == Some(&Value::Bool(false)),
         });
         Ok(id)
     }
@@ -955,16 +999,18 @@ impl JsonGrammar {
             .expect("the any-object grammar's unions begin differently")
     }
 
-    /// Compiles a JSON Schema whose root is an object. Enforced: `type` (one or a list), `properties` (written in
-    /// the order listed; optional ones may be left out, others are never written), `required`,
-    /// `additionalProperties` (for objects that list no properties), `items`, `minItems`, `maxItems`,
-    /// `minLength`, `maxLength`, `enum`, `const`, `anyOf` / `oneOf` (alternatives must begin with different
-    /// bytes: a string and null, say, not two objects), `allOf` of one schema, `$ref` into the schema itself
-    /// (recursion included), tuples (`prefixItems`, `items` as a list, `additionalItems`), and values shaped by
-    /// automata (`json_mode/byte_dfa.rs`): `pattern`, `format` (`value_regex::FORMATS`), `minimum` / `maximum` /
-    /// `exclusiveMinimum` / `exclusiveMaximum` and `multipleOf`. Annotations (`title`, `description`,
-    /// `default`, ...) are ignored; any other keyword (`uniqueItems`, `patternProperties`, ...) is refused by name
-    /// rather than left unenforced.
+    /// Compiles a JSON Schema whose root is an object (or a union of objects). Enforced: `type` (one or a list),
+    /// `properties` (written in the order listed; optional ones may be left out, others are never written),
+    /// `required`, `additionalProperties` (for objects that list no properties; `false` also tells `oneOf`
+    /// alternatives apart), `items`, `minItems`, `maxItems`, `minLength`, `maxLength`, `enum`, `const`, `anyOf` /
+    /// `oneOf` (alternatives that begin alike, such as two objects, are followed side by side, at most
+    /// `MAX_PATHS` at once; a `oneOf`'s must exclude one another: a required property with a different `const`
+    /// in each, or one the other's `additionalProperties: false` forbids), `allOf` of one schema, `$ref` into
+    /// the schema itself (recursion included), tuples (`prefixItems`, `items` as a list, `additionalItems`), and
+    /// values shaped by automata (`json_mode/byte_dfa.rs`): `pattern`, `format` (`value_regex::FORMATS`),
+    /// `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum` and `multipleOf`. Annotations (`title`,
+    /// `description`, `default`, `discriminator`, ...) are ignored; any other keyword (`patternProperties`, ...)
+    /// is refused by name rather than left unenforced.
     pub fn from_schema(schema: &Value) -> Result<JsonGrammar> {
         let mut c = Compiler {
             document: schema,
@@ -976,29 +1022,21 @@ impl JsonGrammar {
             depth: 0,
         };
         let root = c.compile(schema, "schema")?;
-        let grammar = JsonGrammar {
-            nodes: c.nodes,
-            first: Vec::new(),
-            dfas: Vec::new(),
-        };
-        // The root's own node first: follow aliases down to the object.
+        let mut nodes = c.nodes;
+        // The root's own node first: follow aliases down to the object or the union of objects.
         let mut at = root;
-        for _ in 0..=grammar.nodes.len() {
-            match &grammar.nodes[at as usize] {
-                Node::Union(alts) if alts.len() == 1 => at = alts[0],
-                Node::Object(_) => break,
-                _ => {
-                    return Err(schema_error(
-                        "the schema's root must be an object (\"type\": \"object\")",
-                    ))
-                }
+        for _ in 0..=nodes.len() {
+            match &nodes[at as usize] {
+                Node::Union { alts, .. } if alts.len() == 1 => at = alts[0],
+                _ => break,
             }
         }
-        if !matches!(grammar.nodes[at as usize], Node::Object(_)) {
-            return Err(schema_error("the schema's root refers only to itself"));
+        if !only_objects(&nodes, at, &mut Vec::new()) {
+            return Err(schema_error(
+                "the schema's root must be an object (\"type\": \"object\"), or a union of objects",
+            ));
         }
-        let mut grammar = grammar;
-        grammar.nodes.swap(0, at as usize);
+        nodes.swap(0, at as usize);
         // Renumber the two swapped ids everywhere.
         let swap = |id: &mut NodeId| {
             if *id == 0 {
@@ -1007,7 +1045,7 @@ impl JsonGrammar {
                 *id = 0
             }
         };
-        for node in &mut grammar.nodes {
+        for node in &mut nodes {
             match node {
                 Node::Object(o) => {
                     o.props.iter_mut().for_each(swap);
@@ -1017,51 +1055,174 @@ impl JsonGrammar {
                     prefix.iter_mut().for_each(swap);
                     swap(items)
                 }
-                Node::Union(alts) => alts.iter_mut().for_each(swap),
+                Node::Union { alts, .. } => alts.iter_mut().for_each(swap),
                 _ => {}
             }
         }
-        JsonGrammar::finish(grammar.nodes, c.dfas)
+        JsonGrammar::finish(nodes, c.dfas)
     }
 
-    /// Checks every union's alternatives begin with different bytes (so the first byte picks one) and that no
-    /// union holds itself, and notes each node's first bytes.
+    /// Notes each node's first bytes and where a union's alternatives begin alike (the paths a state forks
+    /// into), and checks that no union holds itself, that no byte forks into more than `MAX_PATHS` paths, and
+    /// that a `oneOf`'s alternatives that begin alike exclude one another.
     fn finish(nodes: Vec<Node>, dfas: Vec<ByteDfa>) -> Result<JsonGrammar> {
         let mut grammar = JsonGrammar {
             nodes,
             first: Vec::new(),
             dfas,
+            forks: HashMap::new(),
+            forking: Vec::new(),
         };
-        grammar.check_unions()?;
         grammar.first = (0..grammar.nodes.len())
             .map(|id| grammar.first_bytes(id as NodeId, &mut Vec::new()))
             .collect::<Result<_>>()?;
-        Ok(grammar)
-    }
-
-    fn check_unions(&self) -> Result<()> {
-        for id in 0..self.nodes.len() {
-            let Node::Union(alts) = &self.nodes[id] else {
+        grammar.forking = vec![false; grammar.nodes.len()];
+        let mut leaves = HashMap::new();
+        for id in 0..grammar.nodes.len() as NodeId {
+            let Node::Union { alts, one_of, at } = &grammar.nodes[id as usize] else {
                 continue;
             };
-            let mut seen: ByteSet = [0; 4];
-            for &alt in alts {
-                let first = self.first_bytes(alt, &mut Vec::new())?;
-                for w in 0..4 {
-                    let both = seen[w] & first[w];
-                    if both != 0 {
-                        let b = (w * 64 + both.trailing_zeros() as usize) as u8;
-                        return Err(schema_error(format!(
-                            "anyOf / oneOf / a list of types whose alternatives can begin alike ({:?}): the \
-                             alternatives must begin differently (e.g. a string or null, not two objects)",
-                            b as char
-                        )));
+            for b in 0..=255u8 {
+                if !has(&grammar.first[id as usize], b) {
+                    continue;
+                }
+                let ends = grammar.leaves(id, b, &mut leaves)?;
+                if ends.len() > MAX_PATHS {
+                    return Err(schema_error(format!(
+                        "{at}: {} alternatives can begin with {:?}; at most {MAX_PATHS} are followed at once",
+                        ends.len(),
+                        b as char
+                    )));
+                }
+                if ends.len() > 1 {
+                    grammar.forks.insert((id, b), ends.into());
+                    grammar.forking[id as usize] = true;
+                }
+                if !*one_of {
+                    continue;
+                }
+                let alike: Vec<(usize, NodeId)> = alts
+                    .iter()
+                    .copied()
+                    .enumerate()
+                    .filter(|&(_, alt)| has(&grammar.first[alt as usize], b))
+                    .collect();
+                for (n, &(i, x)) in alike.iter().enumerate() {
+                    for &(j, y) in &alike[n + 1..] {
+                        if !grammar.exclusive(x, y) {
+                            return Err(schema_error(format!(
+                                "{at}: alternatives {i} and {j} can both match one value (both begin with {:?}), \
+                                 but oneOf needs exactly one to: use anyOf, or give each a required property \
+                                 with a different const (a discriminator)",
+                                b as char
+                            )));
+                        }
                     }
-                    seen[w] |= first[w];
                 }
             }
         }
-        Ok(())
+        Ok(grammar)
+    }
+
+    /// The nodes other than unions that a value of `id` beginning with `b` may be (through nested unions),
+    /// each once, in the order the alternatives list them. Kept per (union, byte) in `memo`, so that unions
+    /// sharing alternatives through `$ref` cost their size, not the paths through them.
+    fn leaves(
+        &self,
+        id: NodeId,
+        b: u8,
+        memo: &mut HashMap<(NodeId, u8), Vec<NodeId>>,
+    ) -> Result<Vec<NodeId>> {
+        let Node::Union { alts, .. } = &self.nodes[id as usize] else {
+            return Ok(vec![id]);
+        };
+        if let Some(known) = memo.get(&(id, b)) {
+            return Ok(known.clone());
+        }
+        let mut ends = Vec::new();
+        for &alt in alts {
+            if !has(&self.first[alt as usize], b) {
+                continue;
+            }
+            for end in self.leaves(alt, b, memo)? {
+                if !ends.contains(&end) {
+                    ends.push(end);
+                }
+            }
+            if ends.len() > MAX_PATHS {
+                break;
+            }
+        }
+        memo.insert((id, b), ends.clone());
+        Ok(ends)
+    }
+
+    /// Whether no value matches both `a` and `b` (objects, as far as this can tell: one requires a property
+    /// the other forbids, or both require one whose fixed values differ).
+    fn exclusive(&self, a: NodeId, b: NodeId) -> bool {
+        let (Some(x), Some(y)) = (
+            self.object_through_aliases(a),
+            self.object_through_aliases(b),
+        ) else {
+            return false;
+        };
+        let required = |o: &ObjectNode| -> Vec<usize> {
+            (0..o.props.len())
+                .filter(|&i| o.next_required[i] as usize == i)
+                .collect()
+        };
+        let position = |o: &ObjectNode, key: &[u8]| o.keys.texts.iter().position(|k| k == key);
+        for (p, q) in [(x, y), (y, x)] {
+            for i in required(p) {
+                let key = &p.keys.texts[i];
+                match position(q, key) {
+                    None if q.closed && q.any_keys.is_none() => return true,
+                    None => {}
+                    Some(j) => {
+                        let required_in_q = q.next_required[j] as usize == j;
+                        if required_in_q && self.values_differ(p.props[i], q.props[j]) {
+                            return true;
+                        }
+                    }
+                }
+            }
+        }
+        false
+    }
+
+    fn object_through_aliases(&self, mut id: NodeId) -> Option<&ObjectNode> {
+        for _ in 0..=self.nodes.len() {
+            match &self.nodes[id as usize] {
+                Node::Union { alts, .. } if alts.len() == 1 => id = alts[0],
+                Node::Object(o) => return Some(o),
+                _ => return None,
+            }
+        }
+        None
+    }
+
+    /// Whether two nodes are fixed texts with no JSON value in common.
+    fn values_differ(&self, a: NodeId, b: NodeId) -> bool {
+        let texts = |mut id: NodeId| -> Option<Vec<Value>> {
+            for _ in 0..=self.nodes.len() {
+                match &self.nodes[id as usize] {
+                    Node::Union { alts, .. } if alts.len() == 1 => id = alts[0],
+                    Node::Literals(trie) => {
+                        return trie
+                            .texts
+                            .iter()
+                            .map(|t| serde_json::from_slice(t).ok())
+                            .collect()
+                    }
+                    _ => return None,
+                }
+            }
+            None
+        };
+        let (Some(x), Some(y)) = (texts(a), texts(b)) else {
+            return false;
+        };
+        x.iter().all(|u| y.iter().all(|v| !same_json_value(u, v)))
     }
 
     fn first_bytes(&self, id: NodeId, visiting: &mut Vec<NodeId>) -> Result<ByteSet> {
@@ -1077,7 +1238,7 @@ impl JsonGrammar {
                 dfa, quoted: false, ..
             } => self.dfas[*dfa as usize].first_bytes().for_each(add),
             Node::Literals(trie) => trie.nodes[0].children.iter().for_each(|&(b, _)| add(b)),
-            Node::Union(alts) => {
+            Node::Union { alts, .. } => {
                 if visiting.contains(&id) {
                     return Err(schema_error("a $ref or union that only refers to itself"));
                 }
@@ -1093,6 +1254,39 @@ impl JsonGrammar {
             Node::Pending => unreachable!("a finished grammar has no pending nodes"),
         }
         Ok(set)
+    }
+}
+
+/// Whether `id` is an object, or a union whose alternatives all are (through nested unions).
+fn only_objects(nodes: &[Node], id: NodeId, visiting: &mut Vec<NodeId>) -> bool {
+    match &nodes[id as usize] {
+        Node::Object(_) => true,
+        Node::Union { alts, .. } => {
+            if visiting.contains(&id) {
+                return false;
+            }
+            visiting.push(id);
+            let all = alts.iter().all(|&alt| only_objects(nodes, alt, visiting));
+            visiting.pop();
+            all
+        }
+        _ => false,
+    }
+}
+
+/// JSON equality as a schema's `const` means it: numbers by value (1 and 1.0 are one number).
+fn same_json_value(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(u, v)| same_json_value(u, v))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, u)| y.get(k).is_some_and(|v| same_json_value(u, v)))
+        }
+        _ => a == b,
     }
 }
 
@@ -1193,19 +1387,19 @@ struct Frame {
     count: u16,
 }
 
-/// How far a prefix of the output has come through the grammar's value: the frames open, innermost last.
+/// One way of reading the output so far: the frames open, innermost last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct JsonState {
+struct Path {
     frames: [Frame; MAX_DEPTH],
     len: u8,
     /// Whitespace bytes just read in a row.
     spaces: u8,
 }
 
-impl Default for JsonState {
+impl Default for Path {
     /// Before the output: the root (node 0) not begun.
     fn default() -> Self {
-        JsonState {
+        Path {
             frames: [Frame::default(); MAX_DEPTH],
             len: 1,
             spaces: 0,
@@ -1213,9 +1407,8 @@ impl Default for JsonState {
     }
 }
 
-impl JsonState {
-    /// The value is complete: only a stop token may follow.
-    pub fn is_done(&self) -> bool {
+impl Path {
+    fn is_done(&self) -> bool {
         self.len == 0
     }
 
@@ -1243,19 +1436,155 @@ impl JsonState {
     }
 }
 
+/// How far a prefix of the output has come through the grammar's value: the paths that read it (one, except
+/// where a union's alternatives began alike and the bytes since have not told them apart), in a fixed order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct JsonState {
+    /// `paths[..count]`; the rest stay default, so that equal sets of paths in one order are equal states.
+    paths: [Path; MAX_PATHS],
+    count: u8,
+}
+
+impl Default for JsonState {
+    /// Before the output: the root not begun.
+    fn default() -> Self {
+        JsonState {
+            paths: [Path::default(); MAX_PATHS],
+            count: 1,
+        }
+    }
+}
+
+impl JsonState {
+    /// The value is complete: a stop token may follow (and nothing else, since every path read one value: its
+    /// closing brace closes them all).
+    pub fn is_done(&self) -> bool {
+        self.paths().iter().any(Path::is_done)
+    }
+
+    fn paths(&self) -> &[Path] {
+        &self.paths[..self.count as usize]
+    }
+
+    /// The paths (at least one, deduplicated, at most `MAX_PATHS`: the first ones) as a state.
+    fn from_paths(paths: &[Path]) -> JsonState {
+        let mut state = JsonState {
+            paths: [Path::default(); MAX_PATHS],
+            count: paths.len().min(MAX_PATHS) as u8,
+        };
+        state.paths[..state.count as usize].copy_from_slice(&paths[..state.count as usize]);
+        state
+    }
+}
+
 impl JsonGrammar {
     /// The state after `bytes`, or None where they leave the language.
-    pub fn after(&self, mut state: JsonState, bytes: &[u8]) -> Option<JsonState> {
-        for &b in bytes {
-            if !self.step(&mut state, b) {
-                return None;
+    pub fn after(&self, state: JsonState, bytes: &[u8]) -> Option<JsonState> {
+        let mut all = Vec::with_capacity(state.count as usize);
+        let (mut paths, mut scratch) = (Vec::new(), Vec::new());
+        for &start in state.paths() {
+            paths.clear();
+            paths.push(start);
+            if self.walk(&mut paths, &mut scratch, bytes) {
+                for p in &paths {
+                    if !all.contains(p) {
+                        all.push(*p);
+                    }
+                }
             }
         }
-        Some(state)
+        (!all.is_empty()).then(|| JsonState::from_paths(&all))
+    }
+
+    /// Reads `bytes` on `paths` (deduplicated, at most `MAX_PATHS`): afterwards, every path they became (the
+    /// first `MAX_PATHS` where more). False where none is left. Each path of a state walks on its own, so that a
+    /// state's mask is the union of its paths' (each computed once, whatever state holds it) and allows exactly
+    /// the tokens `JsonGrammar::after` takes.
+    fn walk(&self, paths: &mut Vec<Path>, scratch: &mut Vec<Path>, bytes: &[u8]) -> bool {
+        for &b in bytes {
+            if let [only] = paths.as_mut_slice() {
+                let mut fork = false;
+                if self.step(only, b, &mut fork) {
+                    continue;
+                }
+                if !fork {
+                    paths.clear();
+                    return false;
+                }
+                // Left where the byte begins a union's alternatives alike: read below, once per alternative.
+            }
+            scratch.clear();
+            for &p in paths.iter() {
+                self.step_forking(p, b, scratch);
+            }
+            paths.clear();
+            for p in scratch.iter() {
+                if paths.len() < MAX_PATHS && !paths.contains(p) {
+                    paths.push(*p);
+                }
+            }
+            if paths.is_empty() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Whether `walk` from `paths` takes `bytes` (`work` and `scratch` are its buffers). One path, the usual
+    /// case, is stepped in place until it forks.
+    fn takes(
+        &self,
+        paths: &[Path],
+        bytes: &[u8],
+        work: &mut Vec<Path>,
+        scratch: &mut Vec<Path>,
+    ) -> bool {
+        if let [one] = paths {
+            let mut p = *one;
+            for (i, &b) in bytes.iter().enumerate() {
+                let mut fork = false;
+                if self.step(&mut p, b, &mut fork) {
+                    continue;
+                }
+                if !fork {
+                    return false;
+                }
+                work.clear();
+                work.push(p);
+                return self.walk(work, scratch, &bytes[i..]);
+            }
+            return true;
+        }
+        work.clear();
+        work.extend_from_slice(paths);
+        self.walk(work, scratch, bytes)
+    }
+
+    /// Reads `b` on `path` into `out`: nothing where it leaves the language, one path for each alternative of
+    /// a union that `b` begins alike. `path` may be one that `step` left at such a union with `b` unread.
+    fn step_forking(&self, mut path: Path, b: u8, out: &mut Vec<Path>) {
+        let mut fork = false;
+        if self.step(&mut path, b, &mut fork) {
+            out.push(path);
+            return;
+        }
+        if !fork {
+            return;
+        }
+        let union = path.top().node;
+        for &alt in self.forks[&(union, b)].iter() {
+            let mut p = path;
+            p.top().node = alt;
+            let mut again = false;
+            if self.step(&mut p, b, &mut again) {
+                out.push(p);
+            }
+            debug_assert!(!again, "fork alternatives are not unions");
+        }
     }
 
     /// Where `state` is inside a string (a value, or a key of an object that takes any keys), that string's state.
-    fn string_scan(&self, state: &JsonState) -> Option<StringScan> {
+    fn string_scan(&self, state: &Path) -> Option<StringScan> {
         let f = state.frames[(state.len as usize).checked_sub(1)?];
         match (f.phase, &self.nodes[f.node as usize]) {
             (Phase::String, &Node::String { max, .. }) => Some(StringScan {
@@ -1276,7 +1605,7 @@ impl JsonGrammar {
 
     /// Where the value being written is an item of a `uniqueItems` array, the items written before it (a bit
     /// per fixed text, kept in the array's frame).
-    fn unique_siblings(&self, s: &JsonState) -> Option<u16> {
+    fn unique_siblings(&self, s: &Path) -> Option<u16> {
         let len = s.len as usize;
         let parent = s.frames[len.checked_sub(2)?];
         match &self.nodes[parent.node as usize] {
@@ -1292,7 +1621,9 @@ impl JsonGrammar {
         }
     }
 
-    fn step(&self, s: &mut JsonState, b: u8) -> bool {
+    /// Reads `b` on one path: false where it leaves the language, or (with `fork` set, the path left at the
+    /// union) where `b` begins several of a union's alternatives alike.
+    fn step(&self, s: &mut Path, b: u8, fork: &mut bool) -> bool {
         let whitespace = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
         loop {
             if s.is_done() {
@@ -1391,7 +1722,14 @@ impl JsonGrammar {
                     let used = self.unique_siblings(s);
                     let top = s.top();
                     match (node, b) {
-                        (Node::Union(alts), _) => {
+                        (Node::Union { .. }, _)
+                            if self.forking[f.node as usize]
+                                && self.forks.contains_key(&(f.node, b)) =>
+                        {
+                            *fork = true;
+                            return false;
+                        }
+                        (Node::Union { alts, .. }, _) => {
                             match alts.iter().find(|&&alt| has(&self.first[alt as usize], b)) {
                                 Some(&alt) => {
                                     top.node = alt;
@@ -1819,7 +2157,8 @@ impl std::fmt::Debug for JsonVocabulary {
 pub struct JsonConstraint {
     grammar: JsonGrammar,
     vocab: Arc<JsonVocabulary>,
-    masks: Mutex<HashMap<JsonState, Arc<[u64]>>>,
+    /// Each path's mask, by the path.
+    masks: Mutex<HashMap<Path, Arc<[u64]>>>,
 }
 
 impl JsonConstraint {
@@ -1853,18 +2192,34 @@ impl JsonConstraint {
             .after(state, self.vocab.tokens.get(token as usize)?.as_deref()?)
     }
 
-    /// The tokens allowed in `state`, one bit each (bit t % 64 of word t / 64).
+    /// The tokens allowed in `state`, one bit each (bit t % 64 of word t / 64): those some path of it allows.
     pub fn mask(&self, state: JsonState) -> Arc<[u64]> {
+        match state.paths() {
+            [one] => self.path_mask(one),
+            paths => {
+                let mut mask = vec![0u64; self.vocab.tokens.len().div_ceil(64)];
+                for p in paths {
+                    for (m, w) in mask.iter_mut().zip(self.path_mask(p).iter()) {
+                        *m |= w;
+                    }
+                }
+                mask.into()
+            }
+        }
+    }
+
+    /// The tokens one path allows, computed once (kept for `MASK_CACHE_STATES` paths).
+    fn path_mask(&self, path: &Path) -> Arc<[u64]> {
         if let Some(mask) = self
             .masks
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(&state)
+            .get(path)
         {
             return mask.clone();
         }
         let mut mask = vec![0u64; self.vocab.tokens.len().div_ceil(64)];
-        if state.is_done() {
+        if path.is_done() {
             for &t in &self.vocab.stop {
                 if (t as usize) < self.vocab.tokens.len() {
                     mask[t as usize / 64] |= 1 << (t % 64);
@@ -1873,18 +2228,24 @@ impl JsonConstraint {
         } else {
             // Inside a string most tokens stay inside it: those are judged by the string's own few bytes of
             // state, and only tokens that close it walk the whole grammar.
-            let string = self.grammar.string_scan(&state);
+            let string = self.grammar.string_scan(path);
+            let (mut after_first, mut paths, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
             for first in 0..=255u8 {
-                let Some(after_first) = self.grammar.after(state, &[first]) else {
+                after_first.clear();
+                after_first.push(*path);
+                if !self.grammar.walk(&mut after_first, &mut scratch, &[first]) {
                     continue;
-                };
+                }
                 for &t in &self.vocab.by_first_byte[first as usize] {
                     let bytes = self.vocab.tokens[t as usize]
                         .as_deref()
                         .expect("indexed tokens have bytes");
                     let allowed = match string.map(|s| s.run(bytes)) {
                         Some(Some(inside)) => inside,
-                        _ => self.grammar.after(after_first, &bytes[1..]).is_some(),
+                        _ => {
+                            self.grammar
+                                .takes(&after_first, &bytes[1..], &mut paths, &mut scratch)
+                        }
                     };
                     if allowed {
                         mask[t as usize / 64] |= 1 << (t % 64);
@@ -1897,7 +2258,7 @@ impl JsonConstraint {
         if masks.len() >= MASK_CACHE_STATES {
             masks.clear();
         }
-        masks.insert(state, mask.clone());
+        masks.insert(*path, mask.clone());
         mask
     }
 
@@ -2256,12 +2617,28 @@ mod tests {
                 "\"b\"",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"}, {"type": "object", "properties": {}}]}}}),
-                "begin",
+                json!({"type": "object", "properties": {"a": {"oneOf": [{"type": "object"}, {"type": "object", "properties": {}}]}}}),
+                "schema.properties.a.oneOf: alternatives 0 and 1 can both match",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": ["integer", "number"]}}}),
-                "begin",
+                json!({"type": "object", "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}),
+                "alternatives 0 and 1 can both match",
+            ),
+            (
+                // Required in both, but the values may be equal (1 and 1.0 are one number).
+                json!({"type": "object", "properties": {"a": {"oneOf": [
+                    {"properties": {"k": {"const": 1}}, "required": ["k"]},
+                    {"properties": {"k": {"enum": [2, 1.0]}}, "required": ["k"]}
+                ]}}}),
+                "alternatives 0 and 1 can both match",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"anyOf": (0..9).map(|i| json!({"properties": {format!("k{i}"): {}}})).collect::<Vec<_>>()}}}),
+                "9 alternatives can begin with '{'; at most 8",
+            ),
+            (
+                json!({"anyOf": [{"type": "object"}, {"type": "string"}]}),
+                "root must be an object",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "strin"}}}),
@@ -2466,6 +2843,195 @@ mod tests {
     }
 
     /// A small vocabulary whose words cover keys, values and structure.
+    #[test]
+    fn unions_that_begin_alike_are_followed_until_the_bytes_tell_them_apart() {
+        // pydantic's Union[Cat, Dog]: two objects under anyOf, through $defs.
+        let pets = schema(json!({
+            "$defs": {
+                "Cat": {"type": "object", "properties": {"name": {"type": "string"}, "meows": {"type": "integer"}}, "required": ["name", "meows"]},
+                "Dog": {"type": "object", "properties": {"name": {"type": "string"}, "barks": {"type": "boolean"}}, "required": ["name"]}
+            },
+            "type": "object",
+            "properties": {"pet": {"anyOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}, {"type": "null"}]}},
+            "required": ["pet"]
+        }));
+        for good in [
+            r#"{"pet": {"name": "Tom", "meows": 3}}"#,
+            r#"{"pet": {"name": "Rex", "barks": true}}"#,
+            r#"{"pet": {"name": "Rex"}}"#,
+            r#"{"pet": null}"#,
+        ] {
+            every_prefix(&pets, good);
+        }
+        for bad in [
+            r#"{"pet": {"name": "Tom", "meows": 3, "barks": true}}"#,
+            r#"{"pet": {"name": "Tom", "barks": 3}}"#,
+            r#"{"pet": {"meows": 3}}"#,
+            r#"{"pet": {}}"#,
+        ] {
+            assert!(!whole(&pets, bad), "{bad} taken");
+        }
+        // Both paths live through the shared key, one after the key that tells them apart.
+        let paths = |g: &JsonGrammar, text: &str| {
+            g.after(JsonState::default(), text.as_bytes())
+                .map(|s| s.count)
+        };
+        assert_eq!(paths(&pets, r#"{"pet": {"name": "T"#), Some(2));
+        assert_eq!(paths(&pets, r#"{"pet": {"name": "Tom", "m"#), Some(1));
+        assert_eq!(
+            paths(&pets, r#"{"pet": {"name": "Tom", "meows": 3}}"#),
+            Some(1)
+        );
+
+        // A discriminated union (pydantic's oneOf + discriminator) at the root; the const tells them apart.
+        let shapes = schema(json!({
+            "oneOf": [
+                {"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}}, "required": ["kind", "r"]},
+                {"type": "object", "properties": {"kind": {"const": "square"}, "side": {"type": "number"}}, "required": ["kind", "side"]}
+            ],
+            "discriminator": {"propertyName": "kind"}
+        }));
+        every_prefix(&shapes, r#"{"kind": "circle", "r": 2.5}"#);
+        every_prefix(&shapes, r#"{"kind": "square", "side": 1}"#);
+        assert!(!whole(&shapes, r#"{"kind": "circle", "side": 1}"#));
+        assert!(!whole(&shapes, r#"{"r": 1}"#));
+        // oneOf alternatives told apart by additionalProperties: false.
+        let closed = schema(json!({"type": "object", "properties": {"v": {"oneOf": [
+            {"type": "object", "properties": {"a": {}}, "required": ["a"], "additionalProperties": false},
+            {"type": "object", "properties": {"b": {}}, "required": ["b"], "additionalProperties": false}
+        ]}}}));
+        assert!(whole(&closed, r#"{"v": {"a": 1}}"#) && whole(&closed, r#"{"v": {"b": [2]}}"#));
+        assert!(!whole(&closed, r#"{"v": {}}"#));
+
+        // Scalars alike: two formats of a string, and integer beside number.
+        let scalars = schema(json!({"type": "object", "properties": {
+            "when": {"anyOf": [{"type": "string", "format": "date"}, {"type": "string", "format": "email"}]},
+            "n": {"type": ["integer", "number"]}
+        }}));
+        for good in [
+            r#"{"when": "2024-01-31"}"#,
+            r#"{"when": "a@b.io"}"#,
+            r#"{"n": 12}"#,
+            r#"{"n": -1.5e3}"#,
+        ] {
+            every_prefix(&scalars, good);
+        }
+        assert!(
+            !whole(&scalars, r#"{"when": "2024-01-3"}"#) && !whole(&scalars, r#"{"when": "a@"}"#)
+        );
+
+        // A recursive union: a tree whose nodes are leaves or lists of nodes stays at two paths however deep.
+        let tree = schema(json!({
+            "$defs": {"t": {"anyOf": [
+                {"type": "object", "properties": {"leaf": {"type": "integer"}}, "required": ["leaf"]},
+                {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/t"}}}, "required": ["kids"]}
+            ]}},
+            "type": "object", "properties": {"root": {"$ref": "#/$defs/t"}}, "required": ["root"]
+        }));
+        let deep = format!(
+            r#"{{"root": {}{{"leaf": 1}}{}}}"#,
+            r#"{"kids": ["#.repeat(12),
+            "]}".repeat(12)
+        );
+        every_prefix(&tree, &deep);
+        let mut text = String::new();
+        for part in deep.split_inclusive('{') {
+            text.push_str(part);
+            let n = paths(&tree, &text).expect("a prefix");
+            assert!(n <= 2, "{n} paths after {text}");
+        }
+
+        // Nested unions that would make more than MAX_PATHS paths keep the first ones: what is written still
+        // matches, and no prefix is a dead end.
+        let three = |inner: Value| {
+            json!({"anyOf": [
+                {"type": "object", "properties": {"x": inner.clone(), "a": {}}},
+                {"type": "object", "properties": {"x": inner.clone(), "b": {}}},
+                {"type": "object", "properties": {"x": inner, "c": {}}}
+            ]})
+        };
+        let wide = schema(
+            json!({"type": "object", "properties": {"v": three(three(json!({"type": "integer"})))}}),
+        );
+        let state = wide
+            .after(JsonState::default(), br#"{"v": {"x": {"#)
+            .expect("taken");
+        assert_eq!(state.count as usize, MAX_PATHS);
+        assert!(whole(&wide, r#"{"v": {"x": {"x": 1, "a": 2}, "a": 3}}"#));
+        assert!(whole(&wide, r#"{"v": {"x": {"x": 1, "b": 2}, "c": 3}}"#));
+        // The ninth path (third outer, third inner) was dropped.
+        assert!(!whole(&wide, r#"{"v": {"x": {"x": 1, "c": 2}, "c": 3}}"#));
+    }
+
+    /// From `g`'s start, `steps` times: a byte drawn from those the state takes (or the end, where it is done);
+    /// asserts there always is one, so that a state never leads nowhere.
+    fn random_walks(g: &JsonGrammar, seed: u64, walks: usize, steps: usize) -> usize {
+        let mut finished = 0;
+        let mut x = seed;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as usize
+        };
+        let alphabet: Vec<u8> = (0x20..0x7f).chain([b'\n']).collect();
+        for _ in 0..walks {
+            let mut state = JsonState::default();
+            let mut text = Vec::new();
+            for _ in 0..steps {
+                if state.is_done() {
+                    break;
+                }
+                let options: Vec<(u8, JsonState)> = alphabet
+                    .iter()
+                    .filter_map(|&b| g.after(state, &[b]).map(|s| (b, s)))
+                    .collect();
+                assert!(
+                    !options.is_empty(),
+                    "dead end after {:?}",
+                    String::from_utf8_lossy(&text)
+                );
+                // Favor closing brackets and quotes now and then so that walks finish.
+                let pick = options
+                    .iter()
+                    .position(|&(b, _)| matches!(b, b'}' | b']' | b'"') && next() % 3 == 0)
+                    .unwrap_or(next() % options.len());
+                text.push(options[pick].0);
+                state = options[pick].1;
+                assert!(state.count as usize <= MAX_PATHS);
+            }
+            if state.is_done() {
+                finished += 1;
+                // (serde_json refuses exponents past f64's range, which JSON's grammar allows.)
+                if let Err(e) = serde_json::from_slice::<Value>(&text) {
+                    assert!(
+                        e.to_string().contains("number out of range"),
+                        "{:?} is not JSON: {e}",
+                        String::from_utf8_lossy(&text)
+                    );
+                }
+            }
+        }
+        finished
+    }
+
+    #[test]
+    fn union_states_never_lead_nowhere() {
+        let inner = json!({"anyOf": [
+            {"type": "object", "properties": {"k": {"type": "integer"}, "p": {"type": "string"}}, "required": ["k"]},
+            {"type": "object", "properties": {"k": {"type": "string", "maxLength": 3}, "q": {"enum": [true, 7]}}},
+            {"type": "object", "properties": {"k": {"$ref": "#"}}, "additionalProperties": false},
+            {"type": ["integer", "number", "null"]},
+            {"type": "string", "pattern": "^[0-9]+$"},
+            {"type": "string", "maxLength": 2}
+        ]});
+        let g = schema(
+            json!({"type": "object", "properties": {"u": inner.clone(), "w": {"type": "array", "items": inner, "minItems": 2}}, "required": ["u", "w"]}),
+        );
+        let finished = random_walks(&g, 0x9E37_79B9_7F4A_7C15, 300, 120);
+        assert!(finished >= 30, "only {finished} of 300 walks finished");
+    }
+
     fn vocab(words: &[&str]) -> (Arc<JsonVocabulary>, u32) {
         let mut tokens: Vec<Option<Box<[u8]>>> = words
             .iter()
@@ -2480,9 +3046,53 @@ mod tests {
     #[test]
     fn masks_allow_exactly_the_tokens_that_keep_the_prefix_valid() {
         let words = [
-            "{", "}", "{\"", "\":", " ", "\n", "  ", "\"", "a", "key", ",", ":", "[", "]", "1",
-            "0", "12", "2", ".", "5", "e", "-", "true", "tr", "ue", "null", "\\", "u", "00", "é",
-            "\"}", "}\n", "name", "\"name\"", "age", "\"age\":", "Tom",
+            "{",
+            "}",
+            "{\"",
+            "\":",
+            " ",
+            "\n",
+            "  ",
+            "\"",
+            "a",
+            "key",
+            ",",
+            ":",
+            "[",
+            "]",
+            "1",
+            "0",
+            "12",
+            "2",
+            ".",
+            "5",
+            "e",
+            "-",
+            "true",
+            "tr",
+            "ue",
+            "null",
+            "\\",
+            "u",
+            "00",
+            "é",
+            "\"}",
+            "}\n",
+            "name",
+            "\"name\"",
+            "age",
+            "\"age\":",
+            "Tom",
+            "m",
+            "b",
+            "meows",
+            "barks",
+            "\"meows\":",
+            "\", \"b",
+            "\"}}",
+            ": {\"",
+            "3}}",
+            "{\"name\"",
         ];
         let (v, stop) = vocab(&words);
         let person = schema(json!({
@@ -2495,7 +3105,31 @@ mod tests {
             "properties": {"name": {"type": "string", "pattern": "^T[a-z]+$"}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
             "required": ["name"]
         }));
-        for (grammar, prefixes) in [
+        // Two objects alike under anyOf (two paths until a key tells them apart) beside null.
+        let pets = schema(json!({
+            "type": "object",
+            "properties": {"pet": {"anyOf": [
+                {"type": "object", "properties": {"name": {"type": "string"}, "meows": {"type": "integer"}}, "required": ["name", "meows"]},
+                {"type": "object", "properties": {"name": {"type": "string"}, "barks": {"type": "boolean"}}, "required": ["name"]},
+                {"type": "null"}
+            ]}},
+            "required": ["pet"]
+        }));
+        for (grammar, prefixes, whole_text) in [
+            (
+                pets,
+                &[
+                    "{\"pet\"",
+                    "{\"pet\": ",
+                    "{\"pet\": {",
+                    "{\"pet\": {\"name\": \"Tom",
+                    "{\"pet\": {\"name\": \"Tom\"",
+                    "{\"pet\": {\"name\": \"Tom\", \"",
+                    "{\"pet\": {\"name\": \"Tom\", \"meows\": 3",
+                    "{\"pet\": {\"name\": \"Tom\"}}",
+                ][..],
+                r#"{"pet": {"name": "Tom", "meows": 3}}"#,
+            ),
             (
                 JsonGrammar::any_object(),
                 &[
@@ -2508,6 +3142,7 @@ mod tests {
                     "{\"a\": \"\\u0",
                     "{}",
                 ][..],
+                r#"{"name": "Tom"}"#,
             ),
             (
                 person,
@@ -2523,6 +3158,7 @@ mod tests {
                     "{\"name\": \"Tom\", \"tags\": [tr",
                     "{\"name\": \"Tom\"}",
                 ][..],
+                r#"{"name": "Tom"}"#,
             ),
             (
                 shaped,
@@ -2535,6 +3171,7 @@ mod tests {
                     "{\"name\": \"Tom\", \"age\": 12",
                     "{\"name\": \"Tom\", \"age\": 0",
                 ][..],
+                r#"{"name": "Tom"}"#,
             ),
         ] {
             let constraint = JsonConstraint::new(grammar, v.clone());
@@ -2572,7 +3209,7 @@ mod tests {
             }
             // Once done only the stop token is allowed, and it leaves the state as it is.
             let done = g
-                .after(JsonState::default(), br#"{"name": "Tom"}"#)
+                .after(JsonState::default(), whole_text.as_bytes())
                 .unwrap();
             assert!(done.is_done());
             assert_eq!(constraint.advance(done, stop), Some(done));

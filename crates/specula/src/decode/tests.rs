@@ -1899,6 +1899,23 @@ fn json_schema_constrains_output_and_speculation_keeps_it() {
     assert_eq!(stop, StopReason::EndOfText);
 }
 
+/// The same with a union of two objects that begin alike (pydantic's `Union[A, B]`): the constraint follows
+/// both until a key tells them apart, and speculation still keeps the reference's tokens.
+#[test]
+fn json_schema_union_of_objects_constrains_output_and_speculation_keeps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (target, close) = target_and_close_draft(dir.path());
+    let schema = serde_json::json!({
+        "anyOf": [
+            {"type": "object", "properties": {"id": {"enum": [7, 42]}, "ok": {"type": "boolean"}}, "required": ["id"]},
+            {"type": "object", "properties": {"id": {"const": 7}, "tags": {"type": "array", "items": {"const": 7}, "maxItems": 2}}, "required": ["id", "tags"]}
+        ]
+    });
+    let grammar = crate::json_mode::JsonGrammar::from_schema(&schema).unwrap();
+    let stop = json_mode_case(&target, &close, 13.0, grammar);
+    assert_eq!(stop, StopReason::EndOfText);
+}
+
 fn json_mode_case(
     target: &LoadedModel,
     close: &LoadedModel,
