@@ -13,7 +13,14 @@ openai_dir="${SPECULA_CACHE:-$HOME/.cache/specula}/pylib-openai-3.57.0"
 if [ ! -d "$openai_dir/openai" ]; then
     python3 -m pip install --quiet --disable-pip-version-check --target "$openai_dir" openai==3.57.0
 fi
-PYTHONPATH="$openai_dir${PYTHONPATH:+:$PYTHONPATH}" SPECULA_REQUIRE_OPENAI=1 cargo test --release --workspace
+# Python's `jsonschema` (with the libraries its format checks need) validates constrained JSON output in
+# crates/specula/tests/json_outputs_validate.rs: an independent judge of what the grammar writes.
+jsonschema_dir="${SPECULA_CACHE:-$HOME/.cache/specula}/pylib-jsonschema-4.26.0"
+if [ ! -d "$jsonschema_dir/jsonschema" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --target "$jsonschema_dir" "jsonschema[format-nongpl]==4.26.0"
+fi
+PYTHONPATH="$openai_dir:$jsonschema_dir${PYTHONPATH:+:$PYTHONPATH}" SPECULA_REQUIRE_OPENAI=1 SPECULA_REQUIRE_JSONSCHEMA=1 \
+    cargo test --release --workspace
 # The CUDA backend must keep building without a GPU or toolkit, and its kernels must compile: NVRTC comes from
 # PyPI (the nvidia-cuda-nvrtc wheel, cached), no GPU needed. A separate target directory keeps the CPU build cached.
 nvrtc_dir="${SPECULA_CACHE:-$HOME/.cache/specula}/nvrtc-13.0.88"
