@@ -417,47 +417,62 @@ impl CpuModel {
         let q_dim = c.q_dim();
         let scale = 1.0 / (hd as f32).sqrt();
         let out_ptr = OutPtr(out.as_mut_ptr());
-        parallel::run_chunked(places.len() * heads, |items| {
+        // A work item is one row's query heads that share a KV head (each key and value then read once for all of
+        // them), or a single head where that would leave the pool too few items (a decode step). Each head's
+        // arithmetic is the same either way (`ops::dot_many` is `ops::dot` per query), so no bit depends on it.
+        let per_item = if places.len() * c.num_kv_heads >= 4 * parallel::threads() {
+            group
+        } else {
+            1
+        };
+        let items_per_row = heads / per_item;
+        parallel::run_chunked(places.len() * items_per_row, |items| {
             let out_ptr = &out_ptr;
             let mut scores = Vec::new();
-            let mut acc = vec![0f32; hd];
+            let mut acc = vec![0f32; per_item * hd];
+            let mut dots = vec![0f32; per_item];
+            let mut slots = Vec::new();
             for item in items {
-                let (row, head) = (item / heads, item % heads);
+                let (row, first_head) = (item / items_per_row, item % items_per_row * per_item);
                 let p = &places[row];
                 let base = p.slot - p.new_row;
-                let (keys, values) = caches[p.seq].head(layer, head / group, p.slot + 1);
-                let qh = &q[row * q_dim + head * hd..row * q_dim + (head + 1) * hd];
-                scores.clear();
-                acc.fill(0.0);
+                let (keys, values) = caches[p.seq].head(layer, first_head / group, p.slot + 1);
+                let qs =
+                    &q[row * q_dim + first_head * hd..row * q_dim + (first_head + per_item) * hd];
+                // A chain sees every slot up to its own; a tree row the cached context and its ancestors, in the
+                // same slot order.
+                slots.clear();
                 match trees[p.seq].as_ref() {
-                    // A chain sees every slot up to its own.
-                    None => {
-                        scores.extend(keys.chunks_exact(hd).map(|key| ops::dot(qh, key) * scale));
-                        ops::softmax(&mut scores);
-                        for (&w, value) in scores.iter().zip(values.chunks_exact(hd)) {
-                            ops::axpy(&mut acc, w, value);
-                        }
+                    None => slots.extend(0..=p.slot),
+                    Some(tree) => slots.extend(
+                        (0..=p.slot)
+                            .filter(|&slot| slot < base || tree.sees(p.new_row, slot - base)),
+                    ),
+                }
+                let n = slots.len();
+                // Scores head by head: head i's at i * n.
+                scores.clear();
+                scores.resize(per_item * n, 0.0);
+                for (j, &s) in slots.iter().enumerate() {
+                    ops::dot_many(qs, &keys[s * hd..(s + 1) * hd], &mut dots);
+                    for (i, &d) in dots.iter().enumerate() {
+                        scores[i * n + j] = d * scale;
                     }
-                    // A tree row sees the cached context and its ancestors, in the same slot order.
-                    Some(tree) => {
-                        let visible =
-                            |slot: &usize| *slot < base || tree.sees(p.new_row, slot - base);
-                        let slots: Vec<usize> = (0..=p.slot).filter(visible).collect();
-                        scores.extend(
-                            slots
-                                .iter()
-                                .map(|&s| ops::dot(qh, &keys[s * hd..(s + 1) * hd]) * scale),
-                        );
-                        ops::softmax(&mut scores);
-                        for (&w, &s) in scores.iter().zip(&slots) {
-                            ops::axpy(&mut acc, w, &values[s * hd..(s + 1) * hd]);
-                        }
+                }
+                for head_scores in scores.chunks_exact_mut(n) {
+                    ops::softmax(head_scores);
+                }
+                acc.fill(0.0);
+                for (j, &s) in slots.iter().enumerate() {
+                    let value = &values[s * hd..(s + 1) * hd];
+                    for (i, head_acc) in acc.chunks_exact_mut(hd).enumerate() {
+                        ops::axpy(head_acc, scores[i * n + j], value);
                     }
                 }
                 // SAFETY: each (row, head) slice of `out` is written by exactly one work item.
                 unsafe {
-                    let dst = out_ptr.0.add(row * q_dim + head * hd);
-                    std::ptr::copy_nonoverlapping(acc.as_ptr(), dst, hd);
+                    let dst = out_ptr.0.add(row * q_dim + first_head * hd);
+                    std::ptr::copy_nonoverlapping(acc.as_ptr(), dst, per_item * hd);
                 }
             }
         });

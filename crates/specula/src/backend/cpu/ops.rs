@@ -20,6 +20,54 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// `out[i] = dot(queries[i * len..(i + 1) * len], key)` for the queries stored back to back (`len` = `key.len()`),
+/// each bitwise what [`dot`] gives (the same eight lanes, the same order): the key is loaded once for all of them.
+#[inline]
+pub fn dot_many(queries: &[f32], key: &[f32], out: &mut [f32]) {
+    let len = key.len();
+    debug_assert_eq!(queries.len(), out.len() * len);
+    if !len.is_multiple_of(8) {
+        for (o, q) in out.iter_mut().zip(queries.chunks_exact(len)) {
+            *o = dot(q, key);
+        }
+        return;
+    }
+    // Up to four queries at a time keep their lanes in registers beside the key's.
+    let mut done = 0;
+    while done < out.len() {
+        let q = &queries[done * len..];
+        let o = &mut out[done..];
+        done += match o.len() {
+            1 => dot_block::<1>(q, key, o),
+            2 => dot_block::<2>(q, key, o),
+            3 => dot_block::<3>(q, key, o),
+            _ => dot_block::<4>(q, key, o),
+        };
+    }
+}
+
+/// [`dot`] of the first `G` queries of `queries` (each `key.len()` long, a multiple of 8) with `key`; returns `G`.
+#[inline(always)]
+fn dot_block<const G: usize>(queries: &[f32], key: &[f32], out: &mut [f32]) -> usize {
+    let len = key.len();
+    let q = &queries[..G * len];
+    let mut acc = [[0f32; 8]; G];
+    for c in 0..len / 8 {
+        let y = &key[c * 8..c * 8 + 8];
+        for (i, a) in acc.iter_mut().enumerate() {
+            let x = &q[i * len + c * 8..i * len + c * 8 + 8];
+            for l in 0..8 {
+                a[l] += x[l] * y[l];
+            }
+        }
+    }
+    for (o, a) in out[..G].iter_mut().zip(&acc) {
+        // `+ 0.0` is `dot`'s empty tail (it turns a -0.0 sum into +0.0 there too).
+        *o = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + 0.0;
+    }
+    G
+}
+
 /// `out += w * x`.
 #[inline]
 pub fn axpy(out: &mut [f32], w: f32, x: &[f32]) {
@@ -254,6 +302,40 @@ mod tests {
         let b: Vec<f32> = (0..37).map(|i| (i as f32).sin()).collect();
         let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert!((dot(&a, &b) - naive).abs() < 1e-4);
+    }
+
+    /// A key against several queries at once gives each query bitwise its own `dot` (attention groups the heads
+    /// that share a KV head only when a pass has enough rows, so batch invariance rests on this), for every count
+    /// of queries, lengths with and without a tail, a zero query and all-negative keys.
+    #[test]
+    fn dot_many_is_dot_for_each_query_bit_for_bit() {
+        let mut seed = 7u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
+        };
+        for len in [8, 64, 128, 12] {
+            for count in 1..=9 {
+                let mut queries: Vec<f32> = (0..count * len).map(|_| next()).collect();
+                let key: Vec<f32> = (0..len).map(|_| next()).collect();
+                queries[..len].fill(0.0);
+                let neg: Vec<f32> = key.iter().map(|k| -k.abs() - 1.0).collect();
+                for key in [&key, &neg] {
+                    let mut out = vec![f32::NAN; count];
+                    dot_many(&queries, key, &mut out);
+                    for (i, &o) in out.iter().enumerate() {
+                        let one = dot(&queries[i * len..(i + 1) * len], key);
+                        assert_eq!(
+                            o.to_bits(),
+                            one.to_bits(),
+                            "len {len}, {count} queries, query {i}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// RoPE against its definition, computed here in f64: pair (a, b) of a head rotates by the angle

@@ -481,6 +481,22 @@ fn kernel_of<T: FastRowsDot>(_blocks: &[T], kernel: MatmulKernel) -> RowsKernel<
 /// Rows of weight columns handled per work item: small enough to balance two threads, large enough to amortize.
 const COLS_PER_ITEM: usize = 16;
 
+/// Passes of more activation rows than this (prompts) go through a work item's weight rows in chunks of rows.
+const CHUNKED_PASS_ROWS: usize = 32;
+/// Activation rows in such a chunk, at most: one tile of the Q4_K pair kernel (`kernels::pair_rows!`). On a
+/// 552-token prompt of qwen2.5-coder-1.5b on 2 Zen 4 cores, chunks of 8 rows prefilled at 120-124 tok/s, 16 at
+/// 115-119, 32 at 118, 4 at 110-112, unchunked at 97-102 (docs/benchmarks.md, session 42).
+const ROW_CHUNK: usize = 8;
+
+/// Activation rows a work item dots with its weight rows at a time: all of a short pass (decode, verify, a
+/// batch of streams: the kernels balance their own tiles), balanced chunks of at most `ROW_CHUNK` of a long one.
+fn row_chunk(m: usize) -> usize {
+    if m <= CHUNKED_PASS_ROWS {
+        return m.max(1);
+    }
+    m.div_ceil(m.div_ceil(ROW_CHUNK))
+}
+
 /// `out[m x n]`: the first `n` rows of a weight of `stored_rows` rows (its storage layout depends on that).
 #[allow(clippy::too_many_arguments)]
 fn matmul_blocks<T: BlockType + FastRowsDot + Clone>(
@@ -555,43 +571,59 @@ fn run_parts<T: BlockType + FastRowsDot + Clone>(
     }
     first_item.push(total);
     let (rows_dot, pair_dot) = (kernel.rows_dot, kernel.pair_dot);
+    // Activation blocks and side values per row (the kernel's own layout, row after row).
+    let x_per_row = x_q.len() / m.max(1);
+    let side_per_row = x_side.len() / m.max(1);
+    let chunk_rows = row_chunk(m);
     let work = |items: std::ops::Range<usize>| {
-        let mut col_out = vec![0f32; m];
-        let mut pair_out = vec![0f32; m];
+        let mut col_out = vec![0f32; m.min(chunk_rows)];
+        let mut pair_out = vec![0f32; m.min(chunk_rows)];
         let mut pi = 0;
         for item in items {
             while item >= first_item[pi + 1] {
                 pi += 1;
             }
             let part = &parts[pi];
-            // SAFETY: each (part, r, col) is written by exactly one work item; each part's output has
-            // m * rows elements.
-            let write = |col: usize, values: &[f32]| {
-                for (r, &v) in values.iter().enumerate() {
-                    unsafe { *part.out.0.add(r * part.rows + col) = v };
-                }
-            };
             let col_start = (item - first_item[pi]) * COLS_PER_ITEM;
             let col_end = (col_start + COLS_PER_ITEM).min(part.rows);
-            let mut col = col_start;
-            while col < col_end {
-                let paired = T::PAIRED_ROWS && col + 1 < part.stored_rows;
-                match pair_dot {
-                    Some(pair_dot) if paired => {
-                        // COLS_PER_ITEM is even, so `col` is the first row of its pair.
-                        let pair = &part.weight[col * blocks_per_row..(col + 2) * blocks_per_row];
-                        pair_dot(pair, x_q, x_side, &mut col_out, &mut pair_out);
-                        write(col, &col_out);
-                        if col + 1 < col_end {
-                            write(col + 1, &pair_out);
-                        }
-                        col += 2;
+            // A long pass (a prompt) goes through the item's weight rows once per chunk of activation rows, so
+            // that the chunk stays in cache for all of them instead of streaming every row again for each
+            // weight row. A row's result does not depend on the rows dotted beside it (the kernels' batch
+            // invariance), so chunking changes no bit.
+            for r0 in (0..m).step_by(chunk_rows) {
+                let r1 = (r0 + chunk_rows).min(m);
+                let xs = &x_q[r0 * x_per_row..r1 * x_per_row];
+                let ss = &x_side[r0 * side_per_row..r1 * side_per_row];
+                let (col_out, pair_out) = (&mut col_out[..r1 - r0], &mut pair_out[..r1 - r0]);
+                // SAFETY: each (part, r, col) is written by exactly one work item; each part's output has
+                // m * rows elements.
+                let write = |col: usize, values: &[f32]| {
+                    for (r, &v) in values.iter().enumerate() {
+                        unsafe { *part.out.0.add((r0 + r) * part.rows + col) = v };
                     }
-                    _ => {
-                        let w_row = row_blocks(part.weight, col, part.stored_rows, blocks_per_row);
-                        rows_dot(&w_row, x_q, x_side, &mut col_out);
-                        write(col, &col_out);
-                        col += 1;
+                };
+                let mut col = col_start;
+                while col < col_end {
+                    let paired = T::PAIRED_ROWS && col + 1 < part.stored_rows;
+                    match pair_dot {
+                        Some(pair_dot) if paired => {
+                            // COLS_PER_ITEM is even, so `col` is the first row of its pair.
+                            let pair =
+                                &part.weight[col * blocks_per_row..(col + 2) * blocks_per_row];
+                            pair_dot(pair, xs, ss, col_out, pair_out);
+                            write(col, col_out);
+                            if col + 1 < col_end {
+                                write(col + 1, pair_out);
+                            }
+                            col += 2;
+                        }
+                        _ => {
+                            let w_row =
+                                row_blocks(part.weight, col, part.stored_rows, blocks_per_row);
+                            rows_dot(&w_row, xs, ss, col_out);
+                            write(col, col_out);
+                            col += 1;
+                        }
                     }
                 }
             }
@@ -845,24 +877,58 @@ mod tests {
 
     #[test]
     fn matmul_rows_are_batch_invariant() {
-        let (n, k, m) = (37, 256, 5);
-        let w = pseudo_random(n * k, 3);
-        let x = pseudo_random(m * k, 4);
-        for ty in [
-            GgmlType::Q4K,
-            GgmlType::Q6K,
-            GgmlType::Q8_0,
-            GgmlType::Q4_1,
-            GgmlType::F32,
-        ] {
-            let weight = Weight::quantize(&w, n, k, ty).unwrap();
-            let mut all = vec![0f32; m * n];
-            weight.matmul(&x, m, &mut all);
-            for r in 0..m {
-                let mut one = vec![0f32; n];
-                weight.matmul(&x[r * k..(r + 1) * k], 1, &mut one);
-                assert_eq!(&all[r * n..(r + 1) * n], &one[..], "{} row {r}", ty.name());
+        // 5 rows: one pass of the kernels' tiles; 45: a prompt-sized pass, dotted in chunks of rows
+        // (`row_chunk`), for the weights alone and grouped with others as attention's q/k/v are.
+        for (n, k, m) in [(37, 256, 5), (37, 512, 45)] {
+            let w = pseudo_random(n * k, 3);
+            let x = pseudo_random(m * k, 4);
+            for ty in [
+                GgmlType::Q4K,
+                GgmlType::Q6K,
+                GgmlType::Q5_0,
+                GgmlType::Q8_0,
+                GgmlType::Q4_1,
+                GgmlType::F32,
+            ] {
+                let weight = Weight::quantize(&w, n, k, ty).unwrap();
+                let mut all = vec![0f32; m * n];
+                weight.matmul(&x, m, &mut all);
+                let other = Weight::quantize(&w[..(n - 3) * k], n - 3, k, ty).unwrap();
+                let (mut first, mut second) = (vec![0f32; m * n], vec![0f32; m * (n - 3)]);
+                Weight::matmul_many(&[&weight, &other], &x, m, &mut [&mut first, &mut second]);
+                assert_eq!(all, first, "{} grouped, {m} rows", ty.name());
+                for r in 0..m {
+                    let mut one = vec![0f32; n];
+                    weight.matmul(&x[r * k..(r + 1) * k], 1, &mut one);
+                    assert_eq!(
+                        &all[r * n..(r + 1) * n],
+                        &one[..],
+                        "{} row {r} of {m}",
+                        ty.name()
+                    );
+                    let mut one = vec![0f32; n - 3];
+                    other.matmul(&x[r * k..(r + 1) * k], 1, &mut one);
+                    let row = &second[r * (n - 3)..(r + 1) * (n - 3)];
+                    assert_eq!(row, &one[..], "{} grouped row {r} of {m}", ty.name());
+                }
             }
+        }
+    }
+
+    #[test]
+    fn long_passes_go_in_balanced_chunks_of_rows() {
+        assert_eq!(row_chunk(0), 1);
+        assert_eq!(row_chunk(5), 5);
+        assert_eq!(row_chunk(CHUNKED_PASS_ROWS), CHUNKED_PASS_ROWS);
+        // 33 rows: five chunks of 7, 7, 7, 7 and 5; 552: 69 of 8.
+        assert_eq!(row_chunk(33), 7);
+        assert_eq!(row_chunk(552), 8);
+        for m in CHUNKED_PASS_ROWS + 1..600 {
+            let c = row_chunk(m);
+            assert!(
+                c <= ROW_CHUNK && m.div_ceil(c) == m.div_ceil(ROW_CHUNK),
+                "{m} rows: chunks of {c}"
+            );
         }
     }
 }
