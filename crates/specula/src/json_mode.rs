@@ -112,20 +112,55 @@ struct ObjectNode {
     keys: Trie,
     /// With no properties listed: any key, with values of this node (None: the object must be empty).
     any_keys: Option<NodeId>,
+    /// `propertyNames` (or a `patternProperties` pattern): the string node such keys are read with (None: any
+    /// string). Listed keys are checked against it when the grammar is built.
+    key: Option<NodeId>,
     /// `additionalProperties: false`: a key not listed makes a value fail the schema (a union's alternatives
     /// exclude one another by it).
     closed: bool,
+    /// `minProperties` / `maxProperties` (0 and COUNT_LIMIT where absent). Properties written are counted in the
+    /// frame: `count` for any keys, `sub` for listed ones (whose `count` is the next property).
+    min: u32,
+    max: u32,
+    /// `required_after[i]`: the required properties at or after i.
+    required_after: Vec<u16>,
 }
 
 impl ObjectNode {
-    fn may_close(&self, next: u16) -> bool {
-        self.any_keys.is_some() || self.next_required[next as usize] as usize == self.props.len()
+    /// Whether the object may end with `written` properties, the next listed one not yet written being `next`.
+    fn may_close(&self, next: u16, written: u32) -> bool {
+        written >= self.min
+            && (self.any_keys.is_some()
+                || self.next_required[next as usize] as usize == self.props.len())
     }
 
-    /// The properties a key may name when the next one not yet written is `next`: up to the first required one.
-    fn key_range(&self, next: u16) -> (u16, u16) {
-        let last = (self.props.len() as u16).saturating_sub(1);
-        (next, self.next_required[next as usize].min(last))
+    /// The listed properties a key may name, with `written` properties written and the next one not yet written
+    /// being `next` (None: no key may follow): up to the first required one; only that one where an optional key
+    /// would leave no room within `max` for the required ones; and none so far on that `min` could no longer be
+    /// reached with the properties after it.
+    fn key_range(&self, next: u16, written: u32) -> Option<(u16, u16)> {
+        let len = self.props.len() as u32;
+        if written >= self.max || next as u32 >= len {
+            return None;
+        }
+        let first_required = self.next_required[next as usize];
+        let mut lo = next;
+        let mut hi = first_required.min(len as u16 - 1);
+        if written + 1 + self.required_after[next as usize] as u32 > self.max {
+            if first_required as u32 == len {
+                return None;
+            }
+            lo = first_required;
+        }
+        if self.min > written {
+            hi = hi.min((len + written - self.min) as u16);
+        }
+        (lo <= hi).then_some((lo, hi))
+    }
+
+    /// Whether a key may follow in an object of any keys with `written` written.
+    fn takes_another_key(&self, written: u32) -> bool {
+        written < self.max
     }
 }
 
@@ -261,6 +296,10 @@ const ENFORCED: &[&str] = &[
     "prefixItems",
     "additionalItems",
     "uniqueItems",
+    "propertyNames",
+    "patternProperties",
+    "minProperties",
+    "maxProperties",
     "pattern",
     "format",
     "minimum",
@@ -324,7 +363,11 @@ impl<'a> Compiler<'a> {
             next_required: vec![0],
             keys: Trie::new(&[])?,
             any_keys: Some(id),
+            key: None,
             closed: false,
+            min: 0,
+            max: COUNT_LIMIT,
+            required_after: vec![0],
         }))?;
         let array = self.add(Node::Array {
             prefix: Vec::new(),
@@ -942,16 +985,38 @@ impl<'a> Compiler<'a> {
             props.push(self.compile(schema, &format!("{at}.properties.{name}"))?);
         }
         let mut next_required = vec![props.len() as u16; props.len() + 1];
+        let mut required_after = vec![0u16; props.len() + 1];
         for i in (0..props.len()).rev() {
             next_required[i] = if required[i] {
                 i as u16
             } else {
                 next_required[i + 1]
             };
+            required_after[i] = required_after[i + 1] + required[i] as u16;
         }
+        // `patternProperties`: one pattern, on an object that lists no properties (keys matching it are then the
+        // only ones written, with its values; a listed key would have to meet both).
+        let patterned = match map.get("patternProperties") {
+            None => None,
+            Some(Value::Object(p)) if p.len() == 1 && properties.is_empty() => p.iter().next(),
+            Some(Value::Object(p)) if p.len() == 1 => {
+                return Err(schema_error(format!(
+                    "{at} has both properties and patternProperties, which is not supported"
+                )))
+            }
+            Some(Value::Object(p)) if p.is_empty() => None,
+            Some(_) => {
+                return Err(schema_error(format!(
+                    "{at}.patternProperties must be an object of one pattern (several are not supported)"
+                )))
+            }
+        };
+        let key = self.property_names(map, patterned.map(|(p, _)| p.as_str()), at)?;
         // Listed properties are the only keys written (an object without the others still matches); with none
-        // listed, additionalProperties decides.
-        let any_keys = if props.is_empty() {
+        // listed, patternProperties or additionalProperties decides.
+        let any_keys = if let Some((pattern, values)) = patterned {
+            Some(self.compile(values, &format!("{at}.patternProperties.{pattern}"))?)
+        } else if props.is_empty() {
             match map.get("additionalProperties") {
                 None | Some(Value::Bool(true)) => Some(self.any()?),
                 Some(Value::Bool(false)) => None,
@@ -960,14 +1025,92 @@ impl<'a> Compiler<'a> {
         } else {
             None
         };
+        let min = Self::count(map, "minProperties", at)?.unwrap_or(0);
+        let max = Self::count(map, "maxProperties", at)?.unwrap_or(COUNT_LIMIT);
+        let required_count = required.iter().filter(|&&r| r).count() as u32;
+        if min > max {
+            return Err(schema_error(format!(
+                "{at}: minProperties {min} is more than maxProperties {max}"
+            )));
+        }
+        if required_count > max {
+            return Err(schema_error(format!(
+                "{at} requires {required_count} properties but maxProperties is {max}"
+            )));
+        }
+        match any_keys {
+            None if min > props.len() as u32 => {
+                return Err(schema_error(format!(
+                    "{at}: minProperties {min} is more than the {} properties that may be written",
+                    props.len()
+                )))
+            }
+            None if props.len() > u8::MAX as usize && (min > 0 || max < COUNT_LIMIT) => {
+                return Err(schema_error(format!(
+                    "{at}: minProperties / maxProperties with more than 255 listed properties is not supported"
+                )))
+            }
+            // Keys chosen freely may repeat, and a repeated key is one property to a parser: a count of keys
+            // written says at most how many there are, not at least.
+            Some(_) if min > 1 => {
+                return Err(schema_error(format!(
+                    "{at}: minProperties {min} on an object of free keys is not supported (keys may repeat; list                      the properties instead)"
+                )))
+            }
+            _ => {}
+        }
         self.nodes[id as usize] = Node::Object(ObjectNode {
             props,
             next_required,
             keys: Trie::new(&keys)?,
             any_keys,
+            key,
             closed: map.get("additionalProperties") == Some(&Value::Bool(false)),
+            min,
+            max,
+            required_after,
         });
         Ok(id)
+    }
+
+    /// The string node keys are read with: `propertyNames`, with `pattern` (a `patternProperties` pattern) added
+    /// to it. None where keys are any strings.
+    fn property_names(
+        &mut self,
+        map: &serde_json::Map<String, Value>,
+        pattern: Option<&str>,
+        at: &str,
+    ) -> Result<Option<NodeId>> {
+        let mut names = match map.get("propertyNames") {
+            None if pattern.is_none() => return Ok(None),
+            None => serde_json::Map::new(),
+            Some(Value::Object(n)) => n.clone(),
+            Some(Value::Bool(true)) if pattern.is_none() => return Ok(None),
+            Some(Value::Bool(true)) => serde_json::Map::new(),
+            Some(other) => {
+                return Err(schema_error(format!(
+                    "{at}.propertyNames must be a schema object, got {other}"
+                )))
+            }
+        };
+        if let Some(p) = pattern {
+            if names.contains_key("pattern") {
+                return Err(schema_error(format!(
+                    "{at}: a propertyNames pattern beside patternProperties is not supported"
+                )));
+            }
+            names.insert("pattern".into(), Value::String(p.into()));
+        }
+        if !names.contains_key("enum")
+            && !names.contains_key("const")
+            && !names.contains_key("$ref")
+        {
+            names
+                .entry("type")
+                .or_insert(Value::String("string".into()));
+        }
+        let compiled = self.compile(&Value::Object(names), &format!("{at}.propertyNames"))?;
+        Ok(Some(compiled))
     }
 }
 
@@ -1006,11 +1149,14 @@ impl JsonGrammar {
     /// `oneOf` (alternatives that begin alike, such as two objects, are followed side by side, at most
     /// `MAX_PATHS` at once; a `oneOf`'s must exclude one another: a required property with a different `const`
     /// in each, or one the other's `additionalProperties: false` forbids), `allOf` of one schema, `$ref` into
-    /// the schema itself (recursion included), tuples (`prefixItems`, `items` as a list, `additionalItems`), and
+    /// the schema itself (recursion included), tuples (`prefixItems`, `items` as a list, `additionalItems`),
+    /// `propertyNames` (keys read as values of that string schema), `patternProperties` of one pattern on an
+    /// object that lists no properties, `minProperties` / `maxProperties` (at most 1 minimum where keys are free,
+    /// since free keys may repeat), and
     /// values shaped by automata (`json_mode/byte_dfa.rs`): `pattern`, `format` (`value_regex::FORMATS`),
     /// `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum` and `multipleOf`. Annotations (`title`,
-    /// `description`, `default`, `discriminator`, ...) are ignored; any other keyword (`patternProperties`, ...)
-    /// is refused by name rather than left unenforced.
+    /// `description`, `default`, `discriminator`, ...) are ignored; any other keyword (`dependentRequired`,
+    /// `if` / `then`, ...) is refused by name rather than left unenforced.
     pub fn from_schema(schema: &Value) -> Result<JsonGrammar> {
         let mut c = Compiler {
             document: schema,
@@ -1050,6 +1196,7 @@ impl JsonGrammar {
                 Node::Object(o) => {
                     o.props.iter_mut().for_each(swap);
                     o.any_keys.iter_mut().for_each(swap);
+                    o.key.iter_mut().for_each(swap);
                 }
                 Node::Array { prefix, items, .. } => {
                     prefix.iter_mut().for_each(swap);
@@ -1121,7 +1268,38 @@ impl JsonGrammar {
                 }
             }
         }
+        // (Reads keys with the finished grammar, forks included.)
+        grammar.check_property_names()?;
         Ok(grammar)
+    }
+
+    /// Keys read with a node (`propertyNames`) must be strings, and listed keys must be among them.
+    fn check_property_names(&self) -> Result<()> {
+        // Only '"' (0x22): bit 34 of the first word.
+        let quote: ByteSet = [1 << b'"', 0, 0, 0];
+        for node in &self.nodes {
+            let Node::Object(o) = node else { continue };
+            let Some(key) = o.key else { continue };
+            if self.first[key as usize] != quote {
+                return Err(schema_error(
+                    "propertyNames must describe strings (keys are strings)",
+                ));
+            }
+            for text in &o.keys.texts {
+                let mut path = Path::default();
+                path.frames[0].node = key;
+                let taken = self
+                    .after(JsonState::from_paths(&[path]), text)
+                    .is_some_and(|s| s.is_done());
+                if !taken {
+                    return Err(schema_error(format!(
+                        "property {} does not match the object's propertyNames",
+                        String::from_utf8_lossy(text)
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The nodes other than unions that a value of `id` beginning with `b` may be (through nested unions),
@@ -1779,7 +1957,18 @@ impl JsonGrammar {
                 }
                 Phase::ObjectOpen | Phase::KeyNext => {
                     let o = self.object(f.node);
+                    let written = written_properties(o, &f);
                     return match b {
+                        b'"' if o.any_keys.is_some() && !o.takes_another_key(written) => false,
+                        b'"' if o.any_keys.is_some() && o.key.is_some() => {
+                            // The key is a value of its own node, read in a frame above this one; the object
+                            // takes the colon once that frame closes.
+                            s.top().phase = Phase::Colon;
+                            if !s.push(o.key.expect("checked")) {
+                                return false;
+                            }
+                            continue;
+                        }
                         b'"' if o.any_keys.is_some() => {
                             let top = s.top();
                             top.phase = Phase::Key;
@@ -1787,8 +1976,8 @@ impl JsonGrammar {
                             top.aux = 0;
                             true
                         }
-                        b'"' => match o.keys.child(0, b) {
-                            Some(c) if o.keys.leads_to(c, o.key_range(f.count)) => {
+                        b'"' => match (o.keys.child(0, b), o.key_range(f.count, written)) {
+                            (Some(c), Some(range)) if o.keys.leads_to(c, range) => {
                                 let top = s.top();
                                 top.phase = Phase::Key;
                                 top.aux = c;
@@ -1796,7 +1985,9 @@ impl JsonGrammar {
                             }
                             _ => false,
                         },
-                        b'}' if f.phase == Phase::ObjectOpen && o.may_close(f.count) => s.pop(),
+                        b'}' if f.phase == Phase::ObjectOpen && o.may_close(f.count, written) => {
+                            s.pop()
+                        }
                         _ => false,
                     };
                 }
@@ -1818,8 +2009,9 @@ impl JsonGrammar {
                             StringStep::Invalid => false,
                         };
                     }
-                    return match o.keys.child(f.aux, b) {
-                        Some(c) if o.keys.leads_to(c, o.key_range(f.count)) => {
+                    let range = o.key_range(f.count, written_properties(o, &f));
+                    return match (o.keys.child(f.aux, b), range) {
+                        (Some(c), Some(range)) if o.keys.leads_to(c, range) => {
                             let top = s.top();
                             top.aux = c;
                             // Keys are JSON strings, so none is a prefix of another: the end is the key.
@@ -1842,10 +2034,16 @@ impl JsonGrammar {
                         Some(v) => v,
                         None => o.props[f.count as usize],
                     };
+                    let written = written_properties(o, &f) + 1;
                     let top = s.top();
                     top.phase = Phase::ObjectAfter;
+                    // Counted only as far as the bounds tell apart (so no new state per property).
+                    let kept = count_kept(written, o.min, o.max);
                     if o.any_keys.is_none() {
                         top.count += 1;
+                        top.sub = kept as u8;
+                    } else {
+                        top.count = kept;
                     }
                     if !s.push(value) {
                         return false;
@@ -1853,12 +2051,17 @@ impl JsonGrammar {
                 }
                 Phase::ObjectAfter => {
                     let o = self.object(f.node);
+                    let written = written_properties(o, &f);
+                    let another = match o.any_keys {
+                        Some(_) => o.takes_another_key(written),
+                        None => o.key_range(f.count, written).is_some(),
+                    };
                     return match b {
-                        b',' if o.any_keys.is_some() || (f.count as usize) < o.props.len() => {
+                        b',' if another => {
                             s.top().phase = Phase::KeyNext;
                             true
                         }
-                        b'}' if o.may_close(f.count) => s.pop(),
+                        b'}' if o.may_close(f.count, written) => s.pop(),
                         _ => false,
                     };
                 }
@@ -1929,6 +2132,14 @@ impl JsonGrammar {
                 Phase::Number | Phase::Literal | Phase::Matched => unreachable!("read above"),
             }
         }
+    }
+}
+
+/// Properties an object's frame has counted as written (`ObjectNode::min`).
+fn written_properties(o: &ObjectNode, f: &Frame) -> u32 {
+    match o.any_keys {
+        Some(_) => f.count as u32,
+        None => f.sub as u32,
     }
 }
 
@@ -2609,8 +2820,36 @@ mod tests {
                 "minItems 3 is more than its 2 distinct values",
             ),
             (
-                json!({"type": "object", "patternProperties": {"^x": {}}}),
-                "\"patternProperties\"",
+                json!({"type": "object", "patternProperties": {"^x": {}, "^y": {}}}),
+                "patternProperties must be an object of one pattern",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}}),
+                "both properties and patternProperties",
+            ),
+            (
+                json!({"type": "object", "propertyNames": {"type": "integer"}}),
+                "propertyNames must describe strings",
+            ),
+            (
+                json!({"type": "object", "properties": {"ab": {}}, "propertyNames": {"maxLength": 1}}),
+                "property \"ab\" does not match",
+            ),
+            (
+                json!({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}),
+                "minProperties 2 on an object of free keys",
+            ),
+            (
+                json!({"type": "object", "minProperties": 3, "maxProperties": 2}),
+                "minProperties 3 is more than maxProperties 2",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1}),
+                "requires 2 properties but maxProperties is 1",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {}}, "minProperties": 2}),
+                "minProperties 2 is more than the 1 properties",
             ),
             (
                 json!({"type": "object", "required": ["b"], "properties": {"a": {}}}),
@@ -2961,6 +3200,52 @@ mod tests {
         assert!(whole(&wide, r#"{"v": {"x": {"x": 1, "b": 2}, "c": 3}}"#));
         // The ninth path (third outer, third inner) was dropped.
         assert!(!whole(&wide, r#"{"v": {"x": {"x": 1, "c": 2}, "c": 3}}"#));
+    }
+
+    #[test]
+    fn property_names_patterns_and_counts_shape_objects() {
+        // pydantic's dict[Literal["x", "y"], int], dict[constr(pattern=...), float] and a bounded dict.
+        let g = schema(json!({"type": "object", "properties": {
+            "lit": {"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"enum": ["x", "y"]}},
+            "pat": {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "number"}}, "propertyNames": {"maxLength": 3}},
+            "some": {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 1, "maxProperties": 2},
+            "listed": {"type": "object", "properties": {"a": {}, "b": {}, "c": {"type": "integer"}, "d": {}},
+                       "required": ["c"], "minProperties": 2, "maxProperties": 3}
+        }}));
+        for good in [
+            r#"{"lit": {"x": 1, "y": 2}}"#,
+            r#"{"pat": {"abc": 1.5, "z": 0}}"#,
+            r#"{"some": {"k": true}}"#,
+            r#"{"some": {"k": true, "\u00e9": false}}"#,
+            r#"{"listed": {"a": 1, "c": 2}}"#,
+            r#"{"listed": {"c": 2, "d": null}}"#,
+            r#"{"listed": {"a": 1, "b": 2, "c": 3}}"#,
+        ] {
+            every_prefix(&g, good);
+        }
+        for bad in [
+            r#"{"lit": {"z": 1}}"#,
+            r#"{"pat": {"abcd": 1}}"#,
+            r#"{"pat": {"A": 1}}"#,
+            r#"{"pat": {"a": "s"}}"#,
+            r#"{"some": {}}"#,
+            r#"{"some": {"a": true, "b": true, "c": true}}"#,
+            r#"{"listed": {"c": 2}}"#,
+            r#"{"listed": {"a": 1, "b": 2, "c": 3, "d": 4}}"#,
+            // After "b" only the required "c" fits in maxProperties 3... and "a", "b", "d" leave no room for it.
+            r#"{"listed": {"a": 1, "b": 2, "d": 4}}"#,
+        ] {
+            assert!(!whole(&g, bad), "{bad} taken");
+        }
+        // A choice that would make minProperties unreachable is refused at once: after {"d" nothing is left to
+        // reach 2 (c, the required one, comes before d).
+        assert!(g
+            .after(JsonState::default(), br#"{"listed": {"d"#)
+            .is_none());
+        assert!(g
+            .after(JsonState::default(), br#"{"listed": {"c": 1}"#)
+            .is_none());
+        random_walks(&g, 0x5EED, 200, 160);
     }
 
     /// From `g`'s start, `steps` times: a byte drawn from those the state takes (or the end, where it is done);

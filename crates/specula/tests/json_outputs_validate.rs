@@ -121,7 +121,7 @@ fn random_schema(rng: &mut Rng, depth: usize) -> Value {
     if depth == 0 {
         return leaf(rng);
     }
-    match rng.below(9) {
+    match rng.below(11) {
         0..=2 => {
             let mut props = serde_json::Map::new();
             for i in 0..rng.below(4) {
@@ -132,9 +132,17 @@ fn random_schema(rng: &mut Rng, depth: usize) -> Value {
                 .filter(|_| rng.below(2) == 0)
                 .cloned()
                 .collect();
+            let listed = props.len();
             let mut o = json!({"type": "object", "properties": props, "required": required});
             if rng.below(2) == 0 {
                 o["additionalProperties"] = json!(false);
+            }
+            // Bounds on the count (some contradict the required ones, and are refused).
+            if rng.below(3) == 0 {
+                o["minProperties"] = json!(rng.below(listed + 1));
+            }
+            if rng.below(3) == 0 {
+                o["maxProperties"] = json!(rng.below(listed + 1));
             }
             o
         }
@@ -186,7 +194,24 @@ fn random_schema(rng: &mut Rng, depth: usize) -> Value {
                 .collect();
             json!({"oneOf": alternatives, "discriminator": {"propertyName": "kind"}})
         }
-        _ => json!({"type": "object", "additionalProperties": random_schema(rng, depth - 1)}),
+        8 => json!({"type": "object", "additionalProperties": random_schema(rng, depth - 1)}),
+        9 => json!({
+            "type": "object",
+            "additionalProperties": random_schema(rng, depth - 1),
+            "propertyNames": *rng.pick(&[
+                json!({"enum": ["k1", "k2", "k3"]}),
+                json!({"maxLength": 2}),
+                json!({"format": "date"}),
+                json!({"pattern": "^[A-Z]"}),
+            ]),
+            "minProperties": rng.below(2),
+            "maxProperties": 1 + rng.below(3)
+        }),
+        _ => json!({
+            "type": "object",
+            "patternProperties": {*rng.pick(&["^[a-z]{1,4}$", "^id_[0-9]+$", "x"]): random_schema(rng, depth - 1)},
+            "minProperties": rng.below(2)
+        }),
     }
 }
 
@@ -305,6 +330,7 @@ fn constrained_outputs_validate_against_their_schemas() {
         "only {texts} finished texts from {compiled} schemas"
     );
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/validate_json.py");
+    eprintln!("{texts} texts from {compiled} of {} schemas", schemas.len());
     let run = Command::new("python3")
         .arg(script)
         .arg(&cases)
