@@ -418,9 +418,12 @@ impl CpuModel {
         let scale = 1.0 / (hd as f32).sqrt();
         let out_ptr = OutPtr(out.as_mut_ptr());
         // A work item is one row's query heads that share a KV head (each key and value then read once for all of
-        // them), or a single head where that would leave the pool too few items (a decode step). Each head's
-        // arithmetic is the same either way (`ops::dot_many` is `ops::dot` per query), so no bit depends on it.
-        let per_item = if places.len() * c.num_kv_heads >= 4 * parallel::threads() {
+        // them), or a single head where that would leave the pool's threads unevenly loaded (a decode step of a
+        // model with 3 KV heads on 2 threads). Each head's arithmetic is the same either way (`ops::dot_many` is
+        // `ops::dot` per query), so no bit depends on it.
+        let kv_items = places.len() * c.num_kv_heads;
+        let threads = parallel::threads();
+        let per_item = if kv_items >= 4 * threads || kv_items.is_multiple_of(threads) {
             group
         } else {
             1
