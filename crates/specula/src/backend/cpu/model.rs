@@ -403,6 +403,9 @@ impl CpuModel {
     /// Attention of every row over its sequence's cache, GQA-aware: a row sees the cached context, and among
     /// its sequence's new rows the earlier ones (a chain) or its ancestors (a tree), always in slot order, so a
     /// row's result does not depend on how many rows the pass has.
+    /// Value rows attention adds up at a time for all of a KV head's query heads (16 rows of 128 floats: 8 KB).
+    const VALUE_BLOCK: usize = 16;
+
     fn attention(
         &self,
         layer: usize,
@@ -465,11 +468,16 @@ impl CpuModel {
                 for head_scores in scores.chunks_exact_mut(n) {
                     ops::softmax(head_scores);
                 }
+                // Values in blocks of slots (in cache for every head), each head's sum over a block held in
+                // registers; every element still sums its slots in order.
                 acc.fill(0.0);
-                for (j, &s) in slots.iter().enumerate() {
-                    let value = &values[s * hd..(s + 1) * hd];
+                for block in (0..n).step_by(Self::VALUE_BLOCK) {
+                    let end = (block + Self::VALUE_BLOCK).min(n);
                     for (i, head_acc) in acc.chunks_exact_mut(hd).enumerate() {
-                        ops::axpy(head_acc, scores[i * n + j], value);
+                        ops::axpy_rows(head_acc, &scores[i * n + block..i * n + end], |j| {
+                            let s = slots[block + j];
+                            &values[s * hd..(s + 1) * hd]
+                        });
                     }
                 }
                 // SAFETY: each (row, head) slice of `out` is written by exactly one work item.
