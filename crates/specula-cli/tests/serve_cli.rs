@@ -480,10 +480,10 @@ fn serve_answers_with_tool_calls_on_a_qwen_model() {
     let (status, resp) = ask(serde_json::json!({
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
-            "patternProperties": {"^c": {"type": "string"}}}}}]}));
+            "properties": {"city": {}}, "dependentRequired": {"city": ["country"]}}}}]}));
     assert_eq!(status, 400, "{resp}");
     assert!(
-        resp.contains("\\\"patternProperties\\\"") && resp.contains("tool_choice"),
+        resp.contains("\\\"dependentRequired\\\"") && resp.contains("tool_choice"),
         "{resp}"
     );
     // The call and its result in the history.
