@@ -28,6 +28,9 @@ use crate::tokenizer::Tokenizer;
 mod byte_dfa;
 mod value_regex;
 
+/// The string `format`s a schema may ask for.
+pub use value_regex::FORMATS;
+
 use byte_dfa::ByteDfa;
 
 /// Frames a state holds at most: each open container takes one, and so does a scalar being written (so at most
@@ -1658,6 +1661,17 @@ impl JsonState {
 impl JsonGrammar {
     /// The state after `bytes`, or None where they leave the language.
     pub fn after(&self, state: JsonState, bytes: &[u8]) -> Option<JsonState> {
+        // One path that does not fork (nearly every token): stepped in place, nothing allocated.
+        if let [one] = state.paths() {
+            let mut p = *one;
+            let mut fork = false;
+            if bytes.iter().all(|&b| self.step(&mut p, b, &mut fork)) {
+                return Some(JsonState::from_paths(&[p]));
+            }
+            if !fork {
+                return None;
+            }
+        }
         let mut all = Vec::with_capacity(state.count as usize);
         let (mut paths, mut scratch) = (Vec::new(), Vec::new());
         for &start in state.paths() {
@@ -1958,25 +1972,25 @@ impl JsonGrammar {
                 Phase::ObjectOpen | Phase::KeyNext => {
                     let o = self.object(f.node);
                     let written = written_properties(o, &f);
-                    return match b {
-                        b'"' if o.any_keys.is_some() && !o.takes_another_key(written) => false,
-                        b'"' if o.any_keys.is_some() && o.key.is_some() => {
+                    return match (b, o.key) {
+                        (b'"', _) if o.any_keys.is_some() && !o.takes_another_key(written) => false,
+                        (b'"', Some(key)) if o.any_keys.is_some() => {
                             // The key is a value of its own node, read in a frame above this one; the object
                             // takes the colon once that frame closes.
                             s.top().phase = Phase::Colon;
-                            if !s.push(o.key.expect("checked")) {
+                            if !s.push(key) {
                                 return false;
                             }
                             continue;
                         }
-                        b'"' if o.any_keys.is_some() => {
+                        (b'"', None) if o.any_keys.is_some() => {
                             let top = s.top();
                             top.phase = Phase::Key;
                             top.sub = ESC_NONE;
                             top.aux = 0;
                             true
                         }
-                        b'"' => match (o.keys.child(0, b), o.key_range(f.count, written)) {
+                        (b'"', _) => match (o.keys.child(0, b), o.key_range(f.count, written)) {
                             (Some(c), Some(range)) if o.keys.leads_to(c, range) => {
                                 let top = s.top();
                                 top.phase = Phase::Key;
@@ -1985,7 +1999,9 @@ impl JsonGrammar {
                             }
                             _ => false,
                         },
-                        b'}' if f.phase == Phase::ObjectOpen && o.may_close(f.count, written) => {
+                        (b'}', _)
+                            if f.phase == Phase::ObjectOpen && o.may_close(f.count, written) =>
+                        {
                             s.pop()
                         }
                         _ => false,
@@ -3248,10 +3264,9 @@ mod tests {
         random_walks(&g, 0x5EED, 200, 160);
     }
 
-    /// From `g`'s start, `steps` times: a byte drawn from those the state takes (or the end, where it is done);
-    /// asserts there always is one, so that a state never leads nowhere.
+    /// `walks` random byte walks through `g` (`testing::random_json_walk`; a dead end fails the test): the
+    /// finished ones must parse as JSON. Returns how many finished.
     fn random_walks(g: &JsonGrammar, seed: u64, walks: usize, steps: usize) -> usize {
-        let mut finished = 0;
         let mut x = seed;
         let mut next = move || {
             x ^= x << 13;
@@ -3260,41 +3275,20 @@ mod tests {
             x as usize
         };
         let alphabet: Vec<u8> = (0x20..0x7f).chain([b'\n']).collect();
+        let mut finished = 0;
         for _ in 0..walks {
-            let mut state = JsonState::default();
-            let mut text = Vec::new();
-            for _ in 0..steps {
-                if state.is_done() {
-                    break;
-                }
-                let options: Vec<(u8, JsonState)> = alphabet
-                    .iter()
-                    .filter_map(|&b| g.after(state, &[b]).map(|s| (b, s)))
-                    .collect();
+            let walked = crate::testing::random_json_walk(g, &mut next, steps, &alphabet);
+            let Some(text) = walked.unwrap_or_else(|e| panic!("{e}")) else {
+                continue;
+            };
+            finished += 1;
+            // (serde_json refuses exponents past f64's range, which JSON's grammar allows.)
+            if let Err(e) = serde_json::from_slice::<Value>(&text) {
                 assert!(
-                    !options.is_empty(),
-                    "dead end after {:?}",
+                    e.to_string().contains("number out of range"),
+                    "{:?} is not JSON: {e}",
                     String::from_utf8_lossy(&text)
                 );
-                // Favor closing brackets and quotes now and then so that walks finish.
-                let pick = options
-                    .iter()
-                    .position(|&(b, _)| matches!(b, b'}' | b']' | b'"') && next() % 3 == 0)
-                    .unwrap_or(next() % options.len());
-                text.push(options[pick].0);
-                state = options[pick].1;
-                assert!(state.count as usize <= MAX_PATHS);
-            }
-            if state.is_done() {
-                finished += 1;
-                // (serde_json refuses exponents past f64's range, which JSON's grammar allows.)
-                if let Err(e) = serde_json::from_slice::<Value>(&text) {
-                    assert!(
-                        e.to_string().contains("number out of range"),
-                        "{:?} is not JSON: {e}",
-                        String::from_utf8_lossy(&text)
-                    );
-                }
             }
         }
         finished

@@ -753,3 +753,40 @@ pub fn adjusted_greedy_reference(
     }
     Ok(out)
 }
+
+/// A text `grammar` takes, written one byte at a time: each byte drawn (by `next`, any source of random numbers)
+/// from those of `alphabet` the state takes, closing brackets and quotes likelier as the walk goes on so most
+/// walks finish. Ok(Some(text)) once the value is complete, Ok(None) where `steps` bytes did not complete it, and
+/// Err naming the prefix where no byte of `alphabet` continues it (a dead end the grammar must never have).
+pub fn random_json_walk(
+    grammar: &crate::json_mode::JsonGrammar,
+    next: &mut impl FnMut() -> usize,
+    steps: usize,
+    alphabet: &[u8],
+) -> Result<Option<Vec<u8>>, String> {
+    use crate::json_mode::JsonState;
+    let mut state = JsonState::default();
+    let mut text = Vec::new();
+    for step in 0..steps {
+        if state.is_done() {
+            break;
+        }
+        let options: Vec<(u8, JsonState)> = alphabet
+            .iter()
+            .filter_map(|&b| grammar.after(state, &[b]).map(|s| (b, s)))
+            .collect();
+        if options.is_empty() {
+            return Err(format!(
+                "dead end after {:?}",
+                String::from_utf8_lossy(&text)
+            ));
+        }
+        let closing = options
+            .iter()
+            .position(|&(b, _)| matches!(b, b'}' | b']' | b'"') && next() % steps < step + 8);
+        let (b, after) = options[closing.unwrap_or_else(|| next() % options.len())];
+        text.push(b);
+        state = after;
+    }
+    Ok(state.is_done().then_some(text))
+}

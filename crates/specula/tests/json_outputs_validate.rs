@@ -8,7 +8,7 @@ use std::io::Write;
 use std::process::Command;
 
 use serde_json::{json, Value};
-use specula::json_mode::{JsonGrammar, JsonState};
+use specula::json_mode::JsonGrammar;
 
 struct Rng(u64);
 
@@ -39,32 +39,9 @@ fn alphabet() -> Vec<u8> {
 
 /// A text the grammar takes whole, from random bytes (None where the walk did not finish in `steps` bytes).
 fn walk(g: &JsonGrammar, rng: &mut Rng, steps: usize, alphabet: &[u8]) -> Option<String> {
-    let mut state = JsonState::default();
-    let mut text = Vec::new();
-    for step in 0..steps {
-        if state.is_done() {
-            break;
-        }
-        let options: Vec<(u8, JsonState)> = alphabet
-            .iter()
-            .filter_map(|&b| g.after(state, &[b]).map(|s| (b, s)))
-            .collect();
-        assert!(
-            !options.is_empty(),
-            "dead end after {:?}",
-            String::from_utf8_lossy(&text)
-        );
-        // Closing brackets and quotes grow likelier as the walk goes on, so that most walks finish.
-        let closing = options
-            .iter()
-            .position(|&(b, _)| matches!(b, b'}' | b']' | b'"') && rng.below(steps) < step + 8);
-        let (b, next) = options[closing.unwrap_or_else(|| rng.below(options.len()))];
-        text.push(b);
-        state = next;
-    }
-    state
-        .is_done()
-        .then(|| String::from_utf8(text).expect("the grammar writes UTF-8"))
+    let text = specula::testing::random_json_walk(g, &mut || rng.next(), steps, alphabet)
+        .unwrap_or_else(|e| panic!("{e}"))?;
+    Some(String::from_utf8(text).expect("the grammar writes UTF-8"))
 }
 
 const PATTERNS: &[&str] = &[
@@ -85,18 +62,7 @@ fn random_schema(rng: &mut Rng, depth: usize) -> Value {
             }
             2 => json!({"type": "string", "pattern": rng.pick(PATTERNS)}),
             3 => {
-                let format = *rng.pick(&[
-                    "date-time",
-                    "date",
-                    "time",
-                    "duration",
-                    "email",
-                    "hostname",
-                    "ipv4",
-                    "ipv6",
-                    "uuid",
-                    "uri",
-                ]);
+                let format = *rng.pick(specula::json_mode::FORMATS);
                 json!({"type": "string", "format": format})
             }
             4 => json!({"type": "integer"}),

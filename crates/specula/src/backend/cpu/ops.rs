@@ -373,17 +373,12 @@ mod tests {
     /// of queries, lengths with and without a tail, a zero query and all-negative keys.
     #[test]
     fn dot_many_is_dot_for_each_query_bit_for_bit() {
-        let mut seed = 7u64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
-        };
+        use crate::testing::pseudo_random;
         for len in [8, 64, 128, 12] {
             for count in 1..=9 {
-                let mut queries: Vec<f32> = (0..count * len).map(|_| next()).collect();
-                let key: Vec<f32> = (0..len).map(|_| next()).collect();
+                let seed = (len * 16 + count) as u64;
+                let mut queries = pseudo_random(count * len, seed);
+                let key = pseudo_random(len, seed + 1000);
                 queries[..len].fill(0.0);
                 let neg: Vec<f32> = key.iter().map(|k| -k.abs() - 1.0).collect();
                 for key in [&key, &neg] {
@@ -406,20 +401,15 @@ mod tests {
     /// for lengths of whole 64-float groups, part groups and a scalar tail.
     #[test]
     fn axpy_rows_is_axpy_row_after_row_bit_for_bit() {
-        let mut seed = 11u64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
-        };
+        use crate::testing::pseudo_random;
         for len in [128, 64, 96, 8, 13, 3] {
             for count in [1, 2, 7, 16] {
+                let seed = (len * 32 + count) as u64;
                 let rows: Vec<Vec<f32>> = (0..count)
-                    .map(|_| (0..len).map(|_| next()).collect())
+                    .map(|j| pseudo_random(len, seed + 1000 * j as u64))
                     .collect();
-                let weights: Vec<f32> = (0..count).map(|_| next()).collect();
-                let start: Vec<f32> = (0..len).map(|_| next()).collect();
+                let weights = pseudo_random(count, seed + 7);
+                let start = pseudo_random(len, seed + 13);
                 let mut expected = start.clone();
                 for (w, r) in weights.iter().zip(&rows) {
                     axpy(&mut expected, *w, r);
