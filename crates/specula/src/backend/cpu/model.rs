@@ -422,7 +422,7 @@ impl CpuModel {
         let out_ptr = OutPtr(out.as_mut_ptr());
         // A work item is one row's query heads that share a KV head (each key and value then read once for all of
         // them), or a single head where that would leave the pool's threads unevenly loaded (a decode step of a
-        // model with 3 KV heads on 2 threads). Each head's arithmetic is the same either way (`ops::dot_many` is
+        // model with 3 KV heads on 2 threads). Each head's arithmetic is the same either way (`ops::scores` is
         // `ops::dot` per query), so no bit depends on it.
         let kv_items = places.len() * c.num_kv_heads;
         let threads = parallel::threads();
@@ -436,7 +436,6 @@ impl CpuModel {
             let out_ptr = &out_ptr;
             let mut scores = Vec::new();
             let mut acc = vec![0f32; per_item * hd];
-            let mut dots = vec![0f32; per_item];
             let mut slots = Vec::new();
             for item in items {
                 let (row, first_head) = (item / items_per_row, item % items_per_row * per_item);
@@ -459,12 +458,15 @@ impl CpuModel {
                 // Scores head by head: head i's at i * n.
                 scores.clear();
                 scores.resize(per_item * n, 0.0);
-                for (j, &s) in slots.iter().enumerate() {
-                    ops::dot_many(qs, &keys[s * hd..(s + 1) * hd], &mut dots);
-                    for (i, &d) in dots.iter().enumerate() {
-                        scores[i * n + j] = d * scale;
-                    }
-                }
+                ops::scores(
+                    qs,
+                    hd,
+                    n,
+                    |j| &keys[slots[j] * hd..(slots[j] + 1) * hd],
+                    scale,
+                    &mut scores,
+                    n,
+                );
                 for head_scores in scores.chunks_exact_mut(n) {
                     ops::softmax(head_scores);
                 }

@@ -20,71 +20,149 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// `out[i] = dot(queries[i * len..(i + 1) * len], key)` for the queries stored back to back (`len` = `key.len()`),
-/// each bitwise what [`dot`] gives (the same eight lanes, the same order): the key is loaded once for all of them.
+/// Attention scores: `out[i * stride + j] = dot(query i, key(j)) * scale` for the queries stored back to back in
+/// `queries` (each `len` long) and keys `0..n_keys`, every dot bitwise what [`dot`] gives (the same eight lanes,
+/// the same order). Where the build has AVX2 and `len` is a multiple of 8, dots go eight at a time (two queries
+/// by four keys, or one query by eight), their eight-lane sums folded together by one transposing reduction
+/// instead of one horizontal sum each.
 #[inline]
-pub fn dot_many(queries: &[f32], key: &[f32], out: &mut [f32]) {
-    let len = key.len();
-    debug_assert_eq!(queries.len(), out.len() * len);
-    if !len.is_multiple_of(8) {
-        for (o, q) in out.iter_mut().zip(queries.chunks_exact(len)) {
-            *o = dot(q, key);
+pub fn scores<'a>(
+    queries: &[f32],
+    len: usize,
+    n_keys: usize,
+    key: impl Fn(usize) -> &'a [f32],
+    scale: f32,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let nq = queries.len() / len.max(1);
+    if nq == 0 || n_keys == 0 {
+        return;
+    }
+    debug_assert!((nq - 1) * stride + n_keys <= out.len());
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    if len.is_multiple_of(8) {
+        // Keys outer (a tile of keys stays in L1 for every query), queries in pairs, a last odd one alone.
+        let pairs = nq / 2;
+        let mut j = 0;
+        while j < n_keys {
+            let left = n_keys - j;
+            let keys_now = if pairs > 0 { left.min(4) } else { 0 };
+            for p in 0..pairs {
+                let (q, o) = (&queries[2 * p * len..], &mut out[2 * p * stride..]);
+                match keys_now {
+                    1 => tile::<2, 1>(q, len, &key, j, scale, o, stride),
+                    2 => tile::<2, 2>(q, len, &key, j, scale, o, stride),
+                    3 => tile::<2, 3>(q, len, &key, j, scale, o, stride),
+                    _ => tile::<2, 4>(q, len, &key, j, scale, o, stride),
+                }
+            }
+            let step = if nq % 2 == 1 {
+                let (q, o) = (&queries[(nq - 1) * len..], &mut out[(nq - 1) * stride..]);
+                // The odd query takes as many keys as the pairs did, or eight when it is alone.
+                let take = if pairs > 0 { keys_now } else { left.min(8) };
+                match take {
+                    1 => tile::<1, 1>(q, len, &key, j, scale, o, stride),
+                    2 => tile::<1, 2>(q, len, &key, j, scale, o, stride),
+                    3 => tile::<1, 3>(q, len, &key, j, scale, o, stride),
+                    4 => tile::<1, 4>(q, len, &key, j, scale, o, stride),
+                    5 => tile::<1, 5>(q, len, &key, j, scale, o, stride),
+                    6 => tile::<1, 6>(q, len, &key, j, scale, o, stride),
+                    7 => tile::<1, 7>(q, len, &key, j, scale, o, stride),
+                    _ => tile::<1, 8>(q, len, &key, j, scale, o, stride),
+                }
+                take
+            } else {
+                keys_now
+            };
+            j += step;
         }
         return;
     }
-    // Up to four queries at a time keep their lanes in registers beside the key's.
-    let mut done = 0;
-    while done < out.len() {
-        let q = &queries[done * len..];
-        let o = &mut out[done..];
-        done += match o.len() {
-            1 => dot_block::<1>(q, key, o),
-            2 => dot_block::<2>(q, key, o),
-            3 => dot_block::<3>(q, key, o),
-            _ => dot_block::<4>(q, key, o),
-        };
+    for i in 0..nq {
+        let q = &queries[i * len..(i + 1) * len];
+        for j in 0..n_keys {
+            out[i * stride + j] = dot(q, key(j)) * scale;
+        }
     }
 }
 
-/// [`dot`] of the first `G` queries of `queries` (each `key.len()` long, a multiple of 8) with `key`; returns `G`.
+/// Dots of queries `0..Q` (back to back in `queries`, each `len` long, a multiple of 8) with keys `from..from + K`,
+/// times `scale`, into `out[i * stride + from + k]`; each dot bitwise [`dot`]'s. Q * K <= 8.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
 #[inline(always)]
-fn dot_block<const G: usize>(queries: &[f32], key: &[f32], out: &mut [f32]) -> usize {
-    let len = key.len();
-    let q = &queries[..G * len];
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-    // SAFETY: AVX2 is on at build time; every load is within `q` (G * len) or `key` (len), len a multiple of 8.
-    let acc: [[f32; 8]; G] = unsafe {
-        use std::arch::x86_64::*;
-        let mut acc = [_mm256_setzero_ps(); G];
+fn tile<'a, const Q: usize, const K: usize>(
+    queries: &[f32],
+    len: usize,
+    key: &impl Fn(usize) -> &'a [f32],
+    from: usize,
+    scale: f32,
+    out: &mut [f32],
+    stride: usize,
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(Q * K <= 8 && queries.len() >= Q * len);
+    let keys: [&[f32]; K] = std::array::from_fn(|k| {
+        let row = key(from + k);
+        assert_eq!(row.len(), len, "a key's length differs from the queries'");
+        row
+    });
+    // SAFETY: AVX2 is on at build time; every load lies within `queries` (Q * len floats, checked above) or a key
+    // (len floats, checked), len a multiple of 8.
+    let sums: [f32; 8] = unsafe {
+        let mut acc = [[_mm256_setzero_ps(); K]; Q];
         for c in 0..len / 8 {
-            let y = _mm256_loadu_ps(key.as_ptr().add(c * 8));
-            for (i, a) in acc.iter_mut().enumerate() {
-                let x = _mm256_loadu_ps(q.as_ptr().add(i * len + c * 8));
-                // A multiply then an add (no fused form), as `dot` rounds them.
-                *a = _mm256_add_ps(*a, _mm256_mul_ps(x, y));
-            }
-        }
-        acc.map(|a| std::mem::transmute::<__m256, [f32; 8]>(a))
-    };
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
-    let acc = {
-        let mut acc = [[0f32; 8]; G];
-        for c in 0..len / 8 {
-            let y = &key[c * 8..c * 8 + 8];
-            for (i, a) in acc.iter_mut().enumerate() {
-                let x = &q[i * len + c * 8..i * len + c * 8 + 8];
-                for l in 0..8 {
-                    a[l] += x[l] * y[l];
+            let qv: [__m256; Q] =
+                std::array::from_fn(|i| _mm256_loadu_ps(queries.as_ptr().add(i * len + c * 8)));
+            for k in 0..K {
+                let kv = _mm256_loadu_ps(keys[k].as_ptr().add(c * 8));
+                for i in 0..Q {
+                    // A multiply then an add (no fused form), as `dot` rounds them.
+                    acc[i][k] = _mm256_add_ps(acc[i][k], _mm256_mul_ps(qv[i], kv));
                 }
             }
         }
-        acc
+        let mut all = [_mm256_setzero_ps(); 8];
+        for i in 0..Q {
+            for k in 0..K {
+                all[i * K + k] = acc[i][k];
+            }
+        }
+        std::mem::transmute::<__m256, [f32; 8]>(lane_sums(all))
     };
-    for (o, a) in out[..G].iter_mut().zip(&acc) {
-        // `+ 0.0` is `dot`'s empty tail (it turns a -0.0 sum into +0.0 there too).
-        *o = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + 0.0;
+    for i in 0..Q {
+        for k in 0..K {
+            out[i * stride + from + k] = sums[i * K + k] * scale;
+        }
     }
-    G
+}
+
+/// Lane v of the result is `((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + 0.0` of vector
+/// v's lanes: [`dot`]'s closing sum of eight vectors at once (the halves added, then two rounds of pairwise adds;
+/// float addition is commutative, so each lane's sum is bitwise `dot`'s).
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+#[inline(always)]
+unsafe fn lane_sums(a: [std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only AVX operations; AVX2 is on at build time.
+    unsafe {
+        // [lo(x) + hi(x) | lo(y) + hi(y)]: lanes (0+4, 1+5, 2+6, 3+7) of x, then of y.
+        let halves = |x: __m256, y: __m256| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(x, y),
+                _mm256_permute2f128_ps::<0x31>(x, y),
+            )
+        };
+        let (h04, h15, h26, h37) = (
+            halves(a[0], a[4]),
+            halves(a[1], a[5]),
+            halves(a[2], a[6]),
+            halves(a[3], a[7]),
+        );
+        let pairs_0145 = _mm256_hadd_ps(h04, h15);
+        let pairs_2367 = _mm256_hadd_ps(h26, h37);
+        _mm256_add_ps(_mm256_hadd_ps(pairs_0145, pairs_2367), _mm256_setzero_ps())
+    }
 }
 
 /// `out += weights[j] * rows(j)` for j in order: bitwise [`axpy`] called row after row, with `out` held in
@@ -368,29 +446,48 @@ mod tests {
         assert!((dot(&a, &b) - naive).abs() < 1e-4);
     }
 
-    /// A key against several queries at once gives each query bitwise its own `dot` (attention groups the heads
-    /// that share a KV head only when a pass has enough rows, so batch invariance rests on this), for every count
-    /// of queries, lengths with and without a tail, a zero query and all-negative keys.
+    /// Attention scores, dots taken eight at a time, are bitwise `dot` times the scale for every count of
+    /// queries and keys (whole tiles and every remainder), lengths with and without a tail, zero queries (a -0.0
+    /// sum must come out +0.0, as `dot`'s does) and all-negative keys; cells outside the queries' rows untouched.
     #[test]
-    fn dot_many_is_dot_for_each_query_bit_for_bit() {
+    fn scores_are_dot_times_scale_bit_for_bit() {
         use crate::testing::pseudo_random;
-        for len in [8, 64, 128, 12] {
-            for count in 1..=9 {
-                let seed = (len * 16 + count) as u64;
-                let mut queries = pseudo_random(count * len, seed);
-                let key = pseudo_random(len, seed + 1000);
-                queries[..len].fill(0.0);
-                let neg: Vec<f32> = key.iter().map(|k| -k.abs() - 1.0).collect();
-                for key in [&key, &neg] {
-                    let mut out = vec![f32::NAN; count];
-                    dot_many(&queries, key, &mut out);
-                    for (i, &o) in out.iter().enumerate() {
-                        let one = dot(&queries[i * len..(i + 1) * len], key);
-                        assert_eq!(
-                            o.to_bits(),
-                            one.to_bits(),
-                            "len {len}, {count} queries, query {i}"
-                        );
+        for len in [128, 64, 8, 12] {
+            for nq in 0..=7 {
+                for n_keys in [0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 19] {
+                    let seed = (len * 1000 + nq * 50 + n_keys) as u64;
+                    let mut queries = pseudo_random(nq * len, seed);
+                    queries[..len.min(nq * len)].fill(0.0);
+                    let mut keys = pseudo_random(n_keys * len, seed + 1);
+                    for v in &mut keys[len.min((n_keys * len).saturating_sub(len))..] {
+                        *v = -v.abs() - 0.5;
+                    }
+                    let stride = n_keys + 3;
+                    let mut out = vec![f32::NAN; nq * stride];
+                    scores(
+                        &queries,
+                        len,
+                        n_keys,
+                        |j| &keys[j * len..(j + 1) * len],
+                        0.125,
+                        &mut out,
+                        stride,
+                    );
+                    for i in 0..nq {
+                        for j in 0..n_keys {
+                            let want = dot(
+                                &queries[i * len..(i + 1) * len],
+                                &keys[j * len..(j + 1) * len],
+                            ) * 0.125;
+                            assert_eq!(
+                                out[i * stride + j].to_bits(),
+                                want.to_bits(),
+                                "len {len}, {nq} queries, {n_keys} keys: query {i} key {j}"
+                            );
+                        }
+                        assert!(out[i * stride + n_keys..(i + 1) * stride]
+                            .iter()
+                            .all(|v| v.is_nan()));
                     }
                 }
             }
