@@ -124,12 +124,18 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub ignore_eos: bool,
     /// JSON mode: the output is one JSON object (the server's `response_format` `json_object`).
-    #[arg(long, conflicts_with = "json_schema")]
+    #[arg(long, conflicts_with_all = ["json_schema", "regex", "choice"])]
     pub json_object: bool,
     /// The output is one JSON object matching the JSON Schema in FILE (the server's `response_format`
     /// `json_schema`; the subset docs/serving.md lists).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "choice"])]
     pub json_schema: Option<std::path::PathBuf>,
+    /// The output matches this regex whole (Rust regex syntax; the server's `guided_regex` / `regex`).
+    #[arg(long, value_name = "REGEX", conflicts_with = "choice")]
+    pub regex: Option<String>,
+    /// The output is exactly one of these texts (repeat the flag; the server's `guided_choice`).
+    #[arg(long, value_name = "TEXT")]
+    pub choice: Vec<String>,
     /// Profiling detail: off, phases (default), or fine (adds per-layer attention/MLP spans).
     #[arg(long, value_enum, default_value_t = ProfileLevel::Phases)]
     pub profile: ProfileLevel,
@@ -617,7 +623,11 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
             )
         }
         (None, true) => Some(specula::json_mode::JsonGrammar::any_object()),
-        (None, false) => None,
+        (None, false) => match (&args.regex, args.choice.is_empty()) {
+            (Some(regex), _) => Some(specula::json_mode::JsonGrammar::from_regex(regex)?),
+            (None, false) => Some(specula::json_mode::JsonGrammar::from_choices(&args.choice)?),
+            (None, true) => None,
+        },
     };
     let req = GenerateRequest {
         prompt_tokens,

@@ -231,7 +231,7 @@ fn draft_with_another_vocabulary_is_refused() {
 
 /// `--json-object` and `--json-schema` on a real model: the answer is one JSON object (of the schema's shape; cut
 /// by -n, a prefix of one), and prompt lookup keeps it token for token. A schema the grammar cannot enforce is an
-/// error naming the keyword.
+/// error naming the keyword. `--regex` and `--choice` the same way.
 #[test]
 fn json_modes_answer_json_and_speculation_keeps_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -306,4 +306,31 @@ fn json_modes_answer_json_and_speculation_keeps_it() {
         !ok && stderr.contains("\"dependentRequired\"") && stderr.contains("cat.json"),
         "{stderr}"
     );
+    // `--regex` and `--choice`: the answer matches whole (or, cut by -n, begins a match), prompt lookup keeps it.
+    let choices = ["Tom is a cat", "Tom is a dog", "no idea"];
+    for (mode, grammar) in [
+        (
+            vec!["--regex", "Tom(, aged [0-9]+)?( is a (cat|dog))?"],
+            specula::json_mode::JsonGrammar::from_regex("Tom(, aged [0-9]+)?( is a (cat|dog))?")
+                .unwrap(),
+        ),
+        (
+            choices.iter().flat_map(|c| ["--choice", c]).collect(),
+            specula::json_mode::JsonGrammar::from_choices(&choices.map(String::from)).unwrap(),
+        ),
+    ] {
+        let (ok, plain, stderr) = run(&mode);
+        assert!(ok, "{stderr}");
+        let text = plain.trim_end_matches('\n');
+        let state = grammar.after(specula::json_mode::JsonState::default(), text.as_bytes());
+        assert!(
+            state.is_some_and(|s| grammar.may_end(s)),
+            "{mode:?}: {text:?} is not a whole match"
+        );
+        let mut drafted = mode.clone();
+        drafted.extend(["--draft", "ngram"]);
+        assert_eq!(run(&drafted).1, plain, "{mode:?}");
+    }
+    let (ok, _, stderr) = run(&["--regex", "(?<=a)b"]);
+    assert!(!ok && stderr.contains("look-around"), "{stderr}");
 }

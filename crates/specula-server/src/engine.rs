@@ -451,7 +451,36 @@ impl Engine {
                 })
                 .clone());
         };
-        let key = schema.to_string();
+        self.kept_constraint(schema.to_string(), || JsonGrammar::from_schema(schema))
+    }
+
+    /// The constraint for output that matches `regex` whole, shared like a schema's.
+    pub fn regex_constraint(
+        &self,
+        regex: &str,
+    ) -> specula::Result<Arc<specula::json_mode::JsonConstraint>> {
+        self.kept_constraint(format!("regex:{regex}"), || {
+            specula::json_mode::JsonGrammar::from_regex(regex)
+        })
+    }
+
+    /// The constraint for output that is exactly one of `choices`, shared like a schema's.
+    pub fn choice_constraint(
+        &self,
+        choices: &[String],
+    ) -> specula::Result<Arc<specula::json_mode::JsonConstraint>> {
+        let key = format!("choice:{}", serde_json::Value::from(choices.to_vec()));
+        self.kept_constraint(key, || {
+            specula::json_mode::JsonGrammar::from_choices(choices)
+        })
+    }
+
+    /// A constraint kept by `key` (at most `JSON_SCHEMAS_KEPT`), built on first use.
+    fn kept_constraint(
+        &self,
+        key: String,
+        build: impl FnOnce() -> specula::Result<specula::json_mode::JsonGrammar>,
+    ) -> specula::Result<Arc<specula::json_mode::JsonConstraint>> {
         if let Some(c) = self
             .json_schemas
             .lock()
@@ -460,8 +489,7 @@ impl Engine {
         {
             return Ok(c.clone());
         }
-        let constraint =
-            JsonConstraint::new(JsonGrammar::from_schema(schema)?, self.json_vocabulary());
+        let constraint = specula::json_mode::JsonConstraint::new(build()?, self.json_vocabulary());
         let mut kept = self.json_schemas.lock().unwrap_or_else(|e| e.into_inner());
         if kept.len() >= JSON_SCHEMAS_KEPT {
             kept.clear();

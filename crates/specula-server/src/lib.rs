@@ -863,11 +863,7 @@ fn adjustments(
         }
         Some(_) => return Err(bad_bias()),
     }
-    match response_format(o)? {
-        ResponseFormat::Text => {}
-        ResponseFormat::JsonObject => a.json = Some(engine_json(state, None)?),
-        ResponseFormat::JsonSchema(schema) => a.json = Some(engine_json(state, Some(&schema))?),
-    }
+    a.json = output_constraint(state, o)?;
     a.validate(state.engine.vocab_size).map_err(|e| {
         let message = e.to_string();
         let param = [
@@ -930,16 +926,184 @@ fn response_format(o: &serde_json::Map<String, Value>) -> Result<ResponseFormat,
     }
 }
 
-/// The engine's JSON constraint for a request, a schema's errors as 400s naming response_format.
-fn engine_json(
-    state: &AppState,
-    schema: Option<&Value>,
-) -> Result<Arc<specula::json_mode::JsonConstraint>, ApiError> {
-    state
-        .engine
-        .json_constraint(schema)
-        .map_err(|e| ApiError::bad(e.to_string(), Some("response_format")))
+/// What a request constrains its output to, and the field that asked.
+enum OutputShape {
+    JsonObject,
+    JsonSchema(Value),
+    Regex(String),
+    Choices(Vec<String>),
 }
+
+/// The output constraint a request asks for, under any of the names clients use: OpenAI's `response_format`;
+/// vLLM's `guided_json` / `guided_regex` / `guided_choice` and `structured_outputs` {`json`, `regex`, `choice`,
+/// `json_object`}; SGLang's `regex` and `json_schema`; llama.cpp's `json_schema`. At most one may be given.
+/// Grammars (`guided_grammar`, `structured_outputs.grammar`, SGLang's `ebnf`, llama.cpp's GBNF `grammar`) are
+/// refused by name: answering without them would be a silently different answer.
+fn output_constraint(
+    state: &AppState,
+    o: &serde_json::Map<String, Value>,
+) -> Result<Option<Arc<specula::json_mode::JsonConstraint>>, ApiError> {
+    let mut asked: Vec<(&'static str, OutputShape)> = Vec::new();
+    match response_format(o)? {
+        ResponseFormat::Text => {}
+        ResponseFormat::JsonObject => asked.push(("response_format", OutputShape::JsonObject)),
+        ResponseFormat::JsonSchema(schema) => {
+            asked.push(("response_format", OutputShape::JsonSchema(schema)))
+        }
+    }
+    let present = |key: &str| o.get(key).filter(|v| !v.is_null());
+    for key in ["guided_grammar", "ebnf", "grammar"] {
+        if present(key).is_some_and(|v| v.as_str() != Some("")) {
+            return Err(ApiError::bad(
+                format!(
+                    "{key} is not supported by this server: grammars are not enforced; constrain the output with \
+                     response_format (JSON Schema), guided_regex / regex, or guided_choice"
+                ),
+                Some(key),
+            ));
+        }
+    }
+    for (key, field) in [
+        ("guided_json", "guided_json"),
+        ("json_schema", "json_schema"),
+    ] {
+        if let Some(v) = present(key) {
+            asked.push((field, OutputShape::JsonSchema(schema_value(v, field)?)));
+        }
+    }
+    for (key, field) in [("guided_regex", "guided_regex"), ("regex", "regex")] {
+        if let Some(v) = present(key) {
+            asked.push((field, OutputShape::Regex(regex_value(v, field)?)));
+        }
+    }
+    if let Some(v) = present("guided_choice") {
+        asked.push((
+            "guided_choice",
+            OutputShape::Choices(choices_value(v, "guided_choice")?),
+        ));
+    }
+    if let Some(v) = present("structured_outputs") {
+        let Some(so) = v.as_object() else {
+            return Err(ApiError::bad(
+                "structured_outputs must be an object with one of json, regex, choice or json_object",
+                Some("structured_outputs"),
+            ));
+        };
+        for (key, value) in so.iter().filter(|(_, v)| !v.is_null()) {
+            let field = "structured_outputs";
+            let shape = match key.as_str() {
+                "json" => OutputShape::JsonSchema(schema_value(value, "structured_outputs.json")?),
+                "regex" => OutputShape::Regex(regex_value(value, "structured_outputs.regex")?),
+                "choice" => OutputShape::Choices(choices_value(value, "structured_outputs.choice")?),
+                "json_object" if value.as_bool() == Some(true) => OutputShape::JsonObject,
+                "json_object" if value.as_bool() == Some(false) => continue,
+                "grammar" | "structural_tag" => {
+                    return Err(ApiError::bad(
+                        format!("structured_outputs.{key} is not supported by this server: use json, regex or choice"),
+                        Some(field),
+                    ))
+                }
+                // Options of how a constraint is enforced, not what it is.
+                "backend" | "disable_fallback" | "disable_any_whitespace" | "disable_additional_properties"
+                | "whitespace_pattern" => continue,
+                other => {
+                    return Err(ApiError::bad(
+                        format!("structured_outputs.{other} is not known; use json, regex, choice or json_object"),
+                        Some(field),
+                    ))
+                }
+            };
+            asked.push((field, shape));
+        }
+    }
+    let (field, shape) = match asked.len() {
+        0 => return Ok(None),
+        1 => asked.pop().expect("one asked"),
+        _ => {
+            return Err(ApiError::bad(
+                format!(
+                    "{} and {} both constrain the output; give one",
+                    asked[0].0, asked[1].0
+                ),
+                Some(asked[1].0),
+            ))
+        }
+    };
+    let engine = &state.engine;
+    let built = match &shape {
+        OutputShape::JsonObject => engine.json_constraint(None),
+        OutputShape::JsonSchema(schema) => engine.json_constraint(Some(schema)),
+        OutputShape::Regex(regex) => engine.regex_constraint(regex),
+        OutputShape::Choices(choices) => engine.choice_constraint(choices),
+    };
+    built.map(Some).map_err(|e| {
+        // response_format's errors read as before (their text names json_schema).
+        let message = match field {
+            "response_format" => e.to_string(),
+            _ => format!("{field}: {e}"),
+        };
+        ApiError::bad(message, Some(field))
+    })
+}
+
+/// A JSON Schema given as an object (or `true` / `false`), or as a string holding one (vLLM and SGLang accept both).
+fn schema_value(v: &Value, field: &'static str) -> Result<Value, ApiError> {
+    match v {
+        Value::Object(_) | Value::Bool(_) => Ok(v.clone()),
+        Value::String(text) => match serde_json::from_str::<Value>(text) {
+            Ok(schema @ (Value::Object(_) | Value::Bool(_))) => Ok(schema),
+            Ok(_) => Err(ApiError::bad(
+                format!("{field} must hold a JSON Schema object"),
+                Some(field),
+            )),
+            Err(e) => Err(ApiError::bad(
+                format!("{field} is a string that is not JSON: {e}"),
+                Some(field),
+            )),
+        },
+        other => Err(ApiError::bad(
+            format!("{field} must be a JSON Schema object, got {other}"),
+            Some(field),
+        )),
+    }
+}
+
+fn regex_value(v: &Value, field: &'static str) -> Result<String, ApiError> {
+    match v.as_str() {
+        Some(regex) if regex.len() <= MAX_REGEX_BYTES => Ok(regex.to_string()),
+        Some(regex) => Err(ApiError::bad(
+            format!(
+                "{field} is {} bytes long; at most {MAX_REGEX_BYTES} are taken",
+                regex.len()
+            ),
+            Some(field),
+        )),
+        None => Err(ApiError::bad(
+            format!("{field} must be a string (a regex)"),
+            Some(field),
+        )),
+    }
+}
+
+fn choices_value(v: &Value, field: &'static str) -> Result<Vec<String>, ApiError> {
+    let bad = || ApiError::bad(format!("{field} must be a list of strings"), Some(field));
+    let list = v.as_array().ok_or_else(bad)?;
+    let choices: Vec<String> = list
+        .iter()
+        .map(|c| c.as_str().map(str::to_string).ok_or_else(bad))
+        .collect::<Result<_, _>>()?;
+    let bytes: usize = choices.iter().map(String::len).sum();
+    if bytes > MAX_REGEX_BYTES {
+        return Err(ApiError::bad(
+            format!("{field} holds {bytes} bytes of text; at most {MAX_REGEX_BYTES} are taken"),
+            Some(field),
+        ));
+    }
+    Ok(choices)
+}
+
+/// Bytes a regex (or a list of choices) may hold: its automaton is built before the request is queued.
+const MAX_REGEX_BYTES: usize = 16 << 10;
 
 /// The log-probabilities a request asks for: completions' `logprobs` is the number of alternatives (0: the
 /// chosen token's only); chat's is a boolean, with `top_logprobs` alternatives.
@@ -1458,7 +1622,8 @@ async fn chat_completions_inner(
         let a = c.logit_adjustments.get_or_insert_with(Default::default);
         if a.json.is_some() {
             return Err(ApiError::bad(
-                "response_format and a tool_choice that forces a call cannot both constrain the answer",
+                "an output constraint (response_format, guided_json, guided_regex, guided_choice, regex, \
+                 structured_outputs) and a tool_choice that forces a call cannot both constrain the answer",
                 Some("tool_choice"),
             ));
         }

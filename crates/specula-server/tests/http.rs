@@ -831,6 +831,160 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
     assert_eq!(chat(json!({})).0, 200);
 }
 
+/// Regexes and choices constrain the output under every name clients send them by (vLLM's `guided_regex`,
+/// `guided_choice`, `guided_json` and `structured_outputs`; SGLang's `regex`; llama.cpp's `json_schema`), on both
+/// endpoints: a finished answer matches whole, a cut one is a prefix of a match. Grammars, two constraints at
+/// once and malformed values are refused by name.
+#[test]
+fn regexes_and_choices_constrain_the_output_under_every_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
+    let ask = |path: &str, extra: Value| {
+        let mut body = if path == "/v1/completions" {
+            json!({"prompt": "hi"})
+        } else {
+            json!({"messages": [{"role": "user", "content": "hi"}]})
+        };
+        body["max_tokens"] = json!(12);
+        body["temperature"] = json!(0);
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        post(addr, path, body)
+    };
+    let answer = |v: &Value| -> (String, String) {
+        let choice = &v["choices"][0];
+        let text = choice["message"]["content"]
+            .as_str()
+            .or(choice["text"].as_str())
+            .unwrap()
+            .to_string();
+        (text, choice["finish_reason"].as_str().unwrap().to_string())
+    };
+    use specula::json_mode::{JsonGrammar, JsonState};
+    let regex = "[a-c]{2,4}( [0-9]+)?";
+    let choices = ["alpha", "beta gamma", "a.b"];
+    let choice_list: Vec<String> = choices.iter().map(|c| c.to_string()).collect();
+    let regex_grammar = JsonGrammar::from_regex(regex).unwrap();
+    let choice_grammar = JsonGrammar::from_choices(&choice_list).unwrap();
+    let schema =
+        json!({"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"]});
+    let schema_grammar = JsonGrammar::from_schema(&schema).unwrap();
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        for (extra, grammar) in [
+            (json!({"guided_regex": regex}), &regex_grammar),
+            (json!({"regex": regex}), &regex_grammar),
+            (
+                json!({"structured_outputs": {"regex": regex}}),
+                &regex_grammar,
+            ),
+            (json!({"guided_choice": choices}), &choice_grammar),
+            (
+                json!({"structured_outputs": {"choice": choices}}),
+                &choice_grammar,
+            ),
+            (json!({"guided_json": schema.to_string()}), &schema_grammar),
+            (json!({"json_schema": schema}), &schema_grammar),
+            (
+                json!({"structured_outputs": {"json": schema}}),
+                &schema_grammar,
+            ),
+        ] {
+            let (s, v) = ask(path, extra.clone());
+            assert_eq!(s, 200, "{path} {extra}: {v}");
+            let (text, finish) = answer(&v);
+            let state = grammar.after(JsonState::default(), text.as_bytes());
+            assert!(
+                state.is_some(),
+                "{path} {extra}: {text:?} left the constraint"
+            );
+            if finish == "stop" {
+                assert!(
+                    grammar.may_end(state.unwrap()),
+                    "{path} {extra}: {text:?} is not whole"
+                );
+            }
+        }
+        // A choice that fits in max_tokens is written whole.
+        let (_, v) = ask(path, json!({"guided_choice": choices, "max_tokens": 40}));
+        let (text, finish) = answer(&v);
+        assert_eq!(finish, "stop", "{v}");
+        assert!(
+            choices.contains(&text.as_str()),
+            "{text:?} is not one of {choices:?}"
+        );
+    }
+    let refused = |(s, v): (u16, Value), param: &str, needle: &str| {
+        assert_eq!(s, 400, "{param}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
+    };
+    let chat = |extra: Value| ask("/v1/chat/completions", extra);
+    refused(
+        chat(json!({"guided_grammar": "root ::= \"a\""})),
+        "guided_grammar",
+        "grammars are not enforced",
+    );
+    refused(
+        chat(json!({"ebnf": "root ::= \"a\""})),
+        "ebnf",
+        "grammars are not enforced",
+    );
+    refused(
+        chat(json!({"grammar": "root ::= \"a\""})),
+        "grammar",
+        "grammars are not enforced",
+    );
+    refused(
+        chat(json!({"structured_outputs": {"grammar": "root ::= \"a\""}})),
+        "structured_outputs",
+        "structured_outputs.grammar is not supported",
+    );
+    refused(
+        chat(json!({"structured_outputs": {"regexp": "a"}})),
+        "structured_outputs",
+        "structured_outputs.regexp is not known",
+    );
+    refused(
+        chat(json!({"response_format": {"type": "json_object"}, "guided_regex": "a+"})),
+        "guided_regex",
+        "response_format and guided_regex both constrain the output",
+    );
+    refused(
+        chat(json!({"guided_regex": "(?=a)b"})),
+        "guided_regex",
+        "look-around",
+    );
+    refused(chat(json!({"regex": 5})), "regex", "must be a string");
+    refused(chat(json!({"guided_choice": []})), "guided_choice", "empty");
+    refused(
+        chat(json!({"guided_choice": "yes"})),
+        "guided_choice",
+        "list of strings",
+    );
+    refused(
+        chat(json!({"guided_choice": ["a", 1]})),
+        "guided_choice",
+        "list of strings",
+    );
+    refused(
+        chat(json!({"guided_json": "{not json"})),
+        "guided_json",
+        "not JSON",
+    );
+    refused(
+        chat(json!({"json_schema": [1]})),
+        "json_schema",
+        "must be a JSON Schema object",
+    );
+    refused(
+        chat(json!({"guided_regex": "a".repeat(20_000)})),
+        "guided_regex",
+        "at most 16384",
+    );
+}
+
 fn v_usage_prompt(model: &LoadedModel, text: &str) -> Value {
     json!(model.tokenizer.encode(text).unwrap().len())
 }

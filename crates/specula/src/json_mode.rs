@@ -1,5 +1,7 @@
 //! Constrained JSON output (OpenAI's `response_format`): `json_object` (one JSON object) and `json_schema` (one
-//! object that matches a JSON Schema, in the subset [`JsonGrammar::from_schema`] lists).
+//! object that matches a JSON Schema, in the subset [`JsonGrammar::from_schema`] lists). The same machinery
+//! constrains output to a regex or a list of choices ([`JsonGrammar::from_regex`], [`JsonGrammar::from_choices`]:
+//! a bare text, no JSON around it).
 //!
 //! A schema compiles to a small grammar ([`JsonGrammar`]): objects with their properties, arrays (tuples too),
 //! strings, numbers, values a byte DFA shapes (patterns, formats, numeric bounds), fixed texts (`enum`, `const`,
@@ -54,6 +56,8 @@ const MAX_DFAS: usize = 64;
 /// Automaton states a schema's automata hold together (512 bytes each: 16 MiB), so that a request's schema cannot
 /// make the server keep hundreds of megabytes (it keeps 32 schemas' constraints).
 const MAX_DFA_STATES: usize = 32_768;
+/// Choices a `guided_choice` list may hold.
+pub const MAX_CHOICES: usize = 1024;
 /// Counts (string characters, array items) saturate here: a bound at or above it is no bound.
 const COUNT_LIMIT: u32 = u16::MAX as u32;
 
@@ -254,6 +258,21 @@ pub struct JsonGrammar {
     forks: HashMap<(NodeId, u8), Box<[NodeId]>>,
     /// Unions with an entry in `forks` (so that the others skip the lookup).
     forking: Vec<bool>,
+    /// The output is a bare text its root automaton matches (a regex or a list of choices, not JSON): no
+    /// whitespace before it, and it may end wherever the automaton accepts.
+    bare: bool,
+}
+
+/// `text` as a regex that matches exactly it (every character the regex syntax gives a meaning escaped).
+fn regex_literal(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 fn schema_error(msg: impl std::fmt::Display) -> Error {
@@ -1212,6 +1231,53 @@ impl JsonGrammar {
         JsonGrammar::finish(nodes, c.dfas)
     }
 
+    /// Output that matches `regex` whole (vLLM's `guided_regex`, SGLang's `regex`): Rust regex syntax with Unicode
+    /// classes (Python's `re` for the common subset; no lookaround or backreferences), no JSON around it. The
+    /// output may stop wherever the regex matches what was written, and must stop where nothing can follow.
+    pub fn from_regex(regex: &str) -> Result<JsonGrammar> {
+        let dfa = ByteDfa::from_regex(regex, |_| true).map_err(|e| {
+            Error::InvalidArgument(format!("regex {regex:?} cannot be enforced: {e}"))
+        })?;
+        if dfa.states() > MAX_DFA_STATES {
+            return Err(Error::InvalidArgument(format!(
+                "regex {regex:?} needs more than {MAX_DFA_STATES} automaton states ({})",
+                dfa.states()
+            )));
+        }
+        let root = Node::Matched {
+            dfa: 0,
+            quoted: false,
+            min: 0,
+            max: COUNT_LIMIT,
+        };
+        let mut grammar = JsonGrammar::finish(vec![root], vec![dfa])?;
+        grammar.bare = true;
+        Ok(grammar)
+    }
+
+    /// Output that is exactly one of `choices` (vLLM's `guided_choice`): at least one, none empty, at most
+    /// `MAX_CHOICES`.
+    pub fn from_choices(choices: &[String]) -> Result<JsonGrammar> {
+        if choices.is_empty() {
+            return Err(Error::InvalidArgument(
+                "the list of choices is empty: give at least one".into(),
+            ));
+        }
+        if choices.len() > MAX_CHOICES {
+            return Err(Error::InvalidArgument(format!(
+                "{} choices given; at most {MAX_CHOICES} are taken",
+                choices.len()
+            )));
+        }
+        if let Some(i) = choices.iter().position(String::is_empty) {
+            return Err(Error::InvalidArgument(format!("choice {i} is empty")));
+        }
+        let alternatives: Vec<String> = choices.iter().map(|c| regex_literal(c)).collect();
+        JsonGrammar::from_regex(&alternatives.join("|")).map_err(|e| {
+            Error::InvalidArgument(e.to_string().replacen("regex", "the choices as a regex", 1))
+        })
+    }
+
     /// Notes each node's first bytes and where a union's alternatives begin alike (the paths a state forks
     /// into), and checks that no union holds itself, that no byte forks into more than `MAX_PATHS` paths, and
     /// that a `oneOf`'s alternatives that begin alike exclude one another.
@@ -1222,6 +1288,7 @@ impl JsonGrammar {
             dfas,
             forks: HashMap::new(),
             forking: Vec::new(),
+            bare: false,
         };
         grammar.first = (0..grammar.nodes.len())
             .map(|id| grammar.first_bytes(id as NodeId, &mut Vec::new()))
@@ -1637,8 +1704,9 @@ impl Default for JsonState {
 }
 
 impl JsonState {
-    /// The value is complete: a stop token may follow (and nothing else, since every path read one value: its
-    /// closing brace closes them all).
+    /// The JSON value is complete: a stop token may follow (and nothing else, since every path read one value:
+    /// its closing brace closes them all). A bare text (a regex, choices) is never "done" this way: it may end
+    /// where [`JsonGrammar::may_end`] says.
     pub fn is_done(&self) -> bool {
         self.paths().iter().any(Path::is_done)
     }
@@ -1659,6 +1727,31 @@ impl JsonState {
 }
 
 impl JsonGrammar {
+    /// Whether the output may stop in `state`: a JSON value is complete, or a bare text's automaton accepts what
+    /// was written (it may also go on where the automaton allows).
+    pub fn may_end(&self, state: JsonState) -> bool {
+        state.paths().iter().any(|p| self.path_may_end(p))
+    }
+
+    fn path_may_end(&self, p: &Path) -> bool {
+        if p.is_done() {
+            return true;
+        }
+        if !self.bare || p.len != 1 {
+            return false;
+        }
+        let f = p.frames[0];
+        let Node::Matched { dfa, .. } = self.nodes[f.node as usize] else {
+            return false;
+        };
+        let dfa = &self.dfas[dfa as usize];
+        match f.phase {
+            Phase::Start => dfa.accepts(0),
+            Phase::Matched => dfa.accepts(f.count),
+            _ => false,
+        }
+    }
+
     /// The state after `bytes`, or None where they leave the language.
     pub fn after(&self, state: JsonState, bytes: &[u8]) -> Option<JsonState> {
         // One path that does not fork (nearly every token): stepped in place, nothing allocated.
@@ -1901,7 +1994,8 @@ impl JsonGrammar {
                 }
                 _ => {}
             }
-            if whitespace && f.phase.takes_whitespace() {
+            // A bare text's automaton reads its whitespace itself.
+            if whitespace && f.phase.takes_whitespace() && !self.bare {
                 if s.spaces >= MAX_WHITESPACE_RUN {
                     return false;
                 }
@@ -2413,7 +2507,7 @@ impl JsonConstraint {
     /// The state after `token`: stop tokens leave it as it is; None where the token leaves the language.
     pub fn advance(&self, state: JsonState, token: u32) -> Option<JsonState> {
         if self.vocab.is_stop(token) {
-            return state.is_done().then_some(state);
+            return self.grammar.may_end(state).then_some(state);
         }
         self.grammar
             .after(state, self.vocab.tokens.get(token as usize)?.as_deref()?)
@@ -2446,13 +2540,14 @@ impl JsonConstraint {
             return mask.clone();
         }
         let mut mask = vec![0u64; self.vocab.tokens.len().div_ceil(64)];
-        if path.is_done() {
+        if self.grammar.path_may_end(path) {
             for &t in &self.vocab.stop {
                 if (t as usize) < self.vocab.tokens.len() {
                     mask[t as usize / 64] |= 1 << (t % 64);
                 }
             }
-        } else {
+        }
+        if !path.is_done() {
             // Inside a string most tokens stay inside it: those are judged by the string's own few bytes of
             // state, and only tokens that close it walk the whole grammar.
             let string = self.grammar.string_scan(path);
@@ -3320,6 +3415,115 @@ mod tests {
         let stop = tokens.len() as u32;
         tokens.push(Some(b"<|end|>".to_vec().into_boxed_slice()));
         (JsonVocabulary::from_tokens(tokens, vec![stop]), stop)
+    }
+
+    /// A regex constrains the whole output, JSON-free: its first byte included (no whitespace skipped), it may
+    /// stop where the regex matches and go on where the regex allows, and must stop where nothing can follow.
+    #[test]
+    fn a_regex_takes_exactly_its_matches_and_stops_where_they_may_end() {
+        let g = JsonGrammar::from_regex("[0-9]{3}-[0-9]{2,3}( ok)?").unwrap();
+        let at = |text: &str| g.after(JsonState::default(), text.as_bytes());
+        assert!(g.may_end(at("123-45").unwrap()));
+        assert!(g.may_end(at("123-456").unwrap()));
+        assert!(g.may_end(at("123-456 ok").unwrap()));
+        for prefix in ["", "1", "123", "123-", "123-4", "123-45 o"] {
+            let state = at(prefix).unwrap_or_else(|| panic!("{prefix:?} begins a match"));
+            assert!(!g.may_end(state), "{prefix:?} is not a whole match");
+        }
+        for refused in [" 123-45", "12a", "123-4567", "123-456 ok!", "123-45\n"] {
+            assert!(at(refused).is_none(), "{refused:?} leaves the regex");
+        }
+        // Whitespace inside the regex is the regex's: read as text, not skipped.
+        let spaced = JsonGrammar::from_regex("a b").unwrap();
+        assert!(spaced.after(JsonState::default(), b"a").is_some());
+        assert!(spaced.after(JsonState::default(), b"a  b").is_none());
+        assert!(spaced.may_end(spaced.after(JsonState::default(), b"a b").unwrap()));
+        // A regex that matches the empty text may stop at once.
+        let optional = JsonGrammar::from_regex("(yes)?").unwrap();
+        assert!(optional.may_end(JsonState::default()));
+
+        // Masks: stop tokens where the text may end, continuing tokens where it may go on, nothing else.
+        let words = [
+            "1", "12", "123", "-", "-4", "45", "6", " ok", " o", "k", "x", " ",
+        ];
+        let (v, stop) = vocab(&words);
+        let c = JsonConstraint::new(g, v);
+        let allowed = |state: JsonState| -> Vec<String> {
+            let mask = c.mask(state);
+            let mut out: Vec<String> = words
+                .iter()
+                .enumerate()
+                .filter(|&(t, _)| mask[t / 64] >> (t % 64) & 1 == 1)
+                .map(|(_, w)| w.to_string())
+                .collect();
+            if mask[stop as usize / 64] >> (stop % 64) & 1 == 1 {
+                out.push("<stop>".into());
+            }
+            out
+        };
+        let walk = |text: &str| {
+            c.grammar()
+                .after(JsonState::default(), text.as_bytes())
+                .unwrap()
+        };
+        assert_eq!(allowed(JsonState::default()), ["1", "12", "123", "45", "6"]);
+        assert_eq!(allowed(walk("123")), ["-", "-4"]);
+        assert_eq!(allowed(walk("123-4")), ["1", "12", "45", "6"]);
+        assert_eq!(
+            allowed(walk("123-45")),
+            ["1", "6", " ok", " o", " ", "<stop>"]
+        );
+        assert_eq!(allowed(walk("123-456")), [" ok", " o", " ", "<stop>"]);
+        assert_eq!(allowed(walk("123-456 ok")), ["<stop>"]);
+        assert!(c.advance(walk("123-45"), stop).is_some());
+        assert!(c.advance(walk("123-4"), stop).is_none());
+    }
+
+    /// Choices are literal texts: regex syntax in them means itself, one may be a prefix of another, and the
+    /// output is exactly one of them.
+    #[test]
+    fn choices_are_matched_literally_and_whole() {
+        let choices: Vec<String> = ["yes", "yes please", "a.b (c)", "1+1=2", "naïve"]
+            .iter()
+            .map(|c| c.to_string())
+            .collect();
+        let g = JsonGrammar::from_choices(&choices).unwrap();
+        let at = |text: &str| g.after(JsonState::default(), text.as_bytes());
+        for c in &choices {
+            assert!(g.may_end(at(c).unwrap()), "{c:?}");
+        }
+        assert!(at("yes ").is_some_and(|s| !g.may_end(s)));
+        for refused in ["axb (c)", "a.b c", "11=2", "no", "yes!", "naive"] {
+            assert!(at(refused).is_none(), "{refused:?} is not a choice");
+        }
+        let err = |list: &[&str]| {
+            JsonGrammar::from_choices(&list.iter().map(|c| c.to_string()).collect::<Vec<_>>())
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(&[]).contains("empty"), "{}", err(&[]));
+        assert!(
+            err(&["a", ""]).contains("choice 1 is empty"),
+            "{}",
+            err(&["a", ""])
+        );
+        let too_many: Vec<String> = (0..=MAX_CHOICES).map(|i| format!("c{i}")).collect();
+        assert!(JsonGrammar::from_choices(&too_many).is_err());
+    }
+
+    /// Regexes the automata cannot enforce are refused with the regex and the reason named.
+    #[test]
+    fn unenforceable_regexes_are_refused_by_name() {
+        for (regex, why) in [
+            ("(ab", "unclosed group"),
+            ("(?=a)b", "look-around"),
+            ("(a)\\1", "backreferences"),
+            ("[^\\s\\S]", "no value matches"),
+        ] {
+            let e = JsonGrammar::from_regex(regex).unwrap_err().to_string();
+            assert!(e.contains(&format!("{regex:?}")), "{e}");
+            assert!(e.to_lowercase().contains(why), "{regex}: {e}");
+        }
     }
 
     #[test]

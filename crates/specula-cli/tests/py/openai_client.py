@@ -3,6 +3,7 @@
     python3 openai_client.py BASE_URL MODEL API_KEY
 """
 import json
+import re
 import sys
 import urllib.request
 
@@ -145,6 +146,20 @@ parsed = client.chat.completions.parse(
 pet = parsed.choices[0].message.parsed
 print("pydantic union:", pet)
 assert isinstance(pet, Pet) and isinstance(pet.pet, (Cat, Dog)), parsed
+# vLLM's guided decoding fields, as its users send them through extra_body: the answer is one of the choices, or
+# matches the regex whole.
+sentiment = client.chat.completions.create(
+    model=model, max_tokens=8, temperature=0,
+    messages=[{"role": "user", "content": "Is 'I love this library' positive or negative?"}],
+    extra_body={"guided_choice": ["positive", "negative"]})
+print("guided_choice:", sentiment.choices[0].message.content)
+assert sentiment.choices[0].message.content in ("positive", "negative"), sentiment
+phone = client.chat.completions.create(
+    model=model, max_tokens=24, temperature=0,
+    messages=[{"role": "user", "content": "Give me a US phone number."}],
+    extra_body={"guided_regex": r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"})
+print("guided_regex:", phone.choices[0].message.content)
+assert re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", phone.choices[0].message.content), phone
 # Tools this model's chat template cannot render are refused by name, never dropped.
 try:
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
