@@ -1016,18 +1016,14 @@ fn output_constraint(
             asked.push((field, shape));
         }
     }
-    let (field, shape) = match asked.len() {
-        0 => return Ok(None),
-        1 => asked.pop().expect("one asked"),
-        _ => {
-            return Err(ApiError::bad(
-                format!(
-                    "{} and {} both constrain the output; give one",
-                    asked[0].0, asked[1].0
-                ),
-                Some(asked[1].0),
-            ))
-        }
+    if let [(first, _), (second, _), ..] = asked.as_slice() {
+        return Err(ApiError::bad(
+            format!("{first} and {second} both constrain the output; give one"),
+            Some(second),
+        ));
+    }
+    let Some((field, shape)) = asked.pop() else {
+        return Ok(None);
     };
     let engine = &state.engine;
     let built = match &shape {
