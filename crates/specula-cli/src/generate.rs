@@ -75,6 +75,10 @@ pub struct SamplingArgs {
     /// Keep only the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub top_k: usize,
+    /// Leave out tokens less likely than this share of the most likely one (0 = off; vLLM's and llama.cpp's
+    /// min-p).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub min_p: f32,
     /// RNG seed for sampling.
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
@@ -87,6 +91,7 @@ impl SamplingArgs {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
+            min_p: self.min_p,
             seed: self.seed,
         };
         p.validate()?;

@@ -478,6 +478,7 @@ fn common(
     }
     let temperature = number(o, "temperature")?.unwrap_or(1.0);
     let top_p = number(o, "top_p")?.unwrap_or(1.0);
+    let min_p = number(o, "min_p")?.unwrap_or(0.0);
     let top_k = match o.get("top_k") {
         Some(Value::Number(n)) if n.as_i64() == Some(-1) => 0,
         _ => integer(o, "top_k")?.unwrap_or(0),
@@ -488,12 +489,22 @@ fn common(
     let sampling = SamplingParams {
         temperature: temperature as f32,
         top_p: top_p as f32,
+        min_p: min_p as f32,
         top_k: top_k as usize,
         seed,
     };
-    sampling
-        .validate()
-        .map_err(|e| ApiError::bad(e.to_string(), None))?;
+    sampling.validate().map_err(|e| {
+        let message = e.to_string();
+        let param = ["temperature", "top-p", "min-p"]
+            .into_iter()
+            .find(|p| message.contains(p))
+            .map(|p| match p {
+                "top-p" => "top_p",
+                "min-p" => "min_p",
+                _ => "temperature",
+            });
+        ApiError::bad(message, param)
+    })?;
     let stop = match o.get("stop") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -1309,6 +1320,34 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
         return refuse(
             "tools",
             "tools are taken by /v1/chat/completions, whose chat template renders them",
+        );
+    }
+    // Other engines' samplers (vLLM, llama.cpp, SGLang extras), refused unless neutral.
+    for (key, neutral) in [
+        ("typical_p", 1.0),
+        ("tfs_z", 1.0),
+        ("mirostat", 0.0),
+        ("mirostat_mode", 0.0),
+        ("dry_multiplier", 0.0),
+        ("xtc_probability", 0.0),
+        ("top_a", 0.0),
+        ("min_tokens", 0.0),
+    ] {
+        if present(key).is_some_and(|v| v.as_f64() != Some(neutral)) {
+            return refuse(
+                key,
+                "this sampler setting is not implemented here (samplers: temperature, top_p, top_k, min_p, \
+                 penalties, logit_bias)",
+            );
+        }
+    }
+    if present("use_beam_search").is_some_and(|v| v.as_bool() != Some(false)) {
+        return refuse("use_beam_search", "beam search is not implemented");
+    }
+    if listed("stop_token_ids") {
+        return refuse(
+            "stop_token_ids",
+            "stop at token ids is not implemented; give the stop texts in stop",
         );
     }
     if kind == Kind::Completion && present("suffix").is_some_and(|v| v.as_str() != Some("")) {

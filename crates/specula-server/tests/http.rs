@@ -831,6 +831,76 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
     assert_eq!(chat(json!({})).0, 200);
 }
 
+/// `min_p` is a sampler here (at 1 only the most likely token survives, so a sampled answer is the greedy one);
+/// other engines' samplers and stop ids are refused unless they hold their neutral value.
+#[test]
+fn min_p_samples_and_other_engines_samplers_are_refused_unless_neutral() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
+    let ask = |extra: Value| {
+        let mut body = json!({"prompt": "hi", "max_tokens": 12, "ignore_eos": true});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        post(addr, "/v1/completions", body)
+    };
+    let text = |(s, v): (u16, Value)| {
+        assert_eq!(s, 200, "{v}");
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let greedy = text(ask(json!({"temperature": 0})));
+    let sampled = |min_p: f64, seed: u64| {
+        text(ask(
+            json!({"temperature": 1.0, "min_p": min_p, "seed": seed}),
+        ))
+    };
+    for seed in 1..4 {
+        assert_eq!(sampled(1.0, seed), greedy, "seed {seed}");
+    }
+    // Without the cut the same seeds sample something else at least once.
+    assert!((1..4).any(|seed| sampled(0.0, seed) != greedy));
+    let refused = |(s, v): (u16, Value), param: &str, needle: &str| {
+        assert_eq!(s, 400, "{param}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
+    };
+    refused(ask(json!({"min_p": 1.5})), "min_p", "[0, 1]");
+    refused(
+        ask(json!({"typical_p": 0.5})),
+        "typical_p",
+        "not implemented",
+    );
+    refused(ask(json!({"mirostat": 2})), "mirostat", "not implemented");
+    refused(
+        ask(json!({"min_tokens": 4})),
+        "min_tokens",
+        "not implemented",
+    );
+    refused(
+        ask(json!({"use_beam_search": true})),
+        "use_beam_search",
+        "beam search",
+    );
+    refused(
+        ask(json!({"stop_token_ids": [5]})),
+        "stop_token_ids",
+        "give the stop texts",
+    );
+    // Neutral values pass.
+    for neutral in [
+        json!({"typical_p": 1.0}),
+        json!({"mirostat": 0}),
+        json!({"min_tokens": 0}),
+        json!({"use_beam_search": false}),
+        json!({"stop_token_ids": []}),
+        json!({"min_p": 0.0}),
+    ] {
+        let (s, v) = ask(neutral.clone());
+        assert_eq!(s, 200, "{neutral}: {v}");
+    }
+}
+
 /// Regexes and choices constrain the output under every name clients send them by (vLLM's `guided_regex`,
 /// `guided_choice`, `guided_json` and `structured_outputs`; SGLang's `regex`; llama.cpp's `json_schema`), on both
 /// endpoints: a finished answer matches whole, a cut one is a prefix of a match. Grammars, two constraints at

@@ -39,6 +39,7 @@ pub fn build(info: &RunInfo<'_>, out: &GenerateOutput, profile: &ProfileSummary)
             "temperature": info.sampling.temperature,
             "top_k": info.sampling.top_k,
             "top_p": info.sampling.top_p,
+            "min_p": info.sampling.min_p,
             "seed": info.sampling.seed,
             "raw_prompt": info.raw_prompt,
             "profile": info.profile_detail,

@@ -16,6 +16,8 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// 1.0 disables top-p.
     pub top_p: f32,
+    /// Tokens less likely than `min_p` times the most likely one (after temperature) are left out; 0 disables it.
+    pub min_p: f32,
     pub seed: u64,
 }
 
@@ -25,6 +27,7 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 0,
         }
     }
@@ -42,6 +45,12 @@ impl SamplingParams {
             return Err(Error::InvalidArgument(format!(
                 "--top-p must be in (0, 1], got {}",
                 self.top_p
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(Error::InvalidArgument(format!(
+                "--min-p must be in [0, 1], got {}",
+                self.min_p
             )));
         }
         Ok(())
@@ -386,10 +395,34 @@ pub fn residual(p: &Distribution, q: &Distribution) -> Distribution {
     Distribution { ids, probs }
 }
 
-/// Softmax(logits / T), restricted to top-k, then to the smallest top-p nucleus. When top-k or top-p truncate,
-/// ids are sorted by probability (ties by id); without truncation every token of nonzero probability is kept in
-/// id order (sorting a 152k vocabulary per position would cost more than the draw).
+/// Softmax(logits / T), restricted to top-k, then to the smallest top-p nucleus, then to the tokens at least
+/// min-p times as likely as the most likely one (vLLM's order; min-p's cut is the same before or after the others,
+/// which keep the most likely token and only rescale). When top-k or top-p truncate, ids are sorted by
+/// probability (ties by id); otherwise every token kept stays in id order (sorting a 152k vocabulary per position
+/// would cost more than the draw).
 pub fn distribution(logits: &[f32], params: &SamplingParams) -> Distribution {
+    let mut dist = truncated(logits, params);
+    if params.min_p > 0.0 {
+        let top = dist.probs.iter().copied().fold(0f32, f32::max);
+        let floor = params.min_p * top;
+        let (mut ids, mut probs) = (Vec::new(), Vec::new());
+        for (&id, &p) in dist.ids.iter().zip(&dist.probs) {
+            if p >= floor {
+                ids.push(id);
+                probs.push(p);
+            }
+        }
+        let total: f32 = probs.iter().sum();
+        for p in &mut probs {
+            *p /= total;
+        }
+        dist = Distribution { ids, probs };
+    }
+    dist
+}
+
+/// [`distribution`] before min-p.
+fn truncated(logits: &[f32], params: &SamplingParams) -> Distribution {
     let t = params.temperature.max(1e-6);
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut probs: Vec<f32> = logits.iter().map(|&l| (l - max) / t).collect();
@@ -639,6 +672,9 @@ mod tests {
                     break;
                 }
             }
+            // min-p: against the most likely token, which every truncation keeps.
+            let floor = p.min_p * probs[ids[0] as usize];
+            kept.retain(|&i| probs[i as usize] >= floor);
             let total: f32 = kept.iter().map(|&i| probs[i as usize]).sum();
             kept.iter()
                 .map(|&i| (i, probs[i as usize] / total))
@@ -649,11 +685,14 @@ mod tests {
             let logits: Vec<f32> = (0..5000).map(|_| rng.random::<f32>() * spread).collect();
             for temperature in [0.3, 1.0] {
                 for top_k in [0, 1, 40, 5000] {
-                    for top_p in [1.0, 0.9, 0.5] {
+                    for (top_p, min_p) in
+                        [(1.0, 0.0), (0.9, 0.0), (0.5, 0.0), (1.0, 0.05), (0.9, 0.3)]
+                    {
                         let p = SamplingParams {
                             temperature,
                             top_k,
                             top_p,
+                            min_p,
                             seed: 0,
                         };
                         let got = distribution(&logits, &p);
@@ -665,8 +704,9 @@ mod tests {
                         assert_eq!(
                             got.ids.len(),
                             want.len(),
-                            "{spread} {temperature} {top_k} {top_p}"
+                            "{spread} {temperature} {top_k} {top_p} {min_p}"
                         );
+
                         for ((&i, &pr), &(wi, wp)) in got.ids.iter().zip(&got.probs).zip(&want) {
                             assert_eq!(i, wi);
                             // Sums run in a different order (f32 over up to 5000 terms).
@@ -676,6 +716,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// min-p keeps the tokens at least min_p times as likely as the top one (after temperature), renormalized.
+    #[test]
+    fn min_p_cuts_below_its_share_of_the_top_probability() {
+        // Probabilities 0.5, 0.25, 0.125, 0.125 at temperature 1.
+        let logits = [2f32.ln() * 2.0, 2f32.ln(), 0.0, 0.0];
+        let at = |min_p: f32, temperature: f32| {
+            distribution(
+                &logits,
+                &SamplingParams {
+                    temperature,
+                    min_p,
+                    ..Default::default()
+                },
+            )
+        };
+        assert_eq!(at(0.0, 1.0).ids, [0, 1, 2, 3]);
+        assert_eq!(at(0.25, 1.0).ids, [0, 1, 2, 3]);
+        let cut = at(0.3, 1.0);
+        assert_eq!(cut.ids, [0, 1]);
+        assert!((cut.probs[0] - 2.0 / 3.0).abs() < 1e-6 && (cut.probs[1] - 1.0 / 3.0).abs() < 1e-6);
+        assert_eq!(at(1.0, 1.0).ids, [0]);
+        // At temperature 2 the shares are sqrt'd (0.5 -> ~0.707 of the top for token 1, 0.5 for 2 and 3).
+        assert_eq!(at(0.6, 2.0).ids, [0, 1]);
+        assert!(SamplingParams {
+            min_p: 1.5,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
     }
 
     #[test]

@@ -418,6 +418,14 @@ fn sampled_speculation_with_top_p_has_the_targets_distribution() {
     check_sampled_distribution(case);
 }
 
+/// min-p (0.05): the target's distribution loses its tail below 5% of its top token before verification.
+#[test]
+fn sampled_speculation_with_min_p_has_the_targets_distribution() {
+    let mut case = SampledCase::full_vocabulary(SampledDrafter::FixedQ { stop_after: None });
+    case.params.min_p = 0.05;
+    check_sampled_distribution(case);
+}
+
 /// Prompt lookup under sampling: q is a point mass on the looked-up token, so a draft is accepted with
 /// probability p(x) and a rejection draws from p without x.
 #[test]
@@ -485,6 +493,7 @@ impl SampledCase {
                 temperature: 5.0,
                 top_k: 3,
                 top_p: 1.0,
+                min_p: 0.0,
                 seed: 0,
             },
             adjust: None,
@@ -499,6 +508,7 @@ impl SampledCase {
                 temperature: 1.0,
                 top_k: 0,
                 top_p: 1.0,
+                min_p: 0.0,
                 seed: 0,
             },
             adjust: None,
@@ -565,6 +575,8 @@ fn check_sampled_distribution(case: SampledCase) {
         "adjusted cases take the base prompt"
     );
     let adjust = case.adjust.clone();
+    // Whether min-p (where set) left out any token of a distribution checked here, so the case tests a cut.
+    let min_p_cut = std::cell::Cell::new(false);
     let mut dist_after = |ctx: &[u32]| {
         let mut cache = crate::testing::full_cache(target.model.as_ref());
         let out = crate::testing::forward_host(target.model.as_ref(), ctx, cache.as_mut(), last);
@@ -580,7 +592,15 @@ fn check_sampled_distribution(case: SampledCase) {
             }
             a.apply(&mut row, &prompt, &counts);
         }
-        crate::sampling::distribution(&row, &params)
+        let d = crate::sampling::distribution(&row, &params);
+        let uncut = SamplingParams {
+            min_p: 0.0,
+            ..params
+        };
+        if d.ids.len() < crate::sampling::distribution(&row, &uncut).ids.len() {
+            min_p_cut.set(true);
+        }
+        d
     };
     // Prompt lookup needs the context to repeat: the base prompt, the target's likeliest continuation, and the
     // base again, so the lookup proposes that continuation (which the target often, not always, accepts).
@@ -725,6 +745,11 @@ fn check_sampled_distribution(case: SampledCase) {
     eprintln!(
         "chi-square {chi2:.1} over {df} cells ({} exact cells); {accepted_total} of {drafted_total} drafts accepted",
         exact.len()
+    );
+    assert!(
+        params.min_p == 0.0 || min_p_cut.get(),
+        "min_p {} left out no token: the case does not test it",
+        params.min_p
     );
     let df = df - 1;
     // z = 3.09: significance 0.001, so an exact sampler fails one run in a thousand.
@@ -1112,6 +1137,7 @@ fn batched_generations_equal_each_alone() {
         temperature: 0.9,
         top_k: 20,
         top_p: 0.95,
+        min_p: 0.0,
         seed,
     };
     let cases = vec![
