@@ -648,6 +648,7 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
             )),
             ..Default::default()
         }),
+        stop_token_ids: Vec::new(),
     };
     let prof = Profiler::with_clock(args.profile.detail(), loaded.model.clock(args.exact_timing));
     let eagle3_head = match &choice {

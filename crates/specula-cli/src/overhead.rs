@@ -45,6 +45,7 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<()> {
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     let modes = [
         ("off", Detail::Off),

@@ -564,6 +564,7 @@ fn request_options_checks(
         cancel: None,
         logprobs,
         logit_adjustments: rules,
+        stop_token_ids: Vec::new(),
     };
     let run = |req: &GenerateRequest, self_draft: bool| -> anyhow::Result<_> {
         let mut drafter = specula::draft::model::ModelDrafter::new(model, 0)?;
@@ -929,6 +930,7 @@ fn against_cpu(
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     let run = |m: &LoadedModel| {
         generate(

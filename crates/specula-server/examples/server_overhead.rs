@@ -83,6 +83,7 @@ fn via_library(model: &LoadedModel, prompt: &str, tokens: usize) -> (f64, usize)
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     let out = generate(
         model.model.as_ref(),

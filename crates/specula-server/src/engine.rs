@@ -181,6 +181,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Generate past end-of-turn tokens (vLLM's `ignore_eos`).
     pub ignore_eos: bool,
+    /// Token ids that end the generation (vLLM's `stop_token_ids`), kept in the output.
+    pub stop_token_ids: Vec<u32>,
     /// Log-probabilities to send with the text (OpenAI's `logprobs`); None: none.
     pub logprobs: Option<LogprobsRequest>,
     /// Penalties and logit bias; None: the model's own distribution.
@@ -1201,6 +1203,7 @@ impl<'a> EngineLoop<'a> {
             cancel: Some(job.cancel.clone()),
             logprobs: job.logprobs,
             logit_adjustments: job.logit_adjustments.clone(),
+            stop_token_ids: job.stop_token_ids.clone(),
         };
         Some(Admission {
             job,
@@ -2074,7 +2077,7 @@ impl<'a> EngineLoop<'a> {
                 out.flush();
                 let finish_reason = match g.stop_reason {
                     StopReason::MaxTokens | StopReason::ContextFull => "length",
-                    StopReason::EndOfText | StopReason::Cancelled => "stop",
+                    StopReason::EndOfText | StopReason::StopToken | StopReason::Cancelled => "stop",
                 };
                 // A cancelled generation that no stop sequence ended was left by its client.
                 let aborted = g.stop_reason == StopReason::Cancelled && !out.stopped_by_sequence;

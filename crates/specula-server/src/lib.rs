@@ -376,6 +376,8 @@ struct Common {
     include_usage: bool,
     /// vLLM's extension: keep generating past end-of-turn tokens (benchmarks of fixed length).
     ignore_eos: bool,
+    /// vLLM's `stop_token_ids`: generation ends at any of them (kept in the output).
+    stop_token_ids: Vec<u32>,
     /// Completions' `echo`: each prompt's text, sent before its completions.
     echo: bool,
     /// Choices to generate (`n`): each its own engine request, with seed `seed + index`.
@@ -554,8 +556,41 @@ fn common(
             ))
         }
     };
-    let logit_adjustments = adjustments(state, o)?;
+    let stop_token_ids = match o.get("stop_token_ids") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(ids)) => ids
+            .iter()
+            .map(|id| match id.as_u64() {
+                Some(t) if t < state.engine.vocab_size as u64 => Ok(t as u32),
+                _ => Err(ApiError::bad(
+                    format!(
+                        "stop_token_ids holds {id}; each must be a token id below the vocabulary size {}",
+                        state.engine.vocab_size
+                    ),
+                    Some("stop_token_ids"),
+                )),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::bad(
+                "stop_token_ids must be a list of token ids",
+                Some("stop_token_ids"),
+            ))
+        }
+    };
+    let mut logit_adjustments = adjustments(state, o)?;
+    // vLLM's `min_tokens`: the end-of-turn tokens and the stop ids are held back until that many tokens.
+    let min_tokens = integer(o, "min_tokens")?.unwrap_or(0);
+    if min_tokens > 0 {
+        let a = logit_adjustments.get_or_insert_with(Default::default);
+        a.min_tokens = min_tokens.min(max_tokens) as usize;
+        a.stop_tokens = state.engine.tokenizer.stop_tokens().to_vec();
+        a.stop_tokens.extend(&stop_token_ids);
+        a.validate(state.engine.vocab_size)
+            .map_err(|e| ApiError::bad(e.to_string(), Some("min_tokens")))?;
+    }
     Ok(Common {
+        stop_token_ids,
         max_tokens: max_tokens as usize,
         sampling,
         stop,
@@ -1331,7 +1366,6 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
         ("dry_multiplier", 0.0),
         ("xtc_probability", 0.0),
         ("top_a", 0.0),
-        ("min_tokens", 0.0),
     ] {
         if present(key).is_some_and(|v| v.as_f64() != Some(neutral)) {
             return refuse(
@@ -1343,12 +1377,6 @@ fn refuse_unsupported(o: &serde_json::Map<String, Value>, kind: Kind) -> Result<
     }
     if present("use_beam_search").is_some_and(|v| v.as_bool() != Some(false)) {
         return refuse("use_beam_search", "beam search is not implemented");
-    }
-    if listed("stop_token_ids") {
-        return refuse(
-            "stop_token_ids",
-            "stop at token ids is not implemented; give the stop texts in stop",
-        );
     }
     if kind == Kind::Completion && present("suffix").is_some_and(|v| v.as_str() != Some("")) {
         return refuse(
@@ -1747,6 +1775,7 @@ async fn submit_and_answer(
             sampling,
             stop: c.stop.clone(),
             ignore_eos: c.ignore_eos,
+            stop_token_ids: c.stop_token_ids.clone(),
             logprobs: c.logprobs,
             logit_adjustments: c.logit_adjustments.clone(),
             events: tx,

@@ -137,6 +137,7 @@ fn expected_until(model: &LoadedModel, text: &str, n: usize, stop_at_eos: bool) 
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     generate(
         model.model.as_ref(),
@@ -873,25 +874,59 @@ fn min_p_samples_and_other_engines_samplers_are_refused_unless_neutral() {
     );
     refused(ask(json!({"mirostat": 2})), "mirostat", "not implemented");
     refused(
-        ask(json!({"min_tokens": 4})),
-        "min_tokens",
-        "not implemented",
-    );
-    refused(
         ask(json!({"use_beam_search": true})),
         "use_beam_search",
         "beam search",
     );
     refused(
-        ask(json!({"stop_token_ids": [5]})),
+        ask(json!({"stop_token_ids": [1_000_000]})),
         "stop_token_ids",
-        "give the stop texts",
+        "below the vocabulary size",
+    );
+    refused(
+        ask(json!({"stop_token_ids": "5"})),
+        "stop_token_ids",
+        "list of token ids",
+    );
+    refused(
+        ask(json!({"min_tokens": 3, "guided_regex": "a+"})),
+        "min_tokens",
+        "cannot be combined with an output constraint",
+    );
+    // stop_token_ids: the greedy answer ends at the first of them it generates, which it keeps.
+    let (s, t) = post(addr, "/tokenize", json!({"prompt": greedy.clone()}));
+    assert_eq!(s, 200, "{t}");
+    let ids: Vec<u64> = t["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let (s, v) = ask(json!({"temperature": 0, "stop_token_ids": [ids[1]]}));
+    assert_eq!(s, 200, "{v}");
+    let cut = v["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert!(
+        greedy.starts_with(cut) && cut.len() < greedy.len(),
+        "{cut:?} of {greedy:?}"
+    );
+    assert!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() <= 2,
+        "{v}"
+    );
+    // min_tokens holds that stop id back until the answer has 6 tokens: the answer runs past it.
+    let (s, v) = ask(json!({"temperature": 0, "stop_token_ids": [ids[1]], "min_tokens": 6}));
+    assert_eq!(s, 200, "{v}");
+    assert!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() >= 6,
+        "{v}"
     );
     // Neutral values pass.
     for neutral in [
         json!({"typical_p": 1.0}),
         json!({"mirostat": 0}),
         json!({"min_tokens": 0}),
+        json!({"min_tokens": 4}),
         json!({"use_beam_search": false}),
         json!({"stop_token_ids": []}),
         json!({"min_p": 0.0}),
@@ -2095,6 +2130,7 @@ fn logprobs_come_back_in_openais_shapes_and_equal_the_librarys() {
                 prompt: true,
             }),
             logit_adjustments: None,
+            stop_token_ids: Vec::new(),
         },
         None,
         &Profiler::disabled(),
@@ -2338,6 +2374,7 @@ fn penalties_and_logit_bias_answer_like_the_library() {
                 cancel: None,
                 logprobs: None,
                 logit_adjustments: rules,
+                stop_token_ids: Vec::new(),
             },
             None,
             &Profiler::disabled(),

@@ -39,6 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             cancel: None,
             logprobs: None,
             logit_adjustments: None,
+            stop_token_ids: Vec::new(),
         };
         let out = generate(
             target.model.as_ref(),

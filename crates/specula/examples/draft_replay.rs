@@ -88,6 +88,7 @@ fn record(
             cancel: None,
             logprobs: None,
             logit_adjustments: None,
+            stop_token_ids: Vec::new(),
         };
         let o = generate(
             loaded.model.as_ref(),

@@ -36,6 +36,9 @@ pub struct GenerateRequest {
     /// Penalties and logit bias applied to the target's logits before each token is chosen; None (or neutral
     /// values): the model's own distribution, and no cost.
     pub logit_adjustments: Option<LogitAdjustments>,
+    /// Tokens that end the generation once generated (vLLM's `stop_token_ids`), kept in the output, besides the
+    /// end-of-turn tokens `stop_at_eos` stops at.
+    pub stop_token_ids: Vec<u32>,
 }
 
 /// Which log-probabilities a generation reports, all from the target's logits at temperature 1 (vLLM's default
@@ -60,6 +63,8 @@ pub const PROMPT_LOGPROBS_CHUNK: usize = 32;
 pub enum StopReason {
     /// An end-of-turn token was sampled (it is not part of the output).
     EndOfText,
+    /// A token of `GenerateRequest::stop_token_ids` was generated (it is the output's last token).
+    StopToken,
     MaxTokens,
     /// The model's context is full.
     ContextFull,

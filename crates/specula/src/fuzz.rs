@@ -235,6 +235,7 @@ fn run_model(model: &dyn Model, tokenizer: &Tokenizer) {
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     if let Ok(mut ngram) = NgramDrafter::new(1, 2) {
         let speculation = Speculation {

@@ -121,6 +121,10 @@ pub struct LogitAdjustments {
     /// Constrained JSON output (OpenAI's `response_format` `json_object` or `json_schema`): every token that would
     /// leave the grammar masked out after the adjustments above (crate::json_mode).
     pub json: Option<std::sync::Arc<crate::json_mode::JsonConstraint>>,
+    /// vLLM's `min_tokens`: the `stop_tokens` are masked out until the output holds this many tokens (0: never).
+    pub min_tokens: usize,
+    /// The tokens `min_tokens` holds back: the end-of-turn tokens and any stop ids.
+    pub stop_tokens: Vec<u32>,
 }
 
 impl Default for LogitAdjustments {
@@ -131,6 +135,8 @@ impl Default for LogitAdjustments {
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
             json: None,
+            min_tokens: 0,
+            stop_tokens: Vec::new(),
         }
     }
 }
@@ -142,6 +148,19 @@ impl LogitAdjustments {
             && self.repetition_penalty == 1.0
             && self.logit_bias.iter().all(|&(_, b)| b == 0.0)
             && self.json.is_none()
+            && (self.min_tokens == 0 || self.stop_tokens.is_empty())
+    }
+
+    /// Masks out the stop tokens of a row that would be output token `position` (0-based) while `min_tokens`
+    /// holds them back.
+    pub fn hold_stops(&self, position: usize, row: &mut [f32]) {
+        if position < self.min_tokens {
+            for &t in &self.stop_tokens {
+                if let Some(l) = row.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
     }
 
     /// Whether `apply` reads the output's token counts (the repetition, frequency and presence penalties).
@@ -174,6 +193,14 @@ impl LogitAdjustments {
                 "logit_bias names {} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are taken",
                 self.logit_bias.len()
             )));
+        }
+        if self.min_tokens > 0 && self.json.is_some() {
+            // A finished JSON value (or a whole regex match with nothing to follow) allows only stop tokens,
+            // which min_tokens would mask too: no token would be left.
+            return Err(Error::InvalidArgument(
+                "min_tokens cannot be combined with an output constraint (response_format, a regex or choices)"
+                    .into(),
+            ));
         }
         if let Some(json) = &self.json {
             if json.len() > vocab {

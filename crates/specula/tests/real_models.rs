@@ -20,6 +20,7 @@ fn greedy(m: &LoadedModel, prompt: &str, max_new_tokens: usize) -> specula::deco
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     generate(
         m.model.as_ref(),
@@ -280,6 +281,7 @@ fn assert_speculation_equals_plain(
             cancel: None,
             logprobs: None,
             logit_adjustments: None,
+            stop_token_ids: Vec::new(),
         };
         let plain = generate_with(target, &req, None, 0);
         for (i, (label, k, make)) in configs.iter_mut().enumerate() {

@@ -514,6 +514,7 @@ pub fn run_bench(
                 cancel: None,
                 logprobs: None,
                 logit_adjustments: None,
+                stop_token_ids: Vec::new(),
             };
             decode::validate_request(spec.target, &req)
                 .map_err(|e| Error::InvalidArgument(format!("prompt {}: {e}", prompt.id)))?;

@@ -80,6 +80,8 @@ struct Adjuster {
     /// Sorted, each once.
     prompt_tokens: Vec<u32>,
     output_counts: std::collections::HashMap<u32, u32>,
+    /// Output tokens so far (`min_tokens` holds the stop tokens back until there are enough).
+    output_len: usize,
     json_state: JsonState,
 }
 
@@ -92,6 +94,7 @@ impl Adjuster {
             rules,
             prompt_tokens,
             output_counts: Default::default(),
+            output_len: 0,
             json_state: JsonState::default(),
         }
     }
@@ -100,6 +103,7 @@ impl Adjuster {
     /// through, so only a caller outside the masked path could commit it).
     fn commit(&mut self, token: u32) {
         *self.output_counts.entry(token).or_default() += 1;
+        self.output_len += 1;
         if let Some(json) = &self.rules.json {
             if let Some(next) = json.advance(self.json_state, token) {
                 self.json_state = next;
@@ -127,6 +131,8 @@ impl Adjuster {
             };
             self.rules
                 .apply(&mut data[start..], &self.prompt_tokens, &counts);
+            self.rules
+                .hold_stops(self.output_len + drafted.len(), &mut data[start..]);
             if let Some(json) = &self.rules.json {
                 // A row after a draft token that leaves the JSON is never read: that token's own row masks it
                 // out, so acceptance stops there.
@@ -754,6 +760,10 @@ impl<'d> Generation<'d> {
                 a.commit(token);
             }
             appended += 1;
+            if self.req.stop_token_ids.contains(&token) {
+                self.stop = Some(StopReason::StopToken);
+                return appended;
+            }
             if self.tokens.len() >= self.req.max_new_tokens {
                 self.stop = Some(StopReason::MaxTokens);
                 return appended;

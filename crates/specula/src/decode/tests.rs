@@ -27,6 +27,7 @@ fn request(prompt: &[u32], n: usize, sampling: SamplingParams) -> GenerateReques
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     }
 }
 

@@ -108,6 +108,7 @@ pub fn check_wiring(
                 cancel: None,
                 logprobs: None,
                 logit_adjustments: None,
+                stop_token_ids: Vec::new(),
             };
             let out = generate(
                 target,

@@ -59,6 +59,7 @@ fn run(
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     generate(
         t.model.as_ref(),
@@ -802,6 +803,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
                         cancel: None,
                         logprobs: None,
                         logit_adjustments: None,
+                        stop_token_ids: Vec::new(),
                     };
                     let d = Eagle3Drafter::new(&h, t.model.as_ref(), 7 + i as u64)
                         .unwrap()
@@ -842,6 +844,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
                     cancel: None,
                     logprobs: None,
                     logit_adjustments: None,
+                    stop_token_ids: Vec::new(),
                 };
                 let plain = generate(
                     t.model.as_ref(),
@@ -872,6 +875,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     let mut gens: Vec<Generation<'_>> = [&long[..], &PROMPT[2..]]
         .iter()
@@ -953,6 +957,7 @@ fn a_released_head_drafter_leaves_plain_decoding_behind() {
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     let mut gens: Vec<Generation<'_>> = prompts
         .iter()
@@ -1019,6 +1024,7 @@ fn a_prefix_without_head_state_is_reached_only_without_the_drafter() {
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     let plain = Generation::new(model, req(&prompt)).unwrap();
     let (_, prefix) = crate::testing::run_alone_to_end(&t, plain);
@@ -1050,6 +1056,7 @@ fn run_plain(t: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
         cancel: None,
         logprobs: None,
         logit_adjustments: None,
+        stop_token_ids: Vec::new(),
     };
     generate(
         t.model.as_ref(),
@@ -1079,6 +1086,7 @@ fn a_prefix_cache_hit_hands_the_head_its_rows_and_changes_no_draft() {
             cancel: None,
             logprobs: None,
             logit_adjustments: None,
+            stop_token_ids: Vec::new(),
         };
         let d = Eagle3Drafter::new(&h, model, seed).unwrap();
         Generation::with_drafter(model, req, Box::new(d), 3).unwrap()

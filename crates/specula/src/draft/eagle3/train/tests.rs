@@ -408,6 +408,7 @@ fn batched_self_distillation_equals_one_prompt_at_a_time() {
             cancel: None,
             logprobs: None,
             logit_adjustments: None,
+            stop_token_ids: Vec::new(),
         };
         let answer = crate::decode::generate(
             t.model.as_ref(),
