@@ -123,6 +123,14 @@ fn post(addr: SocketAddr, path: &str, body: Value) -> (u16, Value) {
 }
 
 /// The library's own greedy answer.
+/// A 400 whose error names `param` and whose message holds `needle`.
+fn refused((s, v): (u16, Value), param: &str, needle: &str) {
+    assert_eq!(s, 400, "{param}: {v}");
+    assert_eq!(v["error"]["param"], param, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
+}
+
 fn expected(model: &LoadedModel, text: &str, n: usize) -> String {
     expected_until(model, text, n, true)
 }
@@ -525,12 +533,6 @@ fn fields_that_would_change_the_answer_are_refused_by_name() {
         }
         post(addr, "/v1/completions", body)
     };
-    let refused = |(s, v): (u16, Value), param: &str, needle: &str| {
-        assert_eq!(s, 400, "{param}: {v}");
-        assert_eq!(v["error"]["param"], param, "{v}");
-        let msg = v["error"]["message"].as_str().unwrap();
-        assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
-    };
     refused(chat(json!({"n": 0})), "n", "between 1 and 8");
     refused(chat(json!({"n": 9})), "n", "between 1 and 8");
     refused(
@@ -860,12 +862,6 @@ fn min_p_samples_and_other_engines_samplers_are_refused_unless_neutral() {
     }
     // Without the cut the same seeds sample something else at least once.
     assert!((1..4).any(|seed| sampled(0.0, seed) != greedy));
-    let refused = |(s, v): (u16, Value), param: &str, needle: &str| {
-        assert_eq!(s, 400, "{param}: {v}");
-        assert_eq!(v["error"]["param"], param, "{v}");
-        let msg = v["error"]["message"].as_str().unwrap();
-        assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
-    };
     refused(ask(json!({"min_p": 1.5})), "min_p", "[0, 1]");
     refused(
         ask(json!({"typical_p": 0.5})),
@@ -1019,12 +1015,6 @@ fn regexes_and_choices_constrain_the_output_under_every_name() {
             "{text:?} is not one of {choices:?}"
         );
     }
-    let refused = |(s, v): (u16, Value), param: &str, needle: &str| {
-        assert_eq!(s, 400, "{param}: {v}");
-        assert_eq!(v["error"]["param"], param, "{v}");
-        let msg = v["error"]["message"].as_str().unwrap();
-        assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
-    };
     let chat = |extra: Value| ask("/v1/chat/completions", extra);
     refused(
         chat(json!({"guided_grammar": "root ::= \"a\""})),

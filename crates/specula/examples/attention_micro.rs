@@ -7,7 +7,7 @@ use std::time::Instant;
 fn main() {
     let args: Vec<usize> = std::env::args()
         .skip(1)
-        .map(|a| a.parse().expect("a number"))
+        .map(|a| a.parse().expect("KEYS, GROUP and ROUNDS are whole numbers"))
         .collect();
     let n = args.first().copied().unwrap_or(2048);
     let group = args.get(1).copied().unwrap_or(6);
