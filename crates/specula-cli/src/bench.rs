@@ -282,7 +282,7 @@ fn draw_progress(p: &bench::Progress<'_>, start: Instant) {
 
 pub fn bench(mut args: BenchArgs) -> anyhow::Result<()> {
     // bench keeps its own --draft-tokens list: it compares lengths anyway.
-    args.drafter.resolve_speculate(&args.model)?;
+    args.drafter.resolve_defaults(&args.model)?;
     let report = run_bench(&args)?;
     print!("{}", report.table());
     if let Some(path) = &args.json {
@@ -293,7 +293,7 @@ pub fn bench(mut args: BenchArgs) -> anyhow::Result<()> {
 }
 
 pub fn tune(mut args: TuneArgs) -> anyhow::Result<()> {
-    args.bench.drafter.resolve_speculate(&args.bench.model)?;
+    args.bench.drafter.resolve_defaults(&args.bench.model)?;
     let report_json = match &args.from_bench {
         Some(path) => {
             let text = std::fs::read_to_string(path)

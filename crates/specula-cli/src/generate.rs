@@ -301,8 +301,20 @@ pub enum DraftChoice {
 
 impl DrafterArgs {
     /// Turns `--speculate` into the explicit flags of the drafter it picks for `model` (and returns the draft
-    /// length that measured best with it); nothing without `--speculate`.
-    pub fn resolve_speculate(&mut self, model: &ModelArgs) -> anyhow::Result<Option<usize>> {
+    /// length that measured best with it), then fills in the device's defaults for what was not given: on a GPU
+    /// prompt lookup stops by its cost-aware rule (`--ngram-confidence auto`, with the GPU's verify-cost prior)
+    /// instead of the CPU's bar of 0.5, which left drafts that verify almost free undrafted (1.07x against
+    /// 1.11x plain on the real 1.5B, H100, docs/benchmarks.md session 44).
+    pub fn resolve_defaults(&mut self, model: &ModelArgs) -> anyhow::Result<Option<usize>> {
+        let k = self.resolve_speculate(model)?;
+        let on_gpu = model.device()? != specula::backend::Device::Cpu;
+        if on_gpu && self.draft.as_deref() == Some("ngram") && self.ngram_confidence.is_empty() {
+            self.ngram_confidence = vec!["auto".into()];
+        }
+        Ok(k)
+    }
+
+    fn resolve_speculate(&mut self, model: &ModelArgs) -> anyhow::Result<Option<usize>> {
         if !self.speculate {
             return Ok(None);
         }
@@ -570,7 +582,7 @@ pub fn load(args: &ModelArgs) -> anyhow::Result<(specula::model::LoadedModel, us
 
 pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
     let wall = Instant::now();
-    if let Some(k) = args.draft.drafter.resolve_speculate(&args.model)? {
+    if let Some(k) = args.draft.drafter.resolve_defaults(&args.model)? {
         args.draft.draft_tokens.get_or_insert(k);
     }
     let prompt = crate::read_prompt(&args.prompt, &args.prompt_file)?;
@@ -680,9 +692,12 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
             min_n,
             max_n,
             min_confidence,
-        } => Some(Box::new(
-            specula::draft::ngram::NgramDrafter::with_stopping(*min_n, *max_n, *min_confidence)?,
-        )),
+        } => Some(Box::new(specula::draft::ngram::NgramDrafter::for_device(
+            *min_n,
+            *max_n,
+            *min_confidence,
+            &loaded.model.device(),
+        )?)),
         DraftChoice::Eagle3(_) => match eagle3_head.as_ref() {
             Some(head) => {
                 let d = specula::draft::eagle3::Eagle3Drafter::new(

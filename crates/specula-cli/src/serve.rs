@@ -125,7 +125,7 @@ pub fn parse_bytes(text: &str) -> Result<usize, String> {
 
 pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     args.model.device()?;
-    if let Some(k) = args.drafter.resolve_speculate(&args.model)? {
+    if let Some(k) = args.drafter.resolve_defaults(&args.model)? {
         args.draft_tokens.get_or_insert(k);
     }
     let choice = args.drafter.single_choice()?;
@@ -178,7 +178,15 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     let (target, _, _) = load(&args.model)?;
     let draft = match &choice {
         DraftChoice::None => DraftSetup::None,
-        DraftChoice::Ngram { .. } => DraftSetup::Ngram,
+        DraftChoice::Ngram {
+            min_n,
+            max_n,
+            min_confidence,
+        } => DraftSetup::Ngram(specula_server::engine::NgramSettings {
+            min_n: *min_n,
+            max_n: *max_n,
+            min_confidence: *min_confidence,
+        }),
         DraftChoice::Model(spec) => {
             let d =
                 specula::load_model_on(spec, args.model.device()?, true, &mut |l| eprintln!("{l}"))

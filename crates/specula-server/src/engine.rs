@@ -124,11 +124,30 @@ fn shared_head_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("SPECULA_SHARED_HEAD").map_or(true, |v| v != "0"))
 }
 
+/// Prompt lookup's settings (`--ngram-min`, `--ngram-max`, `--ngram-confidence`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NgramSettings {
+    pub min_n: usize,
+    pub max_n: usize,
+    /// The stopping bar; None: cost-aware stopping, with the target device's verify-cost prior.
+    pub min_confidence: Option<f64>,
+}
+
+impl Default for NgramSettings {
+    fn default() -> Self {
+        NgramSettings {
+            min_n: 1,
+            max_n: 4,
+            min_confidence: Some(specula::draft::ngram::DEFAULT_MIN_CONFIDENCE),
+        }
+    }
+}
+
 /// What the server speculates with.
 pub enum DraftSetup {
     None,
-    /// Prompt lookup (default settings).
-    Ngram,
+    /// Prompt lookup.
+    Ngram(NgramSettings),
     /// A draft model sharing the target's tokenizer, drafting from the first token ids only when limited
     /// (`--draft-vocab`), with its confidence bar (`--draft-confidence`).
     Model(Box<LoadedModel>, Option<usize>, f64),
@@ -1253,10 +1272,11 @@ impl<'a> EngineLoop<'a> {
         let draft: &'a DraftSetup = self.draft;
         Ok(match draft {
             DraftSetup::None => None,
-            DraftSetup::Ngram => Some(Box::new(NgramDrafter::with_stopping(
-                1,
-                4,
-                Some(specula::draft::ngram::DEFAULT_MIN_CONFIDENCE),
+            DraftSetup::Ngram(n) => Some(Box::new(NgramDrafter::for_device(
+                n.min_n,
+                n.max_n,
+                n.min_confidence,
+                &self.model.model.device(),
             )?)),
             DraftSetup::Eagle3(head, tree, min_confidence) => {
                 use specula::draft::eagle3::Eagle3Drafter;

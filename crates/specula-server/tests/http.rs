@@ -13,7 +13,7 @@ use specula::model::{load_gguf, LoadedModel};
 use specula::profile::Profiler;
 use specula::sampling::SamplingParams;
 use specula::testing::{write_tiny_gguf, TinySpec};
-use specula_server::engine::{DraftSetup, Engine, EngineOptions};
+use specula_server::engine::{DraftSetup, Engine, EngineOptions, NgramSettings};
 use specula_server::{AppState, Limits};
 
 fn tiny(dir: &Path) -> LoadedModel {
@@ -1324,10 +1324,50 @@ fn an_api_key_is_required_when_set() {
 }
 
 #[test]
+fn prompt_lookup_keeps_the_settings_it_is_given() {
+    // `serve --ngram-confidence` used to be dropped for the default bar: a bar of 1 must draft nothing (no
+    // estimate reaches certainty), a bar of 0 every candidate, and both answer as plain decoding does.
+    let dir = tempfile::tempdir().unwrap();
+    let reference = tiny(dir.path());
+    let prompt = "the tea the tea the tea the";
+    let want = expected(&reference, prompt, 24);
+    let drafted = |min_confidence: Option<f64>| {
+        let settings = NgramSettings {
+            min_n: 1,
+            max_n: 3,
+            min_confidence,
+        };
+        let addr = start(
+            tiny(dir.path()),
+            DraftSetup::Ngram(settings),
+            None,
+            queue(8),
+        );
+        let (s, v) = post(
+            addr,
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 24, "temperature": 0}),
+        );
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["choices"][0]["text"], want);
+        v["usage"]["speculation"]["drafted"].as_u64().unwrap()
+    };
+    assert_eq!(drafted(Some(1.0)), 0);
+    assert!(drafted(Some(0.0)) > 0);
+    // Cost-aware stopping on the CPU drafts too (the repeated phrase is a confident match).
+    assert!(drafted(None) > 0);
+}
+
+#[test]
 fn speculative_requests_report_their_stats_and_stay_lossless() {
     let dir = tempfile::tempdir().unwrap();
     let reference = tiny(dir.path());
-    let addr = start(tiny(dir.path()), DraftSetup::Ngram, None, queue(8));
+    let addr = start(
+        tiny(dir.path()),
+        DraftSetup::Ngram(Default::default()),
+        None,
+        queue(8),
+    );
     let prompt = "the tea the tea the tea the";
     let want = expected(&reference, prompt, 24);
     let (s, v) = post(
@@ -1652,8 +1692,8 @@ fn concurrent_requests_are_batched_and_each_gets_its_answer_alone() {
     // metrics a step late, the answers the same.
     for (draft, overlap) in [
         (DraftSetup::None, None),
-        (DraftSetup::Ngram, None),
-        (DraftSetup::Ngram, Some(true)),
+        (DraftSetup::Ngram(Default::default()), None),
+        (DraftSetup::Ngram(Default::default()), Some(true)),
     ] {
         let speculating = !matches!(draft, DraftSetup::None);
         let addr = start(
@@ -2041,7 +2081,7 @@ fn repeated_prompts_reuse_their_prefix_and_answer_the_same() {
     };
     for (draft, on) in [
         (DraftSetup::None, true),
-        (DraftSetup::Ngram, true),
+        (DraftSetup::Ngram(Default::default()), true),
         (DraftSetup::None, false),
     ] {
         let addr = start(
@@ -2342,7 +2382,12 @@ fn penalties_and_logit_bias_answer_like_the_library() {
     let dir = tempfile::tempdir().unwrap();
     let reference = tiny(dir.path());
     let plain = start(tiny(dir.path()), DraftSetup::None, None, queue(8));
-    let ngram = start(tiny(dir.path()), DraftSetup::Ngram, None, queue(8));
+    let ngram = start(
+        tiny(dir.path()),
+        DraftSetup::Ngram(Default::default()),
+        None,
+        queue(8),
+    );
     // The target as its own draft model: it drafts the unadjusted argmax, which the penalties often overturn.
     let model = start(
         tiny(dir.path()),

@@ -554,10 +554,11 @@ pub fn run_bench(
                             max_n,
                             min_confidence,
                         }),
-                    ) => Some(Box::new(NgramDrafter::with_stopping(
+                    ) => Some(Box::new(NgramDrafter::for_device(
                         min_n,
                         max_n,
                         min_confidence,
+                        &spec.target.device(),
                     )?)),
                     (
                         _,

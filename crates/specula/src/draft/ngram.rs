@@ -44,8 +44,9 @@ enum Stopping {
     /// While the estimated chance that the whole draft is accepted is at least this.
     Fixed(f64),
     /// While that chance is at least [`COST_MARGIN`] times what verifying one more token costs (in plain
-    /// decoding steps), as measured on the generation's verify passes.
-    CostAware(VerifyCostTracker),
+    /// decoding steps), as measured on the generation's verify passes; `prior` until a draft length has been
+    /// measured.
+    CostAware { cost: VerifyCostTracker, prior: f64 },
 }
 
 /// The chance a draft must have, as a multiple of the next token's verify cost in plain steps. Above 1 because
@@ -62,6 +63,21 @@ pub const DEFAULT_MIN_CONFIDENCE: f64 = 0.5;
 /// Verify cost of a drafted token assumed until the generation has measured it (about this repo's 2-core CPU;
 /// measurements replace it once each draft length has been verified a few times).
 pub const PRIOR_MARGINAL: f64 = 0.2;
+
+/// The same on a GPU, where a verify pass of a few rows costs about one step: on an H100, verify(2..8) of the real
+/// Qwen2.5-Coder-1.5B cost 1.05-1.09 plain steps (docs/benchmarks.md, session 44), 0.01-0.05 a drafted token.
+/// With the CPU's prior the rule stopped where the chance fell below 0.3 until it had measured each draft length,
+/// which a short generation that rarely drafts deep never does (1.07x there, against 1.11x for no bar).
+pub const GPU_PRIOR_MARGINAL: f64 = 0.03;
+
+/// The prior for a target on `device` (a model's [`crate::model::Model::device`]: "cpu", or a GPU's name).
+pub fn prior_marginal(device: &str) -> f64 {
+    if device == "cpu" {
+        PRIOR_MARGINAL
+    } else {
+        GPU_PRIOR_MARGINAL
+    }
+}
 
 pub struct NgramDrafter {
     min_n: usize,
@@ -91,13 +107,41 @@ impl NgramDrafter {
         Self::with_confidence(min_n, max_n, DEFAULT_MIN_CONFIDENCE)
     }
 
-    /// Cost-aware stopping (`--ngram-confidence auto`).
+    /// Cost-aware stopping (`--ngram-confidence auto`), assuming the CPU's verify costs until measured (see
+    /// [`Self::with_verify_prior`]).
     pub fn cost_aware(min_n: usize, max_n: usize) -> Result<Self> {
         Self::build(
             min_n,
             max_n,
-            Stopping::CostAware(VerifyCostTracker::default()),
+            Stopping::CostAware {
+                cost: VerifyCostTracker::default(),
+                prior: PRIOR_MARGINAL,
+            },
         )
+    }
+
+    /// With cost-aware stopping, assumes a drafted token costs `prior` plain steps to verify until measured
+    /// ([`prior_marginal`] of the target's device); no effect on a fixed bar.
+    pub fn with_verify_prior(mut self, prior: f64) -> Result<Self> {
+        if !(prior.is_finite() && prior > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "prompt lookup's assumed verify cost must be positive (got {prior})"
+            )));
+        }
+        if let Stopping::CostAware { prior: p, .. } = &mut self.stopping {
+            *p = prior;
+        }
+        Ok(self)
+    }
+
+    /// [`Self::with_stopping`] for a target on `device`: its verify-cost prior when cost-aware.
+    pub fn for_device(
+        min_n: usize,
+        max_n: usize,
+        min_confidence: Option<f64>,
+        device: &str,
+    ) -> Result<Self> {
+        Self::with_stopping(min_n, max_n, min_confidence)?.with_verify_prior(prior_marginal(device))
     }
 
     /// Stops where the estimated chance that the draft is accepted falls below `min_confidence` (0 drafts
@@ -283,8 +327,8 @@ impl Drafter for NgramDrafter {
             all_accepted *= Self::confidence(&c);
             let needed = match &self.stopping {
                 Stopping::Fixed(min) => *min,
-                Stopping::CostAware(cost) => {
-                    COST_MARGIN * cost.marginal(tokens.len() + 1, PRIOR_MARGINAL)
+                Stopping::CostAware { cost, prior } => {
+                    COST_MARGIN * cost.marginal(tokens.len() + 1, *prior)
                 }
             };
             if all_accepted < needed {
@@ -302,7 +346,7 @@ impl Drafter for NgramDrafter {
     }
 
     fn observe_verify(&mut self, tokens: usize, seconds: f64) {
-        if let Stopping::CostAware(cost) = &mut self.stopping {
+        if let Stopping::CostAware { cost, .. } = &mut self.stopping {
             cost.observe(tokens, seconds);
         }
     }
@@ -372,6 +416,40 @@ mod tests {
         assert_eq!(cheap, phrase[6..12].to_vec());
         assert!(dear.len() < cheap.len(), "{dear:?}");
         assert_eq!(dear[..], phrase[6..6 + dear.len()]);
+    }
+
+    #[test]
+    fn a_gpu_prior_drafts_deeper_before_anything_is_measured() {
+        // Nothing measured yet: the CPU's prior (0.2 a token) stops where the chance falls below 0.3, a GPU's
+        // (0.03) only below 0.045, so the same lookup drafts the whole continuation there.
+        let phrase: Vec<u32> = (100..112).collect();
+        let mut ctx = phrase.clone();
+        ctx.extend_from_slice(&phrase[..6]);
+        let drafted = |device: &str| {
+            NgramDrafter::for_device(1, 4, None, device)
+                .unwrap()
+                .propose(&ctx, 6, &SamplingParams::default())
+                .unwrap()
+                .tokens
+        };
+        let cpu = drafted("cpu");
+        let gpu = drafted("NVIDIA H100 80GB HBM3");
+        assert_eq!(gpu, phrase[6..12].to_vec());
+        assert!(!cpu.is_empty() && cpu.len() < gpu.len(), "{cpu:?}");
+        assert_eq!(cpu[..], phrase[6..6 + cpu.len()]);
+        // A fixed bar ignores the prior.
+        let fixed = NgramDrafter::for_device(1, 4, Some(0.5), "NVIDIA H100 80GB HBM3")
+            .unwrap()
+            .propose(&ctx, 6, &SamplingParams::default())
+            .unwrap()
+            .tokens;
+        assert!(fixed.len() < gpu.len(), "{fixed:?}");
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(NgramDrafter::cost_aware(1, 4)
+                .unwrap()
+                .with_verify_prior(bad)
+                .is_err());
+        }
     }
 
     #[test]
