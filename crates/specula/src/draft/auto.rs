@@ -4,8 +4,9 @@
 //!    on this kind of device (on a GPU the head runs there too, with its own measured settings);
 //! 2. the target's registry draft model, when downloaded, with the settings measured best on this kind of device
 //!    (on a GPU a 24-layer 0.5B step costs ~0.55 of a 1.5B step at batch 1, so it wins only with a narrowed draft
-//!    vocabulary and no confidence bar: 1.17x on an H200, against prompt lookup's 1.05x);
-//! 3. prompt lookup, which costs nothing and stops by itself when its matches get unreliable.
+//!    vocabulary and no confidence bar: 1.17x on an H200, against prompt lookup's 1.05x at its CPU bar);
+//! 3. prompt lookup, which costs nothing and stops by itself when its matches get unreliable (on a GPU by its
+//!    cost-aware rule at k = 4: with no bar it gave 1.11-1.12x on an H100, session 44).
 //!
 //! Each drafter also sizes its drafts as it runs (the draft model's confidence bar, prompt lookup's stopping rule),
 //! so the draft length here is the most it may propose.
@@ -65,6 +66,12 @@ pub struct AutoDrafter {
 
 /// Draft tokens prompt lookup proposes at most (it stops earlier by itself).
 pub const NGRAM_DRAFT_TOKENS: usize = 8;
+
+/// The same on a GPU, where it drafts nearly every candidate (its cost-aware rule, see
+/// `ngram::GPU_PRIOR_MARGINAL`): on an H100 with the real Qwen 1.5B, drafting every candidate gave 1.11-1.12x plain
+/// at k = 3-4 but 1.03x at k = 8, whose 9-row verify costs 1.24 steps against 1.05-1.09 for 2-8 rows
+/// (docs/benchmarks.md, session 44).
+pub const NGRAM_DRAFT_TOKENS_GPU: usize = 4;
 
 /// The drafter `--speculate` uses for the target `target_spec` (a registry name, path, ...) on a GPU or not.
 /// `draft_cached` says whether a registry model is in the cache (a draft model is never downloaded silently),
@@ -169,7 +176,11 @@ pub fn choose(
         method: "ngram",
         draft_model: None,
         draft_vocab: None,
-        draft_tokens: NGRAM_DRAFT_TOKENS,
+        draft_tokens: if on_gpu {
+            NGRAM_DRAFT_TOKENS_GPU
+        } else {
+            NGRAM_DRAFT_TOKENS
+        },
         min_confidence: None,
         reason: format!(
             "prompt lookup (free to draft){}",
@@ -241,6 +252,7 @@ mod tests {
         // SmolLM2's head has no GPU measurement: prompt lookup there, saying so.
         let s = choose("smollm2-135m", true, &|_| true, &built);
         assert_eq!(s.method, "ngram");
+        assert_eq!(s.draft_tokens, NGRAM_DRAFT_TOKENS_GPU);
         assert!(s.reason.contains("on a GPU"), "{}", s.reason);
         // Anything else: prompt lookup.
         assert_eq!(
