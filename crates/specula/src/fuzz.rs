@@ -149,6 +149,252 @@ pub fn bench_json(bytes: &[u8]) -> Reached {
     }
 }
 
+/// A request's output constraint as a client sends it (`{"schema": ...}`, `{"regex": "..."}` or `{"choices":
+/// [...]}`: the server's `json_schema`, `guided_regex` and `guided_choice`; other bytes are taken whole as a
+/// regex), compiled and then walked over a small
+/// vocabulary (JSON punctuation, words, split UTF-8) for up to [`CONSTRAINT_WALK`] tokens. At every step each
+/// token's bit in the cached mask must agree with advancing the state by that token (the fast mask against the
+/// plain walk: a token the mask allows but the walk refuses would stall a request), and output that stops must be
+/// what the constraint asked for: a full match of the regex, one of the choices, a JSON value for a schema. The
+/// next token is chosen among the allowed ones by the input's hash (stopping, when allowed, one time in four),
+/// every other step the one that closes most, so that schemas' outputs get finished too.
+pub fn output_constraint(bytes: &[u8]) -> Reached {
+    use crate::json_mode::{JsonConstraint, JsonGrammar, JsonState};
+    // Input that is not JSON is taken whole as a regex (the most hostile of the three: any text a client sends).
+    let request = serde_json::from_slice::<serde_json::Value>(bytes).unwrap_or_else(
+        |_| serde_json::json!({ "regex": String::from_utf8_lossy(bytes), "raw": true }),
+    );
+    let raw = request.get("raw").is_some();
+    let (grammar, asked) = if let Some(schema) = request.get("schema") {
+        (JsonGrammar::from_schema(schema), Asked::Schema)
+    } else if let Some(regex) = request.get("regex").and_then(|r| r.as_str()) {
+        (
+            JsonGrammar::from_regex(regex),
+            Asked::Regex(regex.to_string()),
+        )
+    } else if let Some(list) = request.get("choices").and_then(|c| c.as_array()) {
+        let Some(choices) = list
+            .iter()
+            .map(|c| c.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return Reached::Parsed;
+        };
+        (JsonGrammar::from_choices(&choices), Asked::Choices(choices))
+    } else {
+        return Reached::Parsed;
+    };
+    let Ok(grammar) = grammar else {
+        return if raw {
+            Reached::Rejected
+        } else {
+            Reached::Parsed
+        };
+    };
+    let (vocab, tokens) = constraint_vocabulary();
+    let stop = vocab.len() as u32 - 1;
+    let constraint = JsonConstraint::new(grammar, vocab.clone());
+    let mut state = JsonState::default();
+    let mut text: Vec<u8> = Vec::new();
+    let mut pick = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    for _ in 0..CONSTRAINT_WALK {
+        let mask = constraint.mask(state);
+        let mut allowed = Vec::new();
+        for t in 0..vocab.len() as u32 {
+            let in_mask = mask[t as usize / 64] >> (t % 64) & 1 == 1;
+            let next = constraint.advance(state, t);
+            assert_eq!(
+                in_mask,
+                next.is_some(),
+                "token {t} ({:?}) after {:?}: the mask says {in_mask}, advancing says {:?}",
+                String::from_utf8_lossy(&tokens[t as usize]),
+                String::from_utf8_lossy(&text),
+                next.is_some()
+            );
+            if let Some(next) = next {
+                allowed.push((t, next));
+            }
+        }
+        if allowed.is_empty() {
+            break;
+        }
+        pick = pick
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let stops = allowed.iter().any(|&(t, _)| t == stop);
+        if stops && (pick >> 60) % 4 == 0 {
+            check_constrained_output(&asked, &text);
+            break;
+        }
+        // Half the steps take the allowed token that closes most (so schemas' outputs get finished too), the
+        // others any allowed token.
+        let (t, next) = if (pick >> 59) & 1 == 0 {
+            *allowed
+                .iter()
+                .max_by_key(|&&(t, _)| (closing_weight(&tokens[t as usize]), std::cmp::Reverse(t)))
+                .expect("allowed is not empty")
+        } else {
+            allowed[(pick >> 33) as usize % allowed.len()]
+        };
+        if t == stop {
+            check_constrained_output(&asked, &text);
+            break;
+        }
+        text.extend_from_slice(&tokens[t as usize]);
+        state = next;
+    }
+    Reached::Ran
+}
+
+/// Tokens [`output_constraint`] walks at most.
+pub const CONSTRAINT_WALK: usize = 48;
+
+/// The walk's vocabulary besides single bytes: JSON punctuation, literals, words, escapes, whole and split UTF-8.
+const CONSTRAINT_TOKENS: &[&str] = &[
+    "{",
+    "}",
+    "[",
+    "]",
+    ",",
+    ":",
+    "\"",
+    " ",
+    "\n",
+    "  ",
+    "{\"",
+    "\":",
+    "\": ",
+    ", \"",
+    "\"}",
+    "\"]",
+    "[]",
+    "{}",
+    "true",
+    "false",
+    "null",
+    "tr",
+    "ue",
+    "0",
+    "1",
+    "12",
+    "-1",
+    "0.5",
+    "1e9",
+    "e+",
+    "-",
+    ".",
+    "\\",
+    "\\n",
+    "\\\"",
+    "\\u00",
+    "e9",
+    "a",
+    "ab",
+    "abc",
+    "name",
+    "\"name\"",
+    "age",
+    "Tom",
+    "yes",
+    "no",
+    "@",
+    "x.com",
+    "2024-01-31",
+    "T12:00:00Z",
+    "\u{e9}",
+    "\u{65e5}",
+    "(",
+    ")",
+    "+",
+    "_",
+    "#",
+    "/",
+    "a b",
+    "\t",
+];
+
+/// How much a token closes: quotes, brackets and braces, and short complete values.
+fn closing_weight(token: &[u8]) -> usize {
+    token
+        .iter()
+        .map(|&b| match b {
+            b'}' | b']' => 3,
+            b'"' => 2,
+            b'0'..=b'9' => 1,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// What a walk's request asked for.
+enum Asked {
+    Schema,
+    Regex(String),
+    Choices(Vec<String>),
+}
+
+/// The walk's vocabulary (the last token stops) and each token's bytes.
+fn constraint_vocabulary() -> &'static (
+    std::sync::Arc<crate::json_mode::JsonVocabulary>,
+    Vec<Vec<u8>>,
+) {
+    use std::sync::OnceLock;
+    static VOCAB: OnceLock<(
+        std::sync::Arc<crate::json_mode::JsonVocabulary>,
+        Vec<Vec<u8>>,
+    )> = OnceLock::new();
+    VOCAB.get_or_init(|| {
+        let mut tokens: Vec<Vec<u8>> = CONSTRAINT_TOKENS
+            .iter()
+            .map(|t| t.as_bytes().to_vec())
+            .collect();
+        // Lone bytes of UTF-8 sequences (a token may end inside a character), then the stop token.
+        tokens.extend([0xc3u8, 0xa9, 0xe6, 0x97, 0xa5, 0xff].map(|b| vec![b]));
+        tokens.push(b"<stop>".to_vec());
+        let stop = tokens.len() as u32 - 1;
+        let vocab = crate::json_mode::JsonVocabulary::from_tokens(
+            tokens
+                .iter()
+                .map(|t| Some(t.clone().into_boxed_slice()))
+                .collect(),
+            vec![stop],
+        );
+        (vocab, tokens)
+    })
+}
+
+/// Output a walk stopped on must be what its request asked for.
+fn check_constrained_output(asked: &Asked, text: &[u8]) {
+    match asked {
+        Asked::Schema => {
+            assert!(
+                serde_json::from_slice::<serde_json::Value>(text).is_ok(),
+                "a schema's output stopped on {:?}, which is not JSON",
+                String::from_utf8_lossy(text)
+            );
+        }
+        Asked::Regex(regex) => {
+            // The constraint's own automaton accepted it; the regex crate must agree (a full match).
+            if let Ok(re) = regex_automata::meta::Regex::new(&format!("^(?:{regex})$")) {
+                assert!(
+                    re.is_match(text),
+                    "the regex {regex:?}'s output stopped on {:?}, which it does not match",
+                    String::from_utf8_lossy(text)
+                );
+            }
+        }
+        Asked::Choices(choices) => {
+            assert!(
+                choices.iter().any(|c| c.as_bytes() == text),
+                "choices {choices:?}: the output stopped on {:?}",
+                String::from_utf8_lossy(text)
+            );
+        }
+    }
+}
+
 fn split_u16_framed(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
     let len = u16::from_le_bytes([*bytes.first()?, *bytes.get(1)?]) as usize;
     let rest = &bytes[2..];

@@ -300,6 +300,16 @@ fn cases() -> u32 {
 /// Runs `cases()` mutated seeds and `cases() / 4` random inputs through `entry`; reports counts, time, and how
 /// far the inputs got, and requires that the mutated seeds exercised the deepest stage.
 fn campaign(target: &'static str, layout: Layout, entry: fn(&[u8]) -> specula::fuzz::Reached) {
+    campaign_scaled(target, layout, entry, 1);
+}
+
+/// [`campaign`] with `scale` times the cases (for targets whose cases take microseconds).
+fn campaign_scaled(
+    target: &'static str,
+    layout: Layout,
+    entry: fn(&[u8]) -> specula::fuzz::Reached,
+    scale: u32,
+) {
     use specula::fuzz::Reached;
     let seeds = seeds(target);
     let watchdog = Watchdog::start(target);
@@ -330,7 +340,7 @@ fn campaign(target: &'static str, layout: Layout, entry: fn(&[u8]) -> specula::f
         };
         assert_eq!(r, expected, "{target} seed {name}");
     }
-    let n = cases();
+    let n = cases() * scale;
     let mut runner = TestRunner::new(Config {
         cases: n,
         failure_persistence: None,
@@ -434,6 +444,17 @@ fn prompts_jsonl_reader() {
 #[test]
 fn bench_json_reader_and_tune() {
     campaign("bench_json", Layout::Json, specula::fuzz::bench_json);
+}
+
+/// A case takes well under a millisecond (the walk's vocabulary is ~130 tokens), so ten times the cases.
+#[test]
+fn output_constraints_from_requests() {
+    campaign_scaled(
+        "output_constraint",
+        Layout::Json,
+        specula::fuzz::output_constraint,
+        10,
+    );
 }
 
 /// The mutator itself: edits stay in bounds and do change the input (a mutator that returned its seed would make
