@@ -2448,3 +2448,274 @@ fn penalties_and_logit_bias_answer_like_the_library() {
         assert_eq!(v["choices"][0]["text"], unadjusted.text.as_str());
     }
 }
+
+/// A small deterministic generator for the mutated requests below.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 11) as usize % n
+    }
+}
+
+/// JSON pointers of every value in `v`, depth first.
+fn pointers(v: &Value, at: String, out: &mut Vec<String>) {
+    out.push(at.clone());
+    match v {
+        Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                pointers(item, format!("{at}/{i}"), out);
+            }
+        }
+        Value::Object(map) => {
+            for (k, item) in map {
+                pointers(
+                    item,
+                    format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")),
+                    out,
+                );
+            }
+        }
+        _ => {}
+    }
+}
+
+/// One edit of a request: a value replaced (by a boundary number, a string, null, a container, another field's
+/// kind of value), deleted, or a known field added with such a value.
+fn mutate(request: &mut Value, rng: &mut Rng) {
+    const FIELDS: &[&str] = &[
+        "max_tokens",
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "stop",
+        "seed",
+        "temperature",
+        "top_p",
+        "top_k",
+        "response_format",
+        "guided_regex",
+        "guided_choice",
+        "guided_json",
+        "tools",
+        "tool_choice",
+        "stream",
+        "stream_options",
+        "min_tokens",
+        "stop_token_ids",
+        "logit_bias",
+        "best_of",
+        "echo",
+        "suffix",
+        "prompt",
+        "messages",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "structured_outputs",
+        "max_completion_tokens",
+        "model",
+        "user",
+    ];
+    let replacement = |rng: &mut Rng| -> Value {
+        match rng.below(16) {
+            0 => json!(0),
+            1 => json!(-1),
+            2 => json!(1e20),
+            3 => json!(u64::MAX),
+            4 => json!(0.5),
+            5 => json!(""),
+            6 => json!("x".repeat(rng.below(300))),
+            7 => Value::Null,
+            8 => json!(true),
+            9 => json!([]),
+            10 => json!({}),
+            11 => json!([[[["deep"]]]]),
+            12 => {
+                json!({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(a|b)*c"}}}}})
+            }
+            13 => json!("[a-z]{2,4}"),
+            14 => json!(["yes", "no"]),
+            _ => json!(3),
+        }
+    };
+    let mut paths = Vec::new();
+    pointers(request, String::new(), &mut paths);
+    let path = paths[rng.below(paths.len())].clone();
+    match rng.below(4) {
+        0 if !path.is_empty() => {
+            let (parent, last) = path.rsplit_once('/').unwrap();
+            match request.pointer_mut(parent) {
+                Some(Value::Object(map)) => {
+                    map.remove(&last.replace("~1", "/").replace("~0", "~"));
+                }
+                Some(Value::Array(items)) => {
+                    if let Ok(i) = last.parse::<usize>() {
+                        if i < items.len() {
+                            items.remove(i);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        1 => {
+            if let Some(map) = request.as_object_mut() {
+                let field = FIELDS[rng.below(FIELDS.len())];
+                map.insert(field.to_string(), replacement(rng));
+            }
+        }
+        _ => {
+            let new = replacement(rng);
+            if let Some(slot) = request.pointer_mut(&path) {
+                *slot = new;
+            }
+        }
+    }
+}
+
+/// A request sent raw, with a read timeout: (status, body), or None where the connection broke or stalled.
+fn send_raw(addr: SocketAddr, path: &str, body: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .ok()?;
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).ok()?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).ok()?;
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, rest) = text.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(rest)
+    } else {
+        rest.to_string()
+    };
+    Some((status, body))
+}
+
+#[test]
+fn mutated_requests_get_answers_or_openai_errors_and_leave_the_server_well() {
+    // Valid requests over most of what the server reads, each edited a few times at random: every answer must be
+    // a 200 or a 4xx in OpenAI's error shape (never a 5xx, a dropped connection or a stall), and afterwards the
+    // server must answer a fixed request as before, with nothing left running or queued.
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(
+        tiny(dir.path()),
+        DraftSetup::Ngram(Default::default()),
+        None,
+        queue(8),
+    );
+    let probe = json!({"prompt": "the tea the tea the", "max_tokens": 10, "temperature": 0});
+    let (s, before) = post(addr, "/v1/completions", probe.clone());
+    assert_eq!(s, 200, "{before}");
+    let seeds: Vec<(&str, Value)> = vec![
+        (
+            "/v1/completions",
+            json!({"prompt": "the tea the tea", "max_tokens": 8, "temperature": 0, "stop": ["x"], "logprobs": 2, "seed": 3, "echo": false}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "system", "content": "be short"}, {"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "a json"}], "max_tokens": 12, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}, "required": ["a"]}}}}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "abc", "max_tokens": 6, "guided_regex": "[a-c]{2,5}", "temperature": 0}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ["one", "two"], "max_tokens": 4, "guided_choice": ["yes", "no"], "stream": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "call f"}]}], "max_completion_tokens": 8, "tool_choice": "none", "logprobs": true, "top_logprobs": 2}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "the the the", "max_tokens": 6, "n": 2, "presence_penalty": 0.5, "frequency_penalty": 0.3, "logit_bias": {"5": -100}, "min_p": 0.1, "stop_token_ids": [3], "min_tokens": 2, "seed": 7, "temperature": 0.8}),
+        ),
+        ("/tokenize", json!({"prompt": "the tea"})),
+    ];
+    for (path, seed) in &seeds {
+        let body = seed.to_string();
+        let answer = send_raw(addr, path, &body);
+        assert_eq!(
+            answer.as_ref().map(|a| a.0),
+            Some(200),
+            "POST {path} {body}: {answer:?}"
+        );
+    }
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut statuses = std::collections::BTreeMap::new();
+    for case in 0..400 {
+        let (path, seed) = &seeds[case % seeds.len()];
+        let mut request = seed.clone();
+        for _ in 0..1 + rng.below(2) {
+            mutate(&mut request, &mut rng);
+        }
+        // Now and then the other kind of endpoint.
+        let path = match rng.below(10) {
+            0 => "/v1/completions",
+            1 => "/v1/chat/completions",
+            _ => path,
+        };
+        let body = request.to_string();
+        let Some((status, answer)) = send_raw(addr, path, &body) else {
+            panic!("POST {path} {body}: the connection broke or stalled");
+        };
+        *statuses.entry(status).or_insert(0u32) += 1;
+        assert!(
+            status == 200 || (400..500).contains(&status),
+            "POST {path} {body}: {status} {answer}"
+        );
+        if status != 200 {
+            let v: Value = serde_json::from_str(&answer)
+                .unwrap_or_else(|e| panic!("POST {path} {body}: {status} {answer:?}: {e}"));
+            assert!(v["error"]["message"].is_string(), "POST {path} {body}: {v}");
+        } else if answer.starts_with("data:") {
+            assert!(
+                answer.contains("data: [DONE]"),
+                "POST {path} {body}: {answer}"
+            );
+        } else {
+            let v: Value = serde_json::from_str(&answer)
+                .unwrap_or_else(|e| panic!("POST {path} {body}: {answer:?}: {e}"));
+            assert!(v.is_object(), "POST {path} {body}: {v}");
+        }
+    }
+    eprintln!("mutated requests, answers by status: {statuses:?}");
+    // Both kinds of answer were seen (the edits neither all break nor all keep the requests).
+    assert!(
+        statuses.get(&200).copied().unwrap_or(0) >= 40,
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.get(&400).copied().unwrap_or(0) >= 40,
+        "{statuses:?}"
+    );
+    let (s, after) = post(addr, "/v1/completions", probe);
+    assert_eq!(s, 200, "{after}");
+    assert_eq!(after["choices"][0]["text"], before["choices"][0]["text"]);
+    let (_, _, metrics) = http(addr, "GET", "/metrics", None, &[]);
+    for gauge in [
+        "specula:num_requests_running ",
+        "specula:num_requests_waiting ",
+    ] {
+        let line = metrics.lines().find(|l| l.starts_with(gauge)).unwrap();
+        assert!(line.ends_with(" 0"), "{line}");
+    }
+}
