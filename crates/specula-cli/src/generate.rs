@@ -300,16 +300,21 @@ pub enum DraftChoice {
 }
 
 impl DrafterArgs {
-    /// Turns `--speculate` into the explicit flags of the drafter it picks for `model` (and returns the draft
-    /// length that measured best with it), then fills in the device's defaults for what was not given: on a GPU
-    /// prompt lookup stops by its cost-aware rule (`--ngram-confidence auto`, with the GPU's verify-cost prior)
-    /// instead of the CPU's bar of 0.5, which left drafts that verify almost free undrafted (1.07x against
-    /// 1.11x plain on the real 1.5B, H100, docs/benchmarks.md session 44).
+    /// Turns `--speculate` into the explicit flags of the drafter it picks for `model`, then fills in the
+    /// device's defaults for what was not given; returns the draft length to use where `--draft-tokens` is not
+    /// given (what measured best with the pick, or the device's default). On a GPU prompt lookup stops by its
+    /// cost-aware rule (`--ngram-confidence auto`, with the GPU's verify-cost prior) instead of the CPU's bar of
+    /// 0.5, which left drafts that verify almost free undrafted (1.05x against 1.11x plain with no bar on the
+    /// real 1.5B, H100), and proposes at most 4 tokens: a 9-row verify costs 1.24 steps against 1.05-1.09 for
+    /// 2-8 rows (docs/benchmarks.md, session 44).
     pub fn resolve_defaults(&mut self, model: &ModelArgs) -> anyhow::Result<Option<usize>> {
-        let k = self.resolve_speculate(model)?;
+        let mut k = self.resolve_speculate(model)?;
         let on_gpu = model.device()? != specula::backend::Device::Cpu;
-        if on_gpu && self.draft.as_deref() == Some("ngram") && self.ngram_confidence.is_empty() {
-            self.ngram_confidence = vec!["auto".into()];
+        if on_gpu && self.draft.as_deref() == Some("ngram") {
+            if self.ngram_confidence.is_empty() {
+                self.ngram_confidence = vec!["auto".into()];
+            }
+            k = k.or(Some(specula::draft::auto::NGRAM_DRAFT_TOKENS_GPU));
         }
         Ok(k)
     }
