@@ -2461,28 +2461,6 @@ impl Rng {
     }
 }
 
-/// JSON pointers of every value in `v`, depth first.
-fn pointers(v: &Value, at: String, out: &mut Vec<String>) {
-    out.push(at.clone());
-    match v {
-        Value::Array(items) => {
-            for (i, item) in items.iter().enumerate() {
-                pointers(item, format!("{at}/{i}"), out);
-            }
-        }
-        Value::Object(map) => {
-            for (k, item) in map {
-                pointers(
-                    item,
-                    format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")),
-                    out,
-                );
-            }
-        }
-        _ => {}
-    }
-}
-
 /// One edit of a request: a value replaced (by a boundary number, a string, null, a container, another field's
 /// kind of value), deleted, or a known field added with such a value.
 fn mutate(request: &mut Value, rng: &mut Rng) {
@@ -2543,26 +2521,10 @@ fn mutate(request: &mut Value, rng: &mut Rng) {
             _ => json!(3),
         }
     };
-    let mut paths = Vec::new();
-    pointers(request, String::new(), &mut paths);
+    let paths = specula::testing::json_pointers(request);
     let path = paths[rng.below(paths.len())].clone();
     match rng.below(4) {
-        0 if !path.is_empty() => {
-            let (parent, last) = path.rsplit_once('/').unwrap();
-            match request.pointer_mut(parent) {
-                Some(Value::Object(map)) => {
-                    map.remove(&last.replace("~1", "/").replace("~0", "~"));
-                }
-                Some(Value::Array(items)) => {
-                    if let Ok(i) = last.parse::<usize>() {
-                        if i < items.len() {
-                            items.remove(i);
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
+        0 => specula::testing::remove_json_pointer(request, &path),
         1 => {
             if let Some(map) = request.as_object_mut() {
                 let field = FIELDS[rng.below(FIELDS.len())];

@@ -790,3 +790,51 @@ pub fn random_json_walk(
     }
     Ok(state.is_done().then_some(text))
 }
+
+/// JSON pointers (RFC 6901) of every value in `v`, depth first, the root ("") first: for tests that edit JSON
+/// documents at random (the fuzz campaign, the server's mutated requests).
+pub fn json_pointers(v: &serde_json::Value) -> Vec<String> {
+    fn walk(v: &serde_json::Value, at: String, out: &mut Vec<String>) {
+        out.push(at.clone());
+        match v {
+            serde_json::Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    walk(item, format!("{at}/{i}"), out);
+                }
+            }
+            serde_json::Value::Object(map) => {
+                for (k, item) in map {
+                    walk(
+                        item,
+                        format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")),
+                        out,
+                    );
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(v, String::new(), &mut out);
+    out
+}
+
+/// Removes the value at `pointer` from its parent object or array (nothing for the root or a path not there).
+pub fn remove_json_pointer(doc: &mut serde_json::Value, pointer: &str) {
+    let Some((parent, last)) = pointer.rsplit_once('/') else {
+        return;
+    };
+    match doc.pointer_mut(parent) {
+        Some(serde_json::Value::Object(map)) => {
+            map.remove(&last.replace("~1", "/").replace("~0", "~"));
+        }
+        Some(serde_json::Value::Array(items)) => {
+            if let Ok(i) = last.parse::<usize>() {
+                if i < items.len() {
+                    items.remove(i);
+                }
+            }
+        }
+        _ => {}
+    }
+}

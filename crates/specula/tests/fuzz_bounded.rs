@@ -140,33 +140,13 @@ fn json_edit() -> impl Strategy<Value = JsonEdit> {
     })
 }
 
-/// JSON pointers of every value in `v`, depth first.
-fn json_paths(v: &serde_json::Value, at: String, out: &mut Vec<String>) {
-    out.push(at.clone());
-    match v {
-        serde_json::Value::Array(items) => {
-            for (i, item) in items.iter().enumerate() {
-                json_paths(item, format!("{at}/{i}"), out);
-            }
-        }
-        serde_json::Value::Object(map) => {
-            for (k, item) in map {
-                let key = k.replace('~', "~0").replace('/', "~1");
-                json_paths(item, format!("{at}/{key}"), out);
-            }
-        }
-        _ => {}
-    }
-}
-
 /// Applies structural edits (replace a value by a number at a size boundary, a negative or fractional number,
 /// a string, null, a bool, an empty or nested container; delete it; duplicate it) and serializes the result.
 /// Byte mutations of JSON almost always break its syntax; these reach the code that reads the fields.
 fn apply_json(seed: &[u8], edits: &[JsonEdit]) -> Option<Vec<u8>> {
     let mut doc: serde_json::Value = serde_json::from_slice(seed).ok()?;
     for e in edits {
-        let mut paths = Vec::new();
-        json_paths(&doc, String::new(), &mut paths);
+        let paths = specula::testing::json_pointers(&doc);
         let path = &paths[e.node % paths.len()];
         let replacement = match e.kind {
             0 => serde_json::json!(e.number),
@@ -180,22 +160,7 @@ fn apply_json(seed: &[u8], edits: &[JsonEdit]) -> Option<Vec<u8>> {
             8 => serde_json::json!({"type": "x", "a": [[]]}),
             _ => {
                 // Delete: remove the key or element from its parent.
-                if let Some((parent, last)) = path.rsplit_once('/') {
-                    match doc.pointer_mut(parent) {
-                        Some(serde_json::Value::Object(map)) => {
-                            let key = last.replace("~1", "/").replace("~0", "~");
-                            map.remove(&key);
-                        }
-                        Some(serde_json::Value::Array(items)) => {
-                            if let Ok(i) = last.parse::<usize>() {
-                                if i < items.len() {
-                                    items.remove(i);
-                                }
-                            }
-                        }
-                        _ => {}
-                    }
-                }
+                specula::testing::remove_json_pointer(&mut doc, path);
                 continue;
             }
         };
