@@ -2669,6 +2669,23 @@ fn mutated_requests_get_answers_or_openai_errors_and_leave_the_server_well() {
         statuses.get(&400).copied().unwrap_or(0) >= 40,
         "{statuses:?}"
     );
+    // Found by the output-constraint fuzz target: a multipleOf of 1e300 panicked while the schema compiled, so
+    // the client saw its connection drop; now a 400 names it.
+    let (s, v) = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "n"}], "max_tokens": 4,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema":
+                   {"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 1e300}}}}}}),
+    );
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("multipleOf"),
+        "{v}"
+    );
     let (s, after) = post(addr, "/v1/completions", probe);
     assert_eq!(s, 200, "{after}");
     assert_eq!(after["choices"][0]["text"], before["choices"][0]["text"]);

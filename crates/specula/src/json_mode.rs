@@ -668,13 +668,20 @@ impl<'a> Compiler<'a> {
         let hi = Self::bound(map, ("maximum", "exclusiveMaximum"), false, at)?;
         let multiple = match map.get("multipleOf") {
             None => None,
-            Some(v) => Some(
-                v.as_f64()
+            Some(v) => {
+                let m = v
+                    .as_f64()
                     .filter(|m| m.is_finite() && *m > 0.0)
                     .ok_or_else(|| {
                         schema_error(format!("{at}.multipleOf must be a number above 0, got {v}"))
-                    })?,
-            ),
+                    })?;
+                if m > MAX_BOUND {
+                    return Err(schema_error(format!(
+                        "{at}.multipleOf {v} is not supported (at most 2^53)"
+                    )));
+                }
+                Some(m)
+            }
         };
         if lo.is_none() && hi.is_none() && multiple.is_none() {
             return Ok(None);
@@ -2910,6 +2917,16 @@ mod tests {
             (
                 json!({"type": "object", "properties": {"a": {"type": "integer", "maximum": 1e300}}}),
                 "2^53",
+            ),
+            // Found by the output-constraint fuzz target: a whole multipleOf this large saturated to u64::MAX and
+            // built a broken automaton (an index panic).
+            (
+                json!({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 1e300}}}),
+                "multipleOf 1e+300 is not supported",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 1e9}}}),
+                "multipleOf 1000000000 is not supported",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "integer", "exclusiveMinimum": true}}}),

@@ -199,7 +199,9 @@ impl ByteDfa {
     /// Decimal integers (an optional `-`, digits) that are multiples of `m`; any digits, so intersect it with an
     /// automaton of the integers' form.
     pub fn multiples_of(m: u64) -> Result<ByteDfa, String> {
-        if m == 0 || m as usize + 2 > MAX_STATES {
+        // Compared as u64: `m as usize + 2` wrapped for m near u64::MAX (a schema's multipleOf of 1e300
+        // saturates there) and passed, leaving a one-state table whose transitions pointed past it.
+        if m == 0 || m > (MAX_STATES - 2) as u64 {
             return Err(format!(
                 "multipleOf {m} is not supported (a whole number from 1 to {})",
                 MAX_STATES - 2
@@ -447,5 +449,10 @@ mod tests {
         }
         assert!(!d.matches(b"07") && !d.matches(b"-"));
         assert!(ByteDfa::multiples_of(0).is_err());
+        // Found by the output-constraint fuzz target: sizes near u64::MAX are refused, not wrapped.
+        for m in [u64::MAX, u64::MAX - 1, (MAX_STATES - 1) as u64] {
+            assert!(ByteDfa::multiples_of(m).is_err(), "{m}");
+        }
+        assert!(ByteDfa::multiples_of((MAX_STATES - 2) as u64).is_ok());
     }
 }
