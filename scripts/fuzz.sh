@@ -10,7 +10,7 @@ seconds="${1:-300}"
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(gguf hf_checkpoint tokenizer_json chat_template prompts_jsonl bench_json output_constraint)
+    targets=(gguf hf_checkpoint tokenizer_json chat_template prompts_jsonl bench_json output_constraint client_text)
 fi
 # The same CPU features as the main build, so the AVX2 kernels are fuzzed too.
 export RUSTFLAGS="-C target-feature=+avx2,+fma,+f16c,+bmi2"

@@ -149,6 +149,62 @@ pub fn bench_json(bytes: &[u8]) -> Reached {
     }
 }
 
+/// Text a client sends (a prompt, a message, a stop string), taken as UTF-8 with bad bytes replaced: each of
+/// `tokenizers` must give its bytes back exactly (the tokens' bytes, decoding at once, and streaming token by token
+/// through a [`StreamDecoder`]), except for bytes its vocabulary has no token for, which it drops as Hugging
+/// Face's tokenizers do (SmolLM2-135M's vocabulary has none for the control bytes 4, 6, 19, 20, 22 and 29); each
+/// template must render it as a user message without panicking.
+pub fn client_text(tokenizers: &[Tokenizer], templates: &[ChatTemplate], bytes: &[u8]) -> Reached {
+    let text = String::from_utf8_lossy(bytes);
+    let mut reached = Reached::Parsed;
+    for tokenizer in tokenizers {
+        let Ok(ids) = tokenizer.encode(&text) else {
+            continue;
+        };
+        // The bytes a token of one byte stands for: what this vocabulary can write at all.
+        let mut covered = [false; 256];
+        for id in 0..tokenizer.vocab_size() as u32 {
+            if let [b] = tokenizer.token_bytes(id)[..] {
+                covered[b as usize] = true;
+            }
+        }
+        let expected: Vec<u8> = text.bytes().filter(|&b| covered[b as usize]).collect();
+        let written: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| tokenizer.token_bytes(id))
+            .collect();
+        assert_eq!(
+            String::from_utf8_lossy(&written),
+            String::from_utf8_lossy(&expected),
+            "{text:?}: its tokens {ids:?} write other bytes"
+        );
+        let expected = String::from_utf8_lossy(&expected).into_owned();
+        let decoded = tokenizer
+            .decode(&ids)
+            .unwrap_or_else(|e| panic!("{text:?} encoded to {ids:?}, which does not decode: {e}"));
+        assert_eq!(decoded, expected, "{text:?} decoded changed from {ids:?}");
+        let mut stream = StreamDecoder::new();
+        let mut streamed = String::new();
+        for &id in &ids {
+            if let Some(piece) = stream.push(tokenizer, id).expect("its own ids stream") {
+                streamed.push_str(&piece);
+            }
+        }
+        if let Some(rest) = stream.flush(tokenizer).expect("its own ids stream") {
+            streamed.push_str(&rest);
+        }
+        assert_eq!(
+            streamed, expected,
+            "{text:?} streamed back changed from {ids:?}"
+        );
+        reached = Reached::Ran;
+    }
+    for template in templates {
+        let _ = template.render(&[ChatMessage::user(text.as_ref())], true, "<s>", "</s>");
+    }
+    reached
+}
+
 /// A request's output constraint as a client sends it (`{"schema": ...}`, `{"regex": "..."}` or `{"choices":
 /// [...]}`: the server's `json_schema`, `guided_regex` and `guided_choice`; other bytes are taken whole as a
 /// regex), compiled and then walked over a small

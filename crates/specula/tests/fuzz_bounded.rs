@@ -411,6 +411,44 @@ fn bench_json_reader_and_tune() {
     campaign("bench_json", Layout::Json, specula::fuzz::bench_json);
 }
 
+/// The registry models' tokenizers and chat templates from the seed corpus, for [`client_text`].
+fn registry_text_tools() -> &'static (
+    Vec<specula::tokenizer::Tokenizer>,
+    Vec<specula::chat::ChatTemplate>,
+) {
+    static TOOLS: std::sync::OnceLock<(
+        Vec<specula::tokenizer::Tokenizer>,
+        Vec<specula::chat::ChatTemplate>,
+    )> = std::sync::OnceLock::new();
+    TOOLS.get_or_init(|| {
+        let null = serde_json::Value::Null;
+        let tokenizers = seeds("tokenizer_json")
+            .iter()
+            .map(|(name, bytes)| {
+                specula::tokenizer::Tokenizer::from_hf_json(bytes, &null, &null)
+                    .unwrap_or_else(|e| panic!("seed tokenizer {name}: {e}"))
+            })
+            .collect();
+        let templates = seeds("chat_template")
+            .iter()
+            .map(|(_, bytes)| {
+                specula::chat::ChatTemplate::new(String::from_utf8_lossy(bytes).into_owned())
+            })
+            .collect();
+        (tokenizers, templates)
+    })
+}
+
+fn client_text(bytes: &[u8]) -> specula::fuzz::Reached {
+    let (tokenizers, templates) = registry_text_tools();
+    specula::fuzz::client_text(tokenizers, templates, bytes)
+}
+
+#[test]
+fn client_text_round_trips_through_the_tokenizers() {
+    campaign("client_text", Layout::Binary, client_text);
+}
+
 /// A case takes well under a millisecond (the walk's vocabulary is ~130 tokens), so ten times the cases.
 #[test]
 fn output_constraints_from_requests() {
