@@ -1,6 +1,12 @@
 //! `specula bench-serve`: a load generator for OpenAI-compatible servers (specula's own, or llama.cpp's
 //! llama-server, vLLM, SGLang by URL), like vLLM's benchmark_serving: the same prompts at several concurrency
-//! levels, streaming, with throughput and TTFT / inter-token / end-to-end latency percentiles per level.
+//! levels (closed loop: N clients, each sending its next request when one returns) or request rates (open loop:
+//! requests arrive at random, Poisson by default, whatever the server has done with the earlier ones),
+//! streaming, with throughput and TTFT / inter-token / end-to-end latency percentiles per level.
+//!
+//! Why both: in a closed loop with fixed-length requests (`--ignore-eos`) a server's requests run in lock step,
+//! all finishing and being replaced at once, a pattern real traffic never has and a speculative server (whose
+//! requests finish at different steps) cannot keep. Arrivals at a rate are what a public endpoint sees.
 //!
 //! Besides the level's throughput (its tokens over its wall time), the throughput while every client had a
 //! request in flight: a level of N requests ends with a drain, its last requests running beside fewer and fewer
@@ -13,9 +19,10 @@ use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 #[derive(clap::Args)]
@@ -32,6 +39,23 @@ pub struct BenchServeArgs {
     /// Concurrency levels to run, comma separated (requests in flight at once).
     #[arg(long, default_value = "1,4", value_delimiter = ',')]
     pub concurrency: Vec<usize>,
+    /// Request rates to run instead of concurrency levels, comma separated, in requests a second (`inf`: all at
+    /// once): each level's requests arrive at random times at that mean rate (open loop, vLLM's
+    /// `--request-rate`), however many are still running.
+    #[arg(long, value_delimiter = ',', value_parser = parse_rate, conflicts_with = "concurrency")]
+    pub request_rate: Vec<f64>,
+    /// With --request-rate: how bursty arrivals are (vLLM's `--burstiness`): the gaps between them follow a
+    /// gamma distribution of this shape and the rate's mean; 1 is a Poisson process, below 1 burstier, above 1
+    /// more even.
+    #[arg(long, default_value_t = 1.0, requires = "request_rate")]
+    pub burstiness: f64,
+    /// With --request-rate: at most this many requests in flight; later arrivals wait for a slot (vLLM's
+    /// `--max-concurrency`). Default: no limit but 1024.
+    #[arg(long, requires = "request_rate")]
+    pub max_concurrency: Option<usize>,
+    /// Seed of the arrival times (the same seed, rate and burstiness give the same schedule).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Requests per level (default: one per prompt).
     #[arg(long)]
     pub requests: Option<usize>,
@@ -80,6 +104,88 @@ struct Sample {
     prompt_tokens: Option<usize>,
     cached_tokens: Option<usize>,
     error: Option<String>,
+}
+
+/// Requests in flight at most at a request rate (one thread each).
+const MAX_IN_FLIGHT: usize = 1024;
+
+/// A `--request-rate` value: requests a second, or `inf`.
+fn parse_rate(text: &str) -> Result<f64, String> {
+    let t = text.trim();
+    if t.eq_ignore_ascii_case("inf") {
+        return Ok(f64::INFINITY);
+    }
+    match t.parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        Ok(_) => Err(format!(
+            "{t:?}: a request rate is a positive number of requests a second, or inf"
+        )),
+        Err(_) => Err(format!(
+            "{t:?} is not a request rate (requests a second, or inf)"
+        )),
+    }
+}
+
+/// One level of load: clients sending back to back, or arrivals at a rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Load {
+    Clients(usize),
+    Rate(f64),
+}
+
+impl Load {
+    fn label(self) -> String {
+        match self {
+            Load::Clients(c) => c.to_string(),
+            Load::Rate(r) if r.is_infinite() => "inf/s".into(),
+            Load::Rate(r) => format!("{r}/s"),
+        }
+    }
+}
+
+/// When each of `n` requests arrives at `rate` a second, in seconds from the level's start: the first at once,
+/// then gaps drawn from a gamma distribution of shape `burstiness` and mean 1 / `rate` (exponential gaps, a
+/// Poisson process, at 1), from `seed`; all at once at an infinite rate.
+fn arrival_times(n: usize, rate: f64, burstiness: f64, seed: u64) -> Vec<f64> {
+    if rate.is_infinite() {
+        return vec![0.0; n];
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let scale = 1.0 / (rate * burstiness);
+    let mut at = 0.0;
+    (0..n)
+        .map(|i| {
+            if i > 0 {
+                at += gamma(&mut rng, burstiness) * scale;
+            }
+            at
+        })
+        .collect()
+}
+
+/// A draw from the gamma distribution of shape `shape` (> 0) and scale 1 (Marsaglia and Tsang's method; below
+/// shape 1, a draw of shape + 1 times U^(1/shape)).
+fn gamma(rng: &mut impl Rng, shape: f64) -> f64 {
+    if shape < 1.0 {
+        let u: f64 = rng.random();
+        return gamma(rng, shape + 1.0) * u.powf(1.0 / shape);
+    }
+    let d = shape - 1.0 / 3.0;
+    let c = 1.0 / (9.0 * d).sqrt();
+    loop {
+        // A standard normal draw (Box-Muller; 1 - U keeps the logarithm finite).
+        let (u1, u2): (f64, f64) = (1.0 - rng.random::<f64>(), rng.random());
+        let x = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        let v = 1.0 + c * x;
+        if v <= 0.0 {
+            continue;
+        }
+        let v = v * v * v;
+        let u: f64 = rng.random();
+        if u < 1.0 - 0.0331 * x.powi(4) || u.ln() < 0.5 * x * x + d * (1.0 - v + v.ln()) {
+            return d * v;
+        }
+    }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -215,9 +321,29 @@ fn request(args: &BenchServeArgs, model: &str, prompt: &str, level_start: Instan
 }
 
 pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
-    if args.concurrency.iter().any(|&c| c == 0 || c > 1024) {
-        anyhow::bail!("--concurrency levels must be between 1 and 1024");
+    if args
+        .concurrency
+        .iter()
+        .any(|&c| c == 0 || c > MAX_IN_FLIGHT)
+    {
+        anyhow::bail!("--concurrency levels must be between 1 and {MAX_IN_FLIGHT}");
     }
+    if !(args.burstiness.is_finite() && args.burstiness > 0.0) {
+        anyhow::bail!(
+            "--burstiness must be a positive number (1: Poisson arrivals), not {}",
+            args.burstiness
+        );
+    }
+    if let Some(m) = args.max_concurrency {
+        if m == 0 || m > MAX_IN_FLIGHT {
+            anyhow::bail!("--max-concurrency must be between 1 and {MAX_IN_FLIGHT}, not {m}");
+        }
+    }
+    let loads: Vec<Load> = if args.request_rate.is_empty() {
+        args.concurrency.iter().map(|&c| Load::Clients(c)).collect()
+    } else {
+        args.request_rate.iter().map(|&r| Load::Rate(r)).collect()
+    };
     if args.max_tokens == 0 {
         anyhow::bail!("--max-tokens must be at least 1");
     }
@@ -251,13 +377,26 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
     };
     let n = args.requests.unwrap_or(prompts.len()).max(1);
     let show = !args.quiet && std::io::stderr().is_terminal();
+    let labels: Vec<String> = loads.iter().map(|l| l.label()).collect();
     eprintln!(
-        "bench-serve: {} ({model}), {n} requests per level, max_tokens {}, levels {:?}",
-        args.url, args.max_tokens, args.concurrency
+        "bench-serve: {} ({model}), {n} requests per level, max_tokens {}, levels {}{}",
+        args.url,
+        args.max_tokens,
+        labels.join(", "),
+        match (&loads[0], args.max_concurrency) {
+            (Load::Rate(_), Some(m)) =>
+                format!(" (burstiness {}, at most {m} in flight)", args.burstiness),
+            (Load::Rate(_), None) => format!(" (burstiness {})", args.burstiness),
+            _ => String::new(),
+        }
     );
     println!(
         "{:>5} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>12}",
-        "conc",
+        if matches!(loads[0], Load::Rate(_)) {
+            "rate"
+        } else {
+            "conc"
+        },
         "req/s",
         "out tok/s",
         "ttft p50",
@@ -272,29 +411,74 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
     );
     let prompts = Arc::new(prompts);
     let mut levels = Vec::new();
-    for &c in &args.concurrency {
-        let next = Arc::new(AtomicUsize::new(0));
+    for &load in &loads {
+        let label = load.label();
         let samples = Arc::new(Mutex::new(Vec::with_capacity(n)));
         let start = Instant::now();
-        std::thread::scope(|scope| {
-            for _ in 0..c {
-                let (next, samples, prompts, model, args) =
-                    (&next, &samples, &prompts, &model, &args);
-                scope.spawn(move || loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n {
-                        break;
-                    }
-                    let s = request(args, model, &prompts[i % prompts.len()].prompt, start);
-                    let mut all = samples.lock().expect("samples");
-                    all.push(s);
-                    if show {
-                        eprint!("\rconcurrency {c}: {}/{n} requests", all.len());
-                        let _ = std::io::stderr().flush();
+        let keep = |s: Sample| {
+            let mut all = samples.lock().expect("samples");
+            all.push(s);
+            if show {
+                eprint!("\r{label}: {}/{n} requests", all.len());
+                let _ = std::io::stderr().flush();
+            }
+        };
+        match load {
+            Load::Clients(c) => {
+                let next = AtomicUsize::new(0);
+                std::thread::scope(|scope| {
+                    for _ in 0..c {
+                        let (next, prompts, model, args, keep) =
+                            (&next, &prompts, &model, &args, &keep);
+                        scope.spawn(move || loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            if i >= n {
+                                break;
+                            }
+                            keep(request(
+                                args,
+                                model,
+                                &prompts[i % prompts.len()].prompt,
+                                start,
+                            ));
+                        });
                     }
                 });
             }
-        });
+            Load::Rate(rate) => {
+                let arrivals = arrival_times(n, rate, args.burstiness, args.seed);
+                let cap = args.max_concurrency.unwrap_or(MAX_IN_FLIGHT);
+                let in_flight = (Mutex::new(0usize), std::sync::Condvar::new());
+                std::thread::scope(|scope| {
+                    for (i, &at) in arrivals.iter().enumerate() {
+                        let due = start + Duration::from_secs_f64(at);
+                        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                            std::thread::sleep(wait);
+                        }
+                        // Past the cap an arrival waits for a slot (and is sent late, as in vLLM).
+                        {
+                            let mut running = in_flight.0.lock().expect("in flight");
+                            while *running >= cap {
+                                running = in_flight.1.wait(running).expect("in flight");
+                            }
+                            *running += 1;
+                        }
+                        let (in_flight, prompts, model, args, keep) =
+                            (&in_flight, &prompts, &model, &args, &keep);
+                        scope.spawn(move || {
+                            keep(request(
+                                args,
+                                model,
+                                &prompts[i % prompts.len()].prompt,
+                                start,
+                            ));
+                            *in_flight.0.lock().expect("in flight") -= 1;
+                            in_flight.1.notify_one();
+                        });
+                    }
+                });
+            }
+        }
         let wall = start.elapsed().as_secs_f64();
         if show {
             eprint!("\r{:60}\r", "");
@@ -317,8 +501,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
             .iter()
             .any(|s| s.cached_tokens.is_some())
             .then(|| ok.iter().filter_map(|s| s.cached_tokens).sum());
-        let level = json!({
-            "concurrency": c,
+        let mut level = json!({
             "requests": samples.len(),
             "completed": ok.len(),
             "errors": errors.len(),
@@ -327,17 +510,34 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
             "requests_per_s": ok.len() as f64 / wall,
             "output_tokens": out_tokens,
             "output_tok_s": out_tokens as f64 / wall,
-            "steady_output_tok_s": steady_tokens_per_s(&ok, c),
+            // At a rate: while requests were still arriving (from the first send to the last).
+            "steady_output_tok_s": steady_tokens_per_s(&ok, match load {
+                Load::Clients(c) => c,
+                Load::Rate(_) => 1,
+            }),
             "prompt_tokens": prompt_tokens,
             "cached_prompt_tokens": cached,
             "ttft_s": {"p50": percentile(&ttft, 0.5), "p90": percentile(&ttft, 0.9), "p99": percentile(&ttft, 0.99)},
             "itl_s": {"p50": percentile(&itl, 0.5), "p90": percentile(&itl, 0.9), "p99": percentile(&itl, 0.99)},
             "e2e_s": {"p50": percentile(&e2e, 0.5), "p90": percentile(&e2e, 0.9), "p99": percentile(&e2e, 0.99)},
         });
+        match load {
+            Load::Clients(c) => level["concurrency"] = json!(c),
+            Load::Rate(r) => {
+                level["request_rate"] = if r.is_infinite() {
+                    json!("inf")
+                } else {
+                    json!(r)
+                };
+                level["burstiness"] = json!(args.burstiness);
+                level["max_concurrency"] = json!(args.max_concurrency);
+                level["seed"] = json!(args.seed);
+            }
+        }
         let ms = |v: &Value| v.as_f64().unwrap_or(0.0) * 1e3;
         println!(
             "{:>5} {:>8.2} {:>10.1} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.0}ms {:>7.0}ms {:>7} {:>7} {:>12}",
-            c,
+            label,
             level["requests_per_s"].as_f64().unwrap_or(0.0),
             level["output_tok_s"].as_f64().unwrap_or(0.0),
             ms(&level["ttft_s"]["p50"]),
@@ -356,10 +556,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
                 .map_or("-".into(), |v| format!("{v:.1}"))
         );
         if let Some(e) = errors.first() {
-            eprintln!(
-                "concurrency {c}: {} requests failed; the first: {e}",
-                errors.len()
-            );
+            eprintln!("{label}: {} requests failed; the first: {e}", errors.len());
         }
         levels.push(level);
     }
@@ -385,6 +582,54 @@ mod tests {
             chunk_chars: chunks.iter().map(|c| c.1).collect(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn arrivals_come_at_the_rate_asked_as_bursty_as_asked() {
+        // Mean and squared coefficient of variation of the gaps (1 / shape for gamma gaps).
+        let stats = |rate: f64, burstiness: f64, seed: u64| {
+            let t = arrival_times(20_001, rate, burstiness, seed);
+            assert_eq!(t[0], 0.0);
+            assert!(t.windows(2).all(|w| w[1] >= w[0]));
+            let gaps: Vec<f64> = t.windows(2).map(|w| w[1] - w[0]).collect();
+            let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+            let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / gaps.len() as f64;
+            (mean, var / (mean * mean))
+        };
+        for (rate, burstiness) in [(4.0, 1.0), (50.0, 1.0), (4.0, 0.25), (4.0, 4.0), (0.5, 2.0)] {
+            let (mean, cv2) = stats(rate, burstiness, 7);
+            assert!(
+                (mean * rate - 1.0).abs() < 0.05,
+                "rate {rate} b {burstiness}: mean gap {mean}"
+            );
+            assert!(
+                (cv2 * burstiness - 1.0).abs() < 0.1,
+                "rate {rate} b {burstiness}: cv^2 {cv2}"
+            );
+        }
+        // The same seed gives the same schedule, another seed another; an infinite rate sends all at once.
+        assert_eq!(
+            arrival_times(50, 3.0, 1.0, 1),
+            arrival_times(50, 3.0, 1.0, 1)
+        );
+        assert_ne!(
+            arrival_times(50, 3.0, 1.0, 1),
+            arrival_times(50, 3.0, 1.0, 2)
+        );
+        assert_eq!(arrival_times(3, f64::INFINITY, 1.0, 0), vec![0.0; 3]);
+    }
+
+    #[test]
+    fn request_rates_parse_or_say_what_is_wrong() {
+        assert_eq!(parse_rate("2.5"), Ok(2.5));
+        assert_eq!(parse_rate(" INF "), Ok(f64::INFINITY));
+        for bad in ["0", "-1", "nan", "1e999", "fast", ""] {
+            let e = parse_rate(bad).unwrap_err();
+            assert!(e.contains("request rate"), "{bad}: {e}");
+        }
+        assert_eq!(Load::Rate(2.5).label(), "2.5/s");
+        assert_eq!(Load::Rate(f64::INFINITY).label(), "inf/s");
+        assert_eq!(Load::Clients(8).label(), "8");
     }
 
     #[test]

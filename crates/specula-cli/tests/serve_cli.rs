@@ -68,8 +68,85 @@ fn serve_answers_over_http_and_checks_its_flags() {
         ])
         .output()
         .unwrap();
+    // Arrivals at a rate (open loop), capped in flight, and all at once.
+    let rate_json = dir.path().join("rate.json");
+    let rate_out = Command::new(env!("CARGO_BIN_EXE_specula"))
+        .args([
+            "bench-serve",
+            "--url",
+            &format!("http://{addr}"),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--request-rate",
+            "20,inf",
+            "--max-concurrency",
+            "2",
+            "--requests",
+            "5",
+            "-n",
+            "4",
+            "--json",
+            rate_json.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
     child.kill().unwrap();
     let _ = child.wait();
+    assert!(
+        rate_out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rate_out.stderr)
+    );
+    let rate_stdout = String::from_utf8_lossy(&rate_out.stdout);
+    assert!(
+        rate_stdout.contains("rate")
+            && rate_stdout.contains("20/s")
+            && rate_stdout.contains("inf/s"),
+        "{rate_stdout}"
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&rate_json).unwrap()).unwrap();
+    let rate_levels = r["levels"].as_array().unwrap();
+    assert_eq!(rate_levels.len(), 2);
+    assert_eq!(rate_levels[0]["request_rate"], 20.0);
+    assert_eq!(rate_levels[1]["request_rate"], "inf");
+    for l in rate_levels {
+        assert_eq!(
+            (l["completed"].as_u64(), l["errors"].as_u64()),
+            (Some(5), Some(0)),
+            "{l}"
+        );
+        assert_eq!(l["max_concurrency"], 2, "{l}");
+    }
+    // Bad load flags are refused by name, before any request.
+    for (flags, says) in [
+        (&["--request-rate", "0"][..], "request rate"),
+        (
+            &["--request-rate", "2", "--concurrency", "4"][..],
+            "--concurrency",
+        ),
+        (
+            &["--request-rate", "2", "--burstiness", "0"][..],
+            "--burstiness",
+        ),
+        (
+            &["--request-rate", "2", "--max-concurrency", "0"][..],
+            "--max-concurrency",
+        ),
+        (&["--max-concurrency", "2"][..], "--request-rate"),
+    ] {
+        let bad = Command::new(env!("CARGO_BIN_EXE_specula"))
+            .args(["bench-serve", "--url", "http://127.0.0.1:9", "--prompts"])
+            .arg(&prompts)
+            .args(flags)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&bad.stderr);
+        assert!(
+            !bad.status.success() && stderr.contains(says),
+            "{flags:?}: {stderr}"
+        );
+    }
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
