@@ -391,7 +391,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
         }
     );
     println!(
-        "{:>5} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>12}",
+        "{:>7} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>12}",
         if matches!(loads[0], Load::Rate(_)) {
             "rate"
         } else {
@@ -536,7 +536,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
         }
         let ms = |v: &Value| v.as_f64().unwrap_or(0.0) * 1e3;
         println!(
-            "{:>5} {:>8.2} {:>10.1} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.0}ms {:>7.0}ms {:>7} {:>7} {:>12}",
+            "{:>7} {:>8.2} {:>10.1} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.0}ms {:>7.0}ms {:>7} {:>7} {:>12}",
             label,
             level["requests_per_s"].as_f64().unwrap_or(0.0),
             level["output_tok_s"].as_f64().unwrap_or(0.0),
