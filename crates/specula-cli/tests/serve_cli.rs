@@ -51,32 +51,28 @@ fn serve_answers_over_http_and_checks_its_flags() {
         "{\"id\": \"a\", \"prompt\": \"hello\"}\n{\"id\": \"b\", \"prompt\": \"the tea\"}\n{\"id\": \"c\", \"prompt\": \"one two\"}\n",
     )
     .unwrap();
+    let bench_serve = |json: &std::path::Path, load: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_specula"))
+            .args([
+                "bench-serve",
+                "--url",
+                &format!("http://{addr}"),
+                "--prompts",
+            ])
+            .arg(&prompts)
+            .args(load)
+            .arg("--json")
+            .arg(json)
+            .output()
+            .unwrap()
+    };
     let json = dir.path().join("bench.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_specula"))
-        .args([
-            "bench-serve",
-            "--url",
-            &format!("http://{addr}"),
-            "--prompts",
-            prompts.to_str().unwrap(),
-            "--concurrency",
-            "1,2",
-            "-n",
-            "6",
-            "--json",
-            json.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+    let out = bench_serve(&json, &["--concurrency", "1,2", "-n", "6"]);
     // Arrivals at a rate (open loop), capped in flight, and all at once.
     let rate_json = dir.path().join("rate.json");
-    let rate_out = Command::new(env!("CARGO_BIN_EXE_specula"))
-        .args([
-            "bench-serve",
-            "--url",
-            &format!("http://{addr}"),
-            "--prompts",
-            prompts.to_str().unwrap(),
+    let rate_out = bench_serve(
+        &rate_json,
+        &[
             "--request-rate",
             "20,inf",
             "--max-concurrency",
@@ -85,11 +81,8 @@ fn serve_answers_over_http_and_checks_its_flags() {
             "5",
             "-n",
             "4",
-            "--json",
-            rate_json.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+        ],
+    );
     child.kill().unwrap();
     let _ = child.wait();
     assert!(
