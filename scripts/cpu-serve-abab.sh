@@ -2,6 +2,8 @@
 # This CPU, qwen2.5-coder-1.5b: plain and EAGLE-3 head servers up at once; each level alternates them in ABBA
 # order (plain, head, head, plain, ...), so the machine's drift hits both alike.
 #   [LEVELS="4 8 16 1 2"] [REPS=2] [REQUESTS=16] [OUT=/tmp] [PROFILE_LEVEL=8] scripts/cpu-serve-abab.sh
+# NATURAL=1: answers end where the model ends them (-n 512, no --ignore-eos), and each level sends
+# max(REQUESTS, 2 x level) requests: without lock step (docs/benchmarks.md session 45).
 # With PROFILE_LEVEL, each run at that level is profiled on its server: OUT/abab-trace-{plain,head}-LEVEL-REP.json
 # (scripts/serve-profile-summary.py), so both servers' step times come from the same minutes.
 cd "$(dirname "$0")/.."
@@ -10,7 +12,12 @@ P=${PROMPTS:-../shared/prompts/code.jsonl}; B=${SPECULA_BIN:-target/release/spec
 $B serve -m qwen2.5-coder-1.5b -t 2 --port 8901 --profile-dir $D/plain > "$O/abab-plain.log" 2>&1 & p1=$!
 $B serve -m qwen2.5-coder-1.5b -t 2 --port 8902 --profile-dir $D/head --draft eagle3 --draft-model qwen2.5-coder-1.5b-eagle3 > "$O/abab-head.log" 2>&1 & p2=$!
 for port in 8901 8902; do for _ in $(seq 120); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done; done
-run() { $B bench-serve --url http://127.0.0.1:$1 --prompts $P --limit 8 --requests ${REQUESTS:-16} --concurrency $2 -n 128 --ignore-eos --quiet 2>&1 | grep -E '^ +[0-9]' ; }
+run() {
+  local n=${REQUESTS:-16} length="-n 128 --ignore-eos"
+  if [ "${NATURAL:-0}" = 1 ]; then length="-n 512"; [ $((2 * $2)) -gt "$n" ] && n=$((2 * $2)); fi
+  # shellcheck disable=SC2086
+  $B bench-serve --url http://127.0.0.1:$1 --prompts $P --limit 8 --requests $n --concurrency $2 $length --quiet 2>&1 | grep -E '^ +[0-9]'
+}
 # bench PORT LEVEL [NAME REP]: profiled when LEVEL is PROFILE_LEVEL
 bench() {
   if [ -n "$3" ] && [ "$2" = "${PROFILE_LEVEL:-}" ]; then
