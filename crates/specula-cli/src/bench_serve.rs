@@ -163,6 +163,20 @@ fn arrival_times(n: usize, rate: f64, burstiness: f64, seed: u64) -> Vec<f64> {
         .collect()
 }
 
+/// [`arrival_times`], refused when its last arrival is not a time a level can wait for (a rate of 1e-300, or a
+/// burstiness that makes the gaps overflow).
+fn schedule(n: usize, rate: f64, burstiness: f64, seed: u64) -> anyhow::Result<Vec<f64>> {
+    let arrivals = arrival_times(n, rate, burstiness, seed);
+    let last = arrivals.last().copied().unwrap_or(0.0);
+    if Duration::try_from_secs_f64(last).is_err() {
+        anyhow::bail!(
+            "--request-rate {rate:e} with --burstiness {burstiness}: {n} requests would arrive over {last:.3e} s; \
+             ask for a higher rate"
+        );
+    }
+    Ok(arrivals)
+}
+
 /// A draw from the gamma distribution of shape `shape` (> 0) and scale 1 (Marsaglia and Tsang's method; below
 /// shape 1, a draw of shape + 1 times U^(1/shape)).
 fn gamma(rng: &mut impl Rng, shape: f64) -> f64 {
@@ -358,6 +372,15 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
     if prompts.is_empty() {
         anyhow::bail!("{} holds no prompts", args.prompts.display());
     }
+    let n = args.requests.unwrap_or(prompts.len()).max(1);
+    // Each rate's arrival schedule, checked before anything is sent.
+    let schedules: Vec<Option<Vec<f64>>> = loads
+        .iter()
+        .map(|&l| match l {
+            Load::Rate(rate) => schedule(n, rate, args.burstiness, args.seed).map(Some),
+            Load::Clients(_) => Ok(None),
+        })
+        .collect::<anyhow::Result<_>>()?;
     let model = match &args.model {
         Some(m) => m.clone(),
         None => {
@@ -375,7 +398,6 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
                 .ok_or_else(|| anyhow::anyhow!("{}/v1/models lists no model", args.url))?
         }
     };
-    let n = args.requests.unwrap_or(prompts.len()).max(1);
     let show = !args.quiet && std::io::stderr().is_terminal();
     let labels: Vec<String> = loads.iter().map(|l| l.label()).collect();
     eprintln!(
@@ -411,7 +433,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
     );
     let prompts = Arc::new(prompts);
     let mut levels = Vec::new();
-    for &load in &loads {
+    for (&load, arrivals) in loads.iter().zip(&schedules) {
         let label = load.label();
         let samples = Arc::new(Mutex::new(Vec::with_capacity(n)));
         let start = Instant::now();
@@ -445,8 +467,8 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
                     }
                 });
             }
-            Load::Rate(rate) => {
-                let arrivals = arrival_times(n, rate, args.burstiness, args.seed);
+            Load::Rate(_) => {
+                let arrivals = arrivals.as_deref().unwrap_or_default();
                 let cap = args.max_concurrency.unwrap_or(MAX_IN_FLIGHT);
                 let in_flight = (Mutex::new(0usize), std::sync::Condvar::new());
                 std::thread::scope(|scope| {

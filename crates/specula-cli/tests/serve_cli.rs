@@ -127,6 +127,8 @@ fn serve_answers_over_http_and_checks_its_flags() {
             "--max-concurrency",
         ),
         (&["--max-concurrency", "2"][..], "--request-rate"),
+        // A schedule no level could wait for (its gaps overflow a duration).
+        (&["--request-rate", "1e-300"][..], "ask for a higher rate"),
     ] {
         let bad = Command::new(env!("CARGO_BIN_EXE_specula"))
             .args(["bench-serve", "--url", "http://127.0.0.1:9", "--prompts"])
