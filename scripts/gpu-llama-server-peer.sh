@@ -9,6 +9,8 @@
 #       dist/llama-server-cuda.xz, 42.9 MB, sha256 a8ab3473...; the tarball dist/llama.cpp-server.tar.xz, 6.3 MB,
 #       sha256 6e120c53... (both ignored, never committed). On the device: xz -dc llama-server-cuda.xz > BIN.
 #   [CONFIGS="specula llama specula-head llama specula"] [LEVELS=1,2,4,8,16] \
+#       (also specula-draft and llama-draft: the 0.5B draft model at k = 3 in each server; MODELS then holds
+#       qwen2.5-coder-0.5b.gguf too)
 #   scripts/gpu-llama-server-peer.sh bench SPECULA_BIN LLAMA_SERVER_BIN OUT MODELS HEAD PROMPTS.jsonl
 #       each config's server in turn, warmed up, then bench-serve (chat completions, greedy, --ignore-eos -n 128,
 #       32 requests a level) at every level; llama-server with -ngl 99 -np 16 -c 32768 (2048 tokens a slot).
@@ -49,12 +51,25 @@ for name in ${CONFIGS:-specula llama specula-head llama specula}; do
             > "$logs/serve-$tag.log" 2>&1 & ;;
         specula-head) "$specula" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 \
             --draft eagle3 --draft-model "$head" --draft-tokens 3 --draft-confidence 0 > "$logs/serve-$tag.log" 2>&1 & ;;
+        specula-draft) "$specula" serve -m qwen2.5-coder-1.5b --device cuda --port "$port" --max-batch 32 \
+            --draft-model qwen2.5-coder-0.5b --draft-tokens 3 > "$logs/serve-$tag.log" 2>&1 & ;;
         llama) "$llama" -m "$models/qwen2.5-coder-1.5b.gguf" -ngl 99 -np 16 -c 32768 --port "$port" \
+            > "$logs/serve-$tag.log" 2>&1 & ;;
+        llama-draft) "$llama" -m "$models/qwen2.5-coder-1.5b.gguf" -ngl 99 -np 16 -c 32768 --port "$port" \
+            -md "$models/qwen2.5-coder-0.5b.gguf" -ngld 99 --spec-type draft-simple --spec-draft-n-max 3 \
             > "$logs/serve-$tag.log" 2>&1 & ;;
         *) echo "unknown config $name" >&2; exit 2 ;;
     esac
     pid=$!
-    for _ in $(seq 240); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 0.5; done
+    # A server that exits (a missing model, a bad flag) is reported at once instead of waited for.
+    for _ in $(seq 240); do
+        curl -sf "localhost:$port/health" > /dev/null && break
+        kill -0 "$pid" 2> /dev/null || break
+        sleep 0.5
+    done
+    if ! kill -0 "$pid" 2> /dev/null; then
+        echo "== $tag: the server exited before it was ready" >&2; tail -5 "$logs/serve-$tag.log" >&2; continue
+    fi
     url="http://127.0.0.1:$port"
     "$specula" bench-serve --url "$url" --prompts "$prompts" --ignore-eos -n 32 --requests 16 \
         --concurrency "$levels" --quiet > /dev/null 2>&1
@@ -62,4 +77,5 @@ for name in ${CONFIGS:-specula llama specula-head llama specula}; do
     timeout 300 "$specula" bench-serve --url "$url" --prompts "$prompts" --ignore-eos -n 128 --requests 32 \
         --concurrency "$levels" --quiet --json "$out/bench-$tag.json" 2>&1 | grep -E "^ *(conc|[0-9]+ )"
     kill "$pid"; wait "$pid" 2>/dev/null
+    grep -m3 -iE "error|panic|failed" "$logs/serve-$tag.log"
 done
