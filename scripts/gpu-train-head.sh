@@ -6,6 +6,10 @@
 #                                                                  # a short training probe in a scratch directory
 #   scripts/gpu-train-head.sh train BIN MODELS OUT [train-eagle3 args]   # the head; its first 4 pieces of 15 MiB
 #   scripts/gpu-train-head.sh rest  BIN MODELS OUT                       # the pieces after those
+#   scripts/gpu-train-head.sh probe BIN MODELS OUT MINUTES [train-eagle3 args]   # after `data`: the real run's
+#                                     settings (BATCH sequences a step, default 4) plus ARGS for MINUTES in a scratch
+#                                     directory; prints its last progress line
+#                                     (an A/B of training settings, e.g. --micro-batch 1 against the default)
 # A call returns at most 64 MiB (8 files of 16 MiB at most), so a 94.5 MB head comes back in two calls: make the
 # `rest` call at once, since an idle machine is given back after 30 s and the head with it (session 28 lost one).
 # Reassemble the pieces with `cat model.safetensors.part* > model.safetensors` (sha256 in head.sha256 of the
@@ -56,6 +60,14 @@ case "$mode" in
     fi
     tar -C "$logs" -cf "$out/head-meta.tar" .
     ;;
+  probe)
+    minutes=${1:?probe needs MINUTES}; shift
+    rm -rf /tmp/probe && mkdir -p /tmp/probe && cp "$head/data.jsonl" /tmp/probe/
+    "$bin" train-eagle3 -m qwen2.5-coder-1.5b --out /tmp/probe --resume --prompts "$head/prompts.jsonl" \
+      --device cuda --seq-len 384 --draft-vocab 8192 --intermediate-size 4096 --ttt-steps 4 --epochs 1 \
+      --batch "${BATCH:-4}" --lr 5e-4 --cache-gb 40 --max-minutes "$minutes" "$@" > /tmp/probe.log 2> /tmp/probe.err
+    echo "probe batch ${BATCH:-4} $*: $(tr '\r' '\n' < /tmp/probe.err | grep -E '^\[' | tail -1)"
+    ;;
   rest)
     ls "$head"/model.safetensors.part* > /dev/null || { echo "no head pieces in $head: run train first" >&2; exit 1; }
     for f in "$head"/model.safetensors.part*; do
@@ -64,5 +76,5 @@ case "$mode" in
     ls -l "$out"
     ;;
   *)
-    echo "mode must be data, train or rest" >&2; exit 2 ;;
+    echo "mode must be data, train, rest or probe" >&2; exit 2 ;;
 esac

@@ -44,6 +44,10 @@ pub struct TrainEagle3Args {
     /// Sequences per optimizer step.
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
+    /// Sequences per forward/backward graph (default: the whole batch on a GPU, where one sequence's graph is
+    /// launch-bound; one on the CPU); smaller needs less memory and gives the same gradients.
+    #[arg(long)]
+    pub micro_batch: Option<usize>,
     /// Draft tokens of the target's distribution kept per position (the soft targets; renormalized).
     #[arg(long, default_value_t = 32)]
     pub top_k: usize,
@@ -120,6 +124,7 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
         ttt_steps: args.ttt_steps,
         epochs: args.epochs,
         batch: args.batch,
+        micro_batch: args.micro_batch,
         lr: args.lr,
         seed: args.seed,
         aux_layers: args.aux_layers.clone(),

@@ -40,6 +40,9 @@ pub struct TrainOptions {
     pub epochs: usize,
     /// Sequences per optimizer step.
     pub batch: usize,
+    /// Sequences per forward and backward graph; smaller saves memory, the gradients are the same. None: one
+    /// on the CPU, the whole batch on a GPU ([`TrainOptions::graph_sequences`]).
+    pub micro_batch: Option<usize>,
     pub lr: f64,
     /// Share of the optimizer steps spent warming the learning rate up.
     pub warmup: f64,
@@ -81,6 +84,7 @@ impl Default for TrainOptions {
             ttt_steps: 4,
             epochs: 2,
             batch: 4,
+            micro_batch: None,
             lr: 5e-4,
             warmup: 0.03,
             grad_clip: 0.5,
@@ -102,6 +106,19 @@ impl Default for TrainOptions {
 }
 
 impl TrainOptions {
+    /// Sequences per forward/backward graph. A GPU runs one sequence's graph launch-bound (by count about 1400
+    /// small operations a step), so it takes the whole batch in one graph (not yet measured on a GPU). The CPU
+    /// takes one at a time:
+    /// four 384-token sequences in one graph measured 2x slower a step (smollm2-135m's head, 2 cores), the
+    /// kernel zeroing fresh pages for logits tensors above glibc's 32 MB mmap threshold (29% of the time).
+    pub fn graph_sequences(&self) -> usize {
+        match self.micro_batch {
+            Some(n) => n.max(1),
+            None if self.device.is_cpu() => 1,
+            None => self.batch.max(1),
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &str| Err(Error::InvalidArgument(what.to_string()));
         if self.draft_vocab == 0 {
@@ -112,6 +129,9 @@ impl TrainOptions {
         }
         if self.epochs == 0 || self.batch == 0 {
             return bad("--epochs and --batch must be at least 1");
+        }
+        if self.micro_batch == Some(0) {
+            return bad("--micro-batch must be at least 1");
         }
         if !(self.lr > 0.0 && self.lr < 1.0) {
             return bad("--lr must be between 0 and 1");
@@ -522,7 +542,7 @@ fn prepare_ahead(
     }
 }
 
-/// Held-out loss and accuracy per unrolled step.
+/// Held-out loss and accuracy per unrolled step, `group` sequences a graph.
 fn evaluate(
     cache: &mut TargetCache<'_>,
     texts: &[TrainingText],
@@ -530,13 +550,18 @@ fn evaluate(
     params: &HeadParams,
     vocab: &DraftVocab,
     steps: usize,
+    group: usize,
 ) -> Result<(Vec<f64>, Vec<f32>)> {
     let mut correct = vec![0usize; steps];
     let mut counted = vec![0usize; steps];
     let mut loss = vec![0f64; steps];
-    for &i in eval {
-        let seq = cache.sequence(texts, i, vocab, steps)?;
-        let out = params.forward_ttt(&seq, steps)?;
+    for chunk in eval.chunks(group.max(1)) {
+        let seqs = chunk
+            .iter()
+            .map(|&i| cache.sequence(texts, i, vocab, steps))
+            .collect::<Result<Vec<_>>>()?;
+        let seqs: Vec<&TrainingSequence> = seqs.iter().collect();
+        let out = params.forward_ttt_batch(&seqs, steps)?;
         for j in 0..out.correct.len() {
             correct[j] += out.correct[j];
             counted[j] += out.counted[j];
@@ -666,8 +691,15 @@ pub fn train(
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let (initial, initial_loss) =
-            evaluate(&mut cache, texts, &eval, &params, &vocab, opts.ttt_steps)?;
+        let (initial, initial_loss) = evaluate(
+            &mut cache,
+            texts,
+            &eval,
+            &params,
+            &vocab,
+            opts.ttt_steps,
+            opts.graph_sequences(),
+        )?;
         let state = CheckpointState {
             step: 0,
             epoch: 0,
@@ -740,6 +772,10 @@ pub fn train(
                 let mut grads: Vec<Option<Tensor>> = vec![None; params.vars.len()];
                 let mut batch_loss = 0f32;
                 let mut lap = Instant::now();
+                // The batch's sequences, then their forward and backward passes in graphs of at most
+                // `micro_batch` sequences each (one graph of several sequences launches a step's small
+                // operations once for all of them).
+                let mut seqs = Vec::with_capacity(batch.len());
                 for &i in batch {
                     let text = train_set[i];
                     let seq = match &ahead {
@@ -761,8 +797,12 @@ pub fn train(
                         }
                         _ => cache.sequence(texts, text, &vocab, opts.ttt_steps)?,
                     };
-                    mark(0, &mut lap, &mut phase_s)?;
-                    let out = params.forward_ttt(&seq, opts.ttt_steps)?;
+                    seqs.push(seq);
+                }
+                mark(0, &mut lap, &mut phase_s)?;
+                for group in seqs.chunks(opts.graph_sequences()) {
+                    let group: Vec<&TrainingSequence> = group.iter().collect();
+                    let out = params.forward_ttt_batch(&group, opts.ttt_steps)?;
                     batch_loss += out.loss.to_scalar::<f32>()?;
                     mark(1, &mut lap, &mut phase_s)?;
                     for (r, (&c, &n)) in recent.iter_mut().zip(out.correct.iter().zip(&out.counted))
@@ -779,16 +819,26 @@ pub fn train(
                             });
                         }
                     }
-                    state.tokens_trained += seq.len;
-                    window_tokens += seq.len;
+                    let tokens: usize = group.iter().map(|q| q.len).sum();
+                    state.tokens_trained += tokens;
+                    window_tokens += tokens;
                     mark(2, &mut lap, &mut phase_s)?;
                 }
                 // Mean over the batch, clipped by global norm.
                 let scale = 1.0 / batch.len() as f64;
-                let mut norm_sq = 0f64;
+                // The squared norms summed on the device: one readback, not one per tensor.
+                let mut norm_sq: Option<Tensor> = None;
                 for g in grads.iter().flatten() {
-                    norm_sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64 * scale * scale;
+                    let sq = g.sqr()?.sum_all()?;
+                    norm_sq = Some(match norm_sq {
+                        None => sq,
+                        Some(acc) => (acc + sq)?,
+                    });
                 }
+                let norm_sq = match norm_sq {
+                    Some(sq) => sq.to_scalar::<f32>()? as f64 * scale * scale,
+                    None => 0.0,
+                };
                 let norm = norm_sq.sqrt();
                 let clip = if norm > opts.grad_clip {
                     opts.grad_clip / norm
@@ -845,8 +895,15 @@ pub fn train(
         state.position = 0;
     }
     save_checkpoint(&opts.out, &params, &moments, &vocab, &state)?;
-    let (eval_accuracy, eval_loss) =
-        evaluate(&mut cache, texts, &eval, &params, &vocab, opts.ttt_steps)?;
+    let (eval_accuracy, eval_loss) = evaluate(
+        &mut cache,
+        texts,
+        &eval,
+        &params,
+        &vocab,
+        opts.ttt_steps,
+        opts.graph_sequences(),
+    )?;
     let mut config = head_config_json(&tc, &layers, vocab.len(), state.intermediate);
     config["specula_training"] = serde_json::json!({
         "target": target.spec,

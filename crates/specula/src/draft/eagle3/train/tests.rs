@@ -120,6 +120,152 @@ fn unrolled_steps_compute_what_the_inference_head_computes() {
     }
 }
 
+/// A training sequence of random features, embeddings and soft targets; every third row has no target.
+fn random_sequence(
+    len: usize,
+    steps: usize,
+    h: usize,
+    vocab: usize,
+    seed: u64,
+) -> TrainingSequence {
+    let mut embeds = random((len + steps) * h, seed + 1);
+    embeds[len * h..].iter_mut().for_each(|v| *v = 0.0);
+    let mut probs: Vec<f32> = random(len * vocab, seed + 2)
+        .iter()
+        .map(|v| (3.0 * v).exp())
+        .collect();
+    for row in probs.chunks_mut(vocab) {
+        let sum: f32 = row.iter().sum();
+        row.iter_mut().for_each(|p| *p /= sum);
+    }
+    TrainingSequence {
+        len,
+        features: Tensor::from_vec(random(len * 3 * h, seed), (len, 3 * h), &Device::Cpu).unwrap(),
+        embeds: Tensor::from_vec(embeds, (len + steps, h), &Device::Cpu).unwrap(),
+        target_probs: Tensor::from_vec(probs, (len, vocab), &Device::Cpu).unwrap(),
+        target_ids: (0..len)
+            .map(|r| (r % 3 != 0).then_some(((r as u64 * 7 + seed) % vocab as u64) as u32))
+            .collect(),
+    }
+}
+
+#[test]
+fn a_batch_in_one_graph_computes_what_its_sequences_compute_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let tc = t.model.config().clone();
+    let (h, steps) = (tc.hidden_size, 3usize);
+    let vocab =
+        DraftVocab::from_ids((0..40u32).map(|i| 5 + 3 * i).collect(), tc.vocab_size).unwrap();
+    let json = head_config_json(&tc, &[0, 1, 2], vocab.len(), 96);
+    let hc = HeadConfig::from_json(&json.to_string(), Path::new("config.json")).unwrap();
+    let params = HeadParams::init(
+        HeadShape::new(&hc.layer, h, vocab.len()),
+        5,
+        None,
+        &Device::Cpu,
+    )
+    .unwrap();
+    for (i, (_, var)) in params.vars.iter().enumerate() {
+        // Weights large enough that attention and the MLP matter, so padding leaking into a row would show.
+        let dims = var.as_tensor().dims().to_vec();
+        let n = var.elem_count();
+        let w: Vec<f32> = random(n, 200 + i as u64)
+            .iter()
+            .map(|v| {
+                if dims.len() == 1 {
+                    1.0 + 0.3 * v
+                } else {
+                    0.3 * v
+                }
+            })
+            .collect();
+        var.set(&Tensor::from_vec(w, dims, &Device::Cpu).unwrap())
+            .unwrap();
+    }
+    // Lengths out of order, one shorter than the unrolled steps need.
+    let seqs: Vec<TrainingSequence> = [(9usize, 1u64), (14, 11), (3, 21)]
+        .iter()
+        .map(|&(len, seed)| random_sequence(len, steps, h, vocab.len(), seed))
+        .collect();
+    let refs: Vec<&TrainingSequence> = seqs.iter().collect();
+
+    let batch = params.forward_ttt_batch(&refs, steps).unwrap();
+    let batch_loss = batch.loss.to_scalar::<f32>().unwrap();
+    let batch_grads = batch.loss.backward().unwrap();
+    let (mut loss, mut correct, mut counted, mut ce) =
+        (0f32, vec![0; steps], vec![0; steps], vec![0f64; steps]);
+    let mut grads: Vec<Vec<f32>> = params
+        .vars
+        .iter()
+        .map(|(_, v)| vec![0.0; v.elem_count()])
+        .collect();
+    for seq in &seqs {
+        let alone = params.forward_ttt(seq, steps).unwrap();
+        loss += alone.loss.to_scalar::<f32>().unwrap();
+        for j in 0..alone.counted.len() {
+            correct[j] += alone.correct[j];
+            counted[j] += alone.counted[j];
+            ce[j] += alone.step_loss[j] as f64 * alone.counted[j] as f64;
+        }
+        let store = alone.loss.backward().unwrap();
+        for (acc, (_, var)) in grads.iter_mut().zip(&params.vars) {
+            let g = store.get(var.as_tensor()).unwrap().flatten_all().unwrap();
+            for (a, v) in acc.iter_mut().zip(g.to_vec1::<f32>().unwrap()) {
+                *a += v;
+            }
+        }
+    }
+    assert!(
+        loss > 1.0,
+        "the loss must be a real number to compare: {loss}"
+    );
+    assert!(
+        (batch_loss - loss).abs() <= 1e-5 * loss.abs(),
+        "batched loss {batch_loss} against the sum of the sequences' own {loss}"
+    );
+    assert_eq!(batch.counted, counted);
+    assert_eq!(batch.correct, correct);
+    assert!(
+        counted.iter().sum::<usize>() > 20,
+        "rows with targets: {counted:?}"
+    );
+    for (j, (&step_loss, &n)) in batch.step_loss.iter().zip(&batch.counted).enumerate() {
+        let batched = step_loss as f64 * n as f64;
+        assert!(
+            (batched - ce[j]).abs() <= 1e-4 * ce[j].abs(),
+            "step {j}: {batched} against {}",
+            ce[j]
+        );
+    }
+    for (alone, (name, var)) in grads.iter().zip(&params.vars) {
+        let g = batch_grads.get(var.as_tensor()).unwrap();
+        let g = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let scale = alone.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "{name} has no gradient");
+        let d = max_diff(&g, alone);
+        assert!(
+            d <= 1e-4 * scale,
+            "{name}: gradients differ by {d} (largest {scale})"
+        );
+    }
+    // The outputs of each sequence's real rows equal its outputs alone.
+    let unrolled = params.unroll_batch(&refs, steps).unwrap();
+    for (b, seq) in seqs.iter().enumerate() {
+        for (step, (y, _)) in params.unroll(seq, steps).unwrap().iter().enumerate() {
+            let alone = y.to_vec2::<f32>().unwrap();
+            let batched = unrolled[step].0.get(b).unwrap().to_vec2::<f32>().unwrap();
+            for r in 0..seq.len {
+                let d = max_diff(&alone[r], &batched[r]);
+                assert!(
+                    d < 1e-4,
+                    "sequence {b} step {step} row {r}: outputs differ by {d}"
+                );
+            }
+        }
+    }
+}
+
 fn texts(t: &LoadedModel, n: usize, len: usize) -> Vec<TrainingText> {
     let v = t.model.config().vocab_size as u32;
     (0..n)
@@ -510,4 +656,65 @@ fn target_passes_run_ahead_without_changing_what_is_trained() {
         3 * 6 + 2 * 3,
         "recomputed every epoch: 6 training texts x 3 epochs, 3 held out x 2 evaluations"
     );
+}
+
+#[test]
+fn a_batch_trains_the_same_in_one_graph_or_one_sequence_at_a_time() {
+    // The GPU default (the whole batch in one graph) and the CPU default (one sequence a graph) differ only in
+    // the order of floating-point sums: the per-step losses agree closely over a short run.
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let data = texts(&t, 9, 20);
+    let run = |name: &str, micro_batch: Option<usize>| {
+        let opts = TrainOptions {
+            out: dir.path().join(name),
+            draft_vocab: 48,
+            ttt_steps: 2,
+            epochs: 2,
+            batch: 3,
+            micro_batch,
+            lr: 3e-3,
+            aux_layers: Some(vec![0, 1, 2]),
+            intermediate_size: Some(64),
+            eval_every: 3,
+            ..Default::default()
+        };
+        assert_eq!(
+            opts.graph_sequences(),
+            micro_batch.unwrap_or(1),
+            "the CPU default"
+        );
+        let mut losses = Vec::new();
+        let report = train(&t, &data, &opts, &mut |p| losses.push(p.loss)).unwrap();
+        (report, losses)
+    };
+    let (alone, alone_losses) = run("alone", None);
+    let (together, losses) = run("together", Some(3));
+    assert_eq!(
+        losses.len(),
+        4,
+        "6 training texts in batches of 3, two epochs"
+    );
+    assert!(
+        alone_losses[3] < alone_losses[0],
+        "training lowers the loss: {alone_losses:?}"
+    );
+    for (a, b) in alone_losses.iter().zip(&losses) {
+        assert!(
+            (a - b).abs() <= 1e-3 * a.abs(),
+            "losses {alone_losses:?} against {losses:?}"
+        );
+    }
+    for (a, b) in alone.eval_loss.iter().zip(&together.eval_loss) {
+        assert!(
+            (a - b).abs() <= 1e-3 * a.abs(),
+            "held-out losses {a} against {b}"
+        );
+    }
+    let bad = TrainOptions {
+        micro_batch: Some(0),
+        ..Default::default()
+    };
+    let err = bad.validate().unwrap_err().to_string();
+    assert!(err.contains("--micro-batch"), "{err}");
 }
