@@ -136,6 +136,19 @@ fn rows_padded(x: &Tensor, rows: usize) -> candle_core::Result<Tensor> {
     }
 }
 
+/// One tensor of each sequence (`part`), each cut or padded to `rows` rows, stacked: `[B, rows, ..]`.
+fn stack_rows(
+    seqs: &[&TrainingSequence],
+    part: impl Fn(&TrainingSequence) -> &Tensor,
+    rows: usize,
+) -> candle_core::Result<Tensor> {
+    let padded = seqs
+        .iter()
+        .map(|q| rows_padded(part(q), rows))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Tensor::stack(&padded, 0)
+}
+
 fn log_softmax(x: &Tensor) -> candle_core::Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
     let shifted = x.broadcast_sub(&max)?;
@@ -268,21 +281,8 @@ impl HeadParams {
             std::array::from_fn(|i| self.get(i));
         let dev = seqs[0].features.device().clone();
         let steps = steps.min(t - 1);
-        let features = Tensor::stack(
-            &seqs
-                .iter()
-                .map(|q| rows_padded(&q.features, t))
-                .collect::<candle_core::Result<Vec<_>>>()?,
-            0,
-        )?
-        .reshape((n, 3 * s.target_hidden))?;
-        let embeds = Tensor::stack(
-            &seqs
-                .iter()
-                .map(|q| rows_padded(&q.embeds, t + steps))
-                .collect::<candle_core::Result<Vec<_>>>()?,
-            0,
-        )?;
+        let features = stack_rows(seqs, |q| &q.features, t)?.reshape((n, 3 * s.target_hidden))?;
+        let embeds = stack_rows(seqs, |q| &q.embeds, t + steps)?;
         // Causal mask for the step-0 keys: row t sees keys 0..=t.
         let mask: Vec<f32> = (0..t * t)
             .map(|i| {
@@ -389,13 +389,7 @@ impl HeadParams {
         let b = seqs.len();
         let v = self.shape.draft_vocab;
         let dev = seqs[0].features.device().clone();
-        let target_probs = Tensor::stack(
-            &seqs
-                .iter()
-                .map(|q| rows_padded(&q.target_probs, t))
-                .collect::<candle_core::Result<Vec<_>>>()?,
-            0,
-        )?;
+        let target_probs = stack_rows(seqs, |q| &q.target_probs, t)?;
         let mut total: Option<Tensor> = None;
         let (mut row_ids, mut counted, mut ce_sums, mut argmaxes) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
