@@ -542,20 +542,20 @@ fn prepare_ahead(
     }
 }
 
-/// Held-out loss and accuracy per unrolled step, `group` sequences a graph.
+/// Held-out loss and accuracy per unrolled step, as many sequences a graph as training takes.
 fn evaluate(
     cache: &mut TargetCache<'_>,
     texts: &[TrainingText],
     eval: &[usize],
     params: &HeadParams,
     vocab: &DraftVocab,
-    steps: usize,
-    group: usize,
+    opts: &TrainOptions,
 ) -> Result<(Vec<f64>, Vec<f32>)> {
+    let steps = opts.ttt_steps;
     let mut correct = vec![0usize; steps];
     let mut counted = vec![0usize; steps];
     let mut loss = vec![0f64; steps];
-    for chunk in eval.chunks(group.max(1)) {
+    for chunk in eval.chunks(opts.graph_sequences()) {
         let seqs = chunk
             .iter()
             .map(|&i| cache.sequence(texts, i, vocab, steps))
@@ -691,15 +691,7 @@ pub fn train(
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let (initial, initial_loss) = evaluate(
-            &mut cache,
-            texts,
-            &eval,
-            &params,
-            &vocab,
-            opts.ttt_steps,
-            opts.graph_sequences(),
-        )?;
+        let (initial, initial_loss) = evaluate(&mut cache, texts, &eval, &params, &vocab, opts)?;
         let state = CheckpointState {
             step: 0,
             epoch: 0,
@@ -895,15 +887,7 @@ pub fn train(
         state.position = 0;
     }
     save_checkpoint(&opts.out, &params, &moments, &vocab, &state)?;
-    let (eval_accuracy, eval_loss) = evaluate(
-        &mut cache,
-        texts,
-        &eval,
-        &params,
-        &vocab,
-        opts.ttt_steps,
-        opts.graph_sequences(),
-    )?;
+    let (eval_accuracy, eval_loss) = evaluate(&mut cache, texts, &eval, &params, &vocab, opts)?;
     let mut config = head_config_json(&tc, &layers, vocab.len(), state.intermediate);
     config["specula_training"] = serde_json::json!({
         "target": target.spec,
