@@ -11,7 +11,8 @@ request a code assistant gets. Public material only: never shared/prompts (the e
 `--source general` makes general programming requests instead (algorithms, data structures, text processing,
 small programs, tests: scripts/eagle3_general_tasks.py) in many languages, phrasings and extra requirements. A
 head trained on docstring requests only accepted 2.68 tokens a cycle on unseen requests of that kind but 2.29 on
-shared/prompts/code.jsonl (docs/benchmarks.md, session 19): the kind of request matters.
+shared/prompts/code.jsonl (docs/benchmarks.md, session 19): the kind of request matters. `--source general2`
+draws on a second set of tasks (later training stages: requests the first stage never saw).
 
 No general task may come close to an evaluation prompt (--exclude; by default the repository's bench/*.jsonl and
 ../shared/prompts/*.jsonl where they exist): a task is too close when half or more of its content words are
@@ -109,13 +110,14 @@ def evaluation_prompts(paths: list[Path]) -> list[set[str]]:
     return out
 
 
-def general_prompts(rng: random.Random, count: int) -> list[str]:
-    """`count` general requests (deterministic for a seed)."""
+def general_prompts(rng: random.Random, count: int, function_tasks: list[str],
+                    artifact_tasks: list[tuple[str, str]], prefix: str = "general") -> list[str]:
+    """`count` general requests from these tasks (deterministic for a seed)."""
     combos = []
-    for i, task in enumerate(general.FUNCTION_TASKS):
+    for i, task in enumerate(function_tasks):
         for t in range(len(general.FUNCTION_TEMPLATES)):
             combos.append(("f", i, t))
-    for i, _ in enumerate(general.ARTIFACT_TASKS):
+    for i, _ in enumerate(artifact_tasks):
         for t in range(len(general.ARTIFACT_TEMPLATES)):
             combos.append(("a", i, t))
     rng.shuffle(combos)
@@ -131,10 +133,10 @@ def general_prompts(rng: random.Random, count: int) -> list[str]:
             lang = rng.choice(general.LANGUAGES)
             extra = rng.choice(general.EXTRAS)
             if kind == "f":
-                task = general.FUNCTION_TASKS[i]
+                task = function_tasks[i]
                 text = general.FUNCTION_TEMPLATES[t].format(lang=lang, task=task, extra=extra, Extra=extra[:1].upper() + extra[1:])
             else:
-                what, task = general.ARTIFACT_TASKS[i]
+                what, task = artifact_tasks[i]
                 if what.startswith("SQL"):
                     lang = rng.choice(["PostgreSQL", "SQLite", "MySQL"])
                 elif lang in ("Rust", "Go", "C"):
@@ -144,7 +146,7 @@ def general_prompts(rng: random.Random, count: int) -> list[str]:
             if text in seen:
                 continue
             seen.add(text)
-            lines.append(json.dumps({"id": f"general:{kind}{i}.{t}#{round_}", "prompt": text}))
+            lines.append(json.dumps({"id": f"{prefix}:{kind}{i}.{t}#{round_}", "prompt": text}))
         if len(lines) == before:
             break
     return lines
@@ -155,24 +157,30 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", type=int, default=0, help="leave out the first N prompts (made by an earlier stage)")
-    ap.add_argument("--source", choices=["stdlib", "general"], default="stdlib")
+    ap.add_argument("--source", choices=["stdlib", "general", "general2"], default="stdlib",
+                    help="general2: the second set of general tasks (later training stages)")
     ap.add_argument("--exclude", type=Path, nargs="*", default=None,
                     help="evaluation prompt files (JSONL with a prompt field) whose requests must stay unseen")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if args.source == "general":
+    if args.source in ("general", "general2"):
+        if args.source == "general":
+            function_tasks, artifact_tasks = general.FUNCTION_TASKS, general.ARTIFACT_TASKS
+        else:
+            function_tasks, artifact_tasks = general.FUNCTION_TASKS_2, general.ARTIFACT_TASKS_2
         repo = Path(__file__).resolve().parent.parent
         exclude = args.exclude
         if exclude is None:
             exclude = sorted((repo / "bench").glob("*.jsonl")) + sorted((repo.parent / "shared" / "prompts").glob("*.jsonl"))
         evaluation = evaluation_prompts(exclude)
-        tasks_ = general.FUNCTION_TASKS + [" ".join(a) for a in general.ARTIFACT_TASKS]
+        tasks_ = function_tasks + [" ".join(a) for a in artifact_tasks]
         close = [t for t in tasks_ if too_close(t, evaluation)]
         if close:
             raise SystemExit(f"general tasks too close to an evaluation prompt (remove them): {close}")
-        lines = general_prompts(random.Random(args.seed), args.count)[args.skip :]
+        lines = general_prompts(random.Random(args.seed), args.count, function_tasks, artifact_tasks,
+                                args.source)[args.skip :]
         args.out.write_text("\n".join(lines) + "\n")
-        print(f"{len(lines)} general prompts from {len(tasks_)} tasks (none close to the {len(evaluation)} "
+        print(f"{len(lines)} {args.source} prompts from {len(tasks_)} tasks (none close to the {len(evaluation)} "
               f"evaluation prompts of {len(exclude)} files) -> {args.out}")
         return
     root = Path(sysconfig.get_paths()["stdlib"])

@@ -30,10 +30,11 @@ case "$name" in
   qwen2.5-coder-1.5b-eagle3)
     # In stages of one epoch each (the device's calls are 10 minutes): stage 1 trains from random weights on 6000
     # general programming requests (scripts/eagle3_general_tasks.py) and the standard library's source; stage k > 1
-    # starts from stage k-1's head (--init-head) at a lower learning rate on the next 6000 general requests
-    # (requests 6000 (k - 1) to 6000 k). Stage k lives in heads/NAME.stage<k>; the last stage's head is copied to
-    # heads/NAME. (Until session 46 stage 2 was 6000 requests made from the standard library's docstrings: measured
-    # in session 21, it gained nothing on unseen requests. STAGE=docstrings still builds that one.)
+    # starts from stage k-1's head (--init-head) at a lower learning rate on 6000 requests of the second set of
+    # general tasks (FUNCTION_TASKS_2 / ARTIFACT_TASKS_2: tasks stage 1 never saw; stage k takes that set's
+    # requests 6000 (k - 2) to 6000 (k - 1)). Stage k lives in heads/NAME.stage<k>; the last stage's head is copied
+    # to heads/NAME. (Until session 46 stage 2 was 6000 requests made from the standard library's docstrings:
+    # measured in session 21, it gained nothing on unseen requests. STAGE=docstrings still builds that one.)
     # (Until session 20 stage 1 was the docstring requests and stage 2 the next 6000 of them: its head accepted
     # 2.68 tokens a cycle on unseen docstring requests but 2.29 on code.jsonl, so stage 1 now learns general ones.)
     # STAGES (default 1: the registry head is stage 1, measured on the GPU in session 20; the docstring stage on
@@ -56,7 +57,7 @@ case "$name" in
          train_args=("${common[@]}" --corpus-tokens 300000 --lr 5e-4) ;;
       docstrings) prompts=6000; skip=0; source=stdlib
          train_args=("${common[@]}" --corpus-tokens 0 --lr 2e-4 --init-head "$out.stage1") ;;
-      [2-9]) prompts=$((6000 * STAGE)); skip=$((6000 * (STAGE - 1))); source=general
+      [2-9]) prompts=$((6000 * (STAGE - 1))); skip=$((6000 * (STAGE - 2))); source=general2
          train_args=("${common[@]}" --corpus-tokens 0 --lr ${STAGE_LR:-2e-4} --init-head "$out.stage$((STAGE - 1))") ;;
       *) echo "STAGE must be 1 to 9 (or docstrings)" >&2; exit 2 ;;
     esac
