@@ -108,9 +108,8 @@ impl Default for TrainOptions {
 impl TrainOptions {
     /// Sequences per forward/backward graph. A GPU runs one sequence's graph launch-bound (by count about 1400
     /// small operations a step), so it takes the whole batch in one graph (not yet measured on a GPU). The CPU
-    /// takes one at a time:
-    /// four 384-token sequences in one graph measured 2x slower a step (smollm2-135m's head, 2 cores), the
-    /// kernel zeroing fresh pages for logits tensors above glibc's 32 MB mmap threshold (29% of the time).
+    /// takes one at a time: four 384-token sequences in one graph measured 2x slower a step (smollm2-135m's
+    /// head, 2 cores), the kernel zeroing fresh pages for logits tensors above glibc's 32 MB mmap threshold.
     pub fn graph_sequences(&self) -> usize {
         match self.micro_batch {
             Some(n) => n.max(1),
@@ -764,36 +763,36 @@ pub fn train(
                 let mut grads: Vec<Option<Tensor>> = vec![None; params.vars.len()];
                 let mut batch_loss = 0f32;
                 let mut lap = Instant::now();
-                // The batch's sequences, then their forward and backward passes in graphs of at most
-                // `micro_batch` sequences each (one graph of several sequences launches a step's small
-                // operations once for all of them).
-                let mut seqs = Vec::with_capacity(batch.len());
-                for &i in batch {
-                    let text = train_set[i];
-                    let seq = match &ahead {
-                        Some(rx) if cache.entries[text].is_none() => {
-                            let prepared = rx.recv().map_err(|_| {
-                                Error::InvalidArgument(
-                                    "the thread running the target's passes stopped".into(),
-                                )
-                            })??;
-                            if prepared.text != text {
-                                return Err(Error::InvalidArgument(format!(
-                                    "training sequence {} arrived where {text} was due",
-                                    prepared.text
-                                )));
+                // The batch in graphs of `graph_sequences()` sequences each (one graph of several sequences
+                // launches a step's small operations once for all of them); only one graph's sequences are
+                // held at a time.
+                for part in batch.chunks(opts.graph_sequences()) {
+                    let mut seqs = Vec::with_capacity(part.len());
+                    for &i in part {
+                        let text = train_set[i];
+                        let seq = match &ahead {
+                            Some(rx) if cache.entries[text].is_none() => {
+                                let prepared = rx.recv().map_err(|_| {
+                                    Error::InvalidArgument(
+                                        "the thread running the target's passes stopped".into(),
+                                    )
+                                })??;
+                                if prepared.text != text {
+                                    return Err(Error::InvalidArgument(format!(
+                                        "training sequence {} arrived where {text} was due",
+                                        prepared.text
+                                    )));
+                                }
+                                cache.times.add(&prepared.times);
+                                cache.keep(text, prepared.outputs);
+                                prepared.seq
                             }
-                            cache.times.add(&prepared.times);
-                            cache.keep(text, prepared.outputs);
-                            prepared.seq
-                        }
-                        _ => cache.sequence(texts, text, &vocab, opts.ttt_steps)?,
-                    };
-                    seqs.push(seq);
-                }
-                mark(0, &mut lap, &mut phase_s)?;
-                for group in seqs.chunks(opts.graph_sequences()) {
-                    let group: Vec<&TrainingSequence> = group.iter().collect();
+                            _ => cache.sequence(texts, text, &vocab, opts.ttt_steps)?,
+                        };
+                        seqs.push(seq);
+                    }
+                    mark(0, &mut lap, &mut phase_s)?;
+                    let group: Vec<&TrainingSequence> = seqs.iter().collect();
                     let out = params.forward_ttt_batch(&group, opts.ttt_steps)?;
                     batch_loss += out.loss.to_scalar::<f32>()?;
                     mark(1, &mut lap, &mut phase_s)?;
