@@ -28,23 +28,21 @@ case "$name" in
                 --epochs 3 --batch 4 --lr 5e-4 --seed 0)
     ;;
   qwen2.5-coder-1.5b-eagle3)
-    # In stages of one epoch each (the device's calls are 10 minutes): stage 1 trains from random weights on 6000
-    # general programming requests (scripts/eagle3_general_tasks.py) and the standard library's source; stage k > 1
-    # starts from stage k-1's head (--init-head) at a lower learning rate on 6000 requests of the second set of
-    # general tasks (FUNCTION_TASKS_2 / ARTIFACT_TASKS_2: tasks stage 1 never saw; stage k takes that set's
-    # requests 6000 (k - 2) to 6000 (k - 1)). Stage k lives in heads/NAME.stage<k>; the last stage's head is copied
-    # to heads/NAME. (Until session 46 stage 2 was 6000 requests made from the standard library's docstrings:
-    # measured in session 21, it gained nothing on unseen requests. STAGE=docstrings still builds that one.)
-    # (Until session 20 stage 1 was the docstring requests and stage 2 the next 6000 of them: its head accepted
-    # 2.68 tokens a cycle on unseen docstring requests but 2.29 on code.jsonl, so stage 1 now learns general ones.)
-    # STAGES (default 1: the registry head is stage 1, measured on the GPU in session 20; the docstring stage on
-    # top of it gained nothing on unseen requests in session 21: 2.40 / 2.53 / 2.62 tokens a cycle at k = 3 / 4 / 5
-    # against 2.38 / 2.52 / 2.65; the general stage 2 is not yet measured) sets how many; STAGE=k runs one stage
-    # (its data, then its training). BATCH sets sequences a step (default 4), STAGE_LR stage k > 1's rate.
+    # In stages (the device's calls are 10 minutes): stage 1 trains from random weights for one epoch on 6000
+    # general programming requests (scripts/eagle3_prompts.py --source general) and the standard library's source;
+    # stage k > 1 starts from stage k-1's head (--init-head) at a lower learning rate for two epochs on 6000
+    # requests of the second set of general tasks (--source general2: tasks stage 1 never saw; stage k takes that
+    # set's requests 6000 (k - 2) to 6000 (k - 1)). Stage k lives in heads/NAME.stage<k>; the last stage's head is
+    # copied to heads/NAME. STAGES (default 3) sets how many; STAGE=k runs one stage (its data, then its
+    # training); BATCH sets sequences a step (default 4), EPOCHS a stage's epochs, STAGE_LR stage k > 1's rate.
+    # Measured on code.jsonl (unseen), H100, k = 4 (docs/benchmarks.md, session 47): stage 1 2.48 tokens a
+    # cycle, stage 2 2.64, stage 3 2.81. (Until session 46 stage 2 was 6000 requests made from the standard
+    # library's docstrings: it gained nothing on unseen requests, session 21; STAGE=docstrings still builds it.
+    # Until session 20 stage 1 was docstring requests too.)
     target=qwen2.5-coder-1.5b
-    stages=${STAGES:-1}
+    stages=${STAGES:-3}
     common=(--device cuda --answer-batch ${ANSWER_BATCH:-128} --answer-tokens 256 --seq-len 384 --draft-vocab 8192
-            --intermediate-size 4096 --ttt-steps 4 --epochs ${EPOCHS:-1} --batch ${BATCH:-4} --cache-gb 40 --seed 0)
+            --intermediate-size 4096 --ttt-steps 4 --batch ${BATCH:-4} --cache-gb 40 --seed 0)
     if [ -z "${STAGE:-}" ]; then
       for k in $(seq 1 "$stages"); do STAGE=$k "$0" "$name" "$@"; done
       mkdir -p "$out"
@@ -54,11 +52,12 @@ case "$name" in
     fi
     case "$STAGE" in
       1) prompts=6000; skip=0; source=general
-         train_args=("${common[@]}" --corpus-tokens 300000 --lr 5e-4) ;;
+         train_args=("${common[@]}" --epochs ${EPOCHS:-1} --corpus-tokens 300000 --lr 5e-4) ;;
       docstrings) prompts=6000; skip=0; source=stdlib
-         train_args=("${common[@]}" --corpus-tokens 0 --lr 2e-4 --init-head "$out.stage1") ;;
+         train_args=("${common[@]}" --epochs ${EPOCHS:-1} --corpus-tokens 0 --lr 2e-4 --init-head "$out.stage1") ;;
       [2-9]) prompts=$((6000 * (STAGE - 1))); skip=$((6000 * (STAGE - 2))); source=general2
-         train_args=("${common[@]}" --corpus-tokens 0 --lr ${STAGE_LR:-2e-4} --init-head "$out.stage$((STAGE - 1))") ;;
+         train_args=("${common[@]}" --epochs ${EPOCHS:-2} --corpus-tokens 0 --lr ${STAGE_LR:-2e-4}
+                     --init-head "$out.stage$((STAGE - 1))") ;;
       *) echo "STAGE must be 1 to 9 (or docstrings)" >&2; exit 2 ;;
     esac
     out=$out.stage$STAGE

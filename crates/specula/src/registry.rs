@@ -147,19 +147,20 @@ pub static HEADS: &[RegistryHead] = &[
         target: "qwen2.5-coder-1.5b",
         description:
             "EAGLE-3 head for qwen2.5-coder-1.5b (self-distilled answers to general programming requests + \
-                      Python stdlib; trained on a GPU)",
-        // One stage (scripts/train-head.sh): data and an epoch, 2.2 + 8.1 minutes on the H200 (session 20).
-        build_minutes: 12,
-        build_on: "one H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
-        // Measured on unseen code prompts (docs/benchmarks.md, session 20): with its default confidence bar (0.4)
-        // 1.47-1.58x plain at k = 3-5 in two runs (1.44x at k = 3 without the bar), where the 0.5B draft model
-        // gave 1.13x and prompt lookup 1.01x (session 13).
+                      Python stdlib, then two stages of new tasks; trained on a GPU)",
+        // Three stages (scripts/train-head.sh): 9 + 10 + 9 minutes of data and training on an H100 (session 47).
+        build_minutes: 28,
+        build_on: "one H100 or H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
+        // Measured on unseen code prompts with its default confidence bar (0.4) at k = 4 (docs/benchmarks.md,
+        // session 47): 1.50-1.76x plain (plain drifting 30.6-36.9 tok/s), 55.4 / 53.9 tok/s against stage 1's
+        // 51.6 / 52.5 in alternating runs (2.51 tokens a cycle against 2.12); the 0.5B draft model gives
+        // 1.21-1.28x, prompt lookup 1.01x.
         draft_tokens: 4,
         wins_on_cpu: true,
-        // On an H200 (docs/benchmarks.md, session 20): without a bar 1.78x at k = 2, 1.87-1.88x at k = 3,
-        // 1.89x at k = 4 and 5.
+        // On an H100 without a bar (docs/benchmarks.md, session 47): 1.99x plain at k = 3, 2.06x at k = 4, 2.08x
+        // at k = 5 (2.60 / 2.81 / 2.99 tokens a cycle); k = 4 keeps a row fewer a stream in a batched server.
         on_gpu: Some(GpuSettings {
-            draft_tokens: 3,
+            draft_tokens: 4,
             min_confidence: 0.0,
         }),
     },
