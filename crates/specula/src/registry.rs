@@ -153,8 +153,8 @@ pub static HEADS: &[RegistryHead] = &[
         build_on: "one H100 or H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
         // Measured on unseen code prompts with its default confidence bar (0.4) at k = 4 (docs/benchmarks.md,
         // session 47): 1.50-1.76x plain (plain drifting 30.6-36.9 tok/s), 55.4 / 53.9 tok/s against stage 1's
-        // 51.6 / 52.5 in alternating runs (2.51 tokens a cycle against 2.12); the 0.5B draft model gives
-        // 1.21-1.28x, prompt lookup 1.01x.
+        // 51.6 / 52.5 in alternating runs (2.51 tokens a cycle against 2.12); with three interleaved rounds
+        // 1.67x and 1.77x (stage 1: 1.55x). The 0.5B draft model gives 1.21-1.28x, prompt lookup 1.01x.
         draft_tokens: 4,
         wins_on_cpu: true,
         // On an H100 without a bar (docs/benchmarks.md, session 47): 1.99x plain at k = 3, 2.06x at k = 4, 2.08x
