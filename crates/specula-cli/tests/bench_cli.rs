@@ -65,7 +65,16 @@ fn check_consistent(report: &serde_json::Value, expected_configs: usize) {
             "greedy speculation must equal plain: {c}"
         );
         assert!(c["decode_tok_s"].as_f64().unwrap() > 0.0);
+        // One ratio per round, each this round's tok/s over plain's in the same round.
+        let by_round = c["speedup_by_round"].as_array().unwrap();
+        assert_eq!(
+            by_round.len() as u64,
+            report["rounds"].as_u64().unwrap(),
+            "{c}"
+        );
+        assert!(by_round.iter().all(|x| x.as_f64().unwrap() > 0.0), "{c}");
         if c["k"] == 0 {
+            assert!(by_round.iter().all(|x| x.as_f64() == Some(1.0)), "{c}");
             continue;
         }
         let s = &c["speculation"];
@@ -105,6 +114,8 @@ fn bench_and_tune_with_ngram_and_model_drafters() {
         "ngram",
         "--draft-tokens",
         "2,1",
+        "--rounds",
+        "2",
         "--json",
         out_json.to_str().unwrap(),
     ]);
@@ -113,9 +124,11 @@ fn bench_and_tune_with_ngram_and_model_drafters() {
         "{table}"
     );
     assert!(table.contains("verify(n)"), "{table}");
+    assert!(table.contains("speedup by round: ngram"), "{table}");
     let report = json(&out_json);
     check_consistent(&report, 3);
     assert_eq!(report["prompts"], 2);
+    assert_eq!(report["rounds"], 2);
     assert_eq!(report["verify_cost"]["ms"].as_array().unwrap().len(), 3);
 
     // The target drafting for itself: every greedy draft is accepted.

@@ -189,6 +189,9 @@ pub struct ConfigResult {
     pub speculation: Option<SpeculationStats>,
     /// Runs whose tokens differed from plain decoding of the same prompt (greedy only; must be 0).
     pub greedy_mismatches: usize,
+    /// Decode tokens and seconds of each round (pass over the prompts), to show how much a ratio moved while
+    /// the run went on.
+    pub rounds: Vec<(u64, f64)>,
 }
 
 impl ConfigResult {
@@ -257,6 +260,21 @@ impl BenchReport {
             .unwrap_or(0.0)
     }
 
+    /// Decode tok/s of `c` over plain decoding's in each round: every prompt runs every configuration back to
+    /// back, so a round's ratio is measured side by side, and their spread shows what the machine's drift left.
+    pub fn speedup_by_round(&self, c: &ConfigResult) -> Vec<f64> {
+        let Some(plain) = self.plain() else {
+            return Vec::new();
+        };
+        c.rounds
+            .iter()
+            .zip(&plain.rounds)
+            .map(|(&(tokens, s), &(plain_tokens, plain_s))| {
+                ratio(ratio(tokens as f64, s), ratio(plain_tokens as f64, plain_s))
+            })
+            .collect()
+    }
+
     /// The table `specula bench` prints.
     pub fn table(&self) -> String {
         use std::fmt::Write as _;
@@ -301,6 +319,24 @@ impl BenchReport {
                 }
             );
         }
+        if self.rounds > 1 {
+            let rows: Vec<String> = self
+                .configs
+                .iter()
+                .filter(|c| c.k > 0)
+                .map(|c| {
+                    let each: Vec<String> = self
+                        .speedup_by_round(c)
+                        .iter()
+                        .map(|x| format!("{x:.2}"))
+                        .collect();
+                    format!("{} {}", c.label, each.join(" / "))
+                })
+                .collect();
+            if !rows.is_empty() {
+                let _ = writeln!(s, "speedup by round: {}", rows.join("; "));
+            }
+        }
         if let Some(p) = self.simulated_acceptance {
             let _ = writeln!(
                 s,
@@ -336,6 +372,7 @@ impl BenchReport {
                     "decode_s": c.decode_s,
                     "decode_tok_s": c.decode_tok_s(),
                     "speedup_vs_plain": self.speedup(c),
+                    "speedup_by_round": self.speedup_by_round(c),
                     "cycles": c.cycles,
                     "draft_ms_per_cycle": c.phase_ms_per_cycle("draft"),
                     "verify_ms_per_cycle": c.phase_ms_per_cycle("verify"),
@@ -499,6 +536,7 @@ pub fn run_bench(
             phase_s: BTreeMap::new(),
             speculation: None,
             greedy_mismatches: 0,
+            rounds: vec![(0, 0.0); spec.rounds],
         })
         .collect();
     let greedy = spec.sampling.temperature == 0.0;
@@ -597,6 +635,8 @@ pub fn run_bench(
                 r.runs += 1;
                 r.decode_tokens += out.timing.decode_tokens as u64;
                 r.decode_s += out.timing.decode_s;
+                r.rounds[round].0 += out.timing.decode_tokens as u64;
+                r.rounds[round].1 += out.timing.decode_s;
                 r.cycles += summary.decode_steps;
                 for p in summary.phases.iter().filter(|p| p.name != "prefill") {
                     *r.phase_s.entry(p.name.to_string()).or_default() += p.total_s;
@@ -657,4 +697,53 @@ pub fn run_bench(
         simulated_acceptance: spec.simulate_acceptance,
         device: spec.target.device(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(label: &str, k: usize, rounds: &[(u64, f64)]) -> ConfigResult {
+        ConfigResult {
+            label: label.into(),
+            method: if k == 0 { "plain" } else { "ngram" },
+            drafter: None,
+            k,
+            runs: rounds.len(),
+            decode_tokens: rounds.iter().map(|r| r.0).sum(),
+            decode_s: rounds.iter().map(|r| r.1).sum(),
+            cycles: 1,
+            phase_s: BTreeMap::new(),
+            speculation: None,
+            greedy_mismatches: 0,
+            rounds: rounds.to_vec(),
+        }
+    }
+
+    #[test]
+    fn each_rounds_speedup_is_against_plain_in_the_same_round() {
+        // Plain slows down in round 2 (the machine drifted); the drafter's rate relative to it does not.
+        let plain = config("plain", 0, &[(100, 1.0), (100, 2.0)]);
+        let fast = config("ngram k=2", 2, &[(150, 1.0), (100, 1.0)]);
+        let report = BenchReport {
+            configs: vec![plain, fast],
+            verify_cost: None,
+            prompts: 1,
+            rounds: 2,
+            max_new_tokens: 8,
+            greedy: true,
+            draft_vocab: None,
+            simulated_acceptance: None,
+            device: "cpu".into(),
+        };
+        assert_eq!(report.speedup_by_round(&report.configs[0]), vec![1.0, 1.0]);
+        assert_eq!(report.speedup_by_round(&report.configs[1]), vec![1.5, 2.0]);
+        // The whole run's ratio mixes both rounds: 250 tokens in 2 s against 200 in 3 s.
+        assert!((report.speedup(&report.configs[1]) - 1.875).abs() < 1e-12);
+        let table = report.table();
+        assert!(
+            table.contains("speedup by round: ngram k=2 1.50 / 2.00"),
+            "{table}"
+        );
+    }
 }
