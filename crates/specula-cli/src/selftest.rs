@@ -433,13 +433,19 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
     } else {
         None
     };
+    let chain_check =
+        device_chain_check(model, placed.compute(), &cpu, tokens, &features, &device)?;
     let names = [
         "outputs of fed rows",
         "logits of fed rows",
         "logits of a chain step",
         "logits of tree rows",
     ];
-    let mut checks: Vec<Check> = batched_check.into_iter().chain(device_check).collect();
+    let mut checks: Vec<Check> = batched_check
+        .into_iter()
+        .chain(device_check)
+        .chain(chain_check)
+        .collect();
     checks.push(Check {
         name: format!("eagle3 head on {device}: top token of a chain step"),
         passed: top_ref.0 == top_other.0 && (top_ref.1 - top_other.1).abs() <= 2e-2,
@@ -487,6 +493,80 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
         });
     }
     Ok(checks)
+}
+
+/// A greedy chain run whole on the device (`run_greedy_chain`, no host round trip between passes) against the same
+/// chain pass by pass: the same top tokens and probabilities, bit for bit, and a cache that drafts on the same
+/// (the next pass's logits). None on a head that drafts pass by pass (the CPU's).
+fn device_chain_check(
+    model: &dyn Model,
+    compute: &dyn specula::draft::eagle3::HeadCompute,
+    head: &specula::draft::eagle3::Eagle3Head,
+    tokens: &[u32],
+    features: &[f32],
+    device: &str,
+) -> anyhow::Result<Option<Check>> {
+    use specula::draft::eagle3::{greedy_chain_by_passes, HeadInput, HeadRows, HeadWant};
+    const MORE: usize = 5;
+    let n = tokens.len() - 1;
+    let d2t: Vec<u32> = (0..head.draft_vocab()).map(|d| head.target_id(d)).collect();
+    // Each way's tops, then one more pass from its last output (its logits say the caches agree).
+    let mut at_once = compute.new_cache(n + 16)?;
+    let Some(tops) = compute.run_greedy_chain(
+        model,
+        &tokens[1..],
+        HeadInput::Features(features),
+        at_once.as_mut(),
+        MORE,
+    )?
+    else {
+        return Ok(None);
+    };
+    let mut by_passes = compute.new_cache(n + 16)?;
+    let reference = greedy_chain_by_passes(
+        compute,
+        model,
+        &d2t,
+        &tokens[1..],
+        HeadInput::Features(features),
+        by_passes.as_mut(),
+        MORE,
+    )?;
+    let next = |c: &mut dyn specula::model::forward::SequenceCache| {
+        compute.run(
+            model,
+            &tokens[..1],
+            HeadInput::Last,
+            HeadRows::Chain,
+            c,
+            HeadWant::default(),
+        )
+    };
+    let after = next(at_once.as_mut())?.logits;
+    let after_ref = next(by_passes.as_mut())?.logits;
+    let flat = |t: &[(u32, f32)]| -> Vec<f32> {
+        t.iter()
+            .flat_map(|&(id, p)| [f32::from_bits(id), p])
+            .collect()
+    };
+    let mut check = bitwise(
+        &format!(
+            "eagle3 head on {device}: a greedy chain of {} passes on the device = pass by pass",
+            MORE + 1
+        ),
+        &[flat(&tops), after].concat(),
+        &[flat(&reference), after_ref].concat(),
+    );
+    check.detail = format!(
+        "{}; tokens {:?} against {:?}, caches of {} and {} rows",
+        check.detail,
+        tops.iter().map(|t| t.0).collect::<Vec<_>>(),
+        reference.iter().map(|t| t.0).collect::<Vec<_>>(),
+        at_once.len(),
+        by_passes.len()
+    );
+    check.passed &= at_once.len() == by_passes.len();
+    Ok(Some(check))
 }
 
 trait Argmax {

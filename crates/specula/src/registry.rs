@@ -147,18 +147,20 @@ pub static HEADS: &[RegistryHead] = &[
         target: "qwen2.5-coder-1.5b",
         description:
             "EAGLE-3 head for qwen2.5-coder-1.5b (self-distilled answers to general programming requests + \
-                      Python stdlib, then two stages of new tasks; trained on a GPU)",
-        // Three stages (scripts/train-head.sh): 9 + 10 + 9 minutes of data and training on an H100 (session 47).
-        build_minutes: 28,
+                      Python stdlib, then four stages of new tasks; trained on a GPU)",
+        // Five stages (scripts/train-head.sh): 9 + 10 + 9 minutes of data and training on an H100 for the first
+        // three (session 47), 10.7 + 9.8 for stages 4 and 5 (session 49).
+        build_minutes: 49,
         build_on: "one H100 or H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
-        // Measured on unseen code prompts with its default confidence bar (0.4) at k = 4 (docs/benchmarks.md,
-        // session 47): 1.50-1.76x plain (plain drifting 30.6-36.9 tok/s), 55.4 / 53.9 tok/s against stage 1's
-        // 51.6 / 52.5 in alternating runs (2.51 tokens a cycle against 2.12); with three interleaved rounds
-        // 1.67x and 1.77x (stage 1: 1.55x). The 0.5B draft model gives 1.21-1.28x, prompt lookup 1.01x.
+        // Measured on unseen code prompts with its default confidence bar (0.4) at k = 4, three interleaved rounds
+        // (docs/benchmarks.md, session 49): 1.69x plain (rounds 1.76 / 1.72 / 1.58; 2.59 tokens a cycle), the
+        // three-stage head 1.68x right after (2.51); without a bar 2.86 tokens a cycle at k = 4 (three stages:
+        // 2.75). The 0.5B draft model gives 1.21-1.28x, prompt lookup 1.01x.
         draft_tokens: 4,
         wins_on_cpu: true,
-        // On an H100 without a bar (docs/benchmarks.md, session 47): 1.99x plain at k = 3, 2.06x at k = 4, 2.08x
-        // at k = 5 (2.60 / 2.81 / 2.99 tokens a cycle); k = 4 keeps a row fewer a stream in a batched server.
+        // On an H100 without a bar, the three-stage head (docs/benchmarks.md, sessions 47 and 49): 1.99x plain at
+        // k = 3, 1.98-2.06x at k = 4, 2.03-2.08x at k = 5 (2.60 / 2.81 / 2.99 tokens a cycle); k = 4 keeps a row
+        // fewer a stream in a batched server. The five-stage head accepts more on the CPU; its GPU bench is next.
         on_gpu: Some(GpuSettings {
             draft_tokens: 4,
             min_confidence: 0.0,

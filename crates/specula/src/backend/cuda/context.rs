@@ -49,6 +49,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_list_128_g3",
     "attention_list_128_g4",
     "gather_rows",
+    "chain_next",
     "argmax_partial",
     "argmax_final",
     "gather_columns",
@@ -121,6 +122,7 @@ pub struct Kernels {
     /// Blocks of each list kernel the GPU holds at once (its grid: multiprocessors x blocks each).
     pub attention_list_blocks: [u32; ATTENTION_VARIANTS],
     pub gather_rows: CudaFunction,
+    pub chain_next: CudaFunction,
     pub gather_feature_rows: CudaFunction,
     pub argmax_partial: CudaFunction,
     pub argmax_final: CudaFunction,
@@ -325,6 +327,7 @@ impl Gpu {
             attention_list: by_variant(ATTENTION_LIST, f)?,
             attention_list_blocks: by_variant(ATTENTION_LIST, resident)?,
             gather_rows: f("gather_rows")?,
+            chain_next: f("chain_next")?,
             gather_feature_rows: f("gather_feature_rows")?,
             argmax_partial: f("argmax_partial")?,
             argmax_final: f("argmax_final")?,

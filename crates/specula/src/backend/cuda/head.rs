@@ -65,8 +65,15 @@ mod words {
     pub const TOTAL: usize = FEATURE_SRC + 2 * super::MAX_FEATURE_LAYERS * R;
 }
 
+// kernels.cu chain_next writes the fed token at word 0.
+const _: () = assert!(words::TOKENS == 0);
+
 /// Captured layers a device feature row may come from (an EAGLE-3 head reads 3).
 const MAX_FEATURE_LAYERS: usize = 4;
+
+/// The most passes after the first a greedy chain runs on the device in one go (`run_greedy_chain`; longer
+/// chains go pass by pass).
+const MAX_CHAIN_MORE: usize = 31;
 
 /// What a captured pass depends on besides the uploaded values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -107,6 +114,8 @@ pub struct CudaHead {
     w_gate_up: Matrix,
     w_down: Matrix,
     lm_head: Matrix,
+    /// Each draft id's target id (the head's d2t applied), for chains that feed their top tokens on the device.
+    draft_to_target: CudaSlice<u32>,
     rope_inv_freqs: CudaSlice<f32>,
     workspace: Mutex<Buffers>,
     /// Passes captured as CUDA graphs so far (`HeadCompute::graphs_captured`).
@@ -116,6 +125,10 @@ pub struct CudaHead {
 /// Device buffers every pass reuses (fixed addresses, so captured passes stay valid), sized for CHUNK_ROWS rows.
 struct Buffers {
     graphs: std::collections::HashMap<PassShape, PassGraph>,
+    /// Captured greedy chains by their passes after the first (`run_greedy_chain`).
+    chains: std::collections::HashMap<usize, PassGraph>,
+    /// A device chain's top (token bits, probability) of each pass (kernels.cu chain_next).
+    chain_tops: CudaSlice<f32>,
     features: CudaSlice<f32>,
     /// GEMV inputs, split (ops::alloc_split): the features for fc, the two normed inputs of the layer, attention's
     /// output, the normed residual, SiLU(gate) * up, the normed rows for the LM head.
@@ -251,7 +264,13 @@ impl CudaHead {
         };
         let gate_up = layout::stack_gate_up(&bf16(&w.w_gate), &bf16(&w.w_up), ff, h);
         let rope_inv_freqs = vector(&c.rope_inv_freqs(None), "RoPE frequencies")?;
+        let draft_to_target: Vec<u32> = (0..hc.draft_vocab).map(|d| head.target_id(d)).collect();
+        let draft_to_target = gpu
+            .stream
+            .clone_htod(&draft_to_target)
+            .map_err(|e| cuda_err("uploading the head's draft-to-target map", e))?;
         let head = CudaHead {
+            draft_to_target,
             embed,
             fc: upload(&w.fc, h, 3 * hc.target_hidden, "the head's fc")?,
             input_norm: vector(&w.input_norm, "input norm")?,
@@ -317,6 +336,8 @@ impl CudaHead {
         let split = |k: usize, what: &str| alloc_split(gpu, r, k, &format!("the head's {what}"));
         Ok(Buffers {
             graphs: Default::default(),
+            chains: Default::default(),
+            chain_tops: f(2 * (MAX_CHAIN_MORE + 1), "chain's top tokens")?,
             features: f(r * 3 * target_hidden, "features")?,
             features_split: split(3 * target_hidden, "features")?,
             x: f(r * h, "activations")?,
@@ -685,6 +706,70 @@ impl CudaHead {
         Ok(())
     }
 
+    /// A greedy chain's passes after the first (`run_greedy_chain`): before each, chain_next keeps the previous
+    /// pass's top token and feeds it to the next row; after the last, it keeps that pass's.
+    fn record_chain(&self, ws: &Buffers, more: usize) -> Result<()> {
+        let gpu = &*self.gpu;
+        let shape = PassShape {
+            rows: 1,
+            features: false,
+            gather: false,
+            wanted: 1,
+            top_only: true,
+            top_k: 0,
+        };
+        for step in 0..=more {
+            launch!(
+                gpu,
+                chain_next,
+                (1, 1, 1),
+                32,
+                ptr(&ws.top, gpu),
+                ptr(&self.draft_to_target, gpu),
+                self.draft_vocab as u32,
+                ptr(&ws.ints, gpu),
+                ptr(&ws.chain_tops, gpu),
+                step as i32,
+                words::POSITIONS as i32,
+                words::ROWS as i32
+            );
+            if step < more {
+                self.record_pass(ws, shape)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs a chain's passes after the first, as one captured graph (captured the first time its length is seen).
+    fn launch_chain(&self, ws: &mut Buffers, more: usize) -> Result<()> {
+        if !super::model::graphs_enabled() {
+            return self.record_chain(ws, more);
+        }
+        if !ws.chains.contains_key(&more) {
+            let stream = &self.gpu.stream;
+            stream
+                .begin_capture(
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+                .map_err(|e| cuda_err("starting the head's chain capture", e))?;
+            let recorded = self.record_chain(ws, more);
+            let captured = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            recorded?;
+            let graph = captured
+                .map_err(|e| cuda_err("capturing the head's chain", e))?
+                .ok_or_else(|| {
+                    Error::Cuda("capturing the head's chain: nothing was captured".into())
+                })?;
+            ws.chains.insert(more, PassGraph(graph));
+            self.captured
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        ws.chains[&more]
+            .0
+            .launch()
+            .map_err(|e| cuda_err("launching the head's chain", e))
+    }
+
     /// Runs a pass, as a captured graph when it is short (captured the first time its shape is seen).
     fn launch_pass(&self, ws: &mut Buffers, shape: PassShape) -> Result<()> {
         if shape.rows > MAX_GRAPH_ROWS || !super::model::graphs_enabled() {
@@ -726,6 +811,15 @@ fn device_features_enabled() -> bool {
     *ON.get_or_init(|| {
         std::env::var("SPECULA_CUDA_HEAD_DEVICE_FEATURES").map_or(true, |v| v != "0")
     })
+}
+
+/// Whether a greedy chain runs all its passes on the device without reading each top token back
+/// (`SPECULA_CUDA_HEAD_CHAIN=1`). Off by default until a device run checks the fixed version: session 49's first
+/// version fed its first chain pass the wrong row (selftest "a greedy chain of 6 passes on the device = pass by
+/// pass" failed; output stayed lossless, acceptance fell) and the fix has not run on a GPU yet.
+pub fn device_chain_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_HEAD_CHAIN").is_ok_and(|v| v == "1"))
 }
 
 /// Whether `run_many` runs several sequences' passes as one (default; `SPECULA_CUDA_HEAD_BATCH=0` runs them one
@@ -979,8 +1073,109 @@ impl HeadCompute for CudaHead {
         cache: &mut dyn SequenceCache,
         want: HeadWant,
     ) -> Result<HeadOutput> {
-        let h = self.layer.hidden_size;
         let cache = self.checked_pass(tokens, input, rows, cache)?;
+        let mut guard = self
+            .workspace
+            .lock()
+            .map_err(|_| Error::Cuda("the EAGLE-3 head's workspace lock is poisoned".into()))?;
+        self.run_locked(&mut guard, tokens, input, rows, cache, want, true)
+    }
+
+    fn run_greedy_chain(
+        &self,
+        _target: &dyn Model,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        cache: &mut dyn SequenceCache,
+        more: usize,
+    ) -> Result<Option<Vec<(u32, f32)>>> {
+        if more == 0 || more > MAX_CHAIN_MORE || !device_chain_enabled() {
+            return Ok(None);
+        }
+        let cache = self.checked_pass(tokens, input, HeadRows::Chain, cache)?;
+        // The slot of the first pass's last row: the chain's passes write the slots after it.
+        let last_fed = cache.kv.len() + tokens.len() - 1;
+        if last_fed + 1 + more > cache.kv.capacity() {
+            return Err(Error::InvalidArgument(format!(
+                "the EAGLE-3 head's KV cache holds {} positions; a chain needs {}",
+                cache.kv.capacity(),
+                last_fed + 1 + more
+            )));
+        }
+        let mut guard = self
+            .workspace
+            .lock()
+            .map_err(|_| Error::Cuda("the EAGLE-3 head's workspace lock is poisoned".into()))?;
+        let ws = &mut *guard;
+        let want = HeadWant {
+            outputs: false,
+            top_only: true,
+            top_k: 0,
+        };
+        // The first pass leaves its top token on the device for the chain's first pass to read.
+        self.run_locked(ws, tokens, input, HeadRows::Chain, cache, want, false)?;
+        // One-row chain tables pointing at that last fed row: chain_next moves them one slot on before each pass
+        // and writes the token it feeds.
+        let base = cache.kv.device_ptr();
+        let last = last_fed as u32;
+        let mut ints = vec![0u32; words::TOTAL];
+        ints[words::SEQ..words::SEQ + 4].copy_from_slice(&[
+            base as u32,
+            (base >> 32) as u32,
+            cache.kv.capacity() as u32,
+            0,
+        ]);
+        ints[words::POSITIONS] = last;
+        ints[words::ROWS..words::ROWS + 6].copy_from_slice(&[0, last, last, 0, u32::MAX, u32::MAX]);
+        ints[words::WANTED] = 0;
+        let stream = &self.gpu.stream;
+        stream
+            .memcpy_htod(&ints, &mut ws.ints)
+            .map_err(|e| cuda_err("uploading the head's chain tables", e))?;
+        // The chain's passes read and write row 0 of x; the first pass's last output is its row m - 1 (session 49
+        // ran the chain from row 0, the first fed row's output: every draft after the first went wrong, caught by
+        // selftest's chain check).
+        {
+            let mut dst = ws.x.slice_mut(0..self.layer.hidden_size);
+            stream
+                .memcpy_dtod(&cache.last, &mut dst)
+                .map_err(|e| cuda_err("feeding the head's chain its last output", e))?;
+        }
+        self.launch_chain(ws, more)?;
+        cache.kv.len = last_fed + 1 + more;
+        {
+            let src = ws.x.slice(0..self.layer.hidden_size);
+            stream
+                .memcpy_dtod(&src, &mut cache.last)
+                .map_err(|e| cuda_err("keeping the head's last output", e))?;
+        }
+        cache.has_last = true;
+        let tops = stream
+            .clone_dtoh(&ws.chain_tops.slice(0..2 * (more + 1)))
+            .map_err(|e| cuda_err("reading the head's chain tokens", e))?;
+        Ok(Some(
+            tops.chunks_exact(2)
+                .map(|t| (t[0].to_bits(), t[1]))
+                .collect(),
+        ))
+    }
+}
+
+impl CudaHead {
+    /// `run` over a checked cache, holding the workspace; with `read` false the wanted rows' results stay on the
+    /// device (a chain's first pass: the chain reads its top token there).
+    #[allow(clippy::too_many_arguments)]
+    fn run_locked(
+        &self,
+        ws: &mut Buffers,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        rows: HeadRows<'_>,
+        cache: &mut CudaHeadCache,
+        want: HeadWant,
+        read: bool,
+    ) -> Result<HeadOutput> {
+        let h = self.layer.hidden_size;
         let n = tokens.len();
         let start = cache.kv.len();
         // kernels.cu RowInfo per row: sequence, slot, first slot of the visible new rows, tree flag, mask.
@@ -1025,11 +1220,6 @@ impl HeadCompute for CudaHead {
                 }
             }
         }
-        let mut guard = self
-            .workspace
-            .lock()
-            .map_err(|_| Error::Cuda("the EAGLE-3 head's workspace lock is poisoned".into()))?;
-        let ws = &mut *guard;
         let base = cache.kv.device_ptr();
         let mut ints = vec![0u32; words::TOTAL];
         ints[words::SEQ..words::SEQ + 4].copy_from_slice(&[
@@ -1103,8 +1293,10 @@ impl HeadCompute for CudaHead {
                         .map_err(|e| cuda_err("keeping the head's last output", e))?;
                 }
                 cache.has_last = true;
-                let got = self.read_wanted(ws, wanted, want)?;
-                (out.top, out.ranked, out.logits) = (got.top, got.ranked, got.logits);
+                if read {
+                    let got = self.read_wanted(ws, wanted, want)?;
+                    (out.top, out.ranked, out.logits) = (got.top, got.ranked, got.logits);
+                }
             }
             r0 = r1;
         }

@@ -1161,6 +1161,26 @@ extern "C" __global__ void gather_feature_rows(const u32* __restrict__ table, fl
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
 }
 
+// A greedy chain on the device (backend/cuda/head.rs run_greedy_chain), between two one-row head passes: keeps
+// the last pass's top token and probability (top_token's output) as the chain's step `step`, feeds that token
+// (as a target id, through d2t) to the next row and moves the one-row tables (positions, RowInfo) one slot on.
+// A top that is not a draft id (non-finite logits) feeds token 0; the host refuses it when it reads the chain.
+// grid 1, block 32.
+extern "C" __global__ void chain_next(const float* __restrict__ top, const u32* __restrict__ draft_to_target,
+                                      u32 draft_vocab, u32* __restrict__ ints, float* __restrict__ chain, int step,
+                                      int positions_at, int rows_at) {
+    PDL_ENTER();
+    if (threadIdx.x != 0) return;
+    const u32 id = __float_as_uint(top[0]);
+    chain[2 * step] = top[0];
+    chain[2 * step + 1] = top[1];
+    ints[0] = id < draft_vocab ? draft_to_target[id] : 0u;
+    ints[positions_at] += 1;
+    RowInfo* row = reinterpret_cast<RowInfo*>(ints + rows_at);
+    row->slot += 1;
+    row->base += 1;
+}
+
 // out[j] = x[src[j]] for the rows that need logits; grid (rows), block 256.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ src,
                                        float* __restrict__ out, int h) {

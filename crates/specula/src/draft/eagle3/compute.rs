@@ -151,6 +151,66 @@ pub trait HeadCompute: Send + Sync {
     fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
         run_one_by_one(self, target, passes)
     }
+
+    /// A whole greedy chain at once: the chain pass `run` would make for `tokens` and `input` (its top token is
+    /// the first draft), then `more` one-row passes, each fed the previous pass's top token (as a target id)
+    /// and its output, with nothing coming back to the host in between. Returns the top (draft id, probability)
+    /// of every pass, `more + 1` of them, and leaves the cache as that many `run` calls would. `None`: this
+    /// head drafts a pass at a time, and the caller loops `run` (a CPU head: its passes cost more than a round
+    /// trip, and a confidence bar may stop the chain early).
+    fn run_greedy_chain(
+        &self,
+        _target: &dyn Model,
+        _tokens: &[u32],
+        _input: HeadInput<'_>,
+        _cache: &mut dyn SequenceCache,
+        _more: usize,
+    ) -> Result<Option<Vec<(u32, f32)>>> {
+        Ok(None)
+    }
+}
+
+/// [`HeadCompute::run_greedy_chain`] as `run` calls one after the other, each fed the previous top token: the
+/// reference a device's chain must equal, token for token.
+pub fn greedy_chain_by_passes<H: HeadCompute + ?Sized>(
+    head: &H,
+    target: &dyn Model,
+    draft_to_target: &[u32],
+    tokens: &[u32],
+    input: HeadInput<'_>,
+    cache: &mut dyn SequenceCache,
+    more: usize,
+) -> Result<Vec<(u32, f32)>> {
+    let want = HeadWant {
+        outputs: false,
+        top_only: true,
+        top_k: 0,
+    };
+    let mut tops = Vec::with_capacity(more + 1);
+    let mut out = head.run(target, tokens, input, HeadRows::Chain, cache, want)?;
+    for step in 0..=more {
+        let top = top_of(&out, draft_to_target.len())?;
+        tops.push(top);
+        if step < more {
+            let next = [draft_to_target[top.0 as usize]];
+            out = head.run(target, &next, HeadInput::Last, HeadRows::Chain, cache, want)?;
+        }
+    }
+    Ok(tops)
+}
+
+/// The top token of a `top_only` chain pass, checked to be a draft id.
+fn top_of(out: &HeadOutput, draft_vocab: usize) -> Result<(u32, f32)> {
+    match out.top.first() {
+        Some(&(id, p)) if (id as usize) < draft_vocab => Ok((id, p)),
+        Some(&(id, _)) => Err(Error::InvalidArgument(format!(
+            "an EAGLE-3 head pass's top token {id} is outside its draft vocabulary of {draft_vocab} (non-finite \
+             logits?)"
+        ))),
+        None => Err(Error::InvalidArgument(
+            "an EAGLE-3 head pass returned no top token".into(),
+        )),
+    }
 }
 
 /// `SPECULA_HEAD_CATCH_UP_REACH=N`: every head's catch-up reach ([`HeadCompute::catch_up_reach`]), to compare.

@@ -26,7 +26,8 @@ use crate::model::{Model, RowMatrix};
 use crate::sampling::{self, Distribution, SamplingParams};
 
 pub use compute::{
-    top_log_probs, HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant,
+    greedy_chain_by_passes, top_log_probs, HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows,
+    HeadWant,
 };
 pub use head::{Eagle3Head, HeadConfig, HeadPrecision, HostWeights, TreeRow};
 
@@ -461,6 +462,72 @@ impl Eagle3Drafter<'_> {
         Ok((rows > 0 && k > 0).then_some((from, rows, k)))
     }
 
+    /// A greedy chain whose passes all run on the head's device, with no host round trip between them
+    /// ([`HeadCompute::run_greedy_chain`]); None when the head drafts a pass at a time, or the chain does not
+    /// draft (a catch-up) or drafts one token. A confidence bar is applied to the returned tops afterwards: the
+    /// draft is the one pass-by-pass drafting would stop at, the passes past it wasted (a few µs each on a GPU).
+    fn chain_at_once(
+        &mut self,
+        pass: &BatchedPass,
+        sampling: &SamplingParams,
+    ) -> Result<Option<Draft>> {
+        let Some(st) = self.chain.as_mut() else {
+            return Ok(None);
+        };
+        if !st.top_only || st.k < 2 || st.catching_up {
+            return Ok(None);
+        }
+        let more = st.k - 1;
+        // The cache's length once the first pass fed its rows: the draft rows after it leave at the end.
+        st.fed = Some(self.cache.len() + pass.tokens.len());
+        let input = match (&pass.features, &pass.device_features) {
+            (Some(f), _) => HeadInput::Features(f),
+            (None, Some(d)) => HeadInput::DeviceFeatures(d),
+            (None, None) => HeadInput::Last,
+        };
+        let ran =
+            self.compute
+                .run_greedy_chain(self.target, &pass.tokens, input, &mut *self.cache, more);
+        let tops = match ran {
+            Ok(Some(tops)) if tops.len() == more + 1 => tops,
+            Ok(Some(tops)) => {
+                self.abandon_chain();
+                return Err(Error::InvalidArgument(format!(
+                    "EAGLE-3 head: a chain of {} passes returned {} top tokens",
+                    more + 1,
+                    tops.len()
+                )));
+            }
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                self.abandon_chain();
+                return Err(e);
+            }
+        };
+        let draft_vocab = self.head.draft_vocab();
+        for &(id, p) in &tops {
+            if id as usize >= draft_vocab {
+                self.abandon_chain();
+                return Err(Error::InvalidArgument(format!(
+                    "an EAGLE-3 head pass's top token {id} is outside its draft vocabulary of {draft_vocab} \
+                     (non-finite logits?)"
+                )));
+            }
+            let output = HeadOutput {
+                top: vec![(id, p)],
+                ..Default::default()
+            };
+            // The same bookkeeping as pass by pass; it asks for the next pass while the chain goes on.
+            if self.batched_after(output, sampling)?.is_none() {
+                break;
+            }
+        }
+        if let Some(st) = self.chain.as_mut() {
+            st.passes = tops.len();
+        }
+        self.batched_finish().map(Some)
+    }
+
     /// Drops a chain left unfinished (a failed pass): its draft rows leave the head's cache.
     fn abandon_chain(&mut self) {
         if let Some(fed) = self.chain.take().and_then(|st| st.fed) {
@@ -639,6 +706,9 @@ impl Drafter for Eagle3Drafter<'_> {
             BatchedStart::Pass(p) => p,
             BatchedStart::Nothing | BatchedStart::Alone => return Ok(Draft::default()),
         };
+        if let Some(draft) = self.chain_at_once(&pass, sampling)? {
+            return Ok(draft);
+        }
         loop {
             let input = match (&pass.features, &pass.device_features) {
                 (Some(f), _) => HeadInput::Features(f),

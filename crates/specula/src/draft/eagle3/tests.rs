@@ -774,6 +774,116 @@ fn confidence_bar_shortens_chains_and_keeps_greedy_output() {
         .is_err());
 }
 
+/// A CPU head that runs greedy chains whole (as a device head does), here by the pass-by-pass reference; counts
+/// the chains it ran.
+struct ChainAtOnceHead<'a> {
+    inner: &'a dyn HeadCompute,
+    draft_to_target: Vec<u32>,
+    chains: std::sync::atomic::AtomicUsize,
+}
+
+impl HeadCompute for ChainAtOnceHead<'_> {
+    fn device(&self) -> String {
+        "test device".into()
+    }
+    fn new_cache(&self, capacity: usize) -> Result<Box<dyn SequenceCache>> {
+        self.inner.new_cache(capacity)
+    }
+    fn run(
+        &self,
+        target: &dyn Model,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        rows: HeadRows<'_>,
+        cache: &mut dyn SequenceCache,
+        want: HeadWant,
+    ) -> Result<HeadOutput> {
+        self.inner.run(target, tokens, input, rows, cache, want)
+    }
+    fn run_greedy_chain(
+        &self,
+        target: &dyn Model,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        cache: &mut dyn SequenceCache,
+        more: usize,
+    ) -> Result<Option<Vec<(u32, f32)>>> {
+        self.chains
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        super::greedy_chain_by_passes(
+            self.inner,
+            target,
+            &self.draft_to_target,
+            tokens,
+            input,
+            cache,
+            more,
+        )
+        .map(Some)
+    }
+}
+
+/// A head that drafts greedy chains whole (a GPU head: no host round trip between passes) drafts what pass-by-pass
+/// drafting drafts, with and without a confidence bar (applied to the chain afterwards): the same output, drafts
+/// and acceptance; sampled chains still go pass by pass.
+#[test]
+fn chains_drafted_whole_draft_what_chains_drafted_pass_by_pass_draft() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let plain = run(&t, 40, 0.0, None);
+    let whole = ChainAtOnceHead {
+        inner: h.compute(),
+        draft_to_target: (0..h.draft_vocab()).map(|d| h.target_id(d)).collect(),
+        chains: Default::default(),
+    };
+    for bar in [0.0, 1e-3, 0.05, 0.3] {
+        for k in [1, 2, 4, 6] {
+            for temperature in [0.0, 0.8] {
+                let mut stats = Vec::new();
+                let mut outputs = Vec::new();
+                for at_once in [false, true] {
+                    let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+                        .unwrap()
+                        .with_min_confidence(bar)
+                        .unwrap();
+                    if at_once {
+                        drafter.compute = &whole;
+                    }
+                    let out = run(
+                        &t,
+                        40,
+                        temperature,
+                        Some(Speculation {
+                            drafter: &mut drafter,
+                            draft_tokens: k,
+                            simulate_acceptance: None,
+                        }),
+                    );
+                    let st = out.speculation.unwrap();
+                    stats.push((
+                        st.cycles,
+                        st.drafted,
+                        st.accepted,
+                        st.drafted_per_position,
+                        st.accepted_per_position,
+                    ));
+                    outputs.push(out.tokens);
+                }
+                let case = format!("bar {bar}, k = {k}, temperature {temperature}");
+                assert_eq!(outputs[0], outputs[1], "{case}");
+                assert_eq!(stats[0], stats[1], "{case}");
+                if temperature == 0.0 {
+                    assert_eq!(outputs[0], plain.tokens, "{case}");
+                }
+            }
+        }
+    }
+    // Only greedy chains of 2 or more tokens go whole: 4 bars x 3 such k, a chain each drafting cycle.
+    let chains = whole.chains.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(chains >= 4 * 3, "{chains} chains ran whole");
+}
+
 /// Several generations drafting with one head in batched passes (what a server does) draft exactly what each
 /// drafts alone: the same outputs, the same drafted and accepted counts, greedy and sampled, with and without a
 /// confidence bar; greedy output equals plain decoding.
