@@ -167,8 +167,11 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
             println!("CPU quantized kernels vs the f32 reference (relative L2 error): {detail}");
         }
     }
+    let mut head_timings = Vec::new();
     if let Some(dir) = &args.eagle3_head {
-        checks.extend(eagle3_head_checks(model, dir, &tokens)?);
+        let (c, t) = eagle3_head_checks(model, dir, &tokens)?;
+        checks.extend(c);
+        head_timings = t;
     }
     let timings = specula::bench::measure_forward_ms(model, &tokens, &sizes, 5)?;
     let paths = specula::backend::cpu::kernels::active_kernel_paths();
@@ -185,6 +188,9 @@ pub fn run(args: SelftestArgs) -> anyhow::Result<()> {
         );
     }
     print_timings(tokens.len(), &sizes, &timings);
+    for line in &head_timings {
+        println!("{line}");
+    }
     let failed: Vec<&str> = checks
         .iter()
         .filter(|c| !c.passed)
@@ -239,8 +245,13 @@ fn relative_error(reference: &[f32], other: &[f32]) -> (f32, bool) {
 }
 
 /// The head placed on the model's device against the same head on the CPU, pass by pass: rows fed from the
-/// target's features, a chain step from the last output, a two-row tree.
-fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::Result<Vec<Check>> {
+/// target's features, a chain step from the last output, a two-row tree. Also what the placed head's passes cost
+/// (lines to print).
+fn eagle3_head_checks(
+    model: &dyn Model,
+    dir: &str,
+    tokens: &[u32],
+) -> anyhow::Result<(Vec<Check>, Vec<String>)> {
     use specula::draft::eagle3::{
         top_log_probs, Eagle3Head, HeadCompute, HeadInput, HeadPass, HeadPrecision, HeadRows,
         HeadWant, TreeRow,
@@ -435,6 +446,7 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
     };
     let chain_check =
         device_chain_check(model, placed.compute(), &cpu, tokens, &features, &device)?;
+    let timings = head_pass_timings(model, placed.compute(), &cpu, tokens, &features, &device)?;
     let names = [
         "outputs of fed rows",
         "logits of fed rows",
@@ -492,7 +504,112 @@ fn eagle3_head_checks(model: &dyn Model, dir: &str, tokens: &[u32]) -> anyhow::R
             ),
         });
     }
-    Ok(checks)
+    Ok((checks, timings))
+}
+
+/// What the head's passes cost where it is placed, each the median of 51 runs by the host's clock (every run ends
+/// reading its result back, so this is the latency a drafter sees): a chain step (one row from the last output,
+/// its top token read back), a pass feeding the prompt's rows from features, and a chain of 4 draft tokens (the
+/// fed pass and 3 steps) pass by pass and, where the head can, whole on the device.
+fn head_pass_timings(
+    model: &dyn Model,
+    compute: &dyn specula::draft::eagle3::HeadCompute,
+    head: &specula::draft::eagle3::Eagle3Head,
+    tokens: &[u32],
+    features: &[f32],
+    device: &str,
+) -> anyhow::Result<Vec<String>> {
+    use specula::draft::eagle3::{greedy_chain_by_passes, HeadInput, HeadRows, HeadWant};
+    let n = tokens.len() - 1;
+    let top_only = HeadWant {
+        top_only: true,
+        ..Default::default()
+    };
+    let d2t: Vec<u32> = (0..head.draft_vocab()).map(|d| head.target_id(d)).collect();
+    let mut cache = compute.new_cache(n + 16)?;
+    // Median microseconds of `run` (5 warm-up runs first: graph captures); None when it says it cannot run.
+    let mut median_us = |run: &dyn Fn(&mut dyn SequenceCache) -> specula::error::Result<bool>| -> anyhow::Result<Option<f64>> {
+        let mut us = Vec::with_capacity(51);
+        for i in 0..56 {
+            let t = std::time::Instant::now();
+            if !run(cache.as_mut())? {
+                return Ok(None);
+            }
+            if i >= 5 {
+                us.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        us.sort_by(f64::total_cmp);
+        Ok(Some(us[us.len() / 2]))
+    };
+    let fed_us = median_us(&|c| {
+        c.truncate(0);
+        compute
+            .run(
+                model,
+                &tokens[1..],
+                HeadInput::Features(features),
+                HeadRows::Chain,
+                c,
+                top_only,
+            )
+            .map(|_| true)
+    })?;
+    let step_us = median_us(&|c| {
+        c.truncate(n);
+        compute
+            .run(
+                model,
+                &tokens[..1],
+                HeadInput::Last,
+                HeadRows::Chain,
+                c,
+                top_only,
+            )
+            .map(|_| true)
+    })?;
+    let by_passes_us = median_us(&|c| {
+        c.truncate(0);
+        greedy_chain_by_passes(
+            compute,
+            model,
+            &d2t,
+            &tokens[1..],
+            HeadInput::Features(features),
+            c,
+            3,
+        )
+        .map(|_| true)
+    })?;
+    let whole_us = median_us(&|c| {
+        c.truncate(0);
+        compute
+            .run_greedy_chain(model, &tokens[1..], HeadInput::Features(features), c, 3)
+            .map(|t| t.is_some())
+    })?;
+    let us = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} us"));
+    Ok(vec![
+        format!(
+            "eagle3 head on {device}, medians of 51 by the host's clock: a chain step {}, a pass feeding {n} rows {}{}",
+            us(step_us),
+            us(fed_us),
+            if device == "cpu" {
+                " (the checkpoint's precision; drafting on the CPU requantizes)"
+            } else {
+                ""
+            }
+        ),
+        format!(
+            "eagle3 head on {device}: a chain of 4 draft tokens (that pass and 3 steps) pass by pass {}, whole on the \
+             device {}",
+            us(by_passes_us),
+            match whole_us {
+                Some(_) => us(whole_us),
+                None if device == "cpu" => "- (a CPU head drafts pass by pass)".to_string(),
+                None => "- (off; SPECULA_CUDA_HEAD_CHAIN=1 turns it on)".to_string(),
+            }
+        ),
+    ])
 }
 
 /// A greedy chain run whole on the device (`run_greedy_chain`, no host round trip between passes) against the same

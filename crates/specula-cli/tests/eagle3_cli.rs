@@ -476,3 +476,42 @@ fn speculate_picks_a_drafter_says_why_and_stays_lossless() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--speculate picks the drafter itself"));
 }
+
+/// `selftest --eagle3-head` on the CPU: the head's checks pass against themselves and its passes are timed (a
+/// chain step, a fed pass, a chain of 4; a CPU head drafts pass by pass, so no whole-chain time).
+#[test]
+fn selftest_checks_and_times_a_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, head) = setup(dir.path());
+    let (out, _) = ok(&[
+        "selftest",
+        "-m",
+        &model,
+        "--eagle3-head",
+        &head,
+        "--verify-rows",
+        "1",
+        "-p",
+        "hello world, this is a test of the head",
+    ]);
+    assert!(out.contains("verdict: PASS"), "{out}");
+    let timed = |line_marker: &str, what: &str| {
+        let line = out
+            .lines()
+            .find(|l| l.contains(line_marker) && l.contains(what))
+            .unwrap_or_else(|| panic!("no '{line_marker}' line with '{what}' in {out}"));
+        let after = &line[line.find(what).unwrap() + what.len()..];
+        let us: f64 = after
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no time after '{what}': {line}"));
+        assert!(us > 0.0 && us < 1e7, "{line}");
+        us
+    };
+    let step = timed("medians of 51", "a chain step ");
+    let chain = timed("a chain of 4 draft tokens", "pass by pass ");
+    // A chain of 4 is a fed pass and 3 steps.
+    assert!(chain > 2.0 * step, "chain {chain} us, step {step} us");
+    assert!(out.contains("a CPU head drafts pass by pass"), "{out}");
+}
