@@ -33,7 +33,9 @@ pub struct TrainEagle3Args {
     /// Tokens per training sequence (corpus chunks; prompt + answer at most this).
     #[arg(long, default_value_t = 384)]
     pub seq_len: usize,
-    /// Tokens the head can propose (most frequent in the data; d2t maps them to target ids).
+    /// Tokens the head can propose (most frequent in the data; d2t maps them to target ids). With --init-head a
+    /// larger value grows that head's vocabulary by the data's most frequent tokens it lacks (its rows kept, the
+    /// new ones starting from the target's embedding when tied); a smaller one keeps the head's.
     #[arg(long, default_value_t = 8192)]
     pub draft_vocab: usize,
     /// Unrolled training-time-test steps (SpecForge uses 7).
@@ -74,7 +76,8 @@ pub struct TrainEagle3Args {
     #[arg(long)]
     pub resume: bool,
     /// Start from this head's weights and draft vocabulary (a head specula trained, e.g. on other data; the
-    /// same target layers and MLP width) instead of random ones: more data for a head without starting over.
+    /// same target layers and MLP width) instead of random ones: more data for a head without starting over
+    /// (--draft-vocab may grow its vocabulary).
     #[arg(long)]
     pub init_head: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]

@@ -264,6 +264,31 @@ impl DraftVocab {
         Self::from_ids(order, target_vocab)
     }
 
+    /// This vocabulary grown to `size` tokens with the most frequent answer tokens it lacks (ties: smaller id
+    /// first; padded with the smallest unused ids when the data has too few), every token it had kept.
+    pub fn grown(&self, texts: &[TrainingText], size: usize) -> Result<Self> {
+        let target_vocab = self.draft_of.len();
+        let size = size.min(target_vocab);
+        if size <= self.len() {
+            return Ok(self.clone());
+        }
+        let mut counts = vec![0u64; target_vocab];
+        for t in texts {
+            for &tok in t.tokens.iter().skip(t.loss_from) {
+                if let Some(c) = counts.get_mut(tok as usize) {
+                    *c += 1;
+                }
+            }
+        }
+        let mut new: Vec<u32> = (0..target_vocab as u32)
+            .filter(|&t| self.draft_of[t as usize].is_none())
+            .collect();
+        new.sort_by(|&a, &b| counts[b as usize].cmp(&counts[a as usize]).then(a.cmp(&b)));
+        new.truncate(size - self.len());
+        new.extend_from_slice(&self.ids);
+        Self::from_ids(new, target_vocab)
+    }
+
     pub fn len(&self) -> usize {
         self.ids.len()
     }

@@ -361,6 +361,11 @@ type ShapeOf<'a> = dyn Fn(&[usize], usize, usize) -> Result<HeadShape> + 'a;
 
 /// The weights and draft vocabulary of a head to start training from (`--init-head`), checked against the run's
 /// target layers and MLP width.
+/// Where a head grown to a larger draft vocabulary starts the LM head rows of its new tokens: the target's
+/// embedding rows of those tokens when it ties them to its output layer (as a fresh head starts), else zeros.
+type NewRows<'a> = dyn Fn(&[u32]) -> Result<Option<Vec<f32>>> + 'a;
+
+#[allow(clippy::too_many_arguments)]
 fn initial_head(
     dir: &Path,
     target: &Config,
@@ -368,6 +373,9 @@ fn initial_head(
     intermediate: usize,
     shape_of: &ShapeOf<'_>,
     device: &Device,
+    grow_to: usize,
+    texts: &[TrainingText],
+    new_rows: &NewRows<'_>,
 ) -> Result<(HeadParams, DraftVocab)> {
     let config_path = dir.join("config.json");
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
@@ -410,9 +418,53 @@ fn initial_head(
             path.display()
         )));
     }
-    let vocab = DraftVocab::from_ids(ids, target.vocab_size)?;
+    let had = DraftVocab::from_ids(ids, target.vocab_size)?;
+    // --draft-vocab above the head's grows it by the data's most frequent tokens it lacks (its rows kept).
+    let vocab = had.grown(texts, grow_to)?;
+    if vocab.len() > had.len() {
+        let old = take("lm_head.weight")?;
+        let dtype = old.dtype();
+        let h = old.dim(1)?;
+        let old = old.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let added: Vec<u32> = vocab
+            .ids
+            .iter()
+            .copied()
+            .filter(|&t| had.draft_of[t as usize].is_none())
+            .collect();
+        let init = new_rows(&added)?;
+        if init.as_ref().is_some_and(|v| v.len() != added.len() * h) {
+            return Err(Error::InvalidArgument(format!(
+                "growing the draft vocabulary: {} new rows of {h} expected",
+                added.len()
+            )));
+        }
+        let mut rows = Vec::with_capacity(vocab.len() * h);
+        let mut next_new = 0;
+        for &t in &vocab.ids {
+            match had.draft_of[t as usize] {
+                Some(d) => rows.extend_from_slice(&old[d as usize * h..(d as usize + 1) * h]),
+                None => {
+                    match &init {
+                        Some(v) => rows.extend_from_slice(&v[next_new * h..(next_new + 1) * h]),
+                        None => rows.extend(std::iter::repeat_n(0.0, h)),
+                    }
+                    next_new += 1;
+                }
+            }
+        }
+        let grown =
+            candle_core::Tensor::from_vec(rows, (vocab.len(), h), &Device::Cpu)?.to_dtype(dtype)?;
+        tensors.insert("lm_head.weight".to_string(), grown);
+    }
+    let mut take = |name: &str| {
+        tensors.remove(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            hint: format!(" in the head {}", path.display()),
+        })
+    };
     let shape = shape_of(layers, vocab.len(), intermediate)?;
-    let params = HeadParams::from_tensors(shape, device, take)?;
+    let params = HeadParams::from_tensors(shape, device, &mut take)?;
     Ok((params, vocab))
 }
 
@@ -661,9 +713,24 @@ pub fn train(
     } else {
         let (params, vocab) = match &opts.init_head {
             Some(dir) => {
-                let (params, vocab) =
-                    initial_head(dir, &tc, &layers, intermediate, &shape_of, &opts.device)?;
-                (params, vocab)
+                let new_rows = |ids: &[u32]| -> Result<Option<Vec<f32>>> {
+                    if tc.tie_word_embeddings {
+                        model.embed_tokens(ids).map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                };
+                initial_head(
+                    dir,
+                    &tc,
+                    &layers,
+                    intermediate,
+                    &shape_of,
+                    &opts.device,
+                    opts.draft_vocab,
+                    texts,
+                    &new_rows,
+                )?
             }
             None => {
                 let vocab = DraftVocab::by_frequency(texts, tc.vocab_size, opts.draft_vocab)?;

@@ -418,6 +418,57 @@ fn training_lowers_the_loss_and_checkpoints_resume() {
     assert!(warm < 0.9 * fresh, "warm start {warm}, fresh {fresh}");
     let warm_head = Eagle3Head::load(&dir.path().join("warm")).unwrap();
     assert_eq!(warm_head.config.draft_vocab, head.config.draft_vocab);
+    // A larger --draft-vocab grows the head's vocabulary: every token it had keeps its LM head row (moved to its
+    // new draft id), and the new tokens are the data's most frequent ones it lacked.
+    let grown_dir = dir.path().join("grown");
+    train(
+        &t,
+        &data,
+        &TrainOptions {
+            out: grown_dir.clone(),
+            init_head: Some(opts.out.clone()),
+            draft_vocab: 80,
+            max_time: Some(std::time::Duration::ZERO),
+            ..opts.clone()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    let stored =
+        |d: &Path| Eagle3Head::load_as(d, crate::draft::eagle3::HeadPrecision::Stored).unwrap();
+    let (before, after) = (stored(&opts.out), stored(&grown_dir));
+    assert_eq!(after.config.draft_vocab, 80);
+    let ids = |h: &Eagle3Head| {
+        (0..h.draft_vocab())
+            .map(|d| h.target_id(d))
+            .collect::<Vec<u32>>()
+    };
+    let (old_ids, new_ids) = (ids(&before), ids(&after));
+    assert!(new_ids.windows(2).all(|w| w[0] < w[1]), "{new_ids:?}");
+    let h = before.config.layer.hidden_size;
+    let (old_lm, new_lm) = (before.host_weights().lm_head, after.host_weights().lm_head);
+    for (d, t) in old_ids.iter().enumerate() {
+        let g = new_ids
+            .iter()
+            .position(|x| x == t)
+            .expect("a token the head had was dropped");
+        assert_eq!(
+            old_lm[d * h..(d + 1) * h],
+            new_lm[g * h..(g + 1) * h],
+            "token {t}'s row moved from draft id {d} to {g} changed"
+        );
+    }
+    let grown = DraftVocab::from_ids(old_ids.clone(), t.model.config().vocab_size)
+        .unwrap()
+        .grown(&data, 80)
+        .unwrap();
+    assert_eq!(grown.ids, new_ids);
+    // A smaller --draft-vocab keeps the head's vocabulary.
+    let same = DraftVocab::from_ids(old_ids.clone(), t.model.config().vocab_size)
+        .unwrap()
+        .grown(&data, 10)
+        .unwrap();
+    assert_eq!(same.ids, old_ids);
     // A head of another shape is refused, naming both.
     let err = train(
         &t,
@@ -457,6 +508,12 @@ fn draft_vocabulary_takes_the_most_frequent_answer_tokens() {
     assert_eq!(v.draft_of[1], None);
     // Every answer token is covered.
     assert!((v.coverage(&texts) - 1.0).abs() < 1e-12);
+    // Grown: the most frequent answer tokens it lacked first (4 and 7 twice each: the smaller id first), then the
+    // smallest unused ids.
+    let one = DraftVocab::from_ids(vec![9], 12).unwrap();
+    assert_eq!(one.grown(&texts, 2).unwrap().ids, vec![4, 9]);
+    assert_eq!(one.grown(&texts, 5).unwrap().ids, vec![0, 1, 4, 7, 9]);
+    assert_eq!(one.grown(&texts, 1).unwrap(), one);
     let small = DraftVocab::by_frequency(&texts, 12, 1).unwrap();
     assert_eq!(small.ids, vec![9]);
     assert!((small.coverage(&texts) - 3.0 / 7.0).abs() < 1e-12);
