@@ -525,7 +525,7 @@ fn head_pass_timings(
         top_only: true,
         ..Default::default()
     };
-    let d2t: Vec<u32> = (0..head.draft_vocab()).map(|d| head.target_id(d)).collect();
+    let d2t = head.draft_to_target();
     let mut cache = compute.new_cache(n + 16)?;
     // Median microseconds of `run` (5 warm-up runs first: graph captures); None when it says it cannot run.
     let mut median_us = |run: &dyn Fn(&mut dyn SequenceCache) -> specula::error::Result<bool>| -> anyhow::Result<Option<f64>> {
@@ -573,7 +573,7 @@ fn head_pass_timings(
         greedy_chain_by_passes(
             compute,
             model,
-            &d2t,
+            d2t,
             &tokens[1..],
             HeadInput::Features(features),
             c,
@@ -626,7 +626,7 @@ fn device_chain_check(
     use specula::draft::eagle3::{greedy_chain_by_passes, HeadInput, HeadRows, HeadWant};
     const MORE: usize = 5;
     let n = tokens.len() - 1;
-    let d2t: Vec<u32> = (0..head.draft_vocab()).map(|d| head.target_id(d)).collect();
+    let d2t = head.draft_to_target();
     // Each way's tops, then one more pass from its last output (its logits say the caches agree).
     let mut at_once = compute.new_cache(n + 16)?;
     let Some(tops) = compute.run_greedy_chain(
@@ -643,7 +643,7 @@ fn device_chain_check(
     let reference = greedy_chain_by_passes(
         compute,
         model,
-        &d2t,
+        d2t,
         &tokens[1..],
         HeadInput::Features(features),
         by_passes.as_mut(),

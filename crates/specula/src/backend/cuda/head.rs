@@ -264,10 +264,9 @@ impl CudaHead {
         };
         let gate_up = layout::stack_gate_up(&bf16(&w.w_gate), &bf16(&w.w_up), ff, h);
         let rope_inv_freqs = vector(&c.rope_inv_freqs(None), "RoPE frequencies")?;
-        let draft_to_target: Vec<u32> = (0..hc.draft_vocab).map(|d| head.target_id(d)).collect();
         let draft_to_target = gpu
             .stream
-            .clone_htod(&draft_to_target)
+            .clone_htod(head.draft_to_target())
             .map_err(|e| cuda_err("uploading the head's draft-to-target map", e))?;
         let head = CudaHead {
             draft_to_target,

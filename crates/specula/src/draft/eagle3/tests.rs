@@ -834,7 +834,7 @@ fn chains_drafted_whole_draft_what_chains_drafted_pass_by_pass_draft() {
     let plain = run(&t, 40, 0.0, None);
     let whole = ChainAtOnceHead {
         inner: h.compute(),
-        draft_to_target: (0..h.draft_vocab()).map(|d| h.target_id(d)).collect(),
+        draft_to_target: h.draft_to_target().to_vec(),
         chains: Default::default(),
     };
     for bar in [0.0, 1e-3, 0.05, 0.3] {
