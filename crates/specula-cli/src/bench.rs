@@ -98,20 +98,28 @@ fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
             }
             out
         }
-        DraftChoice::Eagle3(_) => match d.eagle_tree()? {
-            Some(tree) => vec![DraftMethod::Eagle3 {
-                tree: Some(tree),
-                min_confidence: 0.0,
-            }],
-            None => d
-                .eagle3_confidences()?
-                .into_iter()
-                .map(|min_confidence| DraftMethod::Eagle3 {
-                    tree: None,
-                    min_confidence,
-                })
-                .collect(),
-        },
+        DraftChoice::Eagle3(dirs) => {
+            let mut out = Vec::new();
+            for head in 0..eagle3_heads(&dirs)?.len() {
+                match d.eagle_tree()? {
+                    Some(tree) => out.push(DraftMethod::Eagle3 {
+                        tree: Some(tree),
+                        min_confidence: 0.0,
+                        head,
+                    }),
+                    None => {
+                        for min_confidence in d.eagle3_confidences()? {
+                            out.push(DraftMethod::Eagle3 {
+                                tree: None,
+                                min_confidence,
+                                head,
+                            });
+                        }
+                    }
+                }
+            }
+            out
+        }
         DraftChoice::Ngram { min_n, max_n, .. } => d
             .ngram_confidences()?
             .into_iter()
@@ -122,6 +130,16 @@ fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
             })
             .collect(),
     })
+}
+
+/// The heads of `--draft eagle3 --draft-model A,B,...`: bench compares several side by side, each at every
+/// setting (generate and serve take one).
+fn eagle3_heads(draft_model: &str) -> anyhow::Result<Vec<&str>> {
+    let heads: Vec<&str> = draft_model.split(',').map(str::trim).collect();
+    if heads.iter().any(|h| h.is_empty()) {
+        anyhow::bail!("--draft-model {draft_model:?} names an empty head");
+    }
+    Ok(heads)
 }
 
 fn draft_tokens(args: &BenchArgs) -> anyhow::Result<Vec<usize>> {
@@ -186,8 +204,17 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         _ => None,
     };
     let eagle3 = match args.drafter.choice()? {
-        DraftChoice::Eagle3(dir) => Some(crate::generate::load_eagle3(&dir, &target)?),
-        _ => None,
+        DraftChoice::Eagle3(dirs) => eagle3_heads(&dirs)?
+            .into_iter()
+            .map(|dir| {
+                // Tables name a head by its directory's last part (a registry name stays whole).
+                let name = std::path::Path::new(dir)
+                    .file_name()
+                    .map_or(dir.to_string(), |n| n.to_string_lossy().into_owned());
+                Ok((name, crate::generate::load_eagle3(dir, &target)?))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?,
+        _ => Vec::new(),
     };
     let mut with_ids = Vec::new();
     for p in prompts {
@@ -202,7 +229,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         target: target.model.as_ref(),
         tokenizer: &target.tokenizer,
         draft: draft.as_ref().map(|d| d.model.as_ref()),
-        eagle3: eagle3.as_ref(),
+        eagle3: eagle3.iter().map(|(n, h)| (n.clone(), h)).collect(),
         draft_tokens: if methods.is_empty() { Vec::new() } else { ks },
         methods,
         prompts: with_ids,
@@ -238,15 +265,17 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         eprint!("\r{:100}\r", "");
     }
     eprintln!("bench finished in {:.1}s", start.elapsed().as_secs_f64());
-    if let Some(head) = &eagle3 {
-        for c in &report.configs {
-            if let Some(w) = c
-                .speculation
+    // Each configuration's head against what its training recorded (configs come in the report's order).
+    for (c, config) in report.configs.iter().zip(bench::run::configs(&spec)) {
+        let Some(DraftMethod::Eagle3 { head, .. }) = config.drafter else {
+            continue;
+        };
+        if let Some(w) = eagle3.get(head).and_then(|(_, h)| {
+            c.speculation
                 .as_ref()
-                .and_then(|s| specula::draft::eagle3::check::acceptance_warning(head, s))
-            {
-                eprintln!("warning ({}): {w}", c.label);
-            }
+                .and_then(|s| specula::draft::eagle3::check::acceptance_warning(h, s))
+        }) {
+            eprintln!("warning ({}): {w}", c.label);
         }
     }
     Ok(report)

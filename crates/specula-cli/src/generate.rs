@@ -833,6 +833,7 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
                 }
                 DraftChoice::Eagle3(dir) => {
                     let mut d = DraftMethod::Eagle3 {
+                        head: 0,
                         tree,
                         min_confidence: if tree.is_some() {
                             0.0

@@ -515,3 +515,91 @@ fn selftest_checks_and_times_a_head() {
     assert!(chain > 2.0 * step, "chain {chain} us, step {step} us");
     assert!(out.contains("a CPU head drafts pass by pass"), "{out}");
 }
+
+/// `bench --draft eagle3 --draft-model A,B` runs both heads side by side in one run: each setting once a head,
+/// labelled with its head, both lossless, and each head's own drafts (two heads of other seeds draft differently).
+#[test]
+fn bench_compares_several_heads_in_one_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, head) = setup(dir.path());
+    let other = dir.path().join("other-head");
+    let config = specula::model::load_gguf(Path::new(&model), "t")
+        .unwrap()
+        .model
+        .config()
+        .clone();
+    write_tiny_eagle3_head(
+        &other,
+        &config,
+        &TinyHeadSpec {
+            seed: 99,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let prompts = dir.path().join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"id\": \"a\", \"prompt\": \"the tea the tea\"}\n",
+    )
+    .unwrap();
+    let json = dir.path().join("bench.json");
+    let heads = format!("{head},{}", other.display());
+    ok(&[
+        "bench",
+        "-m",
+        &model,
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--raw",
+        "-n",
+        "16",
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        &heads,
+        "--draft-tokens",
+        "2",
+        "--draft-confidence",
+        "0,0.01",
+        "--quiet",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let b: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let configs = b["configs"].as_array().unwrap();
+    // Plain, then 2 bars x 2 heads.
+    assert_eq!(configs.len(), 5, "{b}");
+    for c in configs {
+        assert_eq!(c["greedy_mismatches"], 0, "{c}");
+    }
+    let label = |i: usize| configs[i]["label"].as_str().unwrap().to_string();
+    for i in 1..=2 {
+        assert!(label(i).contains("[head]"), "{}", label(i));
+        assert_eq!(configs[i]["drafter"]["draft_model"], "head");
+        assert!(label(i + 2).contains("[other-head]"), "{}", label(i + 2));
+        assert_eq!(configs[i + 2]["drafter"]["draft_model"], "other-head");
+    }
+    // With a confidence bar each head stops its chains where it is unsure: two heads of other seeds draft
+    // different amounts (each bench config drafted with its own head).
+    let drafted = |i: usize| configs[i]["speculation"]["drafted"].clone();
+    assert_ne!(drafted(2), drafted(4), "{b}");
+    // A head list with a hole is refused by name.
+    let out = specula(&[
+        "bench",
+        "-m",
+        &model,
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        &format!("{head},"),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("empty head"),
+        "{stderr}"
+    );
+}

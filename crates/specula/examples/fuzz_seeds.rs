@@ -295,7 +295,7 @@ fn tiny_bench_json(tmp: &tempfile::TempDir) -> Result<String, Box<dyn std::error
         target: m.model.as_ref(),
         tokenizer: &m.tokenizer,
         draft: None,
-        eagle3: None,
+        eagle3: Vec::new(),
         methods: vec![specula::bench::DraftMethod::Ngram {
             min_n: 1,
             max_n: 3,

@@ -35,10 +35,11 @@ pub enum DraftMethod {
     },
     /// An EAGLE-3 head ([`crate::draft::eagle3::Eagle3Drafter`]) fed by the target's hidden states, drafting
     /// chains (stopping where the head's confidence falls below `min_confidence`; 0: always k) or trees of a
-    /// shape.
+    /// shape. `head` indexes [`BenchSpec::eagle3`] (several heads compare side by side in one run).
     Eagle3 {
         tree: Option<crate::draft::eagle3::TreeShape>,
         min_confidence: f64,
+        head: usize,
     },
 }
 
@@ -80,6 +81,7 @@ impl DraftMethod {
             DraftMethod::Eagle3 {
                 tree: None,
                 min_confidence,
+                ..
             } => {
                 if *min_confidence > 0.0 {
                     format!("chain conf>={min_confidence}")
@@ -122,6 +124,7 @@ impl DraftMethod {
             DraftMethod::Eagle3 {
                 tree: None,
                 min_confidence,
+                ..
             } => {
                 serde_json::json!({"method": "eagle3", "tree": null, "draft_confidence": min_confidence})
             }
@@ -149,8 +152,8 @@ pub struct BenchSpec<'a> {
     pub tokenizer: &'a Tokenizer,
     /// The draft model, for `DraftMethod::Model`.
     pub draft: Option<&'a dyn Model>,
-    /// The EAGLE-3 head, for `DraftMethod::Eagle3`.
-    pub eagle3: Option<&'a crate::draft::eagle3::Eagle3Head>,
+    /// The EAGLE-3 heads `DraftMethod::Eagle3` indexes, each with the name tables show it by.
+    pub eagle3: Vec<(String, &'a crate::draft::eagle3::Eagle3Head)>,
     /// Drafter variants to compare (each at every draft length); empty runs plain decoding only.
     pub methods: Vec<DraftMethod>,
     /// Draft lengths to run; plain decoding always runs too.
@@ -417,11 +420,17 @@ pub fn configs(spec: &BenchSpec<'_>) -> Vec<BenchConfig> {
         k: 0,
     }];
     for method in &spec.methods {
-        let name = if spec.methods.len() > 1 {
+        let mut name = if spec.methods.len() > 1 {
             format!("{} {}", method.name(), method.variant())
         } else {
             method.name().to_string()
         };
+        // Several heads: each configuration says whose it is.
+        if let (DraftMethod::Eagle3 { head, .. }, true) = (method, spec.eagle3.len() > 1) {
+            if let Some((head_name, _)) = spec.eagle3.get(*head) {
+                name = format!("{name} [{head_name}]");
+            }
+        }
         for &k in &spec.draft_tokens {
             out.push(BenchConfig {
                 label: format!("{name} k={k}"),
@@ -481,15 +490,16 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             "the model drafting method needs a draft model".into(),
         ));
     }
-    if spec
-        .methods
-        .iter()
-        .any(|m| matches!(m, DraftMethod::Eagle3 { .. }))
-    {
-        let head = spec.eagle3.ok_or_else(|| {
-            Error::InvalidArgument("the eagle3 drafting method needs an EAGLE-3 head".into())
-        })?;
-        head.check_target(spec.target.config())?;
+    for method in &spec.methods {
+        if let DraftMethod::Eagle3 { head, .. } = *method {
+            let (_, head) = spec.eagle3.get(head).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "the eagle3 drafting method needs EAGLE-3 head {head} of {} given",
+                    spec.eagle3.len()
+                ))
+            })?;
+            head.check_target(spec.target.config())?;
+        }
     }
     for method in &spec.methods {
         match *method {
@@ -527,7 +537,15 @@ pub fn run_bench(
         .map(|c| ConfigResult {
             label: c.label.clone(),
             method: c.method,
-            drafter: c.drafter.map(|d| d.settings_json()),
+            drafter: c.drafter.map(|d| {
+                let mut json = d.settings_json();
+                if let DraftMethod::Eagle3 { head, .. } = d {
+                    if let Some((name, _)) = spec.eagle3.get(head) {
+                        json["draft_model"] = name.clone().into();
+                    }
+                }
+                json
+            }),
             k: c.k,
             runs: 0,
             decode_tokens: 0,
@@ -603,10 +621,14 @@ pub fn run_bench(
                         Some(DraftMethod::Eagle3 {
                             tree,
                             min_confidence,
+                            head,
                         }),
                     ) => {
+                        let (_, head) = spec.eagle3.get(head).ok_or_else(|| {
+                            Error::InvalidArgument(format!("no EAGLE-3 head {head}"))
+                        })?;
                         let d = crate::draft::eagle3::Eagle3Drafter::new(
-                            spec.eagle3.expect("validated"),
+                            head,
                             spec.target,
                             spec.sampling.seed,
                         )?
