@@ -154,8 +154,9 @@ pub static HEADS: &[RegistryHead] = &[
         build_on: "one H100 or H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
         // Measured on unseen code prompts with its default confidence bar (0.4) at k = 4, three interleaved rounds
         // (docs/benchmarks.md, session 49): 1.69x plain (rounds 1.76 / 1.72 / 1.58; 2.59 tokens a cycle), the
-        // three-stage head 1.68x right after (2.51); without a bar 2.86 tokens a cycle at k = 4 (three stages:
-        // 2.75). The 0.5B draft model gives 1.21-1.28x, prompt lookup 1.01x.
+        // three-stage head 1.68x right after (2.51), and side by side in one run 1.70x against its 1.72x (a tie
+        // in speed); without a bar 2.86 tokens a cycle at k = 4 (three stages: 2.75). The 0.5B draft model gives
+        // 1.21-1.28x, prompt lookup 1.01x.
         draft_tokens: 4,
         wins_on_cpu: true,
         // On an H100 without a bar, the three-stage head (docs/benchmarks.md, sessions 47 and 49): 1.99x plain at
