@@ -33,17 +33,18 @@ case "$name" in
     # stage k > 1 starts from stage k-1's head (--init-head) at a lower learning rate for two epochs on 6000
     # requests of the second set of general tasks (--source general2: tasks stage 1 never saw; stage k takes that
     # set's requests 6000 (k - 2) to 6000 (k - 1)). Stage k lives in heads/NAME.stage<k>; the last stage's head is
-    # copied to heads/NAME. STAGES (default 5) sets how many; STAGE=k runs one stage (its data, then its
+    # copied to heads/NAME. STAGES (default 6) sets how many; STAGE=k runs one stage (its data, then its
     # training); BATCH sets sequences a step (default 4), EPOCHS a stage's epochs, STAGE_LR stage k > 1's rate.
     # Measured on code.jsonl (unseen), H100, k = 4 (docs/benchmarks.md, session 47): stage 1 2.48 tokens a
     # cycle, stage 2 2.64, stage 3 2.81; on the CPU (session 49) stage 3 2.75, stage 4 2.81, stage 5 2.86: the
-    # gain per stage fell from ~0.16 to ~0.05, so more stages of the same tasks are not the next lever: stages 6
-    # to 9 (STAGES=6 or STAGE=6, not in the default yet) take a third set of tasks (--source general3: requests
-    # 6000 (k - 6) to 6000 (k - 5)). (Until session 46 stage 2 was 6000 requests made from the standard
+    # gain per stage fell from ~0.16 to ~0.05, so more stages of the same tasks were not the next lever: stages 6
+    # to 9 take a third set of tasks (--source general3: requests
+    # 6000 (k - 6) to 6000 (k - 5)); stage 6 gave 3.02 tokens a cycle on the CPU (session 50), and is the last of
+    # the default build. (Until session 46 stage 2 was 6000 requests made from the standard
     # library's docstrings: it gained nothing on unseen requests, session 21; STAGE=docstrings still builds it.
     # Until session 20 stage 1 was docstring requests too.)
     target=qwen2.5-coder-1.5b
-    stages=${STAGES:-5}
+    stages=${STAGES:-6}
     common=(--device cuda --answer-batch ${ANSWER_BATCH:-128} --answer-tokens 256 --seq-len 384 --draft-vocab 8192
             --intermediate-size 4096 --ttt-steps 4 --batch ${BATCH:-4} --cache-gb 40 --seed 0)
     if [ -z "${STAGE:-}" ]; then

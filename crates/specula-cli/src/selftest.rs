@@ -606,7 +606,7 @@ fn head_pass_timings(
             match whole_us {
                 Some(_) => us(whole_us),
                 None if device == "cpu" => "- (a CPU head drafts pass by pass)".to_string(),
-                None => "- (off; SPECULA_CUDA_HEAD_CHAIN=1 turns it on)".to_string(),
+                None => "- (off: SPECULA_CUDA_HEAD_CHAIN=0)".to_string(),
             }
         ),
     ])

@@ -147,23 +147,22 @@ pub static HEADS: &[RegistryHead] = &[
         target: "qwen2.5-coder-1.5b",
         description:
             "EAGLE-3 head for qwen2.5-coder-1.5b (self-distilled answers to general programming requests + \
-                      Python stdlib, then four stages of new tasks; trained on a GPU)",
-        // Five stages (scripts/train-head.sh): 9 + 10 + 9 minutes of data and training on an H100 for the first
-        // three (session 47), 10.7 + 9.8 for stages 4 and 5 (session 49).
-        build_minutes: 49,
+                      Python stdlib, then five stages of new tasks; trained on a GPU)",
+        // Six stages (scripts/train-head.sh): 9 + 10 + 9 minutes of data and training on an H100 for the first
+        // three (session 47), 10.7 + 9.8 for stages 4 and 5 (session 49), 9.2 for stage 6 (session 50).
+        build_minutes: 58,
         build_on: "one H100 or H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
-        // Measured on unseen code prompts with its default confidence bar (0.4) at k = 4, three interleaved rounds
-        // (docs/benchmarks.md, session 49): 1.69x plain (rounds 1.76 / 1.72 / 1.58; 2.59 tokens a cycle), the
-        // three-stage head 1.68x right after (2.51), and side by side in one run 1.70x against its 1.72x (a tie
-        // in speed); without a bar 2.86 tokens a cycle at k = 4 (three stages: 2.75). The 0.5B draft model gives
-        // 1.21-1.28x, prompt lookup 1.01x.
+        // Measured on unseen code prompts with its default confidence bar (0.4) at k = 4 (docs/benchmarks.md,
+        // session 50): 1.62x plain beside the five-stage head's 1.56x in one run of two rounds (2.75 against 2.59
+        // tokens a cycle; k = 5 1.60x); the five-stage head alone measured 1.69x over three rounds (session 49).
+        // Without a bar 3.02 tokens a cycle at k = 4. The 0.5B draft model gives 1.21-1.28x, prompt lookup 1.01x.
         draft_tokens: 4,
         wins_on_cpu: true,
-        // On an H100 without a bar, the three-stage head (docs/benchmarks.md, sessions 47 and 49): 1.99x plain at
-        // k = 3, 1.98-2.06x at k = 4, 2.03-2.08x at k = 5 (2.60 / 2.81 / 2.99 tokens a cycle); k = 4 keeps a row
-        // fewer a stream in a batched server. The five-stage head accepts more on the CPU; its GPU bench is next.
+        // On an H100 without a bar, the greedy chain on the device (docs/benchmarks.md, session 50): 2.23x plain
+        // at k = 3, 2.32-2.33x at k = 4, 2.41-2.42x at k = 5, 2.36-2.38x at k = 6 (2.84 / 3.07 / 3.34 / 3.44 tokens
+        // a cycle). A batched server sizes each stream's draft itself (up to this length).
         on_gpu: Some(GpuSettings {
-            draft_tokens: 4,
+            draft_tokens: 5,
             min_confidence: 0.0,
         }),
     },

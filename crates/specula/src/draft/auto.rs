@@ -247,7 +247,7 @@ mod tests {
         assert_eq!((q.draft_tokens, q.min_confidence), (4, None));
         let q = choose("qwen2.5-coder-1.5b", true, &|_| true, &built);
         assert_eq!(q.method, "eagle3");
-        assert_eq!((q.draft_tokens, q.min_confidence), (4, Some(0.0)));
+        assert_eq!((q.draft_tokens, q.min_confidence), (5, Some(0.0)));
         assert!(q.reason.contains("GPU"), "{}", q.reason);
         // SmolLM2's head has no GPU measurement: prompt lookup there, saying so.
         let s = choose("smollm2-135m", true, &|_| true, &built);
