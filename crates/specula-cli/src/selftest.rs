@@ -595,6 +595,8 @@ fn head_pass_timings(
             us(fed_us),
             if device == "cpu" {
                 " (the checkpoint's precision; drafting on the CPU requantizes)"
+            } else if std::env::var("SPECULA_CUDA_HEAD_FUSED").is_ok_and(|v| v == "1") {
+                " (SPECULA_CUDA_HEAD_FUSED=1: a pass's inputs and final norm in 2 launches instead of 6)"
             } else {
                 ""
             }

@@ -49,6 +49,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_list_128_g3",
     "attention_list_128_g4",
     "gather_rows",
+    "head_inputs",
+    "gather_rms_norm",
     "chain_next",
     "argmax_partial",
     "argmax_final",
@@ -122,6 +124,10 @@ pub struct Kernels {
     /// Blocks of each list kernel the GPU holds at once (its grid: multiprocessors x blocks each).
     pub attention_list_blocks: [u32; ATTENTION_VARIANTS],
     pub gather_rows: CudaFunction,
+    /// An EAGLE-3 head pass's embedding, input norms and rotary angles in one launch (head.rs).
+    pub head_inputs: CudaFunction,
+    /// gather_rows and rms_norm in one launch (an EAGLE-3 head's final norm).
+    pub gather_rms_norm: CudaFunction,
     pub chain_next: CudaFunction,
     pub gather_feature_rows: CudaFunction,
     pub argmax_partial: CudaFunction,
@@ -327,6 +333,8 @@ impl Gpu {
             attention_list: by_variant(ATTENTION_LIST, f)?,
             attention_list_blocks: by_variant(ATTENTION_LIST, resident)?,
             gather_rows: f("gather_rows")?,
+            head_inputs: f("head_inputs")?,
+            gather_rms_norm: f("gather_rms_norm")?,
             chain_next: f("chain_next")?,
             gather_feature_rows: f("gather_feature_rows")?,
             argmax_partial: f("argmax_partial")?,

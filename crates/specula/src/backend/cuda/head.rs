@@ -384,48 +384,72 @@ impl CudaHead {
         let (px, pscratch) = (p(&ws.x), p(&ws.scratch));
         let ints = ptr(&ws.ints, gpu);
         let r32 = m as u32;
-        launch!(
-            gpu,
-            embed_rows,
-            (r32, 1, 1),
-            256,
-            ptr(&self.embed.data, gpu),
-            ints + 4 * words::TOKENS as u64,
-            p(&ws.embeds),
-            h as i32,
-            self.embed.chunks as i32
-        );
-        launch!(
-            gpu,
-            rope_angles,
-            (r32, 1, 1),
-            64,
-            ints + 4 * words::POSITIONS as u64,
-            p(&self.rope_inv_freqs),
-            p(&ws.angles),
-            (hd / 2) as i32
-        );
         let hc = h.div_ceil(layout::CHUNK) as i32;
-        for (input, weight, out) in [
-            (&ws.embeds, &self.input_norm, &ws.normed_embeds),
-            (&ws.x, &self.hidden_norm, &ws.normed_x),
-        ] {
+        if fused_inputs_enabled() {
             launch!(
                 gpu,
-                rms_norm,
-                (r32, 1, 1),
+                head_inputs,
+                (r32, 3, 1),
                 ops::norm_threads(h),
-                p(input),
-                p(weight),
-                ptr(out, gpu),
+                ptr(&self.embed.data, gpu),
+                self.embed.chunks as i32,
+                ints + 4 * words::TOKENS as u64,
+                px,
+                p(&self.input_norm),
+                p(&self.hidden_norm),
+                ptr(&ws.normed_embeds, gpu),
+                ptr(&ws.normed_x, gpu),
                 h as i32,
                 eps,
-                0u64,
-                0i32,
-                0u64,
                 hc,
-                0u64
+                ints + 4 * words::POSITIONS as u64,
+                p(&self.rope_inv_freqs),
+                p(&ws.angles),
+                (hd / 2) as i32
             );
+        } else {
+            launch!(
+                gpu,
+                embed_rows,
+                (r32, 1, 1),
+                256,
+                ptr(&self.embed.data, gpu),
+                ints + 4 * words::TOKENS as u64,
+                p(&ws.embeds),
+                h as i32,
+                self.embed.chunks as i32
+            );
+            launch!(
+                gpu,
+                rope_angles,
+                (r32, 1, 1),
+                64,
+                ints + 4 * words::POSITIONS as u64,
+                p(&self.rope_inv_freqs),
+                p(&ws.angles),
+                (hd / 2) as i32
+            );
+            for (input, weight, out) in [
+                (&ws.embeds, &self.input_norm, &ws.normed_embeds),
+                (&ws.x, &self.hidden_norm, &ws.normed_x),
+            ] {
+                launch!(
+                    gpu,
+                    rms_norm,
+                    (r32, 1, 1),
+                    ops::norm_threads(h),
+                    p(input),
+                    p(weight),
+                    ptr(out, gpu),
+                    h as i32,
+                    eps,
+                    0u64,
+                    0i32,
+                    0u64,
+                    hc,
+                    0u64
+                );
+            }
         }
         let qkv_width = q_dim + 2 * kv_dim;
         let pqkv = p(&ws.qkv);
@@ -555,32 +579,48 @@ impl CudaHead {
         let gpu = &*self.gpu;
         let c = &self.layer;
         let p = |s: &CudaSlice<f32>| ptr(s, gpu);
-        launch!(
-            gpu,
-            gather_rows,
-            (wanted as u32, 1, 1),
-            256,
-            p(&ws.x),
-            ptr(&ws.ints, gpu) + 4 * words::WANTED as u64,
-            p(&ws.picked),
-            c.hidden_size as i32
-        );
-        launch!(
-            gpu,
-            rms_norm,
-            (wanted as u32, 1, 1),
-            ops::norm_threads(c.hidden_size),
-            p(&ws.picked),
-            p(&self.final_norm),
-            ptr(&ws.picked_normed, gpu),
-            c.hidden_size as i32,
-            c.rms_norm_eps as f32,
-            0u64,
-            0i32,
-            0u64,
-            c.hidden_size.div_ceil(layout::CHUNK) as i32,
-            0u64
-        );
+        if fused_inputs_enabled() {
+            launch!(
+                gpu,
+                gather_rms_norm,
+                (wanted as u32, 1, 1),
+                ops::norm_threads(c.hidden_size),
+                p(&ws.x),
+                ptr(&ws.ints, gpu) + 4 * words::WANTED as u64,
+                p(&self.final_norm),
+                ptr(&ws.picked_normed, gpu),
+                c.hidden_size as i32,
+                c.rms_norm_eps as f32,
+                c.hidden_size.div_ceil(layout::CHUNK) as i32
+            );
+        } else {
+            launch!(
+                gpu,
+                gather_rows,
+                (wanted as u32, 1, 1),
+                256,
+                p(&ws.x),
+                ptr(&ws.ints, gpu) + 4 * words::WANTED as u64,
+                p(&ws.picked),
+                c.hidden_size as i32
+            );
+            launch!(
+                gpu,
+                rms_norm,
+                (wanted as u32, 1, 1),
+                ops::norm_threads(c.hidden_size),
+                p(&ws.picked),
+                p(&self.final_norm),
+                ptr(&ws.picked_normed, gpu),
+                c.hidden_size as i32,
+                c.rms_norm_eps as f32,
+                0u64,
+                0i32,
+                0u64,
+                c.hidden_size.div_ceil(layout::CHUNK) as i32,
+                0u64
+            );
+        }
         gemv(
             gpu,
             &self.lm_head,
@@ -820,6 +860,15 @@ fn device_features_enabled() -> bool {
 pub fn device_chain_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_HEAD_CHAIN").map_or(true, |v| v != "0"))
+}
+
+/// Whether a head pass takes its inputs (embedding, both input norms, rotary angles) in one launch and its final
+/// norm with the row gather in another (kernels.cu `head_inputs`, `gather_rms_norm`): 4 launches fewer a pass of
+/// ~19 (`SPECULA_CUDA_HEAD_FUSED=1`). Off until a device run checks it (selftest: head on the GPU = head on the
+/// CPU, the device chain = pass by pass) and measures it; the same arithmetic as the separate kernels.
+pub fn fused_inputs_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_HEAD_FUSED").is_ok_and(|v| v == "1"))
 }
 
 /// Whether `run_many` runs several sequences' passes as one (default; `SPECULA_CUDA_HEAD_BATCH=0` runs them one

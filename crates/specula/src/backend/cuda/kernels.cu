@@ -1190,6 +1190,117 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* _
     for (int i = threadIdx.x; i < h; i += blockDim.x) out[(size_t)j * h + i] = from[i];
 }
 
+// The tail of an RMS norm over a row whose pieces this thread holds (rms_norm's steps and order, for a block of
+// norm_threads(h)): the sum of squares in piece order, butterfly within warps, warp totals in order by warp 0;
+// then out = v * scale * g, written split for the GEMV that reads it. `partial` is the block's 32 shared floats.
+// (rms_norm has the same steps inline; it moves onto this once a device run shows the two bitwise equal.)
+__device__ __forceinline__ void rms_scale_store(const float4 (&v)[NORM_PIECES], const float4 (&g)[NORM_PIECES], int h,
+                                                float eps, u32* __restrict__ out, int out_chunks, int r,
+                                                float* partial) {
+    const int pieces = h >> 2;
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_PIECES; j++) s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    s = warp_sum(s);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) partial[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.f;
+        t = warp_sum(t);
+        if (lane == 0) partial[0] = rsqrtf(t / (float)h + eps);
+    }
+    __syncthreads();
+    const float scale = partial[0];
+#pragma unroll
+    for (int j = 0; j < NORM_PIECES; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < pieces) {
+            store_split_pair(out, out_chunks, r, 4 * i, v[j].x * scale * g[j].x, v[j].y * scale * g[j].y);
+            store_split_pair(out, out_chunks, r, 4 * i + 2, v[j].z * scale * g[j].z, v[j].w * scale * g[j].w);
+        }
+    }
+}
+
+// A norm's weights, loaded before the kernel waits on the one before it (weights never come from a kernel).
+__device__ __forceinline__ void load_norm_weights(const float* __restrict__ w, int h, float4 (&g)[NORM_PIECES]) {
+    const float4* wr = reinterpret_cast<const float4*>(w);
+#pragma unroll
+    for (int j = 0; j < NORM_PIECES; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        g[j] = i < (h >> 2) ? wr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// An EAGLE-3 head pass's inputs in one launch instead of four (embed_rows, rope_angles and two rms_norm; head.rs,
+// SPECULA_CUDA_HEAD_FUSED=1): grid (rows, 3), block ops.rs norm_threads(h). Part 0: row r's token from the tiled
+// embedding table, normalized by w_embed into out_embed; part 1: row r of x normalized by w_x into out_x; part
+// 2: row r's rotary angles (rope_angles' arithmetic; qkv_post, three kernels later, reads them before it waits).
+extern "C" __global__ void __launch_bounds__(1024)
+    head_inputs(const bf16_t* __restrict__ table, int table_chunks, const u32* __restrict__ tokens,
+                const float* __restrict__ x, const float* __restrict__ w_embed, const float* __restrict__ w_x,
+                u32* __restrict__ out_embed, u32* __restrict__ out_x, int h, float eps, int out_chunks,
+                const u32* __restrict__ positions, const float* __restrict__ inv_freq, float2* __restrict__ angles,
+                int half) {
+    __shared__ float partial[32];
+    const int r = blockIdx.x, part = blockIdx.y;
+    if (part == 2) {
+        PDL_ENTER();
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            double s, c;
+            sincos((double)positions[r] * (double)inv_freq[i], &s, &c);
+            angles[(size_t)r * half + i] = make_float2((float)s, (float)c);
+        }
+        return;
+    }
+    float4 g[NORM_PIECES];
+    load_norm_weights(part == 0 ? w_embed : w_x, h, g);
+    PDL_ENTER();
+    const int pieces = h >> 2;
+    float4 v[NORM_PIECES];
+    if (part == 0) {
+        const u32 token = tokens[r];
+#pragma unroll
+        for (int j = 0; j < NORM_PIECES; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            v[j] = i < pieces ? make_float4(bf16_to_f32(table[tiled_index(token, 4 * i, table_chunks)]),
+                                            bf16_to_f32(table[tiled_index(token, 4 * i + 1, table_chunks)]),
+                                            bf16_to_f32(table[tiled_index(token, 4 * i + 2, table_chunks)]),
+                                            bf16_to_f32(table[tiled_index(token, 4 * i + 3, table_chunks)]))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    } else {
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * h);
+#pragma unroll
+        for (int j = 0; j < NORM_PIECES; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            v[j] = i < pieces ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    rms_scale_store(v, g, h, eps, part == 0 ? out_embed : out_x, out_chunks, r, partial);
+}
+
+// out = rms_norm(x[src[j]]) for the rows that need logits, in one launch instead of gather_rows and rms_norm
+// (head.rs, SPECULA_CUDA_HEAD_FUSED=1); grid (rows), block ops.rs norm_threads(h).
+extern "C" __global__ void __launch_bounds__(1024)
+    gather_rms_norm(const float* __restrict__ x, const u32* __restrict__ src, const float* __restrict__ w,
+                    u32* __restrict__ out, int h, float eps, int out_chunks) {
+    __shared__ float partial[32];
+    const int j = blockIdx.x;
+    float4 g[NORM_PIECES];
+    load_norm_weights(w, h, g);
+    PDL_ENTER();
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)src[j] * h);
+    const int pieces = h >> 2;
+    float4 v[NORM_PIECES];
+#pragma unroll
+    for (int k = 0; k < NORM_PIECES; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        v[k] = i < pieces ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    rms_scale_store(v, g, h, eps, out, out_chunks, j, partial);
+}
+
 // Row argmax in two launches, so a 152k-column row is read by many blocks at once (one block a row took 0.13 ms):
 // argmax_partial: grid (rows, ARGMAX_PARTS), block 256; part b of row r takes columns [b * span, (b + 1) * span)
 // and writes its largest value and that value's first column to part_val/part_idx[r * ARGMAX_PARTS + b];
