@@ -277,6 +277,13 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
         report.draft_vocab,
         report.coverage * 100.0
     );
+    if let Some(note) = vocab_note(
+        args.draft_vocab,
+        report.draft_vocab,
+        args.init_head.is_some(),
+    ) {
+        println!("{note}");
+    }
     println!(
         "held-out accuracy per unrolled step ({} sequences): {} (untrained: {})",
         report.eval_sequences,
@@ -299,4 +306,44 @@ pub fn run(args: TrainEagle3Args) -> anyhow::Result<()> {
         eprintln!("report: {}", path.display());
     }
     Ok(())
+}
+
+/// Why the trained head's draft vocabulary differs from `--draft-vocab`, if it does: a run must not quietly give a
+/// size other than the one asked for.
+fn vocab_note(asked: usize, got: usize, init_head: bool) -> Option<String> {
+    if asked == got {
+        return None;
+    }
+    let why = if init_head && got > asked {
+        "--init-head's vocabulary is larger, and a head's vocabulary only grows"
+    } else if got < asked {
+        "the data hold fewer distinct tokens, or the resumed checkpoint has fewer"
+    } else {
+        "the resumed checkpoint was trained with it"
+    };
+    Some(format!(
+        "note: the head's draft vocabulary is {got} tokens, not --draft-vocab {asked}: {why}"
+    ))
+}
+
+#[cfg(test)]
+mod vocab_note_tests {
+    use super::vocab_note;
+
+    #[test]
+    fn a_vocabulary_other_than_the_one_asked_for_is_explained() {
+        assert_eq!(vocab_note(8192, 8192, true), None);
+        let grown_head = vocab_note(8192, 16384, true).expect("a note");
+        assert!(
+            grown_head.contains("16384 tokens, not --draft-vocab 8192"),
+            "{grown_head}"
+        );
+        assert!(grown_head.contains("only grows"), "{grown_head}");
+        assert!(vocab_note(4096, 900, false)
+            .expect("a note")
+            .contains("fewer distinct tokens"));
+        assert!(vocab_note(1024, 2048, false)
+            .expect("a note")
+            .contains("resumed checkpoint"));
+    }
 }
