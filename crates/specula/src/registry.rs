@@ -153,8 +153,9 @@ pub static HEADS: &[RegistryHead] = &[
         build_minutes: 58,
         build_on: "one H100 or H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
         // Measured on unseen code prompts with its default confidence bar (0.4) at k = 4 (docs/benchmarks.md,
-        // session 50): 1.62x plain beside the five-stage head's 1.56x in one run of two rounds (2.75 against 2.59
-        // tokens a cycle; k = 5 1.60x); the five-stage head alone measured 1.69x over three rounds (session 49).
+        // session 50): `bench --speculate --rounds 3` 1.80x plain (rounds 1.88 / 1.64 / 1.87; 2.75 tokens a
+        // cycle); beside the five-stage head in one run of two rounds 1.62x against its 1.56x (2.75 against 2.59
+        // tokens a cycle; k = 5 1.60x).
         // Without a bar 3.02 tokens a cycle at k = 4. The 0.5B draft model gives 1.21-1.28x, prompt lookup 1.01x.
         draft_tokens: 4,
         wins_on_cpu: true,
