@@ -157,18 +157,19 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", type=int, default=0, help="leave out the first N prompts (made by an earlier stage)")
-    ap.add_argument("--source", choices=["stdlib", "general", "general2", "general3", "general4"], default="stdlib",
-                    help="general2 to general4: the second to fourth sets of general tasks (later training stages)")
+    ap.add_argument("--source", choices=["stdlib", "general", "general2", "general3", "general4", "general5"], default="stdlib",
+                    help="general2 to general5: the second to fifth sets of general tasks (later training stages)")
     ap.add_argument("--exclude", type=Path, nargs="*", default=None,
                     help="evaluation prompt files (JSONL with a prompt field) whose requests must stay unseen")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if args.source in ("general", "general2", "general3", "general4"):
+    if args.source in ("general", "general2", "general3", "general4", "general5"):
         function_tasks, artifact_tasks = {
             "general": (general.FUNCTION_TASKS, general.ARTIFACT_TASKS),
             "general2": (general.FUNCTION_TASKS_2, general.ARTIFACT_TASKS_2),
             "general3": (general.FUNCTION_TASKS_3, general.ARTIFACT_TASKS_3),
             "general4": (general.FUNCTION_TASKS_4, general.ARTIFACT_TASKS_4),
+            "general5": (general.FUNCTION_TASKS_5, general.ARTIFACT_TASKS_5),
         }[args.source]
         repo = Path(__file__).resolve().parent.parent
         exclude = args.exclude

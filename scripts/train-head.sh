@@ -40,8 +40,8 @@ case "$name" in
     # gain per stage fell from ~0.16 to ~0.05, so more stages of the same tasks were not the next lever: stage 6
     # takes a third set of tasks (--source general3, requests 0-5999) and gave 3.02 tokens a cycle on the CPU
     # (session 50); it is the last of the default build. A second stage on the third set's next requests only tied
-    # it, so stages 7 to 9 take a fourth set (--source general4: requests 6000 (k - 7) to 6000 (k - 6)), not
-    # trained yet. (Until session 46 stage 2 was 6000 requests made from the standard
+    # it, so each later stage takes a set of its own: stage 7 the fourth (--source general4), stage 8 the fifth
+    # (general5), requests 0-5999 each; neither trained yet. (Until session 46 stage 2 was 6000 requests made from the standard
     # library's docstrings: it gained nothing on unseen requests, session 21; STAGE=docstrings still builds it.
     # Until session 20 stage 1 was docstring requests too.)
     target=qwen2.5-coder-1.5b
@@ -66,10 +66,10 @@ case "$name" in
       6) prompts=6000; skip=0; source=general3
          train_args=("${common[@]}" --epochs ${EPOCHS:-2} --corpus-tokens 0 --lr ${STAGE_LR:-2e-4}
                      --init-head "$out.stage5") ;;
-      [7-9]) prompts=$((6000 * (STAGE - 6))); skip=$((6000 * (STAGE - 7))); source=general4
+      [78]) prompts=6000; skip=0; source=general$((STAGE - 3))
          train_args=("${common[@]}" --epochs ${EPOCHS:-2} --corpus-tokens 0 --lr ${STAGE_LR:-2e-4}
                      --init-head "$out.stage$((STAGE - 1))") ;;
-      *) echo "STAGE must be 1 to 9 (or docstrings)" >&2; exit 2 ;;
+      *) echo "STAGE must be 1 to 8 (or docstrings)" >&2; exit 2 ;;
     esac
     out=$out.stage$STAGE
     ;;
