@@ -4,6 +4,7 @@
 #   [CONFIGS="plain head-old head head-old head plain"] [LEVELS=1,2,4,8] [REQUESTS=16] [TOKENS=128] [WARMUP=1] \
 #     scripts/gpu-serve-levels.sh BIN OUT MODELS HEAD PROMPTS.jsonl
 # head-old: the head with session 41's rules off (SPECULA_BUDGET_PREFILL=step SPECULA_PREFIX_OVER_DRAFTER=0).
+# head-kN: the head drafting at most N tokens (head and head-old: 3), e.g. CONFIGS="plain head-k4 head-k5 plain".
 # WARMUP=1 sends a short burst at every level first (CUDA graphs of each batch shape); WARMUP=0 measures cold.
 set -uo pipefail
 bin="$1"; out="$2"; models="$3"; head="$4"; prompts="$5"
@@ -18,6 +19,7 @@ for name in ${CONFIGS:-plain head-old head head-old head plain}; do
     case "$name" in
         plain) ;;
         head) flags="$e3" ;;
+        head-k[0-9]*) flags="${e3/--draft-tokens 3/--draft-tokens ${name#head-k}}" ;;
         head-old) flags="$e3"; old_prefill=step; old_prefix=0 ;;
         *) echo "unknown config $name" >&2; exit 2 ;;
     esac
