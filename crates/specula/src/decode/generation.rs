@@ -1024,6 +1024,23 @@ fn draft_in_batches(
             Err(e) => results[i] = Err(e),
         }
     }
+    // A request drafting alone in this step has no pass to share a round with: its drafter may draft whole (an
+    // EAGLE-3 greedy chain on the head's device, as outside a server), the same draft as the rounds below.
+    if pending.len() == 1 {
+        let (i, pass) = pending.pop().expect("one pending pass");
+        let g = &mut *batch[i];
+        let sampling = g.req.sampling;
+        if let Some(drafter) = g.drafter.as_mut() {
+            match drafter.batched_alone(&pass, &sampling) {
+                Ok(Some(draft)) => g.prepared_draft = Some(draft),
+                Ok(None) => pending.push((i, pass)),
+                Err(e) => {
+                    let _ = drafter.batched_finish();
+                    results[i] = Err(e);
+                }
+            }
+        }
+    }
     while !pending.is_empty() {
         let outputs = {
             let mut passes = Vec::with_capacity(pending.len());

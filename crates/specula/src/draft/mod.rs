@@ -171,6 +171,18 @@ pub trait Drafter {
         )))
     }
 
+    /// A batched draft whose first pass (`pass`, from [`Self::batched_begin`]) has no other request's pass to
+    /// share a round with: the whole draft in one go if this drafter can do better alone (an EAGLE-3 greedy chain
+    /// run whole on the head's device, no host round trip between passes), the same draft the rounds would give;
+    /// None (the default) to go on pass by pass.
+    fn batched_alone(
+        &mut self,
+        _pass: &BatchedPass,
+        _sampling: &SamplingParams,
+    ) -> Result<Option<Draft>> {
+        Ok(None)
+    }
+
     /// A copy of what a later request whose context starts the same way could reuse. None by default: drafters
     /// that rebuild their state from the context (prompt lookup, a draft model's cache, fed lazily) need nothing.
     fn prefix_state(&self) -> Option<DrafterPrefix> {
@@ -279,6 +291,14 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
 
     fn batched_finish(&mut self) -> Result<Draft> {
         (**self).batched_finish()
+    }
+
+    fn batched_alone(
+        &mut self,
+        pass: &BatchedPass,
+        sampling: &SamplingParams,
+    ) -> Result<Option<Draft>> {
+        (**self).batched_alone(pass, sampling)
     }
 
     fn observe_verify(&mut self, tokens: usize, seconds: f64) {

@@ -803,6 +803,14 @@ impl Drafter for Eagle3Drafter<'_> {
         Ok(next)
     }
 
+    fn batched_alone(
+        &mut self,
+        pass: &BatchedPass,
+        sampling: &SamplingParams,
+    ) -> Result<Option<Draft>> {
+        self.chain_at_once(pass, sampling)
+    }
+
     fn batched_finish(&mut self) -> Result<Draft> {
         let st = self
             .chain

@@ -884,6 +884,76 @@ fn chains_drafted_whole_draft_what_chains_drafted_pass_by_pass_draft() {
     assert!(chains >= 4 * 3, "{chains} chains ran whole");
 }
 
+/// A request drafting alone in a server's step (a shared head, no other pass to batch with) drafts its greedy chain
+/// whole on a head that can (a GPU head), the same draft as pass-by-pass rounds: the same output, drafts and
+/// acceptance, greedy output equal to plain decoding; sampled requests still go round by round.
+#[test]
+fn a_request_drafting_alone_in_a_batch_drafts_its_chain_whole() {
+    use crate::decode::{Generation, StepLimits};
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let whole = ChainAtOnceHead {
+        inner: h.compute(),
+        draft_to_target: h.draft_to_target().to_vec(),
+        chains: Default::default(),
+    };
+    let plain = run(&t, 40, 0.0, None);
+    for (temperature, bar) in [(0.0, 0.0), (0.0, 0.3), (0.8, 0.0)] {
+        let run_one = |shared: &dyn HeadCompute| {
+            let req = GenerateRequest {
+                prompt_tokens: PROMPT.to_vec(),
+                max_new_tokens: 40,
+                sampling: SamplingParams {
+                    temperature,
+                    seed: 5,
+                    ..Default::default()
+                },
+                stop_at_eos: false,
+                cancel: None,
+                logprobs: None,
+                logit_adjustments: None,
+                stop_token_ids: Vec::new(),
+            };
+            let mut d = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+                .unwrap()
+                .with_min_confidence(bar)
+                .unwrap();
+            // As in a server: the drafter's head is the shared one.
+            d.compute = shared;
+            let mut gens =
+                vec![Generation::with_drafter(t.model.as_ref(), req, Box::new(d), 4).unwrap()];
+            let limits = StepLimits {
+                shared_head: Some(shared),
+                ..Default::default()
+            };
+            for _ in 0..200 {
+                crate::testing::step_together(&t, &mut gens, limits);
+                if gens[0].is_done() {
+                    break;
+                }
+            }
+            let g = gens.pop().unwrap();
+            let out = g.finish(&t.tokenizer, &mut |_| {}).unwrap();
+            let st = out.speculation.clone().unwrap();
+            (out.tokens, st.drafted, st.accepted)
+        };
+        let before = whole.chains.load(std::sync::atomic::Ordering::Relaxed);
+        let by_rounds = run_one(h.compute());
+        let at_once = run_one(&whole);
+        let chains = whole.chains.load(std::sync::atomic::Ordering::Relaxed) - before;
+        let case = format!("temperature {temperature}, bar {bar}");
+        assert_eq!(at_once, by_rounds, "{case}");
+        assert!(by_rounds.1 > 0, "it drafted: {case}");
+        if temperature == 0.0 {
+            assert_eq!(at_once.0, plain.tokens, "{case}");
+            assert!(chains > 0, "no chain ran whole: {case}");
+        } else {
+            assert_eq!(chains, 0, "a sampled draft ran as a greedy chain: {case}");
+        }
+    }
+}
+
 /// Several generations drafting with one head in batched passes (what a server does) draft exactly what each
 /// drafts alone: the same outputs, the same drafted and accepted counts, greedy and sampled, with and without a
 /// confidence bar; greedy output equals plain decoding.
