@@ -1026,17 +1026,18 @@ fn draft_in_batches(
     }
     // A request drafting alone in this step has no pass to share a round with: its drafter may draft whole (an
     // EAGLE-3 greedy chain on the head's device, as outside a server), the same draft as the rounds below.
-    if pending.len() == 1 {
-        let (i, pass) = pending.pop().expect("one pending pass");
-        let g = &mut *batch[i];
-        let sampling = g.req.sampling;
-        if let Some(drafter) = g.drafter.as_mut() {
-            match drafter.batched_alone(&pass, &sampling) {
-                Ok(Some(draft)) => g.prepared_draft = Some(draft),
-                Ok(None) => pending.push((i, pass)),
-                Err(e) => {
-                    let _ = drafter.batched_finish();
-                    results[i] = Err(e);
+    if let [_] = pending.as_slice() {
+        if let Some((i, pass)) = pending.pop() {
+            let g = &mut *batch[i];
+            let sampling = g.req.sampling;
+            if let Some(drafter) = g.drafter.as_mut() {
+                match drafter.batched_alone(&pass, &sampling) {
+                    Ok(Some(draft)) => g.prepared_draft = Some(draft),
+                    Ok(None) => pending.push((i, pass)),
+                    Err(e) => {
+                        let _ = drafter.batched_finish();
+                        results[i] = Err(e);
+                    }
                 }
             }
         }
