@@ -41,13 +41,9 @@ fn head(dir: &std::path::Path, t: &LoadedModel, spec: &TinyHeadSpec) -> (Eagle3H
 
 const PROMPT: [u32; 10] = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108];
 
-fn run(
-    t: &LoadedModel,
-    n: usize,
-    temperature: f32,
-    spec: Option<Speculation<'_>>,
-) -> crate::decode::GenerateOutput {
-    let req = GenerateRequest {
+/// PROMPT, `n` new tokens at `temperature` (seed 5), no stop at EOS.
+fn prompt_request(n: usize, temperature: f32) -> GenerateRequest {
+    GenerateRequest {
         prompt_tokens: PROMPT.to_vec(),
         max_new_tokens: n,
         sampling: SamplingParams {
@@ -60,7 +56,16 @@ fn run(
         logprobs: None,
         logit_adjustments: None,
         stop_token_ids: Vec::new(),
-    };
+    }
+}
+
+fn run(
+    t: &LoadedModel,
+    n: usize,
+    temperature: f32,
+    spec: Option<Speculation<'_>>,
+) -> crate::decode::GenerateOutput {
+    let req = prompt_request(n, temperature);
     generate(
         t.model.as_ref(),
         &t.tokenizer,
@@ -901,20 +906,7 @@ fn a_request_drafting_alone_in_a_batch_drafts_its_chain_whole() {
     let plain = run(&t, 40, 0.0, None);
     for (temperature, bar) in [(0.0, 0.0), (0.0, 0.3), (0.8, 0.0)] {
         let run_one = |shared: &dyn HeadCompute| {
-            let req = GenerateRequest {
-                prompt_tokens: PROMPT.to_vec(),
-                max_new_tokens: 40,
-                sampling: SamplingParams {
-                    temperature,
-                    seed: 5,
-                    ..Default::default()
-                },
-                stop_at_eos: false,
-                cancel: None,
-                logprobs: None,
-                logit_adjustments: None,
-                stop_token_ids: Vec::new(),
-            };
+            let req = prompt_request(40, temperature);
             let mut d = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
                 .unwrap()
                 .with_min_confidence(bar)
