@@ -14,7 +14,7 @@ use specula::model::forward::HostOutput;
 use specula::model::{
     ForwardOptions, LoadedModel, LogitsFor, Model, SequenceCache, SequenceInput, TreeMask,
 };
-use specula::profile::Profiler;
+use specula::profile::{KernelTime, Profiler};
 use specula::sampling::SamplingParams;
 
 use crate::generate::ModelArgs;
@@ -587,6 +587,59 @@ fn head_pass_timings(
             .run_greedy_chain(model, &tokens[1..], HeadInput::Features(features), c, 3)
             .map(|t| t.is_some())
     })?;
+    // Where a chain step's and the target's decode and verify passes spend their time, kernel by kernel.
+    let mut kernel_lines = Vec::new();
+    let step = &mut || {
+        cache.truncate(n);
+        compute
+            .run(
+                model,
+                &tokens[..1],
+                HeadInput::Last,
+                HeadRows::Chain,
+                cache.as_mut(),
+                top_only,
+            )
+            .map(|_| ())
+    };
+    if let Some(runs) = repeat_timed(KERNEL_RUNS, |w| compute.time_kernels(w), step)? {
+        kernel_lines.push(kernel_line(
+            &format!("eagle3 head on {device}: a chain step"),
+            &runs,
+            false,
+        ));
+    }
+    let mut target_cache = model.new_cache(n + 16)?;
+    forward(
+        model,
+        &tokens[..n],
+        Some(target_cache.as_mut()),
+        LogitsFor::None,
+    )?;
+    for rows in [1, 6] {
+        let verify = &mut || {
+            target_cache.truncate(n);
+            model
+                .forward_one(
+                    &tokens[..rows],
+                    target_cache.as_mut(),
+                    &ForwardOptions::default(),
+                    LogitsFor::All,
+                    &Profiler::disabled(),
+                )
+                .map(|_| ())
+        };
+        if let Some(runs) = repeat_timed(KERNEL_RUNS, |w| model.time_kernels(w), verify)? {
+            kernel_lines.push(kernel_line(
+                &format!(
+                    "target on {device}: a forward of {rows} row{}",
+                    if rows == 1 { "" } else { "s" }
+                ),
+                &runs,
+                true,
+            ));
+        }
+    }
     let us = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} us"));
     Ok(vec![
         format!(
@@ -595,8 +648,8 @@ fn head_pass_timings(
             us(fed_us),
             if device == "cpu" {
                 " (the checkpoint's precision; drafting on the CPU requantizes)"
-            } else if std::env::var("SPECULA_CUDA_HEAD_FUSED").is_ok_and(|v| v == "1") {
-                " (SPECULA_CUDA_HEAD_FUSED=1: a pass's inputs and final norm in 2 launches instead of 6)"
+            } else if std::env::var("SPECULA_CUDA_HEAD_FUSED").is_ok_and(|v| v == "0") {
+                " (SPECULA_CUDA_HEAD_FUSED=0: a pass's inputs and final norm in 6 launches instead of 2)"
             } else {
                 ""
             }
@@ -611,7 +664,87 @@ fn head_pass_timings(
                 None => "- (off: SPECULA_CUDA_HEAD_CHAIN=0)".to_string(),
             }
         ),
-    ])
+    ]
+    .into_iter()
+    .chain(kernel_lines)
+    .collect())
+}
+
+/// Runs of `work` whose kernels [`kernel_line`] takes the medians of (after one untimed run).
+const KERNEL_RUNS: usize = 21;
+
+/// `work` run `runs` times under `timer` (a device's `time_kernels`), after one untimed run; None where the
+/// device has no kernels to time.
+fn repeat_timed(
+    runs: usize,
+    timer: impl Fn(
+        &mut dyn FnMut() -> specula::error::Result<()>,
+    ) -> specula::error::Result<Option<Vec<KernelTime>>>,
+    work: &mut dyn FnMut() -> specula::error::Result<()>,
+) -> anyhow::Result<Option<Vec<Vec<KernelTime>>>> {
+    work()?;
+    let mut all = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        match timer(&mut *work)? {
+            Some(times) => all.push(times),
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(all))
+}
+
+/// "LABEL kernel by kernel (...): k1 [grid] 3.1 us, ... = total": each launch's median over the runs (launch by
+/// launch where every run launched the same kernels, as a pass does), or with `by_kernel` each kernel's launches
+/// summed (a target pass launches a few hundred) and listed dearest first.
+fn kernel_line(label: &str, runs: &[Vec<KernelTime>], by_kernel: bool) -> String {
+    let first = &runs[0];
+    let same = runs
+        .iter()
+        .all(|r| r.len() == first.len() && r.iter().zip(first).all(|(a, b)| a.kernel == b.kernel));
+    let medians: Vec<(String, f64)> = (0..first.len())
+        .map(|i| {
+            let name = format!(
+                "{} [{}x{}x{}]",
+                first[i].kernel, first[i].grid.0, first[i].grid.1, first[i].grid.2
+            );
+            let mut us: Vec<f64> = if same {
+                runs.iter().map(|r| r[i].us).collect()
+            } else {
+                vec![first[i].us]
+            };
+            us.sort_by(f64::total_cmp);
+            (name, us[us.len() / 2])
+        })
+        .collect();
+    let total: f64 = medians.iter().map(|(_, us)| us).sum();
+    let parts: Vec<String> = if by_kernel {
+        let mut sums: Vec<(String, usize, f64)> = Vec::new();
+        for ((_, us), launch) in medians.iter().zip(first) {
+            match sums.iter_mut().find(|(k, _, _)| *k == launch.kernel) {
+                Some(entry) => {
+                    entry.1 += 1;
+                    entry.2 += us;
+                }
+                None => sums.push((launch.kernel.clone(), 1, *us)),
+            }
+        }
+        sums.sort_by(|a, b| b.2.total_cmp(&a.2));
+        sums.iter()
+            .map(|(k, count, us)| format!("{k} x{count} {us:.1} us"))
+            .collect()
+    } else {
+        medians
+            .iter()
+            .map(|(k, us)| format!("{k} {us:.1} us"))
+            .collect()
+    };
+    format!(
+        "{label} kernel by kernel (CUDA events around each launch, no graph: each alone, so more than the graphed \
+         pass; medians of {}{}): {} = {total:.1} us",
+        runs.len(),
+        if same { "" } else { ", runs launched different kernels: the first run's" },
+        parts.join(", ")
+    )
 }
 
 /// A greedy chain run whole on the device (`run_greedy_chain`, no host round trip between passes) against the same
@@ -1363,4 +1496,50 @@ fn print_timings(context: usize, sizes: &[usize], ms: &[f64]) {
             .collect::<Vec<_>>()
             .join(" ")
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(kernel: &str, grid: u32, us: f64) -> KernelTime {
+        KernelTime {
+            kernel: kernel.into(),
+            grid: (grid, 1, 1),
+            us,
+        }
+    }
+
+    #[test]
+    fn kernel_lines_take_each_launchs_median_and_sum_kernels() {
+        let runs: Vec<Vec<KernelTime>> = [(1.0, 10.0), (3.0, 30.0), (2.0, 20.0)]
+            .iter()
+            .map(|&(a, b)| {
+                vec![
+                    launch("norm", 1, a),
+                    launch("gemv", 96, b),
+                    launch("norm", 1, a),
+                ]
+            })
+            .collect();
+        let line = kernel_line("pass", &runs, false);
+        assert!(
+            line.contains(
+                "norm [1x1x1] 2.0 us, gemv [96x1x1] 20.0 us, norm [1x1x1] 2.0 us = 24.0 us"
+            ),
+            "{line}"
+        );
+        assert!(line.contains("medians of 3)"), "{line}");
+        let summed = kernel_line("pass", &runs, true);
+        assert!(
+            summed.ends_with("gemv x1 20.0 us, norm x2 4.0 us = 24.0 us"),
+            "{summed}"
+        );
+        // Runs that launched different kernels: the first run's times, and the line says so.
+        let mut odd = runs.clone();
+        odd[1].pop();
+        let line = kernel_line("pass", &odd, false);
+        assert!(line.contains("the first run's"), "{line}");
+        assert!(line.ends_with("= 12.0 us"), "{line}");
+    }
 }

@@ -80,6 +80,16 @@ pub trait Model: Send + Sync {
         let _ = shapes;
         Ok(0)
     }
+
+    /// `work`'s device kernels timed one by one, in launch order (a GPU: CUDA events around each launch, its
+    /// graphs suspended meanwhile). None where the model runs no kernels to time (the CPU).
+    fn time_kernels(
+        &self,
+        work: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Option<Vec<crate::profile::KernelTime>>> {
+        let _ = work;
+        Ok(None)
+    }
 }
 
 /// The steps a server will run ([`Model::prepare_steps`]).

@@ -15,6 +15,14 @@ use std::cell::RefCell;
 
 pub use clock::{Clock, MonotonicClock};
 
+/// One kernel launch timed alone on a device (`Model::time_kernels`, `HeadCompute::time_kernels`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelTime {
+    pub kernel: String,
+    pub grid: (u32, u32, u32),
+    pub us: f64,
+}
+
 /// The phases of a decode step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Phase {

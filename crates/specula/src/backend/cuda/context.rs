@@ -154,6 +154,18 @@ pub struct Gpu {
     /// CUDA events the profiler's clocks reuse (a server step marks a few hundred phase edges: creating and
     /// destroying an event for each cost more than recording it).
     pub events: std::sync::Mutex<Vec<cudarc::driver::CudaEvent>>,
+    /// While [`Gpu::time_kernels`] runs: every launch bracketed by two events (the flag spares other launches
+    /// the lock).
+    timing: std::sync::atomic::AtomicBool,
+    timed: std::sync::Mutex<Vec<TimedLaunch>>,
+}
+
+/// A launch [`Gpu::time_kernels`] timed: the kernel, its grid and the events recorded around it.
+struct TimedLaunch {
+    kernel: String,
+    grid: (u32, u32, u32),
+    start: cudarc::driver::CudaEvent,
+    end: cudarc::driver::CudaEvent,
 }
 
 /// NVRTC's name for an architecture, e.g. "sm_90" (NVRTC wants a static string).
@@ -356,7 +368,46 @@ impl Gpu {
             stream,
             kernels,
             events: Default::default(),
+            timing: Default::default(),
+            timed: Default::default(),
         })
+    }
+
+    /// Runs `work` with CUDA graphs suspended and every kernel launch bracketed by CUDA events, and returns each
+    /// launch's device time in launch order. Each kernel then runs alone (no graph, nothing overlapping it), so a
+    /// time is that kernel's own plus the gap an event leaves: the sum exceeds what the graphed work costs, and
+    /// the list says where it goes. For diagnosis (`specula selftest --device cuda`), never in a step.
+    pub fn time_kernels(
+        &self,
+        work: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Vec<crate::profile::KernelTime>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let poisoned = |_| Error::Cuda("the kernel timer's lock is poisoned".into());
+        self.timed.lock().map_err(poisoned)?.clear();
+        super::model::suspend_graphs(true);
+        self.timing.store(true, SeqCst);
+        let ran = work();
+        self.timing.store(false, SeqCst);
+        super::model::suspend_graphs(false);
+        let launches = std::mem::take(&mut *self.timed.lock().map_err(poisoned)?);
+        ran?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("waiting for the timed kernels", e))?;
+        launches
+            .iter()
+            .map(|l| {
+                let ms = l
+                    .start
+                    .elapsed_ms(&l.end)
+                    .map_err(|e| cuda_err("reading a kernel's events", e))?;
+                Ok(crate::profile::KernelTime {
+                    kernel: l.kernel.clone(),
+                    grid: l.grid,
+                    us: f64::from(ms) * 1e3,
+                })
+            })
+            .collect()
     }
 
     /// Launches `f` on the step stream with `params` (pointers to each argument's value, in order), with
@@ -367,6 +418,47 @@ impl Gpu {
     /// `params` must match `f`'s parameters in number, order and type, and every pointer argument must be a live
     /// device allocation of the size the kernel indexes.
     pub unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        if !self.timing.load(std::sync::atomic::Ordering::Relaxed) {
+            // SAFETY: as this function's.
+            return unsafe { self.launch_untimed(f, name, grid, block, params) };
+        }
+        let event = || {
+            self.ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| cuda_err("creating a kernel timer's event", e))
+        };
+        let (start, end) = (event()?, event()?);
+        start
+            .record(&self.stream)
+            .map_err(|e| cuda_err("recording a kernel timer's event", e))?;
+        // SAFETY: as this function's.
+        unsafe { self.launch_untimed(f, name, grid, block, params) }?;
+        end.record(&self.stream)
+            .map_err(|e| cuda_err("recording a kernel timer's event", e))?;
+        self.timed
+            .lock()
+            .map_err(|_| Error::Cuda("the kernel timer's lock is poisoned".into()))?
+            .push(TimedLaunch {
+                kernel: name.to_string(),
+                grid,
+                start,
+                end,
+            });
+        Ok(())
+    }
+
+    /// [`Gpu::launch`] without the kernel timer's check.
+    ///
+    /// # Safety
+    /// As [`Gpu::launch`].
+    unsafe fn launch_untimed(
         &self,
         f: &CudaFunction,
         name: &str,

@@ -1105,7 +1105,15 @@ impl CudaModel {
 /// Whether steps run as CUDA graphs (default; `SPECULA_CUDA_GRAPHS=0` launches each kernel directly, to compare).
 pub(crate) fn graphs_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GRAPHS").map_or(true, |v| v != "0"))
+    !GRAPHS_SUSPENDED.load(std::sync::atomic::Ordering::Relaxed)
+        && *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GRAPHS").map_or(true, |v| v != "0"))
+}
+
+/// Set while [`super::Gpu::time_kernels`] runs: kernels launched one by one, so each can be timed.
+static GRAPHS_SUSPENDED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub(crate) fn suspend_graphs(suspended: bool) {
+    GRAPHS_SUSPENDED.store(suspended, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Captured step graphs kept at most (each holds its kernels' parameters; a long-running server would otherwise
@@ -1656,6 +1664,13 @@ impl Model for CudaModel {
 
     /// The workspace at the server's largest step, and a captured graph for every row count up to the graphs'
     /// limit (a verify of that many rows, or a plain step of that many sequences: one shape).
+    fn time_kernels(
+        &self,
+        work: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Option<Vec<crate::profile::KernelTime>>> {
+        self.gpu.time_kernels(work).map(Some)
+    }
+
     fn prepare_steps(&self, shapes: &StepShapes<'_>) -> Result<usize> {
         if !graphs_enabled() {
             return Ok(0);

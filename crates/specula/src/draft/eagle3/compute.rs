@@ -168,6 +168,16 @@ pub trait HeadCompute: Send + Sync {
     ) -> Result<Option<Vec<(u32, f32)>>> {
         Ok(None)
     }
+
+    /// `work`'s device kernels timed one by one, in launch order ([`crate::model::Model::time_kernels`]); None
+    /// where the head runs no kernels to time (the CPU).
+    fn time_kernels(
+        &self,
+        work: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Option<Vec<crate::profile::KernelTime>>> {
+        let _ = work;
+        Ok(None)
+    }
 }
 
 /// [`HeadCompute::run_greedy_chain`] as `run` calls one after the other, each fed the previous top token: the
