@@ -36,13 +36,9 @@ pub struct BenchArgs {
     /// The drafter of the speculative configurations; without one, only plain decoding runs.
     #[command(flatten)]
     pub drafter: DrafterArgs,
-    /// Draft lengths to compare, comma separated.
-    #[arg(
-        long,
-        default_value = "1,2,3,4",
-        value_delimiter = ',',
-        allow_negative_numbers = true
-    )]
+    /// Draft lengths to compare, comma separated [default: 1,2,3,4; with --speculate, 1 up to the length it
+    /// picks when that is longer (5 for the registry head on a GPU)].
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     pub draft_tokens: Vec<i64>,
     /// Passes over all prompts (more rounds average out noise).
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
@@ -145,7 +141,12 @@ fn eagle3_heads(draft_model: &str) -> anyhow::Result<Vec<&str>> {
 fn draft_tokens(args: &BenchArgs) -> anyhow::Result<Vec<usize>> {
     let max = specula::decode::MAX_DRAFT_TOKENS as i64;
     let mut out = Vec::new();
-    for &k in &args.draft_tokens {
+    let given = if args.draft_tokens.is_empty() {
+        default_draft_tokens(None)
+    } else {
+        args.draft_tokens.clone()
+    };
+    for &k in &given {
         if k < 1 || k > max {
             anyhow::bail!("--draft-tokens values must be between 1 and {max}, got {k}");
         }
@@ -309,9 +310,19 @@ fn draw_progress(p: &bench::Progress<'_>, start: Instant) {
     let _ = err.flush();
 }
 
+/// The lengths bench compares where `--draft-tokens` is not given: 1-4, and up to the drafter's default length
+/// (what `--speculate` picked) when that is longer, so the sweep holds what a user of that default gets.
+fn default_draft_tokens(picked: Option<usize>) -> Vec<i64> {
+    (1..=picked.unwrap_or(0).max(DEFAULT_MAX_DRAFT_TOKENS) as i64).collect()
+}
+
+const DEFAULT_MAX_DRAFT_TOKENS: usize = 4;
+
 pub fn bench(mut args: BenchArgs) -> anyhow::Result<()> {
-    // bench keeps its own --draft-tokens list: it compares lengths anyway.
-    args.drafter.resolve_defaults(&args.model)?;
+    let picked = args.drafter.resolve_defaults(&args.model)?;
+    if args.draft_tokens.is_empty() {
+        args.draft_tokens = default_draft_tokens(picked);
+    }
     let report = run_bench(&args)?;
     print!("{}", report.table());
     if let Some(path) = &args.json {
@@ -322,7 +333,10 @@ pub fn bench(mut args: BenchArgs) -> anyhow::Result<()> {
 }
 
 pub fn tune(mut args: TuneArgs) -> anyhow::Result<()> {
-    args.bench.drafter.resolve_defaults(&args.bench.model)?;
+    let picked = args.bench.drafter.resolve_defaults(&args.bench.model)?;
+    if args.bench.draft_tokens.is_empty() {
+        args.bench.draft_tokens = default_draft_tokens(picked);
+    }
     let report_json = match &args.from_bench {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -364,4 +378,17 @@ pub fn tune(mut args: TuneArgs) -> anyhow::Result<()> {
         eprintln!("tune results: {}", path.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_draft_tokens;
+
+    #[test]
+    fn the_default_sweep_reaches_the_picked_length() {
+        assert_eq!(default_draft_tokens(None), vec![1, 2, 3, 4]);
+        assert_eq!(default_draft_tokens(Some(3)), vec![1, 2, 3, 4]);
+        // The registry head on a GPU picks 5: the sweep holds what a user of `--speculate` gets.
+        assert_eq!(default_draft_tokens(Some(5)), vec![1, 2, 3, 4, 5]);
+    }
 }
