@@ -109,6 +109,8 @@ pub struct CudaHead {
     wqkv_embed: Matrix,
     /// The same rows, the columns that read the normed hidden input.
     wqkv_hidden: Matrix,
+    /// Both halves as one matrix of 2h columns, for one QKV GEMV a pass ([`one_qkv_enabled`]).
+    wqkv: Option<Matrix>,
     wo: Matrix,
     /// Gate and up stacked for the GEMV that ends in SiLU(gate) * up (layout::stack_gate_up).
     w_gate_up: Matrix,
@@ -137,6 +139,8 @@ struct Buffers {
     embeds: CudaSlice<f32>,
     normed_embeds: CudaSlice<u32>,
     normed_x: CudaSlice<u32>,
+    /// Both normed inputs as one split row of 2h ([`one_qkv_enabled`]).
+    normed_inputs: CudaSlice<u32>,
     qkv: CudaSlice<f32>,
     q: CudaSlice<f32>,
     attn: CudaSlice<u32>,
@@ -232,7 +236,7 @@ impl CudaHead {
             )));
         }
         let elements = h * 3 * hc.target_hidden
-            + (q_dim + 2 * kv_dim) * 2 * h
+            + (q_dim + 2 * kv_dim) * 2 * h * if one_qkv_enabled() { 2 } else { 1 }
             + h * q_dim
             + 3 * ff * h
             + hc.draft_vocab * h;
@@ -278,6 +282,11 @@ impl CudaHead {
             final_norm: vector(&w.final_norm, "final norm")?,
             wqkv_embed: upload(&columns(&qkv, 2 * h, 0, h), qkv_rows, h, "the head's QKV")?,
             wqkv_hidden: upload(&columns(&qkv, 2 * h, h, h), qkv_rows, h, "the head's QKV")?,
+            wqkv: if one_qkv_enabled() {
+                Some(upload(&qkv, qkv_rows, 2 * h, "the head's QKV")?)
+            } else {
+                None
+            },
             wo: upload(&w.wo, h, q_dim, "the head's output projection")?,
             w_gate_up: Matrix::upload(&gpu, &gate_up, 2 * ff, h, "the head's gate/up")?,
             w_down: upload(&w.w_down, h, ff, "the head's down projection")?,
@@ -305,6 +314,7 @@ impl CudaHead {
         let scratch = [
             (h, 3 * target_hidden),
             (q_dim + 2 * kv_dim, h),
+            (q_dim + 2 * kv_dim, 2 * h),
             (h, q_dim),
             (h, ff),
             (dv, h),
@@ -343,6 +353,7 @@ impl CudaHead {
             embeds: f(r * h, "embeddings")?,
             normed_embeds: split(h, "activations")?,
             normed_x: split(h, "activations")?,
+            normed_inputs: split(2 * h, "activations")?,
             qkv: f(r * (q_dim + 2 * kv_dim), "QKV")?,
             q: f(r * q_dim, "queries")?,
             attn: split(q_dim, "attention output")?,
@@ -367,8 +378,10 @@ impl CudaHead {
             .map_err(|e| cuda_err(&format!("uploading the head's {what}"), e))
     }
 
-    /// The decoder layer over the `m` rows whose tables and x are in the workspace; leaves the outputs in `x`.
-    fn record_layer(&self, ws: &Buffers, m: usize) -> Result<()> {
+    /// The decoder layer over the `m` rows whose tables and x are in the workspace; leaves the outputs in `x`,
+    /// or with `defer_down` the down projection's split-K sums in the scratch for the final norm to add
+    /// (`gather_rms_norm`). Returns that count (0: x holds the outputs).
+    fn record_layer(&self, ws: &Buffers, m: usize, defer_down: bool) -> Result<usize> {
         let c = &self.layer;
         let gpu = &*self.gpu;
         let (h, q_dim, kv_dim, hd, ff) = (
@@ -385,7 +398,18 @@ impl CudaHead {
         let ints = ptr(&ws.ints, gpu);
         let r32 = m as u32;
         let hc = h.div_ceil(layout::CHUNK) as i32;
+        // One QKV GEMV over both normed inputs, written side by side as one row of 2h.
+        let one_qkv = self.wqkv.as_ref().filter(|_| fused_inputs_enabled());
         if fused_inputs_enabled() {
+            let (out_embed, out_x, out_chunks, x_col) = match one_qkv {
+                Some(_) => (
+                    ptr(&ws.normed_inputs, gpu),
+                    ptr(&ws.normed_inputs, gpu),
+                    (2 * h).div_ceil(layout::CHUNK) as i32,
+                    h as i32,
+                ),
+                None => (ptr(&ws.normed_embeds, gpu), ptr(&ws.normed_x, gpu), hc, 0),
+            };
             launch!(
                 gpu,
                 head_inputs,
@@ -397,15 +421,16 @@ impl CudaHead {
                 px,
                 p(&self.input_norm),
                 p(&self.hidden_norm),
-                ptr(&ws.normed_embeds, gpu),
-                ptr(&ws.normed_x, gpu),
+                out_embed,
+                out_x,
                 h as i32,
                 eps,
-                hc,
+                out_chunks,
                 ints + 4 * words::POSITIONS as u64,
                 p(&self.rope_inv_freqs),
                 p(&ws.angles),
-                (hd / 2) as i32
+                (hd / 2) as i32,
+                x_col
             );
         } else {
             launch!(
@@ -453,38 +478,56 @@ impl CudaHead {
         }
         let qkv_width = q_dim + 2 * kv_dim;
         let pqkv = p(&ws.qkv);
-        gemv(
-            gpu,
-            &self.wqkv_embed,
-            qkv_width,
-            ptr(&ws.normed_embeds, gpu),
-            pqkv,
-            m,
-            false,
-            false,
-            pscratch,
-            false,
-        )?;
-        gemv(
-            gpu,
-            &self.wqkv_hidden,
-            qkv_width,
-            ptr(&ws.normed_x, gpu),
-            pqkv,
-            m,
-            true,
-            false,
-            pscratch,
-            false,
-        )?;
+        // With one GEMV, its split-K sums are left for qkv_post to add (as the target's QKV does).
+        let qkv_splits = match one_qkv {
+            Some(wqkv) => gemv(
+                gpu,
+                wqkv,
+                qkv_width,
+                ptr(&ws.normed_inputs, gpu),
+                pqkv,
+                m,
+                false,
+                false,
+                pscratch,
+                true,
+            )?,
+            None => {
+                gemv(
+                    gpu,
+                    &self.wqkv_embed,
+                    qkv_width,
+                    ptr(&ws.normed_embeds, gpu),
+                    pqkv,
+                    m,
+                    false,
+                    false,
+                    pscratch,
+                    false,
+                )?;
+                gemv(
+                    gpu,
+                    &self.wqkv_hidden,
+                    qkv_width,
+                    ptr(&ws.normed_x, gpu),
+                    pqkv,
+                    m,
+                    true,
+                    false,
+                    pscratch,
+                    false,
+                )?;
+                0
+            }
+        };
         let (p_rows, p_seqs) = (ints + 4 * words::ROWS as u64, ints + 4 * words::SEQ as u64);
         launch!(
             gpu,
             qkv_post,
             (r32, (heads + 2 * kv_heads) as u32, 1),
             64,
-            pqkv,
-            0i32,
+            if qkv_splits > 0 { pscratch } else { pqkv },
+            qkv_splits as i32,
             (m * qkv_width) as u64,
             0u64,
             0i32,
@@ -562,19 +605,21 @@ impl CudaHead {
             true,
             false,
             pscratch,
-            false,
-        )?;
-        Ok(())
+            defer_down,
+        )
     }
 
     /// Draft-vocabulary logits of the workspace rows listed in the tables' `wanted` (and, with `top_only`, each
     /// row's top token and probability).
+    /// `down_splits`: the down projection's split-K sums the final norm adds first (`record_layer`'s
+    /// `defer_down`; every row of the pass wanted).
     fn record_logits(
         &self,
         ws: &Buffers,
         wanted: usize,
         top_only: bool,
         top_k: usize,
+        down_splits: usize,
     ) -> Result<()> {
         let gpu = &*self.gpu;
         let c = &self.layer;
@@ -591,9 +636,18 @@ impl CudaHead {
                 ptr(&ws.picked_normed, gpu),
                 c.hidden_size as i32,
                 c.rms_norm_eps as f32,
-                c.hidden_size.div_ceil(layout::CHUNK) as i32
+                c.hidden_size.div_ceil(layout::CHUNK) as i32,
+                p(&ws.scratch),
+                down_splits as i32,
+                (wanted * c.hidden_size) as u64
             );
         } else {
+            if down_splits > 0 {
+                return Err(Error::Cuda(
+                    "the head's down projection left its sums for a fused final norm, which is off"
+                        .into(),
+                ));
+            }
             launch!(
                 gpu,
                 gather_rows,
@@ -621,7 +675,9 @@ impl CudaHead {
                 0u64
             );
         }
-        gemv(
+        // A pass that wants only top tokens leaves the LM head's split-K sums for top_token to add.
+        let defer_logits = top_only && defer_sums_enabled();
+        let logit_splits = gemv(
             gpu,
             &self.lm_head,
             self.draft_vocab,
@@ -631,7 +687,7 @@ impl CudaHead {
             false,
             false,
             p(&ws.scratch),
-            false,
+            defer_logits,
         )?;
         if top_only {
             launch!(
@@ -639,9 +695,15 @@ impl CudaHead {
                 top_token,
                 (wanted as u32, 1, 1),
                 super::model::TOP_TOKEN_THREADS,
-                p(&ws.logits),
+                if logit_splits > 0 {
+                    p(&ws.scratch)
+                } else {
+                    p(&ws.logits)
+                },
                 p(&ws.top),
-                self.draft_vocab as i32
+                self.draft_vocab as i32,
+                logit_splits as i32,
+                (wanted * self.draft_vocab) as u64
             );
         } else if top_k > 0 {
             launch!(
@@ -738,9 +800,12 @@ impl CudaHead {
                 false,
             )?;
         }
-        self.record_layer(ws, shape.rows)?;
+        // A one-row pass that wants its row's logits (a chain step) leaves the down projection's sums to the
+        // final norm, which writes the completed row back for the next pass.
+        let defer_down = defer_sums_enabled() && shape.rows == 1 && shape.wanted == 1;
+        let down_splits = self.record_layer(ws, shape.rows, defer_down)?;
         if shape.wanted > 0 {
-            self.record_logits(ws, shape.wanted, shape.top_only, shape.top_k)?;
+            self.record_logits(ws, shape.wanted, shape.top_only, shape.top_k, down_splits)?;
         }
         Ok(())
     }
@@ -871,6 +936,32 @@ pub fn device_chain_enabled() -> bool {
 pub fn fused_inputs_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_HEAD_FUSED").map_or(true, |v| v != "0"))
+}
+
+/// Whether a head pass leaves two GEMVs' split-K sums to the kernels after them instead of a reduction launch each
+/// (`SPECULA_CUDA_HEAD_DEFER_SUMS=1`): the LM head's to top_token in passes that want top tokens only, and the
+/// down projection's to the final norm (`gather_rms_norm`, which writes the row back) in one-row passes that want
+/// their row (chain steps). The same sums in the same order as `splitk_reduce`, so the same values; 2 launches
+/// fewer a chain step of 16. Needs the fused kernels. Off until a device run checks and times it (session 51's
+/// kernel-by-kernel selftest: each reduction alone 4.0-4.3 us on an H100).
+pub fn defer_sums_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        fused_inputs_enabled()
+            && std::env::var("SPECULA_CUDA_HEAD_DEFER_SUMS").is_ok_and(|v| v == "1")
+    })
+}
+
+/// Whether a head pass computes Q, K and V in one GEMV over both normed inputs side by side (2h columns, its
+/// split-K sums added by qkv_post) instead of a GEMV for each half and two reductions
+/// (`SPECULA_CUDA_HEAD_ONE_QKV=1`): 3 launches fewer a pass. Other sums than two GEMVs' (the split over 2h
+/// columns), so values move within rounding. Needs the fused kernels (head_inputs writes the joined row). Off
+/// until a device run checks and times it.
+pub fn one_qkv_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        fused_inputs_enabled() && std::env::var("SPECULA_CUDA_HEAD_ONE_QKV").is_ok_and(|v| v == "1")
+    })
 }
 
 /// Whether `run_many` runs several sequences' passes as one (default; `SPECULA_CUDA_HEAD_BATCH=0` runs them one

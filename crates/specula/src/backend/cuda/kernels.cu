@@ -1196,7 +1196,7 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* _
 // (rms_norm has the same steps inline; it moves onto this once a device run shows the two bitwise equal.)
 __device__ __forceinline__ void rms_scale_store(const float4 (&v)[NORM_PIECES], const float4 (&g)[NORM_PIECES], int h,
                                                 float eps, u32* __restrict__ out, int out_chunks, int r,
-                                                float* partial) {
+                                                float* partial, int col0 = 0) {
     const int pieces = h >> 2;
     float s = 0.f;
 #pragma unroll
@@ -1216,8 +1216,9 @@ __device__ __forceinline__ void rms_scale_store(const float4 (&v)[NORM_PIECES], 
     for (int j = 0; j < NORM_PIECES; j++) {
         const int i = threadIdx.x + j * blockDim.x;
         if (i < pieces) {
-            store_split_pair(out, out_chunks, r, 4 * i, v[j].x * scale * g[j].x, v[j].y * scale * g[j].y);
-            store_split_pair(out, out_chunks, r, 4 * i + 2, v[j].z * scale * g[j].z, v[j].w * scale * g[j].w);
+            store_split_pair(out, out_chunks, r, col0 + 4 * i, v[j].x * scale * g[j].x, v[j].y * scale * g[j].y);
+            store_split_pair(out, out_chunks, r, col0 + 4 * i + 2, v[j].z * scale * g[j].z,
+                             v[j].w * scale * g[j].w);
         }
     }
 }
@@ -1236,12 +1237,14 @@ __device__ __forceinline__ void load_norm_weights(const float* __restrict__ w, i
 // SPECULA_CUDA_HEAD_FUSED=1): grid (rows, 3), block ops.rs norm_threads(h). Part 0: row r's token from the tiled
 // embedding table, normalized by w_embed into out_embed; part 1: row r of x normalized by w_x into out_x; part
 // 2: row r's rotary angles (rope_angles' arithmetic; qkv_post, three kernels later, reads them before it waits).
+// Part 1 writes from column x_col of out_x's rows (out_chunks chunks a row): with out_x = out_embed, x_col = h and
+// out_chunks = 2h / 32, the two normed inputs are one row of 2h for a single QKV GEMV over both halves.
 extern "C" __global__ void __launch_bounds__(1024)
     head_inputs(const bf16_t* __restrict__ table, int table_chunks, const u32* __restrict__ tokens,
                 const float* __restrict__ x, const float* __restrict__ w_embed, const float* __restrict__ w_x,
                 u32* __restrict__ out_embed, u32* __restrict__ out_x, int h, float eps, int out_chunks,
                 const u32* __restrict__ positions, const float* __restrict__ inv_freq, float2* __restrict__ angles,
-                int half) {
+                int half, int x_col) {
     __shared__ float partial[32];
     const int r = blockIdx.x, part = blockIdx.y;
     if (part == 2) {
@@ -1277,26 +1280,52 @@ extern "C" __global__ void __launch_bounds__(1024)
             v[j] = i < pieces ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
-    rms_scale_store(v, g, h, eps, part == 0 ? out_embed : out_x, out_chunks, r, partial);
+    rms_scale_store(v, g, h, eps, part == 0 ? out_embed : out_x, out_chunks, r, partial, part == 0 ? 0 : x_col);
 }
 
 // out = rms_norm(x[src[j]]) for the rows that need logits, in one launch instead of gather_rows and rms_norm
 // (head.rs, SPECULA_CUDA_HEAD_FUSED=1); grid (rows), block ops.rs norm_threads(h).
+// With splits > 0 it first adds a deferred split-K residual update into row src[j] of x and writes that row back
+// (rms_norm's arithmetic): the down projection's sums, for a pass whose every row is gathered (a chain step).
 extern "C" __global__ void __launch_bounds__(1024)
-    gather_rms_norm(const float* __restrict__ x, const u32* __restrict__ src, const float* __restrict__ w,
-                    u32* __restrict__ out, int h, float eps, int out_chunks) {
+    gather_rms_norm(float* __restrict__ x, const u32* __restrict__ src, const float* __restrict__ w,
+                    u32* __restrict__ out, int h, float eps, int out_chunks, const float* __restrict__ partials,
+                    int splits, u64 split_stride) {
     __shared__ float partial[32];
     const int j = blockIdx.x;
     float4 g[NORM_PIECES];
     load_norm_weights(w, h, g);
     PDL_ENTER();
-    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)src[j] * h);
+    const size_t row = src[j];
+    float4* xr = reinterpret_cast<float4*>(x + row * h);
     const int pieces = h >> 2;
     float4 v[NORM_PIECES];
 #pragma unroll
     for (int k = 0; k < NORM_PIECES; k++) {
         const int i = threadIdx.x + k * blockDim.x;
         v[k] = i < pieces ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (splits > 0) {
+#pragma unroll
+        for (int k = 0; k < NORM_PIECES; k++) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < pieces) {
+                float4 pz[SPLITK_MAX];
+#pragma unroll
+                for (int z = 0; z < SPLITK_MAX; z++)
+                    pz[z] = z < splits ? reinterpret_cast<const float4*>(partials + z * split_stride + row * h)[i]
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+                float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                for (int z = 0; z < SPLITK_MAX; z++) {
+                    if (z < splits) {
+                        t.x += pz[z].x; t.y += pz[z].y; t.z += pz[z].z; t.w += pz[z].w;
+                    }
+                }
+                v[k] = make_float4(v[k].x + t.x, v[k].y + t.y, v[k].z + t.z, v[k].w + t.w);
+                xr[i] = v[k];
+            }
+        }
     }
     rms_scale_store(v, g, h, eps, out, out_chunks, j, partial);
 }
@@ -1374,8 +1403,11 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part_val, cons
 // 65536-column row, a seventh of a 0.5B draft model's step on an H200. Deterministic: each thread visits its
 // columns in a fixed order and the block combines in a fixed tree, whatever the number of rows.
 #define TOP_TOKEN_THREADS 1024
+// With splits > 1, x holds a GEMV's split-K partial sums (split_stride apart), added up here in split order (as
+// splitk_reduce would): the EAGLE-3 head's LM head without its reduction launch.
 extern "C" __global__ void __launch_bounds__(TOP_TOKEN_THREADS) top_token(const float* __restrict__ x,
-                                                                         float* __restrict__ out, int n) {
+                                                                         float* __restrict__ out, int n, int splits,
+                                                                         u64 split_stride) {
     PDL_ENTER();
     __shared__ float s_max[TOP_TOKEN_THREADS];
     __shared__ u32 s_idx[TOP_TOKEN_THREADS];
@@ -1396,14 +1428,18 @@ extern "C" __global__ void __launch_bounds__(TOP_TOKEN_THREADS) top_token(const 
         }
     };
     int c = threadIdx.x;
-    for (; c + 3 * bd < n; c += 4 * bd) {
-        const float e0 = row[c], e1 = row[c + bd], e2 = row[c + 2 * bd], e3 = row[c + 3 * bd];
-        take(e0, c);
-        take(e1, c + bd);
-        take(e2, c + 2 * bd);
-        take(e3, c + 3 * bd);
+    if (splits > 1) {
+        for (; c < n; c += bd) take(ordered_split_sum(row + c, splits, split_stride), c);
+    } else {
+        for (; c + 3 * bd < n; c += 4 * bd) {
+            const float e0 = row[c], e1 = row[c + bd], e2 = row[c + 2 * bd], e3 = row[c + 3 * bd];
+            take(e0, c);
+            take(e1, c + bd);
+            take(e2, c + 2 * bd);
+            take(e3, c + 3 * bd);
+        }
+        for (; c < n; c += bd) take(row[c], c);
     }
-    for (; c < n; c += bd) take(row[c], c);
     s_max[threadIdx.x] = m;
     s_idx[threadIdx.x] = idx;
     s_sum[threadIdx.x] = sum;

@@ -1532,7 +1532,9 @@ fn device_top_tokens(
         TOP_TOKEN_THREADS,
         data,
         ptr(&out, gpu),
-        cols as i32
+        cols as i32,
+        0i32,
+        0u64
     );
     let host = gpu
         .stream
