@@ -612,7 +612,8 @@ impl CudaHead {
     /// Draft-vocabulary logits of the workspace rows listed in the tables' `wanted` (and, with `top_only`, each
     /// row's top token and probability).
     /// `down_splits`: the down projection's split-K sums the final norm adds first (`record_layer`'s
-    /// `defer_down`; every row of the pass wanted).
+    /// `defer_down`; every row of the pass wanted). `chain_step`: a device chain's step whose bookkeeping
+    /// top_token does too ([`fold_enabled`]).
     fn record_logits(
         &self,
         ws: &Buffers,
@@ -620,6 +621,7 @@ impl CudaHead {
         top_only: bool,
         top_k: usize,
         down_splits: usize,
+        chain_step: Option<usize>,
     ) -> Result<()> {
         let gpu = &*self.gpu;
         let c = &self.layer;
@@ -676,7 +678,7 @@ impl CudaHead {
             );
         }
         // A pass that wants only top tokens leaves the LM head's split-K sums for top_token to add.
-        let defer_logits = top_only && defer_sums_enabled();
+        let defer_logits = top_only && fold_enabled();
         let logit_splits = gemv(
             gpu,
             &self.lm_head,
@@ -703,7 +705,14 @@ impl CudaHead {
                 p(&ws.top),
                 self.draft_vocab as i32,
                 logit_splits as i32,
-                (wanted * self.draft_vocab) as u64
+                (wanted * self.draft_vocab) as u64,
+                chain_step.map_or(0, |_| p(&ws.chain_tops)),
+                ptr(&self.draft_to_target, gpu),
+                self.draft_vocab as u32,
+                ptr(&ws.ints, gpu),
+                chain_step.unwrap_or(0) as i32,
+                words::POSITIONS as i32,
+                words::ROWS as i32
             );
         } else if top_k > 0 {
             launch!(
@@ -764,7 +773,8 @@ impl CudaHead {
 
     /// A whole pass over the tables and inputs already in the workspace: fc (when fed features), the layer, the
     /// logits.
-    fn record_pass(&self, ws: &Buffers, shape: PassShape) -> Result<()> {
+    /// `chain_step`: the pass is a device chain's step (`record_chain`) whose bookkeeping its top_token does.
+    fn record_pass(&self, ws: &Buffers, shape: PassShape, chain_step: Option<usize>) -> Result<()> {
         if shape.features {
             let gpu = &*self.gpu;
             if shape.gather {
@@ -802,10 +812,17 @@ impl CudaHead {
         }
         // A one-row pass that wants its row's logits (a chain step) leaves the down projection's sums to the
         // final norm, which writes the completed row back for the next pass.
-        let defer_down = defer_sums_enabled() && shape.rows == 1 && shape.wanted == 1;
+        let defer_down = fold_enabled() && shape.rows == 1 && shape.wanted == 1;
         let down_splits = self.record_layer(ws, shape.rows, defer_down)?;
         if shape.wanted > 0 {
-            self.record_logits(ws, shape.wanted, shape.top_only, shape.top_k, down_splits)?;
+            self.record_logits(
+                ws,
+                shape.wanted,
+                shape.top_only,
+                shape.top_k,
+                down_splits,
+                chain_step,
+            )?;
         }
         Ok(())
     }
@@ -822,7 +839,15 @@ impl CudaHead {
             top_only: true,
             top_k: 0,
         };
+        // Folded, each pass's top_token keeps its top as the next step: chain_next runs only for the first pass's.
+        let fold = fold_enabled();
         for step in 0..=more {
+            if fold && step > 0 {
+                if step < more {
+                    self.record_pass(ws, shape, Some(step + 1))?;
+                }
+                continue;
+            }
             launch!(
                 gpu,
                 chain_next,
@@ -838,7 +863,7 @@ impl CudaHead {
                 words::ROWS as i32
             );
             if step < more {
-                self.record_pass(ws, shape)?;
+                self.record_pass(ws, shape, fold.then_some(step + 1))?;
             }
         }
         Ok(())
@@ -877,7 +902,7 @@ impl CudaHead {
     /// Runs a pass, as a captured graph when it is short (captured the first time its shape is seen).
     fn launch_pass(&self, ws: &mut Buffers, shape: PassShape) -> Result<()> {
         if shape.rows > MAX_GRAPH_ROWS || !super::model::graphs_enabled() {
-            return self.record_pass(ws, shape);
+            return self.record_pass(ws, shape, None);
         }
         if !ws.graphs.contains_key(&shape) {
             if ws.graphs.len() >= max_pass_graphs() {
@@ -889,7 +914,7 @@ impl CudaHead {
                     cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
                 )
                 .map_err(|e| cuda_err("starting the head's CUDA graph capture", e))?;
-            let recorded = self.record_pass(ws, shape);
+            let recorded = self.record_pass(ws, shape, None);
             let captured = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
             recorded?;
             let graph = captured
@@ -938,17 +963,17 @@ pub fn fused_inputs_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_HEAD_FUSED").map_or(true, |v| v != "0"))
 }
 
-/// Whether a head pass leaves two GEMVs' split-K sums to the kernels after them instead of a reduction launch each
-/// (`SPECULA_CUDA_HEAD_DEFER_SUMS=1`): the LM head's to top_token in passes that want top tokens only, and the
-/// down projection's to the final norm (`gather_rms_norm`, which writes the row back) in one-row passes that want
-/// their row (chain steps). The same sums in the same order as `splitk_reduce`, so the same values; 2 launches
-/// fewer a chain step of 16. Needs the fused kernels. Off until a device run checks and times it (session 51's
-/// kernel-by-kernel selftest: each reduction alone 4.0-4.3 us on an H100).
-pub fn defer_sums_enabled() -> bool {
+/// Whether a head pass folds three small launches into their neighbours (`SPECULA_CUDA_HEAD_FOLD=1`): the LM
+/// head's split-K sums into top_token in passes that want top tokens only, the down projection's into the final
+/// norm (`gather_rms_norm`, which writes the row back) in one-row passes that want their row, and a device
+/// chain's `chain_next` into the top_token before it. The same sums in the same order as `splitk_reduce`, the
+/// same chain bookkeeping, so the same values; 3 launches fewer a chain step of 16. Needs the fused kernels. Off
+/// until a device run checks and times it (session 51's kernel-by-kernel selftest on an H100: each reduction
+/// alone 4.0-4.3 us).
+pub fn fold_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        fused_inputs_enabled()
-            && std::env::var("SPECULA_CUDA_HEAD_DEFER_SUMS").is_ok_and(|v| v == "1")
+        fused_inputs_enabled() && std::env::var("SPECULA_CUDA_HEAD_FOLD").is_ok_and(|v| v == "1")
     })
 }
 

@@ -1166,19 +1166,25 @@ extern "C" __global__ void gather_feature_rows(const u32* __restrict__ table, fl
 // (as a target id, through d2t) to the next row and moves the one-row tables (positions, RowInfo) one slot on.
 // A top that is not a draft id (non-finite logits) feeds token 0; the host refuses it when it reads the chain.
 // grid 1, block 32.
-extern "C" __global__ void chain_next(const float* __restrict__ top, const u32* __restrict__ draft_to_target,
-                                      u32 draft_vocab, u32* __restrict__ ints, float* __restrict__ chain, int step,
-                                      int positions_at, int rows_at) {
-    PDL_ENTER();
-    if (threadIdx.x != 0) return;
-    const u32 id = __float_as_uint(top[0]);
-    chain[2 * step] = top[0];
-    chain[2 * step + 1] = top[1];
+__device__ __forceinline__ void chain_step(float id_bits, float p, const u32* __restrict__ draft_to_target,
+                                           u32 draft_vocab, u32* __restrict__ ints, float* __restrict__ chain,
+                                           int step, int positions_at, int rows_at) {
+    const u32 id = __float_as_uint(id_bits);
+    chain[2 * step] = id_bits;
+    chain[2 * step + 1] = p;
     ints[0] = id < draft_vocab ? draft_to_target[id] : 0u;
     ints[positions_at] += 1;
     RowInfo* row = reinterpret_cast<RowInfo*>(ints + rows_at);
     row->slot += 1;
     row->base += 1;
+}
+
+extern "C" __global__ void chain_next(const float* __restrict__ top, const u32* __restrict__ draft_to_target,
+                                      u32 draft_vocab, u32* __restrict__ ints, float* __restrict__ chain, int step,
+                                      int positions_at, int rows_at) {
+    PDL_ENTER();
+    if (threadIdx.x != 0) return;
+    chain_step(top[0], top[1], draft_to_target, draft_vocab, ints, chain, step, positions_at, rows_at);
 }
 
 // out[j] = x[src[j]] for the rows that need logits; grid (rows), block 256.
@@ -1404,10 +1410,13 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part_val, cons
 // columns in a fixed order and the block combines in a fixed tree, whatever the number of rows.
 #define TOP_TOKEN_THREADS 1024
 // With splits > 1, x holds a GEMV's split-K partial sums (split_stride apart), added up here in split order (as
-// splitk_reduce would): the EAGLE-3 head's LM head without its reduction launch.
-extern "C" __global__ void __launch_bounds__(TOP_TOKEN_THREADS) top_token(const float* __restrict__ x,
-                                                                         float* __restrict__ out, int n, int splits,
-                                                                         u64 split_stride) {
+// splitk_reduce would): the EAGLE-3 head's LM head without its reduction launch. With chain set (a one-row pass
+// of a device chain, grid 1), thread 0 then does what chain_next would do next with this pass's top, as chain
+// step `step` (one launch fewer a chain step); null elsewhere.
+extern "C" __global__ void __launch_bounds__(TOP_TOKEN_THREADS)
+    top_token(const float* __restrict__ x, float* __restrict__ out, int n, int splits, u64 split_stride,
+              float* __restrict__ chain, const u32* __restrict__ draft_to_target, u32 draft_vocab,
+              u32* __restrict__ ints, int step, int positions_at, int rows_at) {
     PDL_ENTER();
     __shared__ float s_max[TOP_TOKEN_THREADS];
     __shared__ u32 s_idx[TOP_TOKEN_THREADS];
@@ -1461,9 +1470,13 @@ extern "C" __global__ void __launch_bounds__(TOP_TOKEN_THREADS) top_token(const 
         __syncthreads();
     }
     if (threadIdx.x == 0) {
-        out[2 * blockIdx.x] = __uint_as_float(s_idx[0]);
+        const float id_bits = __uint_as_float(s_idx[0]);
         // A row of -inf only: every column equally (un)likely.
-        out[2 * blockIdx.x + 1] = s_max[0] == NEG_INF ? 1.f / n : 1.f / s_sum[0];
+        const float p = s_max[0] == NEG_INF ? 1.f / n : 1.f / s_sum[0];
+        out[2 * blockIdx.x] = id_bits;
+        out[2 * blockIdx.x + 1] = p;
+        if (chain != nullptr) chain_step(id_bits, p, draft_to_target, draft_vocab, ints, chain, step, positions_at,
+                                         rows_at);
     }
 }
 

@@ -1534,7 +1534,14 @@ fn device_top_tokens(
         ptr(&out, gpu),
         cols as i32,
         0i32,
-        0u64
+        0u64,
+        0u64,
+        0u64,
+        0u32,
+        0u64,
+        0i32,
+        0i32,
+        0i32
     );
     let host = gpu
         .stream
