@@ -1820,6 +1820,16 @@ impl<'a> EngineLoop<'a> {
             planned.refused = plan.refused;
             planned.baseline_probe = plan.baseline_probe;
             planned.limits = plan.limits;
+            // Where drafted steps measured no gain at this many requests, nobody drafts (the budget prices a
+            // draft's rows, not all it costs a step), but for a probe now and then that keeps the verdict fresh.
+            if !plan.baseline_probe
+                && planned.limits.iter().any(|&k| k > 0)
+                && self.payoff.borrow_mut().refuses_drafts(input.decoding)
+            {
+                planned.limits = vec![0; input.candidates.len()];
+                planned.expected = None;
+                planned.refused = None;
+            }
         } else {
             planned.limits = input.candidates.iter().map(|c| c.max_tokens).collect();
         }
@@ -2227,6 +2237,10 @@ pub struct DraftPayoff {
     pub idle_rule: bool,
     /// [`RELEASE_IDLE_DRAFTER_AFTER`], or `SPECULA_RELEASE_IDLE_AFTER=N` to compare others.
     pub release_after: u32,
+    /// Whether a count judged not to pay drafts nothing ([`Self::refuses_drafts`]; `SPECULA_PAYOFF_STOPS_DRAFTS=0`
+    /// lets the budget draft there anyway, as until session 51, to compare).
+    stops_drafts: bool,
+    refused_steps: u64,
 }
 
 impl Default for DraftPayoff {
@@ -2243,6 +2257,8 @@ impl Default for DraftPayoff {
                 .and_then(|v| v.parse().ok())
                 .filter(|&n| n > 0)
                 .unwrap_or(RELEASE_IDLE_DRAFTER_AFTER),
+            stops_drafts: std::env::var("SPECULA_PAYOFF_STOPS_DRAFTS").map_or(true, |v| v != "0"),
+            refused_steps: 0,
         }
     }
 }
@@ -2260,6 +2276,11 @@ impl DraftPayoff {
     /// draft too.
     const MARGIN: f64 = 0.02;
     pub const PROBE_EVERY: u64 = 8;
+    /// Steps at a count judged not to pay that still draft ([`Self::refuses_drafts`]): one in this many, few
+    /// enough to cost under half a percent where drafting loses a tenth, and far enough apart that idle drafters
+    /// are released in between ([`RELEASE_IDLE_DRAFTER_AFTER`]). The drafted evidence they add ages between them,
+    /// so a verdict lapses now and then and the count is judged afresh from new drafted steps.
+    pub const PROBE_STEPS_EVERY: u64 = 32;
     /// Below this share of their steps allowed a draft, drafters at a count are judged mostly idle: what the
     /// few drafted steps gain (a third more tokens for a step that costs a little more, at best, under load) no
     /// longer covers what an idle head costs each step (a few percent: its captures and feeds).
@@ -2375,6 +2396,21 @@ impl DraftPayoff {
             .rev()
             .find_map(|n| self.pays_near(n))
             .filter(|&pays| !pays)
+    }
+
+    /// Whether a step of `requests` decoding requests drafts nothing although the budget would: drafting measured
+    /// no gain at that count ([`Self::judged`]), and this is not one of the steps in [`Self::PROBE_STEPS_EVERY`]
+    /// that still draft so the verdict keeps tracking the load. The budget prices a draft's own rows against
+    /// the step; what else a drafting batch costs (the head's batched passes, longer host work, rows that turn
+    /// a GEMV into a GEMM) shows only in whole steps. On an H100 at 16 streams a head server whose admissions
+    /// this cap had already limited kept drafting in the requests that had drafters (74% accepted) and ran
+    /// 0.89x plain (docs/benchmarks.md, session 51). Never alone: one request's drafts are judged by the budget.
+    pub fn refuses_drafts(&mut self, requests: usize) -> bool {
+        if !self.stops_drafts || requests < 2 || self.judged(requests) != Some(false) {
+            return false;
+        }
+        self.refused_steps += 1;
+        !self.refused_steps.is_multiple_of(Self::PROBE_STEPS_EVERY)
     }
 
     /// Whether a request admitted beside `running` others gets a drafter: alone always; beside others unless
@@ -2568,6 +2604,22 @@ mod tests {
         }
         assert_eq!(p.pays(16), None);
         assert!(p.admits_drafter(15));
+        // Where drafting measured no gain, steps draft nothing but one in PROBE_STEPS_EVERY; never alone, never
+        // where it pays, never with the rule off.
+        let refused = (0..2 * DraftPayoff::PROBE_STEPS_EVERY)
+            .filter(|_| q.refuses_drafts(8))
+            .count() as u64;
+        assert_eq!(refused, 2 * (DraftPayoff::PROBE_STEPS_EVERY - 1));
+        assert!(!p.refuses_drafts(4));
+        let mut alone = DraftPayoff::default();
+        for _ in 0..30 {
+            alone.observe(1, false, 1, 1.0e-3);
+            alone.observe(1, true, 1, 1.5e-3);
+        }
+        assert_eq!(alone.pays(1), Some(false));
+        assert!(!alone.refuses_drafts(1));
+        q.stops_drafts = false;
+        assert!(!q.refuses_drafts(8));
         // Steps of no time or of no requests are not evidence.
         let mut r = DraftPayoff::default();
         for _ in 0..30 {
