@@ -154,6 +154,34 @@ __device__ __forceinline__ float split_sum(const float* __restrict__ p, int spli
 // and keeps them in registers; threads sum their pieces in order, warps reduce by butterfly, warp 0 sums the warp
 // totals in order: a fixed order for a given h.
 #define NORM_PIECES 4
+
+// v += a deferred split-K residual update of row `row` (partials[z][row] for z < splits, added in split order as
+// splitk_reduce would: every split's piece loaded at once, then added), written back to that row of x (xw).
+__device__ __forceinline__ void add_split_residual(float4 (&v)[NORM_PIECES], float4* __restrict__ xw,
+                                                   const float* __restrict__ partials, int splits,
+                                                   u64 split_stride, size_t row, int h) {
+    const int pieces = h >> 2;
+#pragma unroll
+    for (int j = 0; j < NORM_PIECES; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < pieces) {
+            float4 pz[SPLITK_MAX];
+#pragma unroll
+            for (int z = 0; z < SPLITK_MAX; z++)
+                pz[z] = z < splits ? reinterpret_cast<const float4*>(partials + z * split_stride + row * h)[i]
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int z = 0; z < SPLITK_MAX; z++) {
+                if (z < splits) {
+                    t.x += pz[z].x; t.y += pz[z].y; t.z += pz[z].z; t.w += pz[z].w;
+                }
+            }
+            v[j] = make_float4(v[j].x + t.x, v[j].y + t.y, v[j].z + t.z, v[j].w + t.w);
+            xw[i] = v[j];
+        }
+    }
+}
 // With splits > 0 it first adds a deferred split-K residual update (the output or down projection's partial sums,
 // partials[z][r] for z < splits, summed in split order as splitk_reduce would) into x and writes x back: one
 // launch instead of a reduction kernel and a norm.
@@ -185,30 +213,8 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ 
         const int i = threadIdx.x + j * blockDim.x;
         v[j] = i < pieces ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    if (splits > 0) {
-        float4* xw = reinterpret_cast<float4*>(x + (size_t)r * h);
-#pragma unroll
-        for (int j = 0; j < NORM_PIECES; j++) {
-            const int i = threadIdx.x + j * blockDim.x;
-            if (i < pieces) {
-                // Every split's piece loaded at once, then added in split order.
-                float4 pz[SPLITK_MAX];
-#pragma unroll
-                for (int z = 0; z < SPLITK_MAX; z++)
-                    pz[z] = z < splits ? reinterpret_cast<const float4*>(partials + z * split_stride + (size_t)r * h)[i]
-                                       : make_float4(0.f, 0.f, 0.f, 0.f);
-                float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-                for (int z = 0; z < SPLITK_MAX; z++) {
-                    if (z < splits) {
-                        t.x += pz[z].x; t.y += pz[z].y; t.z += pz[z].z; t.w += pz[z].w;
-                    }
-                }
-                v[j] = make_float4(v[j].x + t.x, v[j].y + t.y, v[j].z + t.z, v[j].w + t.w);
-                xw[i] = v[j];
-            }
-        }
-    }
+    if (splits > 0)
+        add_split_residual(v, reinterpret_cast<float4*>(x + (size_t)r * h), partials, splits, split_stride, r, h);
     if (copy_out != nullptr) {
         float4* cw = reinterpret_cast<float4*>(copy_out + (size_t)r * h);
 #pragma unroll
@@ -1311,28 +1317,7 @@ extern "C" __global__ void __launch_bounds__(1024)
         const int i = threadIdx.x + k * blockDim.x;
         v[k] = i < pieces ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    if (splits > 0) {
-#pragma unroll
-        for (int k = 0; k < NORM_PIECES; k++) {
-            const int i = threadIdx.x + k * blockDim.x;
-            if (i < pieces) {
-                float4 pz[SPLITK_MAX];
-#pragma unroll
-                for (int z = 0; z < SPLITK_MAX; z++)
-                    pz[z] = z < splits ? reinterpret_cast<const float4*>(partials + z * split_stride + row * h)[i]
-                                       : make_float4(0.f, 0.f, 0.f, 0.f);
-                float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-                for (int z = 0; z < SPLITK_MAX; z++) {
-                    if (z < splits) {
-                        t.x += pz[z].x; t.y += pz[z].y; t.z += pz[z].z; t.w += pz[z].w;
-                    }
-                }
-                v[k] = make_float4(v[k].x + t.x, v[k].y + t.y, v[k].z + t.z, v[k].w + t.w);
-                xr[i] = v[k];
-            }
-        }
-    }
+    if (splits > 0) add_split_residual(v, xr, partials, splits, split_stride, row, h);
     rms_scale_store(v, g, h, eps, out, out_chunks, j, partial);
 }
 
