@@ -1829,6 +1829,7 @@ impl<'a> EngineLoop<'a> {
                 planned.limits = vec![0; input.candidates.len()];
                 planned.expected = None;
                 planned.refused = None;
+                self.metrics.payoff_refused_steps.inc();
             }
         } else {
             planned.limits = input.candidates.iter().map(|c| c.max_tokens).collect();

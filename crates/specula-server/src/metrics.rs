@@ -34,6 +34,8 @@ pub struct Metrics {
     pub admitted_without_drafter: IntCounter,
     /// Drafters taken from running requests that had been allowed no draft for a while under load.
     pub released_drafters: IntCounter,
+    /// Steps in which the budget would have drafted but drafting had measured no gain at that many requests.
+    pub payoff_refused_steps: IntCounter,
     /// Requests admitted beside others that went without their drafter to reuse a cached prompt it could not.
     pub prefix_over_drafter: IntCounter,
     pub num_draft_tokens: IntCounter,
@@ -267,6 +269,10 @@ impl Metrics {
             released_drafters: counter(
                 "specula:spec_decode_released_drafters",
                 "Drafters taken from running requests allowed no draft in 16 decoding steps in a row beside other requests, where an idle drafter costs each step (an EAGLE-3 head's captured hidden states).",
+            ),
+            payoff_refused_steps: counter(
+                "specula:spec_decode_payoff_refused_steps",
+                "Decoding steps that drafted nothing although the draft budget allowed drafts, because drafted steps had measured no gain over undrafted ones at that many requests (one such step in 32 drafts anyway, to keep measuring).",
             ),
             num_draft_tokens: counter(
                 "specula:spec_decode_num_draft_tokens",

@@ -1656,6 +1656,11 @@ fn requests_admitted_past_the_disabling_batch_size_get_no_drafter() {
         metric(&text, "specula:spec_decode_admitted_without_drafter"),
         1.0
     );
+    // The batch-size cap decided, not the measured payoff.
+    assert_eq!(
+        metric(&text, "specula:spec_decode_payoff_refused_steps"),
+        0.0
+    );
 }
 
 /// Reads one sample of the Prometheus text exposition (a parser, not a substring match).
