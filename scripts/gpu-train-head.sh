@@ -20,7 +20,13 @@ set -uo pipefail
 mode=$1; bin=$2; models=$3; out=$4; shift 4
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SPECULA_CACHE="$models" SPECULA_BIN="$bin"
-name=qwen2.5-coder-1.5b-eagle3
+# NAME=smollm2-135m-eagle3 trains that head's GPU recipe instead (DEVICE=cuda in scripts/train-head.sh; MODELS
+# then holds smollm2-135m.gguf); its 20 MB comes back whole from the train call.
+name=${NAME:-qwen2.5-coder-1.5b-eagle3}
+case "$name" in
+  smollm2-135m-eagle3) target=smollm2-135m; export DEVICE=cuda ;;
+  *) target=qwen2.5-coder-1.5b ;;
+esac
 : "${STAGE:?set STAGE=k, the stage to build (scripts/train-head.sh): one device call holds the data or the training of one stage}"
 export STAGE
 head="$models/heads/$name.stage$STAGE"
@@ -35,7 +41,7 @@ case "$mode" in
     if [ "$probe" != 0 ]; then
       rm -rf /tmp/probe && mkdir -p /tmp/probe && cp "$head/data.jsonl" /tmp/probe/
       # The same settings as the real run (scripts/train-head.sh), stopped after PROBE_MINUTES.
-      "$bin" train-eagle3 -m qwen2.5-coder-1.5b --out /tmp/probe --resume --prompts "$head/prompts.jsonl" \
+      "$bin" train-eagle3 -m "$target" --out /tmp/probe --resume --prompts "$head/prompts.jsonl" \
         --device cuda --seq-len 384 --draft-vocab 8192 --intermediate-size 4096 --ttt-steps 4 --epochs 4 \
         --batch 4 --lr 5e-4 --cache-gb 40 --max-minutes "$probe" --json "$out/probe.json" \
         > "$out/probe.log" 2> "$out/probe.err"
@@ -63,7 +69,7 @@ case "$mode" in
   probe)
     minutes=${1:?probe needs MINUTES}; shift
     rm -rf /tmp/probe && mkdir -p /tmp/probe && cp "$head/data.jsonl" /tmp/probe/
-    "$bin" train-eagle3 -m qwen2.5-coder-1.5b --out /tmp/probe --resume --prompts "$head/prompts.jsonl" \
+    "$bin" train-eagle3 -m "$target" --out /tmp/probe --resume --prompts "$head/prompts.jsonl" \
       --device cuda --seq-len 384 --draft-vocab 8192 --intermediate-size 4096 --ttt-steps 4 --epochs 1 \
       --batch "${BATCH:-4}" --lr 5e-4 --cache-gb 40 --max-minutes "$minutes" "$@" > /tmp/probe.log 2> /tmp/probe.err
     echo "probe batch ${BATCH:-4} $*: $(tr '\r' '\n' < /tmp/probe.err | grep -E '^\[' | tail -1)"
