@@ -380,8 +380,15 @@ impl CudaHead {
 
     /// The decoder layer over the `m` rows whose tables and x are in the workspace; leaves the outputs in `x`,
     /// or with `defer_down` the down projection's split-K sums in the scratch for the final norm to add
-    /// (`gather_rms_norm`). Returns that count (0: x holds the outputs).
-    fn record_layer(&self, ws: &Buffers, m: usize, defer_down: bool) -> Result<usize> {
+    /// (`gather_rms_norm`). Returns that count (0: x holds the outputs). `fc_splits`: x is still fc's split-K
+    /// sums in the scratch, which head_inputs adds up (and writes to x) first.
+    fn record_layer(
+        &self,
+        ws: &Buffers,
+        m: usize,
+        defer_down: bool,
+        fc_splits: usize,
+    ) -> Result<usize> {
         let c = &self.layer;
         let gpu = &*self.gpu;
         let (h, q_dim, kv_dim, hd, ff) = (
@@ -430,9 +437,17 @@ impl CudaHead {
                 p(&self.rope_inv_freqs),
                 p(&ws.angles),
                 (hd / 2) as i32,
-                x_col
+                x_col,
+                pscratch,
+                fc_splits as i32,
+                (m * h) as u64
             );
         } else {
+            if fc_splits > 0 {
+                return Err(Error::Cuda(
+                    "the head's fc left its sums for the fused input kernel, which is off".into(),
+                ));
+            }
             launch!(
                 gpu,
                 embed_rows,
@@ -775,6 +790,8 @@ impl CudaHead {
     /// logits.
     /// `chain_step`: the pass is a device chain's step (`record_chain`) whose bookkeeping its top_token does.
     fn record_pass(&self, ws: &Buffers, shape: PassShape, chain_step: Option<usize>) -> Result<()> {
+        let fold = fold_enabled();
+        let mut fc_splits = 0;
         if shape.features {
             let gpu = &*self.gpu;
             if shape.gather {
@@ -797,7 +814,8 @@ impl CudaHead {
                 shape.rows,
                 self.fc.cols,
             )?;
-            gemv(
+            // Folded, fc's split-K sums are added up by head_inputs, which reads x first.
+            fc_splits = gemv(
                 gpu,
                 &self.fc,
                 self.layer.hidden_size,
@@ -807,13 +825,13 @@ impl CudaHead {
                 false,
                 false,
                 ptr(&ws.scratch, gpu),
-                false,
+                fold,
             )?;
         }
-        // A one-row pass that wants its row's logits (a chain step) leaves the down projection's sums to the
-        // final norm, which writes the completed row back for the next pass.
-        let defer_down = fold_enabled() && shape.rows == 1 && shape.wanted == 1;
-        let down_splits = self.record_layer(ws, shape.rows, defer_down)?;
+        // A pass that wants every row's logits (each row once: a chain step, a batch of one-row passes, a tree)
+        // leaves the down projection's sums to the final norm, which writes the completed rows back.
+        let defer_down = fold && shape.rows == shape.wanted;
+        let down_splits = self.record_layer(ws, shape.rows, defer_down, fc_splits)?;
         if shape.wanted > 0 {
             self.record_logits(
                 ws,
@@ -963,13 +981,13 @@ pub fn fused_inputs_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_HEAD_FUSED").map_or(true, |v| v != "0"))
 }
 
-/// Whether a head pass folds three small launches into their neighbours (`SPECULA_CUDA_HEAD_FOLD=1`): the LM
-/// head's split-K sums into top_token in passes that want top tokens only, the down projection's into the final
-/// norm (`gather_rms_norm`, which writes the row back) in one-row passes that want their row, and a device
-/// chain's `chain_next` into the top_token before it. The same sums in the same order as `splitk_reduce`, the
-/// same chain bookkeeping, so the same values; 3 launches fewer a chain step of 16. Needs the fused kernels. Off
-/// until a device run checks and times it (session 51's kernel-by-kernel selftest on an H100: each reduction
-/// alone 4.0-4.3 us).
+/// Whether a head pass folds small launches into their neighbours (`SPECULA_CUDA_HEAD_FOLD=1`): the LM head's
+/// split-K sums into top_token in passes that want top tokens only, the down projection's into the final norm
+/// (`gather_rms_norm`, which writes the rows back) in passes that want every row, fc's into head_inputs (which
+/// writes x) in passes fed features, and a device chain's `chain_next` into the top_token before it. The same
+/// sums in the same order as `splitk_reduce`, the same chain bookkeeping, so the same values; 3 launches fewer a
+/// chain step of 16, 1-2 fewer a fed pass. Needs the fused kernels. Off until a device run checks and times it
+/// (session 51's kernel-by-kernel selftest on an H100: each reduction alone 4.0-4.3 us).
 pub fn fold_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {

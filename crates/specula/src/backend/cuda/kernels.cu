@@ -1250,13 +1250,15 @@ __device__ __forceinline__ void load_norm_weights(const float* __restrict__ w, i
 // embedding table, normalized by w_embed into out_embed; part 1: row r of x normalized by w_x into out_x; part
 // 2: row r's rotary angles (rope_angles' arithmetic; qkv_post, three kernels later, reads them before it waits).
 // Part 1 writes from column x_col of out_x's rows (out_chunks chunks a row): with out_x = out_embed, x_col = h and
-// out_chunks = 2h / 32, the two normed inputs are one row of 2h for a single QKV GEMV over both halves.
+// out_chunks = 2h / 32, the two normed inputs are one row of 2h for a single QKV GEMV over both halves. With
+// x_splits > 0, x is not written yet: part 1 takes row r as the sum of fc's split-K partial sums (x_partials,
+// x_stride apart, in split order as splitk_reduce would) and writes it to x first.
 extern "C" __global__ void __launch_bounds__(1024)
     head_inputs(const bf16_t* __restrict__ table, int table_chunks, const u32* __restrict__ tokens,
-                const float* __restrict__ x, const float* __restrict__ w_embed, const float* __restrict__ w_x,
+                float* __restrict__ x, const float* __restrict__ w_embed, const float* __restrict__ w_x,
                 u32* __restrict__ out_embed, u32* __restrict__ out_x, int h, float eps, int out_chunks,
                 const u32* __restrict__ positions, const float* __restrict__ inv_freq, float2* __restrict__ angles,
-                int half, int x_col) {
+                int half, int x_col, const float* __restrict__ x_partials, int x_splits, u64 x_stride) {
     __shared__ float partial[32];
     const int r = blockIdx.x, part = blockIdx.y;
     if (part == 2) {
@@ -1284,6 +1286,10 @@ extern "C" __global__ void __launch_bounds__(1024)
                                             bf16_to_f32(table[tiled_index(token, 4 * i + 3, table_chunks)]))
                               : make_float4(0.f, 0.f, 0.f, 0.f);
         }
+    } else if (x_splits > 0) {
+#pragma unroll
+        for (int j = 0; j < NORM_PIECES; j++) v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        add_split_residual(v, reinterpret_cast<float4*>(x + (size_t)r * h), x_partials, x_splits, x_stride, r, h);
     } else {
         const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * h);
 #pragma unroll
