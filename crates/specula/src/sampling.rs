@@ -337,6 +337,10 @@ pub struct Distribution {
 
 impl Distribution {
     pub fn prob_of(&self, id: u32) -> f32 {
+        // A whole vocabulary in id order holds token i at index i: no search (ids are distinct).
+        if self.ids.get(id as usize) == Some(&id) {
+            return self.probs[id as usize];
+        }
         self.ids
             .iter()
             .position(|&i| i == id)
@@ -469,13 +473,29 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Distribution {
     dist
 }
 
+/// The sum of `values` in eight interleaved f32 lanes added pairwise at the end, in a fixed order: the compiler
+/// vectorizes it (one dependent chain of f32 adds over a 152k row took ~0.2 ms), and it rounds no worse.
+fn sum_in_lanes(values: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut blocks = values.chunks_exact(8);
+    for block in &mut blocks {
+        for (lane, &v) in lanes.iter_mut().zip(block) {
+            *lane += v;
+        }
+    }
+    let rest: f32 = blocks.remainder().iter().sum();
+    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+        + rest
+}
+
 /// [`distribution`] before min-p.
 fn truncated(logits: &[f32], params: &SamplingParams) -> Distribution {
     let t = params.temperature.max(1e-6);
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut probs: Vec<f32> = logits.iter().map(|&l| (l - max) / t).collect();
     crate::backend::cpu::ops::exp_in_place(&mut probs);
-    let sum: f32 = probs.iter().sum();
+    let sum = sum_in_lanes(&probs);
     for p in &mut probs {
         *p /= sum;
     }
@@ -486,6 +506,14 @@ fn truncated(logits: &[f32], params: &SamplingParams) -> Distribution {
         params.top_k.min(n)
     };
     if k == n && params.top_p >= 1.0 {
+        // Usually every token keeps some probability: the row as it is, ids in order (built without a branch a
+        // token: this path ran ~1.1 ms a 152k row, most of a sampled speculative cycle's acceptance).
+        if probs.iter().all(|&p| p > 0.0) {
+            return Distribution {
+                ids: (0..n as u32).collect(),
+                probs,
+            };
+        }
         let ids: Vec<u32> = (0..n as u32).filter(|&i| probs[i as usize] > 0.0).collect();
         let kept = ids.iter().map(|&i| probs[i as usize]).collect();
         return Distribution { ids, probs: kept };
@@ -811,6 +839,47 @@ mod tests {
         // p - q: 0.3, -0.3, 0.2 -> {0: 0.6, 2: 0.4}
         assert_eq!(r.ids, vec![0, 2]);
         assert!((r.probs[0] - 0.6).abs() < 1e-6 && (r.probs[1] - 0.4).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_distributions_probabilities_are_found_whatever_its_order() {
+        let logits: Vec<f32> = (0..1000).map(|i| ((i * 37 % 101) as f32) / 10.0).collect();
+        for params in [
+            SamplingParams {
+                temperature: 0.8,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 0.8,
+                top_p: 0.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 0.8,
+                top_k: 7,
+                ..Default::default()
+            },
+        ] {
+            let dist = distribution(&logits, &params);
+            let total: f32 = dist.probs.iter().sum();
+            assert!((total - 1.0).abs() < 1e-4, "{total}");
+            for (&id, &p) in dist.ids.iter().zip(&dist.probs) {
+                assert_eq!(dist.prob_of(id), p);
+            }
+            // A token the distribution left out has probability 0.
+            if let Some(out) = (0..1000u32).find(|t| !dist.ids.contains(t)) {
+                assert_eq!(dist.prob_of(out), 0.0);
+            }
+        }
+        // The lanes' sum against an f64 sum: no further off than one f32 chain (what it replaced).
+        let values: Vec<f32> = (0..152_003)
+            .map(|i| ((i % 97) as f32 + 0.5) * 1e-3)
+            .collect();
+        let exact: f64 = values.iter().map(|&v| f64::from(v)).sum();
+        let chain: f32 = values.iter().sum();
+        let lanes_err = (f64::from(sum_in_lanes(&values)) - exact).abs();
+        assert!(lanes_err <= (f64::from(chain) - exact).abs(), "{lanes_err}");
+        assert!(lanes_err < 1e-4 * exact, "{lanes_err}");
     }
 
     #[test]
