@@ -17,6 +17,17 @@
 # the evaluation set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Builds stages 1..LAST of the head "$name" into heads/NAME.stage<k> (each a run of this script with STAGE=k),
+# copies the last to heads/NAME and exits.
+all_stages() {
+  local last=$1; shift
+  for k in $(seq 1 "$last"); do STAGE=$k "$0" "$name" "$@"; done
+  mkdir -p "$out"
+  cp "$out.stage$last"/{config.json,model.safetensors,training-report.json} "$out/"
+  echo "head $name (stage $last): $out"
+  exit 0
+}
 name=${1:?usage: scripts/train-head.sh NAME [train-eagle3 args]   (smollm2-135m-eagle3, qwen2.5-coder-1.5b-eagle3)}
 shift
 cache=${SPECULA_CACHE:-$HOME/.cache/specula/models}
@@ -32,13 +43,7 @@ case "$name" in
       # the last is copied to heads/NAME.
       common=(--device cuda --answer-batch ${ANSWER_BATCH:-128} --answer-tokens 256 --seq-len 384 --draft-vocab 8192
               --ttt-steps 4 --batch ${BATCH:-4} --cache-gb 20 --seed 0)
-      if [ -z "${STAGE:-}" ]; then
-        for k in 1 2; do STAGE=$k "$0" "$name" "$@"; done
-        mkdir -p "$out"
-        cp "$out.stage2"/{config.json,model.safetensors,training-report.json} "$out/"
-        echo "head $name (stage 2): $out"
-        exit 0
-      fi
+      [ -n "${STAGE:-}" ] || all_stages 2 "$@"
       case "$STAGE" in
         1) prompts=6000; skip=0; source=general
            train_args=("${common[@]}" --epochs ${EPOCHS:-2} --corpus-tokens 300000 --lr 5e-4) ;;
@@ -75,13 +80,7 @@ case "$name" in
     stages=${STAGES:-6}
     common=(--device cuda --answer-batch ${ANSWER_BATCH:-128} --answer-tokens 256 --seq-len 384 --draft-vocab 8192
             --intermediate-size 4096 --ttt-steps 4 --batch ${BATCH:-4} --cache-gb 40 --seed 0)
-    if [ -z "${STAGE:-}" ]; then
-      for k in $(seq 1 "$stages"); do STAGE=$k "$0" "$name" "$@"; done
-      mkdir -p "$out"
-      cp "$out.stage$stages"/{config.json,model.safetensors,training-report.json} "$out/"
-      echo "head $name (stage $stages): $out"
-      exit 0
-    fi
+    [ -n "${STAGE:-}" ] || all_stages "$stages" "$@"
     case "$STAGE" in
       1) prompts=6000; skip=0; source=general
          train_args=("${common[@]}" --epochs ${EPOCHS:-1} --corpus-tokens 300000 --lr 5e-4) ;;

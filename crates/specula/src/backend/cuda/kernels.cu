@@ -182,6 +182,7 @@ __device__ __forceinline__ void add_split_residual(float4 (&v)[NORM_PIECES], flo
         }
     }
 }
+
 // With splits > 0 it first adds a deferred split-K residual update (the output or down projection's partial sums,
 // partials[z][r] for z < splits, summed in split order as splitk_reduce would) into x and writes x back: one
 // launch instead of a reduction kernel and a norm.
@@ -213,8 +214,32 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* __restrict__ 
         const int i = threadIdx.x + j * blockDim.x;
         v[j] = i < pieces ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    if (splits > 0)
-        add_split_residual(v, reinterpret_cast<float4*>(x + (size_t)r * h), partials, splits, split_stride, r, h);
+    if (splits > 0) {
+        // add_split_residual's steps inline: the target's hot path stays what ran on a device until the helper
+        // (written for the head's folded kernels) has run there too.
+        float4* xw = reinterpret_cast<float4*>(x + (size_t)r * h);
+#pragma unroll
+        for (int j = 0; j < NORM_PIECES; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < pieces) {
+                // Every split's piece loaded at once, then added in split order.
+                float4 pz[SPLITK_MAX];
+#pragma unroll
+                for (int z = 0; z < SPLITK_MAX; z++)
+                    pz[z] = z < splits ? reinterpret_cast<const float4*>(partials + z * split_stride + (size_t)r * h)[i]
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+                float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                for (int z = 0; z < SPLITK_MAX; z++) {
+                    if (z < splits) {
+                        t.x += pz[z].x; t.y += pz[z].y; t.z += pz[z].z; t.w += pz[z].w;
+                    }
+                }
+                v[j] = make_float4(v[j].x + t.x, v[j].y + t.y, v[j].z + t.z, v[j].w + t.w);
+                xw[i] = v[j];
+            }
+        }
+    }
     if (copy_out != nullptr) {
         float4* cw = reinterpret_cast<float4*>(copy_out + (size_t)r * h);
 #pragma unroll
