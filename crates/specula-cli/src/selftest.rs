@@ -650,11 +650,10 @@ fn head_pass_timings(
                 " (the checkpoint's precision; drafting on the CPU requantizes)"
             } else if std::env::var("SPECULA_CUDA_HEAD_FUSED").is_ok_and(|v| v == "0") {
                 " (SPECULA_CUDA_HEAD_FUSED=0: a pass's inputs and final norm in 6 launches instead of 2)"
-            } else if ["SPECULA_CUDA_HEAD_FOLD", "SPECULA_CUDA_HEAD_ONE_QKV"]
-                .iter()
-                .any(|v| std::env::var(v).is_ok_and(|v| v == "1"))
-            {
-                " (SPECULA_CUDA_HEAD_FOLD / SPECULA_CUDA_HEAD_ONE_QKV set: fewer launches a pass)"
+            } else if std::env::var("SPECULA_CUDA_HEAD_FOLD").is_ok_and(|v| v == "1") {
+                " (SPECULA_CUDA_HEAD_FOLD=1: 1-3 launches fewer a pass)"
+            } else if std::env::var("SPECULA_CUDA_HEAD_ONE_QKV").is_ok_and(|v| v == "0") {
+                " (SPECULA_CUDA_HEAD_ONE_QKV=0: Q, K and V of each input half by their own GEMVs, 3 launches more)"
             } else {
                 ""
             }

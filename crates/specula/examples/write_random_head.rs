@@ -3,13 +3,14 @@
 //! then pays the head's per-step bookkeeping (captured hidden states, the draft budget) while drafting little, the
 //! regime where session 22 measured it 2-5% under plain on the H200 (scripts/gpu-serve-random.sh).
 //! SHAPE may also be a GGUF file, for a head over that model (a tiny one: the server's host costs on the CPU).
-//! `cargo run --release -p specula --example write_random_head -- OUT_DIR SHAPE|MODEL.gguf [DRAFT_VOCAB]`
+//! INTERMEDIATE sets the MLP's width (the registry 1.5B head's is 4096: its passes' real cost on a GPU).
+//! `cargo run --release -p specula --example write_random_head -- OUT_DIR SHAPE|MODEL.gguf [DRAFT_VOCAB [INTERMEDIATE]]`
 
 use specula::model::config::Config;
 use specula::testing::{write_tiny_eagle3_head, TinyHeadSpec};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let usage = "usage: write_random_head OUT_DIR SHAPE [DRAFT_VOCAB] (SHAPE: llama-3.1-8b, qwen2.5-1.5b, qwen2.5-0.5b, or a .gguf model)";
+    let usage = "usage: write_random_head OUT_DIR SHAPE [DRAFT_VOCAB [INTERMEDIATE]] (SHAPE: llama-3.1-8b, qwen2.5-1.5b, qwen2.5-0.5b, or a .gguf model)";
     let args: Vec<String> = std::env::args().collect();
     let out = args.get(1).ok_or(usage)?;
     let shape = args.get(2).ok_or(usage)?;
@@ -33,7 +34,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
+    let intermediate = match args.get(4) {
+        Some(s) => match s.parse::<usize>() {
+            Ok(n) if n > 0 => Some(n),
+            _ => {
+                return Err(format!("INTERMEDIATE {s:?} is not a positive number; {usage}").into())
+            }
+        },
+        None => None,
+    };
     let spec = TinyHeadSpec {
+        intermediate,
         draft_vocab,
         first: 0,
         stride: 1,

@@ -493,6 +493,8 @@ pub struct TinyHeadSpec {
     pub aux_layers: Option<Vec<usize>>,
     /// Width of the target hidden states fc reads (None: the target's; Some(w) writes `target_hidden_size`).
     pub target_hidden: Option<usize>,
+    /// Width of the head's MLP (None: twice the hidden size).
+    pub intermediate: Option<usize>,
     /// Overrides of config.json fields (to write wrong heads).
     pub config_overrides: serde_json::Value,
 }
@@ -506,6 +508,7 @@ impl Default for TinyHeadSpec {
             stride: 2,
             aux_layers: Some(vec![0, 1, 2]),
             target_hidden: None,
+            intermediate: None,
             config_overrides: serde_json::json!({}),
         }
     }
@@ -526,7 +529,7 @@ pub fn write_tiny_eagle3_head(
         target.num_kv_heads,
         target.head_dim,
     );
-    let ff = 2 * h;
+    let ff = spec.intermediate.unwrap_or(2 * h);
     let mut config = serde_json::json!({
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",

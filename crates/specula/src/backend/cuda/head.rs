@@ -986,8 +986,10 @@ pub fn fused_inputs_enabled() -> bool {
 /// (`gather_rms_norm`, which writes the rows back) in passes that want every row, fc's into head_inputs (which
 /// writes x) in passes fed features, and a device chain's `chain_next` into the top_token before it. The same
 /// sums in the same order as `splitk_reduce`, the same chain bookkeeping, so the same values; 3 launches fewer a
-/// chain step of 16, 1-2 fewer a fed pass. Needs the fused kernels. Off until a device run checks and times it
-/// (session 51's kernel-by-kernel selftest on an H100: each reduction alone 4.0-4.3 us).
+/// chain step of 16, 1-2 fewer a fed pass. Needs the fused kernels. Checked on an H100 in session 52 (selftest
+/// PASS) but off: it saved nothing measurable (a chain step 76.8 us either way, a chain of 4 tokens 381.9 -> 376.6
+/// us, bench at simulated acceptance 2.28 -> 2.28-2.29x; on top of the one QKV GEMV nothing): the folded
+/// kernels' extra reads cost what the launches saved.
 pub fn fold_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
@@ -997,13 +999,16 @@ pub fn fold_enabled() -> bool {
 
 /// Whether a head pass computes Q, K and V in one GEMV over both normed inputs side by side (2h columns, its
 /// split-K sums added by qkv_post) instead of a GEMV for each half and two reductions
-/// (`SPECULA_CUDA_HEAD_ONE_QKV=1`): 3 launches fewer a pass. Other sums than two GEMVs' (the split over 2h
-/// columns), so values move within rounding. Needs the fused kernels (head_inputs writes the joined row). Off
-/// until a device run checks and times it.
+/// (default; `SPECULA_CUDA_HEAD_ONE_QKV=0` launches the halves separately): 3 launches fewer a pass. Other sums
+/// than two GEMVs' (the split over 2h columns), so values move within rounding. Needs the fused kernels
+/// (head_inputs writes the joined row). Measured on an H100 in session 52 (random qwen2.5-1.5b and a random
+/// head of the registry head's shape): selftest PASS against the CPU head, a chain of 4 tokens 381.9 -> 358.5
+/// us, bench at simulated acceptance 0.75, k = 5, two rounds: 2.28x -> 2.30x plain.
 pub fn one_qkv_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        fused_inputs_enabled() && std::env::var("SPECULA_CUDA_HEAD_ONE_QKV").is_ok_and(|v| v == "1")
+        fused_inputs_enabled()
+            && std::env::var("SPECULA_CUDA_HEAD_ONE_QKV").map_or(true, |v| v != "0")
     })
 }
 
