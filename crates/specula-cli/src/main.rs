@@ -129,8 +129,8 @@ fn models() {
     for h in specula::registry::HEADS {
         let built = if h.built().is_some() { "yes" } else { "no" };
         println!(
-            "{:<22} {:>14}  {:<9} {} (build: scripts/train-head.sh {})",
-            h.name, "-", built, h.description, h.name
+            "{:<22} {:>14}  {:<9} {} (build: {})",
+            h.name, "-", built, h.description, h.build_command
         );
     }
     println!("cache: {}", specula::registry::cache_dir().display());

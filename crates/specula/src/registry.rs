@@ -112,11 +112,17 @@ pub struct RegistryHead {
     /// Wall time of the build command, for the message that suggests it, and where it was measured.
     pub build_minutes: u32,
     pub build_on: &'static str,
+    /// The command that builds it (scripts/train-head.sh with the recipe's settings).
+    pub build_command: &'static str,
     /// Draft tokens per cycle that measured best with it (what `--speculate` uses).
     pub draft_tokens: usize,
     /// Whether it measured faster than prompt lookup on the CPU (docs/eagle3.md): `--speculate` picks only a
     /// head that wins.
     pub wins_on_cpu: bool,
+    /// Held-out accuracy of the first drafted token (config.json's `specula_training.eval_accuracy_per_step`)
+    /// that the build measured to win recorded, less a margin: a head of this name recording less came from
+    /// another recipe (smollm2's CPU recipe records ~35-45%) and `--speculate` leaves it alone.
+    pub min_recorded_accuracy: Option<f64>,
     /// The settings measured best with the head on a GPU beside its target, when it wins there.
     pub on_gpu: Option<GpuSettings>,
 }
@@ -134,12 +140,22 @@ pub static HEADS: &[RegistryHead] = &[
     RegistryHead {
         name: "smollm2-135m-eagle3",
         target: "smollm2-135m",
-        description: "EAGLE-3 head for smollm2-135m (self-distilled code answers + Python stdlib)",
-        build_minutes: 75,
-        build_on: "2 CPU cores",
-        draft_tokens: 1,
-        // Measured 1.01x plain at k = 1 on unseen code prompts (prompt lookup: 1.18x in the same minutes).
-        wins_on_cpu: false,
+        description: "EAGLE-3 head for smollm2-135m (self-distilled answers to general programming requests + \
+                      Python stdlib, then four stages of new tasks; trained on a GPU)",
+        // Five stages (DEVICE=cuda scripts/train-head.sh): 262 + 217 + 218 + 220 + 232 s of data and training on
+        // an H100 (session 52).
+        build_minutes: 20,
+        build_on: "one H100 or H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
+        build_command:
+            "DEVICE=cuda SPECULA_BIN=dist/specula-train-cuda scripts/train-head.sh smollm2-135m-eagle3",
+        // Measured on unseen code prompts with the head's default bar (0.4), two rounds (docs/benchmarks.md,
+        // session 52): k = 2 1.29 / 1.31x, k = 3 1.35 / 1.30x, k = 4 1.37 / 1.30x plain; prompt lookup in the same
+        // hour 1.11-1.20x. Without a bar k = 3 1.15-1.20x.
+        draft_tokens: 3,
+        wins_on_cpu: true,
+        // The five-stage build recorded 84.7% (stage 4: 83.3%, itself 1.23-1.28x); the CPU recipe's head
+        // (~35-45%) measured 1.01x, below prompt lookup.
+        min_recorded_accuracy: Some(0.75),
         on_gpu: None,
     },
     RegistryHead {
@@ -152,6 +168,7 @@ pub static HEADS: &[RegistryHead] = &[
         // three (session 47), 10.7 + 9.8 for stages 4 and 5 (session 49), 9.2 for stage 6 (session 50).
         build_minutes: 58,
         build_on: "one H100 or H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
+        build_command: "SPECULA_BIN=dist/specula-train-cuda scripts/train-head.sh qwen2.5-coder-1.5b-eagle3",
         // Measured on unseen code prompts with its default confidence bar (0.4) at k = 4 (docs/benchmarks.md,
         // session 50): `bench --speculate --rounds 3` 1.80x plain (rounds 1.88 / 1.64 / 1.87; 2.75 tokens a
         // cycle); beside the five-stage head in one run of two rounds 1.62x against its 1.56x (2.75 against 2.59
@@ -159,6 +176,7 @@ pub static HEADS: &[RegistryHead] = &[
         // Without a bar 3.02 tokens a cycle at k = 4. The 0.5B draft model gives 1.21-1.28x, prompt lookup 1.01x.
         draft_tokens: 4,
         wins_on_cpu: true,
+        min_recorded_accuracy: None,
         // On an H100 without a bar, the greedy chain on the device (docs/benchmarks.md, session 50): 2.23x plain
         // at k = 3, 2.32-2.33x at k = 4, 2.41-2.42x at k = 5, 2.36-2.38x at k = 6 (2.84 / 3.07 / 3.34 / 3.44 tokens
         // a cycle). A batched server sizes each stream's draft itself (up to this length).
@@ -186,6 +204,19 @@ impl RegistryHead {
     }
 }
 
+/// The held-out accuracy of the first drafted token that a head's training recorded in its config.json
+/// (`specula_training.eval_accuracy_per_step[0]`); None for a head trained elsewhere or a missing file.
+pub fn recorded_first_token_accuracy(dir: &Path) -> Option<f64> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+    config
+        .get("specula_training")?
+        .get("eval_accuracy_per_step")?
+        .get(0)?
+        .as_f64()
+        .filter(|a| (0.0..=1.0).contains(a))
+}
+
 /// An EAGLE-3 head's directory from what the user gave: a directory, or a registry head's name (built).
 pub fn locate_head(spec: &str) -> Result<PathBuf> {
     let path = Path::new(spec);
@@ -195,10 +226,9 @@ pub fn locate_head(spec: &str) -> Result<PathBuf> {
     match find_head(spec) {
         Some(h) => h.built().ok_or_else(|| {
             Error::InvalidArgument(format!(
-                "EAGLE-3 head {} is not built yet: `scripts/train-head.sh {}` trains it into {} (about {} minutes \
-                 on {})",
+                "EAGLE-3 head {} is not built yet: `{}` trains it into {} (about {} minutes on {})",
                 h.name,
-                h.name,
+                h.build_command,
                 h.dir().display(),
                 h.build_minutes,
                 h.build_on

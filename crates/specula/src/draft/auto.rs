@@ -89,7 +89,16 @@ pub fn choose(
             (true, Some(g)) => Some((g.draft_tokens, Some(g.min_confidence))),
             _ => None,
         };
-        if let (Some((draft_tokens, min_confidence)), Some(dir)) = (settings, built_head(h)) {
+        let built = built_head(h);
+        // A head built by another recipe than the one measured to win records a lower accuracy.
+        let below = match (&built, h.min_recorded_accuracy) {
+            (Some(dir), Some(min)) => match registry::recorded_first_token_accuracy(dir) {
+                Some(a) if a >= min => None,
+                recorded => Some(recorded),
+            },
+            _ => None,
+        };
+        if let (Some((draft_tokens, min_confidence)), Some(dir), None) = (settings, &built, below) {
             return AutoDrafter {
                 method: "eagle3",
                 draft_model: Some(dir.display().to_string()),
@@ -110,7 +119,24 @@ pub fn choose(
     }
     let mut notes = Vec::new();
     if let Some(h) = head {
-        notes.push(if !on_gpu && !h.wins_on_cpu {
+        // A built head that records less than the winning build: say so, and how to build that one.
+        let below_note = match (built_head(h), h.min_recorded_accuracy) {
+            (Some(dir), Some(min)) => match registry::recorded_first_token_accuracy(&dir) {
+                Some(a) if a >= min => None,
+                recorded => Some(format!(
+                    "its EAGLE-3 head in {} records {} held-out first-token accuracy, below the {:.0}% of the \
+                     build measured to win (another recipe: build that one with `{}`)",
+                    dir.display(),
+                    recorded.map_or("no".to_string(), |a| format!("{:.1}%", a * 100.0)),
+                    min * 100.0,
+                    h.build_command
+                )),
+            },
+            _ => None,
+        };
+        notes.push(if let Some(note) = below_note {
+            note
+        } else if !on_gpu && !h.wins_on_cpu {
             format!(
                 "its EAGLE-3 head {} does not beat prompt lookup yet (measured)",
                 h.name
@@ -122,8 +148,8 @@ pub fn choose(
             )
         } else {
             format!(
-                "its EAGLE-3 head {} is not built (scripts/train-head.sh {})",
-                h.name, h.name
+                "its EAGLE-3 head {} is not built (`{}`)",
+                h.name, h.build_command
             )
         });
     }
@@ -227,15 +253,51 @@ mod tests {
         assert!(q.reason.contains("GPU"), "{}", q.reason);
         let q = choose("qwen2.5-coder-1.5b", true, &|_| false, &none);
         assert_eq!(q.method, "ngram");
-        // SmolLM2's head measured slower than prompt lookup: prompt lookup, saying so, even when built.
-        let built = |h: &registry::RegistryHead| Some(PathBuf::from(format!("/heads/{}", h.name)));
-        let s = choose("smollm2-135m", false, &|_| true, &built);
+        // SmolLM2's five-stage head beats prompt lookup on the CPU: picked when built by that recipe (its
+        // config.json records the held-out accuracy that recipe reaches); a head of the same name from the CPU
+        // recipe records less and is left alone, saying why; one recording nothing too.
+        let dirs = tempfile::tempdir().unwrap();
+        let head_recording = |accuracy: Option<f64>| {
+            let dir = dirs.path().join(format!("{accuracy:?}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            let training = accuracy.map_or(
+                serde_json::json!({}),
+                |a| serde_json::json!({"eval_accuracy_per_step": [a, a - 0.05]}),
+            );
+            std::fs::write(
+                dir.join("config.json"),
+                serde_json::json!({"specula_training": training}).to_string(),
+            )
+            .unwrap();
+            dir
+        };
+        let (gpu_recipe, cpu_recipe, unrecorded) = (
+            head_recording(Some(0.847)),
+            head_recording(Some(0.41)),
+            head_recording(None),
+        );
+        let s = choose("smollm2-135m", false, &|_| true, &|_| {
+            Some(gpu_recipe.clone())
+        });
+        assert_eq!(s.method, "eagle3");
+        assert_eq!(s.draft_model.as_deref(), gpu_recipe.to_str());
+        assert_eq!((s.draft_tokens, s.min_confidence), (3, None));
+        let s = choose("smollm2-135m", false, &|_| true, &|_| {
+            Some(cpu_recipe.clone())
+        });
         assert_eq!(s.method, "ngram");
         assert!(
-            s.reason.contains("does not beat prompt lookup"),
+            s.reason.contains("records 41.0% held-out first-token accuracy, below the 75%")
+                && s.reason.contains("DEVICE=cuda SPECULA_BIN=dist/specula-train-cuda scripts/train-head.sh smollm2-135m-eagle3"),
             "{}",
             s.reason
         );
+        let s = choose("smollm2-135m", false, &|_| true, &|_| {
+            Some(unrecorded.clone())
+        });
+        assert_eq!(s.method, "ngram");
+        assert!(s.reason.contains("records no held-out"), "{}", s.reason);
+        let built = |h: &registry::RegistryHead| Some(PathBuf::from(format!("/heads/{}", h.name)));
         // Qwen's head measured faster than its draft model and prompt lookup on the CPU and on a GPU: picked when
         // built, with each device's measured settings.
         let q = choose("qwen2.5-coder-1.5b", false, &|_| true, &built);
@@ -250,7 +312,9 @@ mod tests {
         assert_eq!((q.draft_tokens, q.min_confidence), (5, Some(0.0)));
         assert!(q.reason.contains("GPU"), "{}", q.reason);
         // SmolLM2's head has no GPU measurement: prompt lookup there, saying so.
-        let s = choose("smollm2-135m", true, &|_| true, &built);
+        let s = choose("smollm2-135m", true, &|_| true, &|_| {
+            Some(gpu_recipe.clone())
+        });
         assert_eq!(s.method, "ngram");
         assert_eq!(s.draft_tokens, NGRAM_DRAFT_TOKENS_GPU);
         assert!(s.reason.contains("on a GPU"), "{}", s.reason);
