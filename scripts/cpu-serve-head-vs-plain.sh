@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# This CPU, qwen2.5-coder-1.5b: a plain server and the EAGLE-3 head's server (adaptive budget) up at once,
+# This CPU, qwen2.5-coder-1.5b (TARGET / HEAD name another registry pair, e.g. smollm2-135m and smollm2-135m-eagle3): a plain server and the EAGLE-3 head's server (adaptive budget) up at once,
 # alternating level by level (plain, head, plain, head, ...), after one warm-up level each; then each server's
 # speculative counters. With AB_ENV="VAR=VALUE ..." a third server, the head's with that environment (a rule
 # turned off, say), runs after the head at each level.
-#   [LEVELS="16 8"] [REPS=2] [REQUESTS=16] [TOKENS=64] [AB_ENV=...] [SPECULA_BIN=target/release/specula] scripts/cpu-serve-head-vs-plain.sh
+#   [TARGET=...] [HEAD=...] [LEVELS="16 8"] [REPS=2] [REQUESTS=16] [TOKENS=64] [AB_ENV=...] [SPECULA_BIN=target/release/specula] scripts/cpu-serve-head-vs-plain.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 P=${PROMPTS:-../shared/prompts/code.jsonl}; B=${SPECULA_BIN:-target/release/specula}
-$B serve -m qwen2.5-coder-1.5b -t 2 --port 8921 > /tmp/hvp-plain.log 2>&1 & p1=$!
-$B serve -m qwen2.5-coder-1.5b -t 2 --port 8922 --draft eagle3 --draft-model qwen2.5-coder-1.5b-eagle3 \
+T=${TARGET:-qwen2.5-coder-1.5b}; H=${HEAD:-qwen2.5-coder-1.5b-eagle3}
+$B serve -m $T -t 2 --port 8921 > /tmp/hvp-plain.log 2>&1 & p1=$!
+$B serve -m $T -t 2 --port 8922 --draft eagle3 --draft-model $H \
     > /tmp/hvp-head.log 2>&1 & p2=$!
 ports="8921 8922"; p3=""
 if [ -n "${AB_ENV:-}" ]; then
     # shellcheck disable=SC2086
-    env $AB_ENV $B serve -m qwen2.5-coder-1.5b -t 2 --port 8923 --draft eagle3 \
-        --draft-model qwen2.5-coder-1.5b-eagle3 > /tmp/hvp-head-b.log 2>&1 & p3=$!
+    env $AB_ENV $B serve -m $T -t 2 --port 8923 --draft eagle3 \
+        --draft-model $H > /tmp/hvp-head-b.log 2>&1 & p3=$!
     ports="$ports 8923"
 fi
 for port in $ports; do for _ in $(seq 120); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done; done
