@@ -2,11 +2,11 @@
 //! activation rows many times on one thread (fastest of 7 repetitions), one-row and pair kernels.
 //! `cargo run --release --example kernel_micro`; `STREAM=1` streams 256 MB of weights from DRAM instead
 //! (`SPECULA_PREFETCH` / `SPECULA_K_PREFETCH` set the small-block / K-quant prefetch distances).
-use candle_core::quantized::k_quants::BlockQ8_0;
 use candle_core::quantized::k_quants::GgmlType;
+use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_0};
 use specula::backend::cpu::kernels::FastRowsDot;
 use specula::backend::cpu::repack::{
-    BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
+    BlockQ4KInterleaved, BlockQ4_1Interleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
 };
 use specula::testing::pseudo_random as pseudo;
 use std::time::Instant;
@@ -160,6 +160,8 @@ fn main() {
         stream::<BlockQ6KInterleaved>("Q6_K", 1536, mb);
         stream::<BlockQ5_0Interleaved>("Q5_0", 896, mb);
         stream::<BlockQ8_0>("Q8_0", 896, mb);
+        stream::<BlockQ4_1>("Q4_1 GGML order", 576, mb);
+        stream::<BlockQ4_1Interleaved>("Q4_1 interleaved", 576, mb);
         return;
     }
     // Everything in L1: two weight rows, activations of at most 8 x 8 blocks.
@@ -168,6 +170,10 @@ fn main() {
     run::<BlockQ5_0Interleaved>("Q5_0 L1", 1024, 2);
     run::<BlockQ5_0Interleaved>("Q5_0 L1", 4096, 2);
     run::<BlockQ8_0>("Q8_0 L1", 1024, 2);
+    run::<BlockQ4_1>("Q4_1 GGML order L1", 1024, 2);
+    run::<BlockQ4_1Interleaved>("Q4_1 interleaved L1", 1024, 2);
+    run::<BlockQ4_1>("Q4_1 GGML order", 576, 32);
+    run::<BlockQ4_1Interleaved>("Q4_1 interleaved", 576, 32);
     run::<BlockQ4KInterleaved>("Q4_K", 1536, 32);
     run::<BlockQ6KInterleaved>("Q6_K", 1536, 32);
     run::<BlockQ6KInterleaved>("Q6_K", 8960, 8);

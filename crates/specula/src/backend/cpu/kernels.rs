@@ -23,9 +23,12 @@
 //! activation load feeds both rows, and the rows stream from memory as one sequence (verify(5) of the Qwen 1.5B
 //! -13%, one row -3%; `examples/kernel_micro.rs`, docs/benchmarks.md).
 
-use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8K, BlockQ8_0, GgmlType};
+use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType};
 
-use super::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved, Interleaved};
+use super::repack::{
+    BlockQ4KInterleaved, BlockQ4_1Interleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
+    Interleaved,
+};
 
 /// `out[r] = dot(weight_row, x[r])` for the `out.len()` activation rows stored back to back in `x`
 /// (each `weight_row.len()` blocks long). `side` holds per-block data of the activations that the kernel's
@@ -196,6 +199,16 @@ fast_kernel!(BlockQ5_0Interleaved, q5_0_q8_0, prepare_q5_0, {
     }
 });
 fast_kernel!(BlockQ4_1, q4_1_q8_1, prepare_q8_1);
+fast_kernel!(BlockQ4_1Interleaved, q4_1_interleaved_q8_1, prepare_q4_1, {
+    fn reference_kernel() -> RowsKernel<Self> {
+        RowsKernel {
+            rows_dot: reference_rows_dot_q4_1,
+            pair_dot: None,
+            quantize: BlockQ8_1::from_float,
+            prepare: no_preparation,
+        }
+    }
+});
 
 /// Bytes ahead of the current weight block that the small-block kernels (Q5_0, Q8_0, Q4_1) prefetch into L1
 /// (0: none). A process-wide knob for benchmarks (`examples/prefetch_sweep.rs`); 1536 measured best or tied on
@@ -266,6 +279,16 @@ fn reference_rows_dot_q5_0(
     out: &mut [f32],
 ) {
     reference_rows_dot(&BlockQ5_0Interleaved::row_to_ggml(weight_row), x, side, out)
+}
+
+/// The reference for interleaved Q4_1 rows: back to GGML order once per weight row, then candle's `vec_dot`.
+fn reference_rows_dot_q4_1(
+    weight_row: &[BlockQ4_1Interleaved],
+    x: &[BlockQ8_1],
+    side: &[f32],
+    out: &mut [f32],
+) {
+    reference_rows_dot(&BlockQ4_1Interleaved::row_to_ggml(weight_row), x, side, out)
 }
 
 /// The reference for interleaved K-quant rows: back to GGML order once per weight row, then candle's `vec_dot`.
@@ -350,9 +373,10 @@ mod layout {
     const _: () = assert!(same_layout::<k::BlockQ4K, Q4K>());
     const _: () = assert!(same_layout::<k::BlockQ6K, Q6K>());
     use crate::backend::cpu::repack::{
-        BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
+        BlockQ4KInterleaved, BlockQ4_1Interleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
     };
     const _: () = assert!(same_layout::<BlockQ5_0Interleaved, Q5_0>());
+    const _: () = assert!(same_layout::<BlockQ4_1Interleaved, Q4_1>());
     const _: () = assert!(same_layout::<BlockQ4KInterleaved, Q4K>());
     const _: () = assert!(same_layout::<BlockQ6KInterleaved, Q6K>());
     const _: () = assert!(same_layout::<k::BlockQ8K, Q8K>());
@@ -400,8 +424,8 @@ pub fn active_kernel_paths() -> Vec<&'static str> {
 mod avx2 {
     use super::layout::{cast, Q4K, Q4_1, Q5_0, Q6K, Q8K, Q8_0, Q8_1};
     use crate::backend::cpu::repack::{
-        interleave_activations, interleave_q8_0_row, q8k_scale_and_sums, BlockQ4KInterleaved,
-        BlockQ5_0Interleaved, BlockQ6KInterleaved,
+        interleave_activations, interleave_q8_0_row, interleave_q8_1_row, q8k_scale_and_sums,
+        BlockQ4KInterleaved, BlockQ4_1Interleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
     };
     use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8K, BlockQ8_0, BlockQ8_1};
     use std::arch::x86_64::*;
@@ -1234,6 +1258,31 @@ mod avx2 {
         }
     }
 
+    pub fn q4_1_interleaved_q8_1(
+        w: &[BlockQ4_1Interleaved],
+        x: &[BlockQ8_1],
+        x_scales: &[f32],
+        out: &mut [f32],
+    ) {
+        // SAFETY: layouts checked in `layout` (the interleaved blocks are 20-byte Q4_1 units).
+        let (w, x) = unsafe { (cast::<_, Q4_1>(w), cast::<_, Q8_1>(x)) };
+        if has_vnni() {
+            by_tiles!(q4_1_interleaved_tile_vnni, w, x, x_scales, 2, out)
+        } else {
+            by_tiles!(q4_1_interleaved_tile_avx2, w, x, x_scales, 2, out)
+        }
+    }
+
+    /// Q8_1 activations for interleaved Q4_1 weights: the side data of [`prepare_q8_1`] (per row its blocks'
+    /// scales, then their sums), then each row's values interleaved like the weights
+    /// (`repack::interleave_q8_1_row`).
+    pub fn prepare_q4_1(x: &mut [BlockQ8_1], blocks_per_row: usize, side: &mut Vec<f32>) {
+        prepare_q8_1(x, blocks_per_row, side);
+        for row in x.chunks_mut(blocks_per_row.max(1)) {
+            interleave_q8_1_row(row);
+        }
+    }
+
     pub fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1], x_scales: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout`.
         let (w, x) = unsafe { (cast::<_, Q4_1>(w), cast::<_, Q8_1>(x)) };
@@ -1545,6 +1594,79 @@ mod avx2 {
         }
     }
 
+    // Interleaved Q4_1 (see `repack`): per group of 8 blocks, register t holds in lane j the codes 4t .. 4t + 4
+    // of block j, so eight dot products per row leave block j's integer sum in lane j: exactly the lanes that
+    // `q4_1_group` gets by reducing per-block vectors, scaled and accumulated by the same float operations, so
+    // the results are bitwise those of `q4_1_tile` on the same blocks in GGML order. The tail (a row's last
+    // nb % 8 blocks, in GGML order) goes through `q4_1_group` itself.
+    macro_rules! q4_1_interleaved_tile {
+        ($name:ident, $features:literal, $dot:path) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize>(
+                w: &[Q4_1],
+                x: &[Q8_1],
+                scales: &[f32],
+                out: &mut [f32],
+            ) {
+                let nb = w.len();
+                let groups = nb / GROUP;
+                let m4 = _mm256_set1_epi8(0x0F);
+                let zero = _mm256_setzero_si256();
+                let mut acc = [_mm256_setzero_ps(); R];
+                let mut acc_offset = [_mm256_setzero_ps(); R];
+                let base = w.as_ptr() as *const u8;
+                for g in 0..groups {
+                    let gp = base.add(g * GROUP * 20);
+                    prefetch_ahead(gp, GROUP * 20);
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(gp as *const __m128i));
+                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(gp.add(16) as *const __m128i));
+                    let mut q = [zero; GROUP];
+                    for c in 0..4 {
+                        let v = load(gp.add(32 + 32 * c));
+                        q[2 * c] = _mm256_and_si256(v, m4);
+                        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                    for r in 0..R {
+                        let xg = x.as_ptr().add(r * nb + g * GROUP);
+                        let xq = |t: usize| load((*xg.add(t)).qs.as_ptr() as *const u8);
+                        let mut s0 = $dot(zero, q[0], xq(0));
+                        let mut s1 = $dot(zero, q[1], xq(1));
+                        s0 = $dot(s0, q[2], xq(2));
+                        s1 = $dot(s1, q[3], xq(3));
+                        s0 = $dot(s0, q[4], xq(4));
+                        s1 = $dot(s1, q[5], xq(5));
+                        s0 = $dot(s0, q[6], xq(6));
+                        s1 = $dot(s1, q[7], xq(7));
+                        let sums = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                        // Row r's side data: nb scales d, then nb sums s.
+                        let sd = scales.as_ptr().add(2 * r * nb + g * GROUP);
+                        let dx = _mm256_loadu_ps(sd);
+                        let sx = _mm256_loadu_ps(sd.add(nb));
+                        acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dw, dx), acc[r]);
+                        acc_offset[r] = _mm256_fmadd_ps(mw, sx, acc_offset[r]);
+                    }
+                }
+                let full = groups * GROUP;
+                if full < nb {
+                    q4_1_group::<R>(nb - full, full, w, x, scales, &mut acc, &mut acc_offset);
+                }
+                for r in 0..R {
+                    out[r] = hsum(acc[r]) + hsum(acc_offset[r]);
+                }
+            }
+        };
+    }
+    q4_1_interleaved_tile!(
+        q4_1_interleaved_tile_avx2,
+        "avx2,fma,f16c",
+        int::dot_u8i8_avx2
+    );
+    q4_1_interleaved_tile!(
+        q4_1_interleaved_tile_vnni,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        int::dot_u8i8_vnni
+    );
+
     /// Runs `f` with the AVX2 kernels even on a VNNI machine (tests compare the two paths bitwise).
     #[cfg(test)]
     pub fn with_avx2_only<T>(f: impl FnOnce() -> T) -> T {
@@ -1682,6 +1804,47 @@ mod tests {
             check::<BlockQ5_0Interleaved>(704, seed);
             check::<BlockQ5_0Interleaved>(96, seed);
             check::<BlockQ4_1>(512, seed);
+            // 16 blocks (two whole groups), 18 (SmolLM2's width: two groups and a tail of 2), 3 (a tail only).
+            check::<BlockQ4_1Interleaved>(512, seed);
+            check::<BlockQ4_1Interleaved>(576, seed);
+            check::<BlockQ4_1Interleaved>(96, seed);
+        }
+    }
+
+    /// Interleaved Q4_1 gives bitwise what the GGML-order Q4_1 kernel gives on the same blocks and activations
+    /// (the same integer block sums in the same lanes, the same float operations), at every tile size.
+    #[test]
+    fn interleaved_q4_1_equals_ggml_order_q4_1_bitwise() {
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ))]
+        for (k, seed) in [(576, 1), (1536, 2), (96, 3), (512, 4)] {
+            let nb = k / 32;
+            let mut ggml = vec![BlockQ4_1::zeros(); nb];
+            BlockQ4_1::from_float(&pseudo_random(k, seed), &mut ggml);
+            let interleaved = BlockQ4_1Interleaved::row_from_ggml(&ggml);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for m in 1..=17 {
+                let mut x = vec![BlockQ8_1::zeros(); m * nb];
+                BlockQ8_1::from_float(&pseudo_random(m * k, seed + 11), &mut x);
+                let run = |kernel: RowsKernel<_>, w: &[_]| {
+                    let (mut x, mut side, mut out) = (x.clone(), Vec::new(), vec![0f32; m]);
+                    (kernel.prepare)(&mut x, nb, &mut side);
+                    (kernel.rows_dot)(w, &x, &side, &mut out);
+                    out
+                };
+                let old = run(BlockQ4_1::fast_kernel().unwrap(), &ggml);
+                let new = {
+                    let kernel = BlockQ4_1Interleaved::fast_kernel().unwrap();
+                    let (mut x, mut side, mut out) = (x.clone(), Vec::new(), vec![0f32; m]);
+                    (kernel.prepare)(&mut x, nb, &mut side);
+                    (kernel.rows_dot)(&interleaved, &x, &side, &mut out);
+                    out
+                };
+                assert_eq!(bits(&old), bits(&new), "k={k} m={m}");
+            }
         }
     }
 
@@ -1790,6 +1953,8 @@ mod tests {
             both::<BlockQ5_0Interleaved>(1024, seed);
             both::<BlockQ5_0Interleaved>(704, seed);
             both::<BlockQ4_1>(1024, seed);
+            both::<BlockQ4_1Interleaved>(1024, seed);
+            both::<BlockQ4_1Interleaved>(576, seed);
         }
     }
 

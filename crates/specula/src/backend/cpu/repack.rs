@@ -16,7 +16,7 @@
 //! restore GGML's order first.
 
 use candle_core::quantized::k_quants::{
-    BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, GgmlType,
+    BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType,
 };
 use candle_core::quantized::GgmlDType;
 use std::borrow::Cow;
@@ -544,6 +544,171 @@ pub fn interleave_q8_0_row(blocks: &mut [BlockQ8_0]) {
     }
 }
 
+// Q4_1 rows are interleaved like Q5_0's, in groups of 8 blocks: register t of a group holds, in lane j, the
+// 4-bit codes 4t .. 4t + 4 of block j, so eight dot products per row leave block j's integer sum in lane j. A
+// group keeps the 8 x 20 bytes of its blocks, laid out as:
+//   bytes   0..16   the eight block scales d_j (f16), in block order
+//   bytes  16..32   the eight block minimums m_j (f16), in block order
+//   bytes  32..160  four 32-byte chunks c: byte 4j + b holds register 2c's value in its low nibble and register
+//                   2c + 1's in its high nibble
+// Blocks past the last whole group of a row stay in GGML's layout.
+
+/// Q4_1 blocks per interleaved group, and the group's bytes.
+pub const Q4_1_GROUP: usize = 8;
+const Q4_1_GROUP_BYTES: usize = 8 * 20;
+
+#[repr(C)]
+struct Q4_1Bytes {
+    d: [u8; 2],
+    m: [u8; 2],
+    qs: [u8; 16],
+}
+const _: () = assert!(std::mem::size_of::<Q4_1Bytes>() == std::mem::size_of::<BlockQ4_1>());
+
+fn q4_1_bytes_mut(blocks: &mut [BlockQ4_1]) -> &mut [u8] {
+    // SAFETY: BlockQ4_1 is #[repr(C)] plain data (f16, f16, [u8; 16]), 20 bytes, alignment 2.
+    unsafe {
+        std::slice::from_raw_parts_mut(
+            blocks.as_mut_ptr() as *mut u8,
+            std::mem::size_of_val(blocks),
+        )
+    }
+}
+
+/// One group of 8 GGML blocks (as bytes) in the interleaved layout. GGML's block holds code i in the low nibble
+/// of byte i and code i + 16 in the high nibble.
+fn q4_1_interleave_group(src: &[u8], out: &mut [u8]) {
+    let block = |j: usize| -> &[u8] { &src[20 * j..20 * j + 20] };
+    let code = |j: usize, i: usize| -> u8 {
+        let qs = &block(j)[4..];
+        if i < 16 {
+            qs[i] & 0x0F
+        } else {
+            qs[i - 16] >> 4
+        }
+    };
+    out.fill(0);
+    for j in 0..Q4_1_GROUP {
+        out[2 * j..2 * j + 2].copy_from_slice(&block(j)[0..2]);
+        out[16 + 2 * j..18 + 2 * j].copy_from_slice(&block(j)[2..4]);
+        for t in 0..8 {
+            for b in 0..4 {
+                out[32 + 32 * (t / 2) + 4 * j + b] |= code(j, 4 * t + b) << (4 * (t % 2));
+            }
+        }
+    }
+}
+
+/// The inverse of `q4_1_interleave_group`.
+fn q4_1_group_to_ggml(group: &[u8], out: &mut [u8]) {
+    out.fill(0);
+    for j in 0..Q4_1_GROUP {
+        let dst = &mut out[20 * j..20 * j + 20];
+        dst[0..2].copy_from_slice(&group[2 * j..2 * j + 2]);
+        dst[2..4].copy_from_slice(&group[16 + 2 * j..18 + 2 * j]);
+        for t in 0..8 {
+            for b in 0..4 {
+                let code = (group[32 + 32 * (t / 2) + 4 * j + b] >> (4 * (t % 2))) & 0x0F;
+                let i = 4 * t + b;
+                if i < 16 {
+                    dst[4 + i] |= code;
+                } else {
+                    dst[4 + i - 16] |= code << 4;
+                }
+            }
+        }
+    }
+}
+
+/// Q4_1 blocks of one weight row, whole groups of 8 interleaved (see above). Slices given to its `GgmlType`
+/// methods must be whole rows.
+#[derive(Clone)]
+#[repr(transparent)]
+pub struct BlockQ4_1Interleaved(BlockQ4_1);
+
+impl BlockQ4_1Interleaved {
+    /// One row of GGML blocks in this build's layout (interleaved where `INTERLEAVED`).
+    pub fn row_from_ggml(row: &[BlockQ4_1]) -> Vec<Self> {
+        let mut out = row.to_vec();
+        if INTERLEAVED {
+            let whole = row.len() / Q4_1_GROUP * Q4_1_GROUP;
+            for g in (0..whole).step_by(Q4_1_GROUP) {
+                let src = q4_1_bytes_mut(&mut out[g..g + Q4_1_GROUP]).to_vec();
+                q4_1_interleave_group(&src, q4_1_bytes_mut(&mut out[g..g + Q4_1_GROUP]));
+            }
+        }
+        out.into_iter().map(Self).collect()
+    }
+
+    /// One row back in GGML's layout: borrowed as is where this build does not interleave.
+    pub fn row_to_ggml(row: &[Self]) -> Cow<'_, [BlockQ4_1]> {
+        // SAFETY: #[repr(transparent)] over BlockQ4_1.
+        let blocks =
+            unsafe { std::slice::from_raw_parts(row.as_ptr() as *const BlockQ4_1, row.len()) };
+        if !INTERLEAVED {
+            return Cow::Borrowed(blocks);
+        }
+        let mut out = blocks.to_vec();
+        let whole = row.len() / Q4_1_GROUP * Q4_1_GROUP;
+        for g in (0..whole).step_by(Q4_1_GROUP) {
+            let group = q4_1_bytes_mut(&mut out[g..g + Q4_1_GROUP]).to_vec();
+            debug_assert_eq!(group.len(), Q4_1_GROUP_BYTES);
+            q4_1_group_to_ggml(&group, q4_1_bytes_mut(&mut out[g..g + Q4_1_GROUP]));
+        }
+        Cow::Owned(out)
+    }
+}
+
+impl GgmlType for BlockQ4_1Interleaved {
+    const DTYPE: GgmlDType = GgmlDType::Q4_1;
+    const BLCK_SIZE: usize = 32;
+    type VecDotType = BlockQ8_1;
+
+    fn to_float(xs: &[Self], ys: &mut [f32]) {
+        BlockQ4_1::to_float(&Self::row_to_ggml(xs), ys);
+    }
+
+    fn from_float(xs: &[f32], ys: &mut [Self]) {
+        let mut ggml: Vec<BlockQ4_1> = (0..ys.len()).map(|_| BlockQ4_1::zeros()).collect();
+        BlockQ4_1::from_float(xs, &mut ggml);
+        for (y, b) in ys.iter_mut().zip(Self::row_from_ggml(&ggml)) {
+            *y = b;
+        }
+    }
+
+    fn vec_dot(n: usize, xs: &[Self], ys: &[BlockQ8_1]) -> f32 {
+        BlockQ4_1::vec_dot(n, &Self::row_to_ggml(xs), ys)
+    }
+
+    fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[BlockQ8_1]) -> f32 {
+        BlockQ4_1::vec_dot_unopt(n, &Self::row_to_ggml(xs), ys)
+    }
+}
+
+/// Q8_1 activations for the interleaved Q4_1 kernel, one row of `blocks` in place: within each whole group of 8
+/// blocks, block t's 32 values become register t (lane j = block j's values 4t .. 4t + 4); the tail stays.
+pub fn interleave_q8_1_row(blocks: &mut [BlockQ8_1]) {
+    #[repr(C)]
+    struct Q8_1Bytes {
+        d: [u8; 2],
+        s: [u8; 2],
+        qs: [u8; 32],
+    }
+    // SAFETY: same size (36 bytes), alignment 1, BlockQ8_1 is #[repr(C)] plain data in this field order.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(blocks.as_mut_ptr() as *mut Q8_1Bytes, blocks.len())
+    };
+    let whole = bytes.len() / Q4_1_GROUP * Q4_1_GROUP;
+    for group in bytes[..whole].chunks_exact_mut(Q4_1_GROUP) {
+        let src: Vec<[u8; 32]> = group.iter().map(|b| b.qs).collect();
+        for (t, dst) in group.iter_mut().enumerate() {
+            for (j, s) in src.iter().enumerate() {
+                dst.qs[4 * j..4 * j + 4].copy_from_slice(&s[4 * t..4 * t + 4]);
+            }
+        }
+    }
+}
+
 /// A Q8_K block's scale and its sixteen 16-element sums.
 pub fn q8k_scale_and_sums(b: &BlockQ8K) -> (f32, [i16; 16]) {
     // SAFETY: as in `interleave_activations`.
@@ -664,6 +829,50 @@ mod tests {
         let i6: Vec<_> = q6.iter().map(BlockQ6KInterleaved::from_ggml).collect();
         BlockQ6KInterleaved::to_float(&i6, &mut via);
         assert_eq!(direct, via);
+    }
+
+    #[test]
+    fn q4_1_rows_round_trip_with_a_tail() {
+        // 22 blocks: two interleaved groups and a GGML-order tail of 6.
+        let data = pseudo_random(22 * 32, 5);
+        let mut row: Vec<BlockQ4_1> = (0..22).map(|_| BlockQ4_1::zeros()).collect();
+        BlockQ4_1::from_float(&data, &mut row);
+        let all = |v: &[BlockQ4_1]| v.iter().flat_map(bytes).collect::<Vec<u8>>();
+        let stored = BlockQ4_1Interleaved::row_from_ggml(&row);
+        assert_eq!(all(&BlockQ4_1Interleaved::row_to_ggml(&stored)), all(&row));
+        if !INTERLEAVED {
+            return;
+        }
+        let inter: Vec<u8> = stored.iter().flat_map(bytes).collect();
+        assert_eq!(
+            inter[160 * 2..],
+            all(&row)[160 * 2..],
+            "the tail keeps GGML order"
+        );
+        // Spelled out: block j of a group keeps d at bytes 2j, m at 16 + 2j; code i of block j (GGML: low
+        // nibble of qs[i] for i < 16, high nibble of qs[i - 16] otherwise) sits in register t = i / 4, lane j.
+        let ggml = all(&row);
+        for g in 0..2 {
+            let (src, dst) = (
+                &ggml[160 * g..160 * (g + 1)],
+                &inter[160 * g..160 * (g + 1)],
+            );
+            for j in 0..8 {
+                let block = &src[20 * j..20 * j + 20];
+                assert_eq!(dst[2 * j..2 * j + 2], block[0..2]);
+                assert_eq!(dst[16 + 2 * j..18 + 2 * j], block[2..4]);
+                for i in 0..32 {
+                    let code = if i < 16 {
+                        block[4 + i] & 0x0F
+                    } else {
+                        block[4 + i - 16] >> 4
+                    };
+                    let (t, b) = (i / 4, i % 4);
+                    let nibble = (dst[32 + 32 * (t / 2) + 4 * j + b] >> (4 * (t % 2))) & 0x0F;
+                    assert_eq!(nibble, code, "group {g} block {j} code {i}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -14,7 +14,10 @@ use candle_core::quantized::k_quants::{
 use half::{bf16, f16};
 
 use super::kernels::{FastRowsDot, RowsKernel};
-use super::repack::{BlockQ4KInterleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved, Interleaved};
+use super::repack::{
+    BlockQ4KInterleaved, BlockQ4_1Interleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
+    Interleaved,
+};
 pub use crate::model::dtype::GgmlType;
 
 /// Blocks of one storage type, in row-major order (each row holds `cols / block_size` blocks).
@@ -23,8 +26,8 @@ enum Storage {
     F16(Vec<f16>),
     BF16(Vec<bf16>),
     Q4_0(Vec<BlockQ4_0>),
-    Q4_1(Vec<BlockQ4_1>),
-    /// Q5_0 rows are interleaved in groups of 8 blocks (see `repack`).
+    /// Q4_1 and Q5_0 rows are interleaved in groups of 8 blocks (see `repack`).
+    Q4_1(Vec<BlockQ4_1Interleaved>),
     Q5_0(Vec<BlockQ5_0Interleaved>),
     Q5_1(Vec<BlockQ5_1>),
     Q8_0(Vec<BlockQ8_0>),
@@ -76,7 +79,7 @@ macro_rules! from_storage {
 }
 
 from_storage!(
-    F32 => f32, F16 => f16, BF16 => bf16, Q4_0 => BlockQ4_0, Q4_1 => BlockQ4_1, Q5_0 => BlockQ5_0Interleaved,
+    F32 => f32, F16 => f16, BF16 => bf16, Q4_0 => BlockQ4_0, Q4_1 => BlockQ4_1Interleaved, Q5_0 => BlockQ5_0Interleaved,
     Q5_1 => BlockQ5_1, Q8_0 => BlockQ8_0, Q2K => BlockQ2K, Q3K => BlockQ3K,
     Q4K => BlockQ4KInterleaved, Q5K => BlockQ5K, Q6K => BlockQ6KInterleaved
 );
@@ -185,7 +188,12 @@ impl Weight {
                     .collect(),
             ),
             GgmlType::Q4_0 => Storage::Q4_0(blocks_from_bytes(bytes)),
-            GgmlType::Q4_1 => Storage::Q4_1(blocks_from_bytes(bytes)),
+            GgmlType::Q4_1 => Storage::Q4_1(
+                blocks_from_bytes::<BlockQ4_1>(bytes)
+                    .chunks(cols / 32)
+                    .flat_map(BlockQ4_1Interleaved::row_from_ggml)
+                    .collect(),
+            ),
             GgmlType::Q5_0 => Storage::Q5_0(
                 blocks_from_bytes::<BlockQ5_0>(bytes)
                     .chunks(cols / 32)
@@ -349,6 +357,11 @@ impl Weight {
             Storage::Q5_0(b) => bytes_of(
                 &b.chunks(self.cols / 32)
                     .flat_map(|row| BlockQ5_0Interleaved::row_to_ggml(row).into_owned())
+                    .collect::<Vec<_>>(),
+            ),
+            Storage::Q4_1(b) => bytes_of(
+                &b.chunks(self.cols / 32)
+                    .flat_map(|row| BlockQ4_1Interleaved::row_to_ggml(row).into_owned())
                     .collect::<Vec<_>>(),
             ),
             storage => with_blocks!(storage, blocks => bytes_of(blocks)),
