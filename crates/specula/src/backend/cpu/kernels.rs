@@ -10,10 +10,10 @@
 //!
 //! The kernels exist only on x86-64 builds with AVX2+FMA enabled at compile time (.cargo/config.toml); other
 //! builds fall back to candle's per-row `vec_dot`, which is also batch invariant. Where the CPU has AVX-512
-//! VNNI (Q4_K, Q6_K; Q5_0 also needs AVX-512 BW), detected at run time, a second instantiation computes the same
+//! VNNI (Q4_K, Q6_K, Q4_1; Q5_0 also needs AVX-512 BW), detected at run time, a second instantiation computes the same
 //! exact integer sums with fewer instructions, so results are bitwise identical either way (tested).
 //!
-//! Q4_K, Q6_K and Q5_0 weights are stored in an interleaved order (`repack`) that lets eight dot-product
+//! Q4_K, Q6_K, Q5_0 and Q4_1 weights are stored in an interleaved order (`repack`) that lets eight dot-product
 //! instructions per row produce one sum per scale group (or block), and every kernel prefetches the weight stream
 //! ahead (`PREFETCH_DISTANCE`, `K_QUANT_PREFETCH_DISTANCE`), so memory keeps streaming while a multi-row tile
 //! computes (measured with `examples/prefetch_sweep.rs`: verify(5) of the Qwen 1.5B 74 -> 64 ms in session 3;
@@ -387,7 +387,7 @@ mod layout {
 }
 
 /// The instruction sets the quantized kernels run with in this process: `avx2` (the build's baseline), plus
-/// `avx512-vnni` (Q4_K, Q6_K, Q8_0) and `avx512-bw` (Q5_0) where the CPU has them and they are not turned off
+/// `avx512-vnni` (Q4_K, Q6_K, Q8_0, Q4_1) and `avx512-bw` (Q5_0) where the CPU has them and they are not turned off
 /// (`SPECULA_NO_VNNI=1`, `SPECULA_NO_AVX512=1` force the AVX2 kernels; every path gives bitwise the same
 /// results). Builds without AVX2/FMA run candle's one-row kernels.
 pub fn active_kernel_paths() -> Vec<&'static str> {
@@ -1294,7 +1294,8 @@ mod avx2 {
     // product. These kernels take blocks in groups of 8: each block's eight i32 partial sums are reduced into
     // one lane of a single vector, and the group is scaled and accumulated with one convert and one FMA. A
     // short last group is padded with zero sums and zero scales, which add exactly nothing. (VNNI dot products
-    // measured no faster for these types: the integer part is not their bottleneck.)
+    // measured no faster for these types: the integer part is not their bottleneck. Interleaved Q5_0 and Q4_1
+    // skip the reduction altogether: one block's sum per lane.)
     const GROUP: usize = 8;
 
     /// Lane j of the result = the sum of the eight lanes of `p[j]` (exact integer arithmetic).
@@ -2036,5 +2037,6 @@ mod tests {
         assert_eq!(BlockQ8_0::fast_kernel().is_some(), built);
         assert_eq!(BlockQ5_0Interleaved::fast_kernel().is_some(), built);
         assert_eq!(BlockQ4_1::fast_kernel().is_some(), built);
+        assert_eq!(BlockQ4_1Interleaved::fast_kernel().is_some(), built);
     }
 }
