@@ -7,6 +7,7 @@ use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_0};
 use specula::backend::cpu::kernels::FastRowsDot;
 use specula::backend::cpu::repack::{
     BlockQ4KInterleaved, BlockQ4_1Interleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
+    BlockQ8_0Interleaved,
 };
 use specula::testing::pseudo_random as pseudo;
 use std::time::Instant;
@@ -159,7 +160,8 @@ fn main() {
         stream::<BlockQ4KInterleaved>("Q4_K", 1536, mb);
         stream::<BlockQ6KInterleaved>("Q6_K", 1536, mb);
         stream::<BlockQ5_0Interleaved>("Q5_0", 896, mb);
-        stream::<BlockQ8_0>("Q8_0", 896, mb);
+        stream::<BlockQ8_0>("Q8_0 GGML order", 896, mb);
+        stream::<BlockQ8_0Interleaved>("Q8_0 interleaved", 896, mb);
         stream::<BlockQ4_1>("Q4_1 GGML order", 576, mb);
         stream::<BlockQ4_1Interleaved>("Q4_1 interleaved", 576, mb);
         return;
@@ -169,7 +171,10 @@ fn main() {
     run::<BlockQ6KInterleaved>("Q6_K L1", 2048, 2);
     run::<BlockQ5_0Interleaved>("Q5_0 L1", 1024, 2);
     run::<BlockQ5_0Interleaved>("Q5_0 L1", 4096, 2);
-    run::<BlockQ8_0>("Q8_0 L1", 1024, 2);
+    run::<BlockQ8_0>("Q8_0 GGML order L1", 1024, 2);
+    run::<BlockQ8_0Interleaved>("Q8_0 interleaved L1", 1024, 2);
+    run::<BlockQ8_0>("Q8_0 GGML order", 576, 32);
+    run::<BlockQ8_0Interleaved>("Q8_0 interleaved", 576, 32);
     run::<BlockQ4_1>("Q4_1 GGML order L1", 1024, 2);
     run::<BlockQ4_1Interleaved>("Q4_1 interleaved L1", 1024, 2);
     run::<BlockQ4_1>("Q4_1 GGML order", 576, 32);

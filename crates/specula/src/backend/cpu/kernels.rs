@@ -27,7 +27,7 @@ use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8K, BlockQ8_0, BlockQ8_1
 
 use super::repack::{
     BlockQ4KInterleaved, BlockQ4_1Interleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
-    Interleaved,
+    BlockQ8_0Interleaved, Interleaved,
 };
 
 /// `out[r] = dot(weight_row, x[r])` for the `out.len()` activation rows stored back to back in `x`
@@ -188,6 +188,21 @@ fast_kernel!(
     }
 );
 fast_kernel!(BlockQ8_0, q8_0_q8_0, prepare_q8_0);
+fast_kernel!(
+    BlockQ8_0Interleaved,
+    q8_0_interleaved_q8_0,
+    prepare_q8_0_interleaved,
+    {
+        fn reference_kernel() -> RowsKernel<Self> {
+            RowsKernel {
+                rows_dot: reference_rows_dot_q8_0,
+                pair_dot: None,
+                quantize: BlockQ8_0::from_float,
+                prepare: no_preparation,
+            }
+        }
+    }
+);
 fast_kernel!(BlockQ5_0Interleaved, q5_0_q8_0, prepare_q5_0, {
     fn reference_kernel() -> RowsKernel<Self> {
         RowsKernel {
@@ -269,6 +284,16 @@ pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
     {
         BlockQ8K::from_float(x, out)
     }
+}
+
+/// The reference for interleaved Q8_0 rows: back to GGML order once per weight row, then candle's `vec_dot`.
+fn reference_rows_dot_q8_0(
+    weight_row: &[BlockQ8_0Interleaved],
+    x: &[BlockQ8_0],
+    side: &[f32],
+    out: &mut [f32],
+) {
+    reference_rows_dot(&BlockQ8_0Interleaved::row_to_ggml(weight_row), x, side, out)
 }
 
 /// The reference for interleaved Q5_0 rows: back to GGML order once per weight row, then candle's `vec_dot`.
@@ -377,6 +402,10 @@ mod layout {
     };
     const _: () = assert!(same_layout::<BlockQ5_0Interleaved, Q5_0>());
     const _: () = assert!(same_layout::<BlockQ4_1Interleaved, Q4_1>());
+    const _: () = assert!(same_layout::<
+        crate::backend::cpu::repack::BlockQ8_0Interleaved,
+        Q8_0,
+    >());
     const _: () = assert!(same_layout::<BlockQ4KInterleaved, Q4K>());
     const _: () = assert!(same_layout::<BlockQ6KInterleaved, Q6K>());
     const _: () = assert!(same_layout::<k::BlockQ8K, Q8K>());
@@ -426,6 +455,7 @@ mod avx2 {
     use crate::backend::cpu::repack::{
         interleave_activations, interleave_q8_0_row, interleave_q8_1_row, q8k_scale_and_sums,
         BlockQ4KInterleaved, BlockQ4_1Interleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
+        BlockQ8_0Interleaved,
     };
     use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8K, BlockQ8_0, BlockQ8_1};
     use std::arch::x86_64::*;
@@ -1226,6 +1256,34 @@ mod avx2 {
         }
     }
 
+    pub fn q8_0_interleaved_q8_0(
+        w: &[BlockQ8_0Interleaved],
+        x: &[BlockQ8_0],
+        side: &[f32],
+        out: &mut [f32],
+    ) {
+        // SAFETY: layouts checked in `layout` (the interleaved blocks are 34-byte Q8_0 units).
+        let (w, x) = unsafe { (cast::<_, Q8_0>(w), cast::<_, Q8_0>(x)) };
+        if has_vnni() {
+            by_tiles!(q8_0_interleaved_tile_vnni, w, x, side, 2, out)
+        } else {
+            by_tiles!(q8_0_interleaved_tile_avx2, w, x, side, 2, out)
+        }
+    }
+
+    /// Q8_0 activations for interleaved Q8_0 weights: the side data of [`prepare_q8_0`], then each row's values
+    /// interleaved like the weights (`repack::interleave_q8_0_row`).
+    pub fn prepare_q8_0_interleaved(
+        x: &mut [BlockQ8_0],
+        blocks_per_row: usize,
+        side: &mut Vec<f32>,
+    ) {
+        prepare_q8_0(x, blocks_per_row, side);
+        for row in x.chunks_mut(blocks_per_row.max(1)) {
+            interleave_q8_0_row(row);
+        }
+    }
+
     pub fn q5_0_q8_0(w: &[BlockQ5_0Interleaved], x: &[BlockQ8_0], side: &[f32], out: &mut [f32]) {
         // SAFETY: layouts checked in `layout` (the interleaved blocks are 22-byte Q5_0 units).
         let (w, x) = unsafe { (cast::<_, Q5_0>(w), cast::<_, Q8_0>(x)) };
@@ -1416,6 +1474,83 @@ mod avx2 {
     }
     q8_0_tile!(q8_0_tile_avx2, "avx2,fma", false);
     q8_0_tile!(q8_0_tile_vnni, "avx2,fma,avx512vnni,avx512vl", true);
+
+    // Interleaved Q8_0 (see `repack`): register t of a group holds in lane j values 4t .. 4t + 4 of block j, so
+    // eight dot products a row leave block j's integer sum in lane j: the lanes `q8_0_group!` gets by reducing,
+    // with the same offset correction (VNNI) and the same float operations, so bitwise its results. The tail (a
+    // row's last nb % 8 blocks, in GGML order) goes through `q8_0_group!` itself.
+    macro_rules! q8_0_interleaved_tile {
+        ($name:ident, $features:literal, $vnni:expr) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize>(w: &[Q8_0], x: &[Q8_0], side: &[f32], out: &mut [f32]) {
+                let nb = w.len();
+                let groups = nb / GROUP;
+                let zero = _mm256_setzero_si256();
+                let mut acc = [_mm256_setzero_ps(); R];
+                let base = w.as_ptr() as *const u8;
+                for g in 0..groups {
+                    let gp = base.add(g * GROUP * 34);
+                    prefetch_ahead(gp, GROUP * 34);
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(gp as *const __m128i));
+                    let mut wq = [zero; GROUP];
+                    let mut wabs = [zero; GROUP];
+                    for t in 0..GROUP {
+                        let v = load(gp.add(16 + 32 * t));
+                        if $vnni {
+                            wq[t] = _mm256_xor_si256(v, _mm256_set1_epi8(-128));
+                        } else {
+                            wq[t] = v;
+                            wabs[t] = _mm256_sign_epi8(v, v);
+                        }
+                    }
+                    for r in 0..R {
+                        let xg = x.as_ptr().add(r * nb + g * GROUP);
+                        let xq = |t: usize| load((*xg.add(t)).qs.as_ptr() as *const u8);
+                        let dot = |t: usize, a: __m256i| {
+                            if $vnni {
+                                _mm256_dpbusd_epi32(a, wq[t], xq(t))
+                            } else {
+                                _mm256_add_epi32(a, dot_signed(wabs[t], wq[t], xq(t)))
+                            }
+                        };
+                        let (mut s0, mut s1) = (dot(0, zero), dot(1, zero));
+                        s0 = dot(2, s0);
+                        s1 = dot(3, s1);
+                        s0 = dot(4, s0);
+                        s1 = dot(5, s1);
+                        s0 = dot(6, s0);
+                        s1 = dot(7, s1);
+                        let mut sums = _mm256_add_epi32(s0, s1);
+                        let row_side = side.as_ptr().add(2 * r * nb);
+                        if $vnni {
+                            let offsets =
+                                _mm256_loadu_si256(row_side.add(nb + g * GROUP) as *const __m256i);
+                            sums = _mm256_sub_epi32(sums, offsets);
+                        }
+                        let dx = _mm256_loadu_ps(row_side.add(g * GROUP));
+                        acc[r] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(sums),
+                            _mm256_mul_ps(dw, dx),
+                            acc[r],
+                        );
+                    }
+                }
+                let full = groups * GROUP;
+                if full < nb {
+                    q8_0_group!($vnni, nb - full, full, w, x, side, acc);
+                }
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = hsum(a);
+                }
+            }
+        };
+    }
+    q8_0_interleaved_tile!(q8_0_interleaved_tile_avx2, "avx2,fma", false);
+    q8_0_interleaved_tile!(
+        q8_0_interleaved_tile_vnni,
+        "avx2,fma,avx512vnni,avx512vl",
+        true
+    );
 
     /// 32 nibbles from 16 bytes: low nibbles are elements 0-15, high nibbles elements 16-31 (GGML order).
     #[inline(always)]
@@ -1809,6 +1944,58 @@ mod tests {
             check::<BlockQ4_1Interleaved>(512, seed);
             check::<BlockQ4_1Interleaved>(576, seed);
             check::<BlockQ4_1Interleaved>(96, seed);
+            check::<BlockQ8_0Interleaved>(512, seed);
+            check::<BlockQ8_0Interleaved>(576, seed);
+            check::<BlockQ8_0Interleaved>(96, seed);
+        }
+    }
+
+    /// Interleaved Q8_0 gives bitwise what the GGML-order Q8_0 kernel gives on the same blocks and activations,
+    /// at every tile size, on the default path and on the AVX2 one.
+    #[test]
+    fn interleaved_q8_0_equals_ggml_order_q8_0_bitwise() {
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ))]
+        for (k, seed) in [(576, 1), (896, 2), (96, 3), (512, 4)] {
+            let nb = k / 32;
+            let mut ggml = vec![BlockQ8_0::zeros(); nb];
+            BlockQ8_0::from_float(&pseudo_random(k, seed), &mut ggml);
+            let interleaved = BlockQ8_0Interleaved::row_from_ggml(&ggml);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for m in 1..=17 {
+                let mut x = vec![BlockQ8_0::zeros(); m * nb];
+                BlockQ8_0::from_float(&pseudo_random(m * k, seed + 11), &mut x);
+                for avx2_only in [false, true] {
+                    let old = {
+                        let kernel = BlockQ8_0::fast_kernel().unwrap();
+                        let (mut x, mut side, mut out) = (x.clone(), Vec::new(), vec![0f32; m]);
+                        (kernel.prepare)(&mut x, nb, &mut side);
+                        let mut f = || (kernel.rows_dot)(&ggml, &x, &side, &mut out);
+                        if avx2_only {
+                            avx2::with_avx2_only(f)
+                        } else {
+                            f()
+                        }
+                        out
+                    };
+                    let new = {
+                        let kernel = BlockQ8_0Interleaved::fast_kernel().unwrap();
+                        let (mut x, mut side, mut out) = (x.clone(), Vec::new(), vec![0f32; m]);
+                        (kernel.prepare)(&mut x, nb, &mut side);
+                        let mut f = || (kernel.rows_dot)(&interleaved, &x, &side, &mut out);
+                        if avx2_only {
+                            avx2::with_avx2_only(f)
+                        } else {
+                            f()
+                        }
+                        out
+                    };
+                    assert_eq!(bits(&old), bits(&new), "k={k} m={m} avx2_only={avx2_only}");
+                }
+            }
         }
     }
 
@@ -1956,6 +2143,8 @@ mod tests {
             both::<BlockQ4_1>(1024, seed);
             both::<BlockQ4_1Interleaved>(1024, seed);
             both::<BlockQ4_1Interleaved>(576, seed);
+            both::<BlockQ8_0Interleaved>(1024, seed);
+            both::<BlockQ8_0Interleaved>(576, seed);
         }
     }
 
@@ -2038,5 +2227,6 @@ mod tests {
         assert_eq!(BlockQ5_0Interleaved::fast_kernel().is_some(), built);
         assert_eq!(BlockQ4_1::fast_kernel().is_some(), built);
         assert_eq!(BlockQ4_1Interleaved::fast_kernel().is_some(), built);
+        assert_eq!(BlockQ8_0Interleaved::fast_kernel().is_some(), built);
     }
 }

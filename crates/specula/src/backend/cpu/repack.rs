@@ -685,6 +685,106 @@ impl GgmlType for BlockQ4_1Interleaved {
     }
 }
 
+// Q8_0 rows are interleaved the same way, in groups of 8 blocks: bytes 0..16 the eight block scales d_j (f16),
+// then eight 32-byte registers t whose byte 4j + b is value 4t + b of block j. Blocks past the last whole group of a
+// row stay in GGML's layout.
+
+/// Q8_0 blocks of one weight row, whole groups of 8 interleaved (see above). Slices given to its `GgmlType`
+/// methods must be whole rows.
+#[derive(Clone)]
+#[repr(transparent)]
+pub struct BlockQ8_0Interleaved(BlockQ8_0);
+
+fn q8_0_bytes_mut(blocks: &mut [BlockQ8_0]) -> &mut [u8] {
+    // SAFETY: BlockQ8_0 is #[repr(C)] plain data (f16, [i8; 32]), 34 bytes, alignment 2.
+    unsafe {
+        std::slice::from_raw_parts_mut(
+            blocks.as_mut_ptr() as *mut u8,
+            std::mem::size_of_val(blocks),
+        )
+    }
+}
+
+/// One group of 8 GGML Q8_0 blocks (as bytes) in the interleaved layout, or back (`to_ggml`).
+fn q8_0_reorder_group(src: &[u8], out: &mut [u8], to_ggml: bool) {
+    for j in 0..8 {
+        for t in 0..8 {
+            for b in 0..4 {
+                let (ggml, interleaved) = (34 * j + 2 + 4 * t + b, 16 + 32 * t + 4 * j + b);
+                if to_ggml {
+                    out[ggml] = src[interleaved];
+                } else {
+                    out[interleaved] = src[ggml];
+                }
+            }
+        }
+        let (ggml, interleaved) = (34 * j, 2 * j);
+        if to_ggml {
+            out[ggml..ggml + 2].copy_from_slice(&src[interleaved..interleaved + 2]);
+        } else {
+            out[interleaved..interleaved + 2].copy_from_slice(&src[ggml..ggml + 2]);
+        }
+    }
+}
+
+impl BlockQ8_0Interleaved {
+    /// One row of GGML blocks in this build's layout (interleaved where `INTERLEAVED`).
+    pub fn row_from_ggml(row: &[BlockQ8_0]) -> Vec<Self> {
+        let mut out = row.to_vec();
+        if INTERLEAVED {
+            let whole = row.len() / 8 * 8;
+            for g in (0..whole).step_by(8) {
+                let src = q8_0_bytes_mut(&mut out[g..g + 8]).to_vec();
+                q8_0_reorder_group(&src, q8_0_bytes_mut(&mut out[g..g + 8]), false);
+            }
+        }
+        out.into_iter().map(Self).collect()
+    }
+
+    /// One row back in GGML's layout: borrowed as is where this build does not interleave.
+    pub fn row_to_ggml(row: &[Self]) -> Cow<'_, [BlockQ8_0]> {
+        // SAFETY: #[repr(transparent)] over BlockQ8_0.
+        let blocks =
+            unsafe { std::slice::from_raw_parts(row.as_ptr() as *const BlockQ8_0, row.len()) };
+        if !INTERLEAVED {
+            return Cow::Borrowed(blocks);
+        }
+        let mut out = blocks.to_vec();
+        let whole = row.len() / 8 * 8;
+        for g in (0..whole).step_by(8) {
+            let src = q8_0_bytes_mut(&mut out[g..g + 8]).to_vec();
+            q8_0_reorder_group(&src, q8_0_bytes_mut(&mut out[g..g + 8]), true);
+        }
+        Cow::Owned(out)
+    }
+}
+
+impl GgmlType for BlockQ8_0Interleaved {
+    const DTYPE: GgmlDType = GgmlDType::Q8_0;
+    const BLCK_SIZE: usize = 32;
+    type VecDotType = BlockQ8_0;
+
+    fn to_float(xs: &[Self], ys: &mut [f32]) {
+        BlockQ8_0::to_float(&Self::row_to_ggml(xs), ys);
+    }
+
+    fn from_float(xs: &[f32], ys: &mut [Self]) {
+        let mut ggml: Vec<BlockQ8_0> = (0..ys.len()).map(|_| BlockQ8_0::zeros()).collect();
+        BlockQ8_0::from_float(xs, &mut ggml);
+        for (y, b) in ys.iter_mut().zip(Self::row_from_ggml(&ggml)) {
+            *y = b;
+        }
+    }
+
+    fn vec_dot(n: usize, xs: &[Self], ys: &[BlockQ8_0]) -> f32 {
+        BlockQ8_0::vec_dot(n, &Self::row_to_ggml(xs), ys)
+    }
+
+    fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[BlockQ8_0]) -> f32 {
+        BlockQ8_0::vec_dot_unopt(n, &Self::row_to_ggml(xs), ys)
+    }
+}
+
 /// Q8_1 activations for the interleaved Q4_1 kernel, one row of `blocks` in place: within each whole group of 8
 /// blocks, block t's 32 values become register t (lane j = block j's values 4t .. 4t + 4); the tail stays.
 pub fn interleave_q8_1_row(blocks: &mut [BlockQ8_1]) {
@@ -829,6 +929,45 @@ mod tests {
         let i6: Vec<_> = q6.iter().map(BlockQ6KInterleaved::from_ggml).collect();
         BlockQ6KInterleaved::to_float(&i6, &mut via);
         assert_eq!(direct, via);
+    }
+
+    #[test]
+    fn q8_0_rows_round_trip_with_a_tail() {
+        // 19 blocks: two interleaved groups and a GGML-order tail of 3.
+        let data = pseudo_random(19 * 32, 6);
+        let mut row: Vec<BlockQ8_0> = (0..19).map(|_| BlockQ8_0::zeros()).collect();
+        BlockQ8_0::from_float(&data, &mut row);
+        let all = |v: &[BlockQ8_0]| v.iter().flat_map(bytes).collect::<Vec<u8>>();
+        let stored = BlockQ8_0Interleaved::row_from_ggml(&row);
+        assert_eq!(all(&BlockQ8_0Interleaved::row_to_ggml(&stored)), all(&row));
+        if !INTERLEAVED {
+            return;
+        }
+        let (ggml, inter) = (
+            all(&row),
+            stored.iter().flat_map(bytes).collect::<Vec<u8>>(),
+        );
+        assert_eq!(
+            inter[272 * 2..],
+            ggml[272 * 2..],
+            "the tail keeps GGML order"
+        );
+        for g in 0..2 {
+            let (src, dst) = (
+                &ggml[272 * g..272 * (g + 1)],
+                &inter[272 * g..272 * (g + 1)],
+            );
+            for j in 0..8 {
+                assert_eq!(
+                    dst[2 * j..2 * j + 2],
+                    src[34 * j..34 * j + 2],
+                    "scale of block {j}"
+                );
+                for i in 0..32 {
+                    assert_eq!(dst[16 + 32 * (i / 4) + 4 * j + i % 4], src[34 * j + 2 + i]);
+                }
+            }
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@ use half::{bf16, f16};
 use super::kernels::{FastRowsDot, RowsKernel};
 use super::repack::{
     BlockQ4KInterleaved, BlockQ4_1Interleaved, BlockQ5_0Interleaved, BlockQ6KInterleaved,
-    Interleaved,
+    BlockQ8_0Interleaved, Interleaved,
 };
 pub use crate::model::dtype::GgmlType;
 
@@ -30,7 +30,8 @@ enum Storage {
     Q4_1(Vec<BlockQ4_1Interleaved>),
     Q5_0(Vec<BlockQ5_0Interleaved>),
     Q5_1(Vec<BlockQ5_1>),
-    Q8_0(Vec<BlockQ8_0>),
+    /// Interleaved in groups of 8 blocks too (see `repack`).
+    Q8_0(Vec<BlockQ8_0Interleaved>),
     Q2K(Vec<BlockQ2K>),
     Q3K(Vec<BlockQ3K>),
     /// Q4_K and Q6_K weights are kept in the interleaved order of the multi-row kernels (see `repack`).
@@ -80,7 +81,7 @@ macro_rules! from_storage {
 
 from_storage!(
     F32 => f32, F16 => f16, BF16 => bf16, Q4_0 => BlockQ4_0, Q4_1 => BlockQ4_1Interleaved, Q5_0 => BlockQ5_0Interleaved,
-    Q5_1 => BlockQ5_1, Q8_0 => BlockQ8_0, Q2K => BlockQ2K, Q3K => BlockQ3K,
+    Q5_1 => BlockQ5_1, Q8_0 => BlockQ8_0Interleaved, Q2K => BlockQ2K, Q3K => BlockQ3K,
     Q4K => BlockQ4KInterleaved, Q5K => BlockQ5K, Q6K => BlockQ6KInterleaved
 );
 
@@ -201,7 +202,12 @@ impl Weight {
                     .collect(),
             ),
             GgmlType::Q5_1 => Storage::Q5_1(blocks_from_bytes(bytes)),
-            GgmlType::Q8_0 => Storage::Q8_0(blocks_from_bytes(bytes)),
+            GgmlType::Q8_0 => Storage::Q8_0(
+                blocks_from_bytes::<BlockQ8_0>(bytes)
+                    .chunks(cols / 32)
+                    .flat_map(BlockQ8_0Interleaved::row_from_ggml)
+                    .collect(),
+            ),
             GgmlType::Q2K => Storage::Q2K(blocks_from_bytes(bytes)),
             GgmlType::Q3K => Storage::Q3K(blocks_from_bytes(bytes)),
             GgmlType::Q4K => Storage::Q4K(arrange(
@@ -362,6 +368,11 @@ impl Weight {
             Storage::Q4_1(b) => bytes_of(
                 &b.chunks(self.cols / 32)
                     .flat_map(|row| BlockQ4_1Interleaved::row_to_ggml(row).into_owned())
+                    .collect::<Vec<_>>(),
+            ),
+            Storage::Q8_0(b) => bytes_of(
+                &b.chunks(self.cols / 32)
+                    .flat_map(|row| BlockQ8_0Interleaved::row_to_ggml(row).into_owned())
                     .collect::<Vec<_>>(),
             ),
             storage => with_blocks!(storage, blocks => bytes_of(blocks)),
