@@ -13,7 +13,7 @@
 //! VNNI (Q4_K, Q6_K, Q4_1; Q5_0 also needs AVX-512 BW), detected at run time, a second instantiation computes the same
 //! exact integer sums with fewer instructions, so results are bitwise identical either way (tested).
 //!
-//! Q4_K, Q6_K, Q5_0 and Q4_1 weights are stored in an interleaved order (`repack`) that lets eight dot-product
+//! Q4_K, Q6_K, Q5_0, Q4_1 and Q8_0 weights are stored in an interleaved order (`repack`) that lets eight dot-product
 //! instructions per row produce one sum per scale group (or block), and every kernel prefetches the weight stream
 //! ahead (`PREFETCH_DISTANCE`, `K_QUANT_PREFETCH_DISTANCE`), so memory keeps streaming while a multi-row tile
 //! computes (measured with `examples/prefetch_sweep.rs`: verify(5) of the Qwen 1.5B 74 -> 64 ms in session 3;
@@ -1353,7 +1353,7 @@ mod avx2 {
     // one lane of a single vector, and the group is scaled and accumulated with one convert and one FMA. A
     // short last group is padded with zero sums and zero scales, which add exactly nothing. (VNNI dot products
     // measured no faster for these types: the integer part is not their bottleneck. Interleaved Q5_0 and Q4_1
-    // skip the reduction altogether: one block's sum per lane.)
+    // skip the reduction altogether (and interleaved Q8_0): one block's sum per lane.)
     const GROUP: usize = 8;
 
     /// Lane j of the result = the sum of the eight lanes of `p[j]` (exact integer arithmetic).
