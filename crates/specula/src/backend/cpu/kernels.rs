@@ -187,6 +187,8 @@ fast_kernel!(
         }
     }
 );
+// GGML-order Q8_0 and Q4_1: weights are stored interleaved since session 52, so these kernels serve as the bitwise
+// references of the interleaved ones (tests, examples/kernel_micro); their group code also runs the rows' tails.
 fast_kernel!(BlockQ8_0, q8_0_q8_0, prepare_q8_0);
 fast_kernel!(
     BlockQ8_0Interleaved,
@@ -1950,89 +1952,69 @@ mod tests {
         }
     }
 
-    /// Interleaved Q8_0 gives bitwise what the GGML-order Q8_0 kernel gives on the same blocks and activations,
-    /// at every tile size, on the default path and on the AVX2 one.
-    #[test]
-    fn interleaved_q8_0_equals_ggml_order_q8_0_bitwise() {
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma"
-        ))]
-        for (k, seed) in [(576, 1), (896, 2), (96, 3), (512, 4)] {
+    /// Rows in an interleaved layout (`I`) give bitwise what the GGML-order kernel gives on the same blocks
+    /// (`G`) and activations: the same integer block sums in the same lanes, the same float operations. At
+    /// every tile size (1-17 rows), on the default path and on the AVX2 one, for rows of whole groups, with a
+    /// tail, and of a tail alone.
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    fn assert_interleaved_equals_ggml_order<G, I>(row_from_ggml: fn(&[G]) -> Vec<I>)
+    where
+        G: FastRowsDot + Clone,
+        I: FastRowsDot<VecDotType = G::VecDotType>,
+        G::VecDotType: Clone,
+    {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        fn run<W: FastRowsDot>(w: &[W], x: &[W::VecDotType], m: usize, avx2_only: bool) -> Vec<f32>
+        where
+            W::VecDotType: Clone,
+        {
+            let kernel = W::fast_kernel().expect("an AVX2 build has this kernel");
+            let nb = w.len();
+            let (mut x, mut side, mut out) = (x.to_vec(), Vec::new(), vec![0f32; m]);
+            (kernel.prepare)(&mut x, nb, &mut side);
+            let mut f = || (kernel.rows_dot)(w, &x, &side, &mut out);
+            if avx2_only {
+                avx2::with_avx2_only(f)
+            } else {
+                f()
+            }
+            out
+        }
+        for (k, seed) in [(576, 1), (896, 2), (96, 3), (512, 4), (1536, 5)] {
             let nb = k / 32;
-            let mut ggml = vec![BlockQ8_0::zeros(); nb];
-            BlockQ8_0::from_float(&pseudo_random(k, seed), &mut ggml);
-            let interleaved = BlockQ8_0Interleaved::row_from_ggml(&ggml);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let mut ggml: Vec<G> = (0..nb).map(|_| G::zeros()).collect();
+            G::from_float(&pseudo_random(k, seed), &mut ggml);
+            let interleaved = row_from_ggml(&ggml);
             for m in 1..=17 {
-                let mut x = vec![BlockQ8_0::zeros(); m * nb];
-                BlockQ8_0::from_float(&pseudo_random(m * k, seed + 11), &mut x);
+                let mut x: Vec<G::VecDotType> =
+                    (0..m * nb).map(|_| G::VecDotType::zeros()).collect();
+                G::VecDotType::from_float(&pseudo_random(m * k, seed + 11), &mut x);
                 for avx2_only in [false, true] {
-                    let old = {
-                        let kernel = BlockQ8_0::fast_kernel().unwrap();
-                        let (mut x, mut side, mut out) = (x.clone(), Vec::new(), vec![0f32; m]);
-                        (kernel.prepare)(&mut x, nb, &mut side);
-                        let mut f = || (kernel.rows_dot)(&ggml, &x, &side, &mut out);
-                        if avx2_only {
-                            avx2::with_avx2_only(f)
-                        } else {
-                            f()
-                        }
-                        out
-                    };
-                    let new = {
-                        let kernel = BlockQ8_0Interleaved::fast_kernel().unwrap();
-                        let (mut x, mut side, mut out) = (x.clone(), Vec::new(), vec![0f32; m]);
-                        (kernel.prepare)(&mut x, nb, &mut side);
-                        let mut f = || (kernel.rows_dot)(&interleaved, &x, &side, &mut out);
-                        if avx2_only {
-                            avx2::with_avx2_only(f)
-                        } else {
-                            f()
-                        }
-                        out
-                    };
-                    assert_eq!(bits(&old), bits(&new), "k={k} m={m} avx2_only={avx2_only}");
+                    assert_eq!(
+                        bits(&run(&ggml, &x, m, avx2_only)),
+                        bits(&run(&interleaved, &x, m, avx2_only)),
+                        "{} k={k} m={m} avx2_only={avx2_only}",
+                        std::any::type_name::<I>()
+                    );
                 }
             }
         }
     }
 
-    /// Interleaved Q4_1 gives bitwise what the GGML-order Q4_1 kernel gives on the same blocks and activations
-    /// (the same integer block sums in the same lanes, the same float operations), at every tile size.
     #[test]
-    fn interleaved_q4_1_equals_ggml_order_q4_1_bitwise() {
+    fn interleaved_q8_0_and_q4_1_equal_their_ggml_order_kernels_bitwise() {
         #[cfg(all(
             target_arch = "x86_64",
             target_feature = "avx2",
             target_feature = "fma"
         ))]
-        for (k, seed) in [(576, 1), (1536, 2), (96, 3), (512, 4)] {
-            let nb = k / 32;
-            let mut ggml = vec![BlockQ4_1::zeros(); nb];
-            BlockQ4_1::from_float(&pseudo_random(k, seed), &mut ggml);
-            let interleaved = BlockQ4_1Interleaved::row_from_ggml(&ggml);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            for m in 1..=17 {
-                let mut x = vec![BlockQ8_1::zeros(); m * nb];
-                BlockQ8_1::from_float(&pseudo_random(m * k, seed + 11), &mut x);
-                let run = |kernel: RowsKernel<_>, w: &[_]| {
-                    let (mut x, mut side, mut out) = (x.clone(), Vec::new(), vec![0f32; m]);
-                    (kernel.prepare)(&mut x, nb, &mut side);
-                    (kernel.rows_dot)(w, &x, &side, &mut out);
-                    out
-                };
-                let old = run(BlockQ4_1::fast_kernel().unwrap(), &ggml);
-                let new = {
-                    let kernel = BlockQ4_1Interleaved::fast_kernel().unwrap();
-                    let (mut x, mut side, mut out) = (x.clone(), Vec::new(), vec![0f32; m]);
-                    (kernel.prepare)(&mut x, nb, &mut side);
-                    (kernel.rows_dot)(&interleaved, &x, &side, &mut out);
-                    out
-                };
-                assert_eq!(bits(&old), bits(&new), "k={k} m={m}");
-            }
+        {
+            assert_interleaved_equals_ggml_order(BlockQ8_0Interleaved::row_from_ggml);
+            assert_interleaved_equals_ggml_order(BlockQ4_1Interleaved::row_from_ggml);
         }
     }
 
