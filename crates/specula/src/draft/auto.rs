@@ -83,22 +83,20 @@ pub fn choose(
     built_head: &dyn Fn(&registry::RegistryHead) -> Option<std::path::PathBuf>,
 ) -> AutoDrafter {
     let head = registry::HEADS.iter().find(|h| h.target == target_spec);
+    let built = head.and_then(built_head);
+    // A head built by another recipe than the one measured to win records a lower accuracy: say so.
+    let below_winning_build = head
+        .zip(built.as_deref())
+        .and_then(|(h, dir)| recorded_below_winning_build(h, dir));
     if let Some(h) = head {
         let settings = match (on_gpu, &h.on_gpu) {
             (false, _) if h.wins_on_cpu => Some((h.draft_tokens, None)),
             (true, Some(g)) => Some((g.draft_tokens, Some(g.min_confidence))),
             _ => None,
         };
-        let built = built_head(h);
-        // A head built by another recipe than the one measured to win records a lower accuracy.
-        let below = match (&built, h.min_recorded_accuracy) {
-            (Some(dir), Some(min)) => match registry::recorded_first_token_accuracy(dir) {
-                Some(a) if a >= min => None,
-                recorded => Some(recorded),
-            },
-            _ => None,
-        };
-        if let (Some((draft_tokens, min_confidence)), Some(dir), None) = (settings, &built, below) {
+        if let (Some((draft_tokens, min_confidence)), Some(dir), None) =
+            (settings, &built, &below_winning_build)
+        {
             return AutoDrafter {
                 method: "eagle3",
                 draft_model: Some(dir.display().to_string()),
@@ -119,22 +117,7 @@ pub fn choose(
     }
     let mut notes = Vec::new();
     if let Some(h) = head {
-        // A built head that records less than the winning build: say so, and how to build that one.
-        let below_note = match (built_head(h), h.min_recorded_accuracy) {
-            (Some(dir), Some(min)) => match registry::recorded_first_token_accuracy(&dir) {
-                Some(a) if a >= min => None,
-                recorded => Some(format!(
-                    "its EAGLE-3 head in {} records {} held-out first-token accuracy, below the {:.0}% of the \
-                     build measured to win (another recipe: build that one with `{}`)",
-                    dir.display(),
-                    recorded.map_or("no".to_string(), |a| format!("{:.1}%", a * 100.0)),
-                    min * 100.0,
-                    h.build_command
-                )),
-            },
-            _ => None,
-        };
-        notes.push(if let Some(note) = below_note {
+        notes.push(if let Some(note) = below_winning_build {
             note
         } else if !on_gpu && !h.wins_on_cpu {
             format!(
@@ -217,6 +200,27 @@ pub fn choose(
             }
         ),
     }
+}
+
+/// Why a built head is not the build measured to win, if it is not: its config.json records less held-out
+/// first-token accuracy than the registry's `min_recorded_accuracy` (or none).
+fn recorded_below_winning_build(
+    h: &registry::RegistryHead,
+    dir: &std::path::Path,
+) -> Option<String> {
+    let min = h.min_recorded_accuracy?;
+    let recorded = registry::recorded_first_token_accuracy(dir);
+    if recorded.is_some_and(|a| a >= min) {
+        return None;
+    }
+    Some(format!(
+        "its EAGLE-3 head in {} records {} held-out first-token accuracy, below the {:.0}% of the build measured \
+         to win (another recipe: build that one with `{}`)",
+        dir.display(),
+        recorded.map_or("no".to_string(), |a| format!("{:.1}%", a * 100.0)),
+        min * 100.0,
+        h.build_command
+    ))
 }
 
 #[cfg(test)]
