@@ -50,18 +50,10 @@ case "$name" in
       case "$STAGE" in
         1) prompts=6000; skip=0; source=general
            train_args=("${common[@]}" --epochs ${EPOCHS:-2} --corpus-tokens 300000 --lr 5e-4) ;;
-        2) prompts=6000; skip=0; source=general3
+        [2-5]) sets=(- - general3 general2 general4 general5)
+           prompts=6000; skip=0; source=${sets[$STAGE]}
            train_args=("${common[@]}" --epochs ${EPOCHS:-2} --corpus-tokens 0 --lr ${STAGE_LR:-2e-4}
-                       --init-head "$out.stage1") ;;
-        3) prompts=6000; skip=0; source=general2
-           train_args=("${common[@]}" --epochs ${EPOCHS:-2} --corpus-tokens 0 --lr ${STAGE_LR:-2e-4}
-                       --init-head "$out.stage2") ;;
-        4) prompts=6000; skip=0; source=general4
-           train_args=("${common[@]}" --epochs ${EPOCHS:-2} --corpus-tokens 0 --lr ${STAGE_LR:-2e-4}
-                       --init-head "$out.stage3") ;;
-        5) prompts=6000; skip=0; source=general5
-           train_args=("${common[@]}" --epochs ${EPOCHS:-2} --corpus-tokens 0 --lr ${STAGE_LR:-2e-4}
-                       --init-head "$out.stage4") ;;
+                       --init-head "$out.stage$((STAGE - 1))") ;;
         *) echo "STAGE must be 1 to 5 for $name on a GPU" >&2; exit 2 ;;
       esac
       out=$out.stage$STAGE

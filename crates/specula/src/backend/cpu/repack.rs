@@ -495,31 +495,43 @@ fn q5_0_row_from_interleaved(row: &[BlockQ5_0Interleaved]) -> Vec<BlockQ5_0> {
     }
 }
 
-impl GgmlType for BlockQ5_0Interleaved {
-    const DTYPE: GgmlDType = GgmlDType::Q5_0;
-    const BLCK_SIZE: usize = 32;
-    type VecDotType = BlockQ8_0;
+/// `GgmlType` for a row type interleaved in groups of 8 blocks: every method converts the whole row to or from
+/// GGML's order (`row_to_ggml`, `row_from_ggml`) and runs candle's own code on it.
+macro_rules! interleaved_row_ggml_type {
+    ($($t:ty: $dtype:ident, $ggml:ty, $vec_dot:ty);* $(;)?) => {$(
+        impl GgmlType for $t {
+            const DTYPE: GgmlDType = GgmlDType::$dtype;
+            const BLCK_SIZE: usize = 32;
+            type VecDotType = $vec_dot;
 
-    fn to_float(xs: &[Self], ys: &mut [f32]) {
-        BlockQ5_0::to_float(&Self::row_to_ggml(xs), ys);
-    }
+            fn to_float(xs: &[Self], ys: &mut [f32]) {
+                <$ggml>::to_float(&Self::row_to_ggml(xs), ys);
+            }
 
-    fn from_float(xs: &[f32], ys: &mut [Self]) {
-        let mut ggml: Vec<BlockQ5_0> = (0..ys.len()).map(|_| BlockQ5_0::zeros()).collect();
-        BlockQ5_0::from_float(xs, &mut ggml);
-        for (y, b) in ys.iter_mut().zip(Self::row_from_ggml(&ggml)) {
-            *y = b;
+            fn from_float(xs: &[f32], ys: &mut [Self]) {
+                let mut ggml: Vec<$ggml> = (0..ys.len()).map(|_| <$ggml>::zeros()).collect();
+                <$ggml>::from_float(xs, &mut ggml);
+                for (y, b) in ys.iter_mut().zip(Self::row_from_ggml(&ggml)) {
+                    *y = b;
+                }
+            }
+
+            fn vec_dot(n: usize, xs: &[Self], ys: &[$vec_dot]) -> f32 {
+                <$ggml>::vec_dot(n, &Self::row_to_ggml(xs), ys)
+            }
+
+            fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[$vec_dot]) -> f32 {
+                <$ggml>::vec_dot_unopt(n, &Self::row_to_ggml(xs), ys)
+            }
         }
-    }
-
-    fn vec_dot(n: usize, xs: &[Self], ys: &[BlockQ8_0]) -> f32 {
-        BlockQ5_0::vec_dot(n, &Self::row_to_ggml(xs), ys)
-    }
-
-    fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[BlockQ8_0]) -> f32 {
-        BlockQ5_0::vec_dot_unopt(n, &Self::row_to_ggml(xs), ys)
-    }
+    )*};
 }
+
+interleaved_row_ggml_type!(
+    BlockQ5_0Interleaved: Q5_0, BlockQ5_0, BlockQ8_0;
+    BlockQ4_1Interleaved: Q4_1, BlockQ4_1, BlockQ8_1;
+    BlockQ8_0Interleaved: Q8_0, BlockQ8_0, BlockQ8_0;
+);
 
 /// Q8_0 activations for the interleaved Q5_0 kernel, one row of `blocks` in place: within each whole group of 8
 /// blocks, block t's 32 values become register t (lane j = block j's values 4t .. 4t + 4); the tail stays.
@@ -659,32 +671,6 @@ impl BlockQ4_1Interleaved {
     }
 }
 
-impl GgmlType for BlockQ4_1Interleaved {
-    const DTYPE: GgmlDType = GgmlDType::Q4_1;
-    const BLCK_SIZE: usize = 32;
-    type VecDotType = BlockQ8_1;
-
-    fn to_float(xs: &[Self], ys: &mut [f32]) {
-        BlockQ4_1::to_float(&Self::row_to_ggml(xs), ys);
-    }
-
-    fn from_float(xs: &[f32], ys: &mut [Self]) {
-        let mut ggml: Vec<BlockQ4_1> = (0..ys.len()).map(|_| BlockQ4_1::zeros()).collect();
-        BlockQ4_1::from_float(xs, &mut ggml);
-        for (y, b) in ys.iter_mut().zip(Self::row_from_ggml(&ggml)) {
-            *y = b;
-        }
-    }
-
-    fn vec_dot(n: usize, xs: &[Self], ys: &[BlockQ8_1]) -> f32 {
-        BlockQ4_1::vec_dot(n, &Self::row_to_ggml(xs), ys)
-    }
-
-    fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[BlockQ8_1]) -> f32 {
-        BlockQ4_1::vec_dot_unopt(n, &Self::row_to_ggml(xs), ys)
-    }
-}
-
 // Q8_0 rows are interleaved the same way, in groups of 8 blocks: bytes 0..16 the eight block scales d_j (f16),
 // then eight 32-byte registers t whose byte 4j + b is value 4t + b of block j. Blocks past the last whole group of a
 // row stay in GGML's layout.
@@ -756,32 +742,6 @@ impl BlockQ8_0Interleaved {
             q8_0_reorder_group(&src, q8_0_bytes_mut(&mut out[g..g + 8]), true);
         }
         Cow::Owned(out)
-    }
-}
-
-impl GgmlType for BlockQ8_0Interleaved {
-    const DTYPE: GgmlDType = GgmlDType::Q8_0;
-    const BLCK_SIZE: usize = 32;
-    type VecDotType = BlockQ8_0;
-
-    fn to_float(xs: &[Self], ys: &mut [f32]) {
-        BlockQ8_0::to_float(&Self::row_to_ggml(xs), ys);
-    }
-
-    fn from_float(xs: &[f32], ys: &mut [Self]) {
-        let mut ggml: Vec<BlockQ8_0> = (0..ys.len()).map(|_| BlockQ8_0::zeros()).collect();
-        BlockQ8_0::from_float(xs, &mut ggml);
-        for (y, b) in ys.iter_mut().zip(Self::row_from_ggml(&ggml)) {
-            *y = b;
-        }
-    }
-
-    fn vec_dot(n: usize, xs: &[Self], ys: &[BlockQ8_0]) -> f32 {
-        BlockQ8_0::vec_dot(n, &Self::row_to_ggml(xs), ys)
-    }
-
-    fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[BlockQ8_0]) -> f32 {
-        BlockQ8_0::vec_dot_unopt(n, &Self::row_to_ggml(xs), ys)
     }
 }
 
