@@ -512,6 +512,24 @@ fn parse_draft_choice(
     }
 }
 
+/// How a head's matrices are held (`SPECULA_EAGLE3_WEIGHTS`): requantized to Q4_K on the CPU by default (cheaper
+/// steps, same acceptance: Q8_0 until session 38); as stored beside a GPU target by default, where q4_k, q6_k and
+/// q8_0 stay quantized on the device (the GEMV's native formats: fewer bytes a draft step).
+pub fn eagle3_precision(on_device: bool) -> anyhow::Result<specula::draft::eagle3::HeadPrecision> {
+    use specula::draft::eagle3::HeadPrecision;
+    Ok(match std::env::var("SPECULA_EAGLE3_WEIGHTS").as_deref() {
+        Ok("stored") => HeadPrecision::Stored,
+        Ok("q8_0") => HeadPrecision::Q8_0,
+        Ok("q6_k") => HeadPrecision::Q6K,
+        Ok("q4_k") => HeadPrecision::Q4K,
+        Err(_) if on_device => HeadPrecision::Stored,
+        Err(_) => HeadPrecision::Q4K,
+        Ok(other) => anyhow::bail!(
+            "SPECULA_EAGLE3_WEIGHTS={other:?}: use q4_k (default on the CPU), q6_k, q8_0 or stored (default on a GPU)"
+        ),
+    })
+}
+
 /// Loads an EAGLE-3 head directory and checks it against the target (widths, vocabulary, layer ids).
 pub fn load_eagle3(
     dir: &str,
@@ -519,9 +537,7 @@ pub fn load_eagle3(
 ) -> anyhow::Result<specula::draft::eagle3::Eagle3Head> {
     let path = specula::registry::locate_head(dir)?;
     // A head runs where its target runs (SPECULA_EAGLE3_DEVICE=cpu keeps it on the CPU beside a GPU target, to
-    // compare). On the CPU its matrices are requantized to Q4_K (cheaper steps, same acceptance: Q8_0 until
-    // session 38, SPECULA_EAGLE3_WEIGHTS=q8_0 to compare); a device twin
-    // uploads the checkpoint's own values.
+    // compare), its matrices held as `eagle3_precision` says.
     let on_device = target.model.device() != "cpu"
         && match std::env::var("SPECULA_EAGLE3_DEVICE").as_deref() {
             Ok("cpu") => false,
@@ -530,19 +546,7 @@ pub fn load_eagle3(
                 anyhow::bail!("SPECULA_EAGLE3_DEVICE={other:?}: use target (default) or cpu")
             }
         };
-    let precision = match std::env::var("SPECULA_EAGLE3_WEIGHTS").as_deref() {
-        Ok("stored") => specula::draft::eagle3::HeadPrecision::Stored,
-        Ok("q8_0") => specula::draft::eagle3::HeadPrecision::Q8_0,
-        Ok("q6_k") => specula::draft::eagle3::HeadPrecision::Q6K,
-        Ok("q4_k") => specula::draft::eagle3::HeadPrecision::Q4K,
-        Err(_) if on_device => specula::draft::eagle3::HeadPrecision::Stored,
-        Err(_) => specula::draft::eagle3::HeadPrecision::Q4K,
-        Ok(other) => {
-            anyhow::bail!(
-                "SPECULA_EAGLE3_WEIGHTS={other:?}: use q4_k (default on the CPU), q6_k, q8_0 or stored"
-            )
-        }
-    };
+    let precision = eagle3_precision(on_device)?;
     let mut head = specula::draft::eagle3::Eagle3Head::load_as(&path, precision)
         .with_context(|| format!("loading EAGLE-3 head {dir}"))?;
     head.check_target(target.model.config())?;

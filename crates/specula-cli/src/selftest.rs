@@ -257,9 +257,16 @@ fn eagle3_head_checks(
         HeadWant, TreeRow,
     };
     let path = specula::registry::locate_head(dir)?;
-    let cpu = Eagle3Head::load_as(&path, HeadPrecision::Stored)?;
+    // A device twin as generate would place it (SPECULA_EAGLE3_WEIGHTS; as stored on the CPU), against the CPU
+    // head holding the same values as f32 (a quantized head's dequantized ones).
+    let precision = if model.device() == "cpu" {
+        HeadPrecision::Stored
+    } else {
+        crate::generate::eagle3_precision(true)?
+    };
+    let cpu = Eagle3Head::load_as(&path, precision)?.dequantized();
     cpu.check_target(model.config())?;
-    let mut placed = Eagle3Head::load_as(&path, HeadPrecision::Stored)?;
+    let mut placed = Eagle3Head::load_as(&path, precision)?;
     let device = placed.place_on(model)?;
     let layers = cpu.config.target_layers(model.config().num_layers)?;
     let (_, mats) = forward_captured(model, tokens, &layers, LogitsFor::Last)?;

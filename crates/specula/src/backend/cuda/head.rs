@@ -11,8 +11,10 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaSlice;
 
 use super::layout::{self, MAX_SPLITS};
+use super::model::{native_block, native_quant, HostMatrix};
 use super::ops::{self, alloc_split, gemv, ptr, split_rows, AttentionSplits, Matrix};
 use super::{cuda_err, CudaKvCache, Gpu};
+use crate::backend::cpu::weights::Weight;
 use crate::draft::eagle3::compute::{check_pass, run_one_by_one, top_log_probs};
 use crate::draft::eagle3::{
     Eagle3Head, HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant,
@@ -215,10 +217,73 @@ fn bf16(values: &[f32]) -> Vec<u16> {
 }
 
 /// Columns `from..from + width` of a row-major `rows x cols` matrix.
-fn columns(m: &[f32], cols: usize, from: usize, width: usize) -> Vec<f32> {
-    m.chunks_exact(cols)
-        .flat_map(|row| row[from..from + width].iter().copied())
-        .collect()
+/// A head matrix as the GEMV will read it: GGUF bytes when the head holds it in a type with a native GPU format
+/// (and native GEMVs are on), else bf16 values.
+fn host_matrix(w: &Weight) -> HostMatrix {
+    let ty = w.dtype();
+    if native_quant() && native_block(ty).is_some_and(|b| w.cols.is_multiple_of(b)) {
+        HostMatrix::Native(ty, w.raw_bytes())
+    } else {
+        HostMatrix::Bf16(bf16(&w.to_f32()))
+    }
+}
+
+/// Parts (each `(matrix, rows)`, `cols` wide) stacked by rows: native when all are of one native type, else bf16.
+fn stack_rows(parts: Vec<(HostMatrix, usize)>, cols: usize) -> Result<HostMatrix> {
+    let first_type = match parts.first() {
+        Some((HostMatrix::Native(ty, _), _)) => Some(*ty),
+        _ => None,
+    };
+    let one_type = first_type.filter(|ty| {
+        parts
+            .iter()
+            .all(|(p, _)| matches!(p, HostMatrix::Native(t, _) if t == ty))
+    });
+    let mut out = Vec::new();
+    if let Some(ty) = one_type {
+        for (p, _) in parts {
+            if let HostMatrix::Native(_, b) = p {
+                out.extend_from_slice(&b);
+            }
+        }
+        return Ok(HostMatrix::Native(ty, out));
+    }
+    let mut values = Vec::new();
+    for (p, rows) in parts {
+        values.extend(p.into_bf16(rows, cols)?);
+    }
+    Ok(HostMatrix::Bf16(values))
+}
+
+/// Columns `0..at` and `at..cols` of a `rows x cols` matrix as two matrices. A native one splits its rows' bytes
+/// where `at` falls between blocks; elsewhere both halves are bf16.
+fn split_columns(
+    m: &HostMatrix,
+    rows: usize,
+    cols: usize,
+    at: usize,
+) -> Result<(HostMatrix, HostMatrix)> {
+    if let HostMatrix::Native(ty, bytes) = m {
+        if let (Some(left), Some(row)) = (ty.bytes_for(at), ty.bytes_for(cols)) {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            for r in bytes.chunks_exact(row) {
+                a.extend_from_slice(&r[..left]);
+                b.extend_from_slice(&r[left..]);
+            }
+            return Ok((HostMatrix::Native(*ty, a), HostMatrix::Native(*ty, b)));
+        }
+    }
+    let values = m.clone().into_bf16(rows, cols)?;
+    let half = |from: usize, width: usize| -> Vec<u16> {
+        values
+            .chunks_exact(cols)
+            .flat_map(|row| row[from..from + width].iter().copied())
+            .collect()
+    };
+    Ok((
+        HostMatrix::Bf16(half(0, at)),
+        HostMatrix::Bf16(half(at, cols - at)),
+    ))
 }
 
 impl CudaHead {
@@ -235,16 +300,54 @@ impl CudaHead {
                 3 * hc.target_hidden
             )));
         }
-        let elements = h * 3 * hc.target_hidden
-            + (q_dim + 2 * kv_dim) * 2 * h * if one_qkv_enabled() { 2 } else { 1 }
-            + h * q_dim
-            + 3 * ff * h
-            + hc.draft_vocab * h;
+        // Matrices the head holds quantized (SPECULA_EAGLE3_WEIGHTS) in a type the GEMV reads natively stay
+        // quantized: fewer bytes a draft step; the others go up as bf16.
+        let m = head.matrices();
+        let qkv_rows = q_dim + 2 * kv_dim;
+        let qkv = stack_rows(
+            vec![
+                (host_matrix(m.wq), q_dim),
+                (host_matrix(m.wk), kv_dim),
+                (host_matrix(m.wv), kv_dim),
+            ],
+            2 * h,
+        )?;
+        let (qkv_embed, qkv_hidden) = split_columns(&qkv, qkv_rows, 2 * h, h)?;
+        let gate_up = match (host_matrix(m.w_gate), host_matrix(m.w_up)) {
+            (HostMatrix::Native(tg, g), HostMatrix::Native(tu, u)) if tg == tu => {
+                let row_bytes = g.len() / ff;
+                HostMatrix::Native(tg, layout::stack_gate_up(&g, &u, ff, row_bytes))
+            }
+            (g, u) => HostMatrix::Bf16(layout::stack_gate_up(
+                &g.into_bf16(ff, h)?,
+                &u.into_bf16(ff, h)?,
+                ff,
+                h,
+            )),
+        };
+        let (fc, wo, w_down, lm_head) = (
+            host_matrix(m.fc),
+            host_matrix(m.wo),
+            host_matrix(m.w_down),
+            host_matrix(m.lm_head),
+        );
+        let needed = fc.device_bytes(h, 3 * hc.target_hidden)
+            + qkv_embed.device_bytes(qkv_rows, h)
+            + qkv_hidden.device_bytes(qkv_rows, h)
+            + if one_qkv_enabled() {
+                qkv.device_bytes(qkv_rows, 2 * h)
+            } else {
+                0
+            }
+            + wo.device_bytes(h, q_dim)
+            + gate_up.device_bytes(2 * ff, h)
+            + w_down.device_bytes(h, ff)
+            + lm_head.device_bytes(hc.draft_vocab, h);
         let (free, _) = gpu.memory()?;
-        if elements * 2 > free {
+        if needed > free {
             return Err(Error::Cuda(format!(
-                "the EAGLE-3 head needs {:.2} GB of GPU memory as bf16, but {} has {:.2} GB free",
-                elements as f64 * 2e-9,
+                "the EAGLE-3 head needs {:.2} GB of GPU memory, but {} has {:.2} GB free",
+                needed as f64 * 1e-9,
                 gpu.name,
                 free as f64 * 1e-9
             )));
@@ -258,15 +361,10 @@ impl CudaHead {
                 .clone_htod(data)
                 .map_err(|e| cuda_err(&format!("uploading the head's {what}"), e))
         };
-        let mut qkv = w.wq.clone();
-        qkv.extend_from_slice(&w.wk);
-        qkv.extend_from_slice(&w.wv);
-        let qkv_rows = q_dim + 2 * kv_dim;
         let embed = match &w.embed {
             Some(e) => Arc::new(upload(e, c.vocab_size, h, "the head's embedding")?),
             None => target_embed,
         };
-        let gate_up = layout::stack_gate_up(&bf16(&w.w_gate), &bf16(&w.w_up), ff, h);
         let rope_inv_freqs = vector(&c.rope_inv_freqs(None), "RoPE frequencies")?;
         let draft_to_target = gpu
             .stream
@@ -275,22 +373,22 @@ impl CudaHead {
         let head = CudaHead {
             draft_to_target,
             embed,
-            fc: upload(&w.fc, h, 3 * hc.target_hidden, "the head's fc")?,
+            fc: fc.upload(&gpu, h, 3 * hc.target_hidden, "the head's fc")?,
             input_norm: vector(&w.input_norm, "input norm")?,
             hidden_norm: vector(&w.hidden_norm, "hidden norm")?,
             post_attention_norm: vector(&w.post_attention_norm, "post-attention norm")?,
             final_norm: vector(&w.final_norm, "final norm")?,
-            wqkv_embed: upload(&columns(&qkv, 2 * h, 0, h), qkv_rows, h, "the head's QKV")?,
-            wqkv_hidden: upload(&columns(&qkv, 2 * h, h, h), qkv_rows, h, "the head's QKV")?,
+            wqkv_embed: qkv_embed.upload(&gpu, qkv_rows, h, "the head's QKV")?,
+            wqkv_hidden: qkv_hidden.upload(&gpu, qkv_rows, h, "the head's QKV")?,
             wqkv: if one_qkv_enabled() {
-                Some(upload(&qkv, qkv_rows, 2 * h, "the head's QKV")?)
+                Some(qkv.upload(&gpu, qkv_rows, 2 * h, "the head's QKV")?)
             } else {
                 None
             },
-            wo: upload(&w.wo, h, q_dim, "the head's output projection")?,
-            w_gate_up: Matrix::upload(&gpu, &gate_up, 2 * ff, h, "the head's gate/up")?,
-            w_down: upload(&w.w_down, h, ff, "the head's down projection")?,
-            lm_head: upload(&w.lm_head, hc.draft_vocab, h, "the head's LM head")?,
+            wo: wo.upload(&gpu, h, q_dim, "the head's output projection")?,
+            w_gate_up: gate_up.upload(&gpu, 2 * ff, h, "the head's gate/up")?,
+            w_down: w_down.upload(&gpu, h, ff, "the head's down projection")?,
+            lm_head: lm_head.upload(&gpu, hc.draft_vocab, h, "the head's LM head")?,
             rope_inv_freqs,
             workspace: Mutex::new(Self::buffers(&gpu, &c, hc.target_hidden, hc.draft_vocab)?),
             captured: Default::default(),
@@ -1538,5 +1636,135 @@ fn device_top_k(want: HeadWant) -> usize {
         0
     } else {
         want.top_k
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::weights::GgmlType;
+
+    fn values(rows: usize, cols: usize, seed: usize) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|i| (((i + seed) * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    fn columns_of(v: &[f32], cols: usize, from: usize, width: usize) -> Vec<f32> {
+        v.chunks_exact(cols)
+            .flat_map(|row| row[from..from + width].iter().copied())
+            .collect()
+    }
+
+    fn bf16_values(m: &HostMatrix, rows: usize, cols: usize) -> Vec<u16> {
+        m.clone().into_bf16(rows, cols).unwrap()
+    }
+
+    /// A quantized head matrix goes up in its own GGUF bytes; a stored one as bf16 of its values.
+    #[test]
+    fn quantized_head_matrices_stay_native_and_stored_ones_go_bf16() {
+        let (rows, cols) = (16, 512);
+        let v = values(rows, cols, 1);
+        let q = Weight::quantize(&v, rows, cols, GgmlType::Q4K).unwrap();
+        match host_matrix(&q) {
+            HostMatrix::Native(GgmlType::Q4K, bytes) => assert_eq!(bytes, q.raw_bytes()),
+            _ => panic!("a Q4_K head matrix must stay Q4_K"),
+        }
+        let b = Weight::quantize(&v, rows, cols, GgmlType::BF16).unwrap();
+        match host_matrix(&b) {
+            HostMatrix::Bf16(values) => assert_eq!(values, bf16(&b.to_f32())),
+            _ => panic!("a bf16 head matrix goes up as bf16"),
+        }
+    }
+
+    /// Splitting a native matrix's columns between blocks gives the bytes of each half quantized alone (Q4_K and
+    /// Q8_0 blocks never straddle the cut); off a block boundary both halves are bf16 of the same values.
+    #[test]
+    fn columns_split_between_blocks_stay_native_and_equal_each_half_quantized() {
+        let (rows, cols) = (24, 1024);
+        let v = values(rows, cols, 7);
+        for ty in [GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q6K] {
+            let whole = HostMatrix::Native(
+                ty,
+                Weight::quantize(&v, rows, cols, ty).unwrap().raw_bytes(),
+            );
+            let (a, b) = split_columns(&whole, rows, cols, 512).unwrap();
+            for (half, from) in [(&a, 0), (&b, 512)] {
+                let alone = Weight::quantize(&columns_of(&v, cols, from, 512), rows, 512, ty)
+                    .unwrap()
+                    .raw_bytes();
+                match half {
+                    HostMatrix::Native(t, bytes) => {
+                        assert_eq!(*t, ty);
+                        assert_eq!(*bytes, alone, "{} half at {from}", ty.name());
+                    }
+                    _ => panic!("{} halves split between blocks stay native", ty.name()),
+                }
+            }
+            // 384 is not a multiple of Q4_K's or Q6_K's 256: bf16 halves of the dequantized values.
+            let (a, b) = split_columns(&whole, rows, cols, 384).unwrap();
+            let all = bf16_values(&whole, rows, cols);
+            let cut = |from: usize, width: usize| -> Vec<u16> {
+                all.chunks_exact(cols)
+                    .flat_map(|row| row[from..from + width].iter().copied())
+                    .collect()
+            };
+            assert_eq!(bf16_values(&a, rows, 384), cut(0, 384));
+            assert_eq!(bf16_values(&b, rows, cols - 384), cut(384, cols - 384));
+            if ty != GgmlType::Q8_0 {
+                assert!(
+                    matches!(a, HostMatrix::Bf16(_)),
+                    "{} off a block edge",
+                    ty.name()
+                );
+            }
+        }
+    }
+
+    /// Q, K and V of one native type stack as that type's bytes; of different types as bf16 of their values.
+    #[test]
+    fn rows_stack_natively_only_when_every_part_shares_a_type() {
+        let cols = 256;
+        let parts = [(32, 1), (16, 2), (16, 3)];
+        let of = |ty: GgmlType, rows: usize, seed: usize| {
+            let w = Weight::quantize(&values(rows, cols, seed), rows, cols, ty).unwrap();
+            host_matrix(&w)
+        };
+        let same = stack_rows(
+            parts
+                .iter()
+                .map(|&(r, s)| (of(GgmlType::Q4K, r, s), r))
+                .collect(),
+            cols,
+        )
+        .unwrap();
+        let mut expected = Vec::new();
+        for &(r, s) in &parts {
+            if let HostMatrix::Native(_, b) = of(GgmlType::Q4K, r, s) {
+                expected.extend(b);
+            }
+        }
+        match &same {
+            HostMatrix::Native(GgmlType::Q4K, bytes) => assert_eq!(*bytes, expected),
+            _ => panic!("three Q4_K parts stack as Q4_K"),
+        }
+        let types = [GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q6K];
+        let mixed = stack_rows(
+            parts
+                .iter()
+                .zip(types)
+                .map(|(&(r, s), ty)| (of(ty, r, s), r))
+                .collect(),
+            cols,
+        )
+        .unwrap();
+        let mut values_expected = Vec::new();
+        for (&(r, s), ty) in parts.iter().zip(types) {
+            values_expected.extend(bf16_values(&of(ty, r, s), r, cols));
+        }
+        match &mixed {
+            HostMatrix::Bf16(v) => assert_eq!(*v, values_expected),
+            _ => panic!("parts of different types stack as bf16"),
+        }
     }
 }

@@ -94,7 +94,7 @@ fn to_bf16(t: &RawTensor<'_>) -> Result<Vec<u16>> {
 /// `SPECULA_CUDA_NATIVE_QUANT=0` dequantizes them to bf16 at load): 2.7x (Q4_K, Q4_1) and 1.6x (the others)
 /// fewer bytes a step than bf16, the same outputs bit for bit (`check_kernels`). Measured on an H200 with the
 /// real Qwen2.5-Coder-1.5B Q4_K_M: 700-703 tok/s against 643-662 as bf16 (docs/benchmarks.md, session 20).
-fn native_quant() -> bool {
+pub(super) fn native_quant() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         !matches!(
@@ -132,7 +132,7 @@ fn skipped(kind: &str) -> bool {
 
 /// Weights a block of a GGUF type with a native GPU format holds (its rows must be whole blocks); None for the
 /// others (uploaded as bf16).
-fn native_block(ty: GgmlType) -> Option<usize> {
+pub(super) fn native_block(ty: GgmlType) -> Option<usize> {
     match ty {
         GgmlType::Q4K | GgmlType::Q6K => Some(256),
         GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q4_1 | GgmlType::Q4_0 => Some(32),
@@ -142,7 +142,8 @@ fn native_block(ty: GgmlType) -> Option<usize> {
 
 /// A matrix on the host before upload: bf16 values, or a quantized tensor's GGUF bytes kept for a native GEMV,
 /// or parts of both kinds stacked by rows (each `(part, rows)`; the mixed GEMV).
-enum HostMatrix {
+#[derive(Clone)]
+pub(super) enum HostMatrix {
     Bf16(Vec<u16>),
     Native(GgmlType, Vec<u8>),
     Parts(Vec<(HostMatrix, usize)>),
@@ -150,7 +151,7 @@ enum HostMatrix {
 
 impl HostMatrix {
     /// Its values as bf16 (dequantized as `to_bf16` does).
-    fn into_bf16(self, rows: usize, cols: usize) -> Result<Vec<u16>> {
+    pub(super) fn into_bf16(self, rows: usize, cols: usize) -> Result<Vec<u16>> {
         match self {
             HostMatrix::Bf16(v) => Ok(v),
             HostMatrix::Native(ty, bytes) => Ok(crate::backend::cpu::weights::Weight::from_raw(
@@ -175,6 +176,48 @@ impl HostMatrix {
         match self {
             HostMatrix::Native(ty, _) => Some(*ty),
             HostMatrix::Bf16(_) | HostMatrix::Parts(_) => None,
+        }
+    }
+
+    /// Uploads it as a `rows x cols` matrix in its format: bf16 tiles, tiles of its native type, or mixed parts.
+    pub(super) fn upload(self, gpu: &Gpu, rows: usize, cols: usize, what: &str) -> Result<Matrix> {
+        match self {
+            HostMatrix::Bf16(v) => Matrix::upload(gpu, &v, rows, cols, what),
+            HostMatrix::Native(ty, bytes) => {
+                Matrix::upload_native(gpu, ty, &bytes, rows, cols, what)
+            }
+            HostMatrix::Parts(parts) => {
+                let mut tiled = Vec::with_capacity(parts.len());
+                for (p, r) in parts {
+                    tiled.push(match p {
+                        HostMatrix::Native(ty, b) => {
+                            let (t, f) = super::ops::tile_native(ty, &b, r, cols, what)?;
+                            (f, t, r)
+                        }
+                        HostMatrix::Bf16(v) => (
+                            layout::TileFormat::Bf16,
+                            layout::tile_matrix(&v, r, cols),
+                            r,
+                        ),
+                        HostMatrix::Parts(_) => {
+                            return Err(Error::Cuda(format!("{what}: nested mixed parts")))
+                        }
+                    });
+                }
+                Matrix::upload_mixed(gpu, tiled, cols, what)
+            }
+        }
+    }
+
+    /// Bytes its tiles take on the device (`rows x cols` values): 2 a value as bf16, 384 per 512 in nibble tiles
+    /// (Q4_K, Q4_1), 640 per 512 in scaled int8 tiles (the other native types).
+    pub(super) fn device_bytes(&self, rows: usize, cols: usize) -> usize {
+        let n = rows * cols;
+        match self {
+            HostMatrix::Bf16(_) => 2 * n,
+            HostMatrix::Native(GgmlType::Q4K | GgmlType::Q4_1, _) => n * 384 / 512,
+            HostMatrix::Native(..) => n * 640 / 512,
+            HostMatrix::Parts(parts) => parts.iter().map(|(p, r)| p.device_bytes(*r, cols)).sum(),
         }
     }
 }
@@ -321,44 +364,15 @@ impl CudaModel {
                                 what: &'static str,
                                 layer: usize|
          -> Result<Matrix> {
-            match m {
-                HostMatrix::Bf16(v) => upload(&v, rows, cols, what),
-                HostMatrix::Native(ty, bytes) => {
-                    natives += 1;
-                    let native = Matrix::upload_native(&gpu, ty, &bytes, rows, cols, what)?;
-                    if layer == 0 {
-                        let values = HostMatrix::Native(ty, bytes).into_bf16(rows, cols)?;
-                        layer0_bf16.push((what, upload(&values, rows, cols, what)?));
-                    }
-                    Ok(native)
-                }
-                HostMatrix::Parts(parts) => {
-                    natives += 1;
-                    let mut tiled = Vec::with_capacity(parts.len());
-                    for (p, r) in &parts {
-                        tiled.push(match p {
-                            HostMatrix::Native(ty, b) => {
-                                let (t, f) = super::ops::tile_native(*ty, b, *r, cols, what)?;
-                                (f, t, *r)
-                            }
-                            HostMatrix::Bf16(v) => (
-                                layout::TileFormat::Bf16,
-                                layout::tile_matrix(v, *r, cols),
-                                *r,
-                            ),
-                            HostMatrix::Parts(_) => {
-                                return Err(Error::Cuda(format!("{what}: nested mixed parts")))
-                            }
-                        });
-                    }
-                    let mixed = Matrix::upload_mixed(&gpu, tiled, cols, what)?;
-                    if layer == 0 {
-                        let values = HostMatrix::Parts(parts).into_bf16(rows, cols)?;
-                        layer0_bf16.push((what, upload(&values, rows, cols, what)?));
-                    }
-                    Ok(mixed)
-                }
+            if matches!(m, HostMatrix::Bf16(_)) {
+                return m.upload(&gpu, rows, cols, what);
             }
+            natives += 1;
+            if layer == 0 {
+                let values = m.clone().into_bf16(rows, cols)?;
+                layer0_bf16.push((what, upload(&values, rows, cols, what)?));
+            }
+            m.upload(&gpu, rows, cols, what)
         };
         let vector_host =
             |name: &str, len: usize| -> Result<Vec<f32>> { to_f32(&src.tensor(name, 1, len)?) };

@@ -230,6 +230,20 @@ pub struct Eagle3Head {
     device: Option<Box<dyn super::compute::HeadCompute>>,
 }
 
+/// A head's matrices as it holds them (`Eagle3Head::matrices`).
+#[cfg(feature = "cuda")]
+pub(crate) struct HeadMatrices<'a> {
+    pub fc: &'a Weight,
+    pub wq: &'a Weight,
+    pub wk: &'a Weight,
+    pub wv: &'a Weight,
+    pub wo: &'a Weight,
+    pub w_gate: &'a Weight,
+    pub w_up: &'a Weight,
+    pub w_down: &'a Weight,
+    pub lm_head: &'a Weight,
+}
+
 /// A head's weights as f32 on the host, row-major (what a device twin uploads).
 pub struct HostWeights {
     pub fc: Vec<f32>,
@@ -440,6 +454,42 @@ impl Eagle3Head {
             Some(d) => d.as_ref(),
             None => self,
         }
+    }
+
+    /// The matrices as held (as stored, or requantized at load): a device twin keeps quantized ones quantized.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn matrices(&self) -> HeadMatrices<'_> {
+        HeadMatrices {
+            fc: &self.fc,
+            wq: &self.wq,
+            wk: &self.wk,
+            wv: &self.wv,
+            wo: &self.wo,
+            w_gate: &self.w_gate,
+            w_up: &self.w_up,
+            w_down: &self.w_down,
+            lm_head: &self.lm_head,
+        }
+    }
+
+    /// The same head with every matrix held as f32 values of what it holds (a quantized head's dequantized
+    /// values): the reference a device twin of the quantized head is checked against.
+    pub fn dequantized(mut self) -> Self {
+        let f32_of = |w: &Weight| Weight::from_f32(w.to_f32(), w.rows, w.cols);
+        for w in [
+            &mut self.fc,
+            &mut self.wq,
+            &mut self.wk,
+            &mut self.wv,
+            &mut self.wo,
+            &mut self.w_gate,
+            &mut self.w_up,
+            &mut self.w_down,
+            &mut self.lm_head,
+        ] {
+            *w = f32_of(w);
+        }
+        self
     }
 
     /// The weights as f32 (dequantized when held as Q8_0: load with `HeadPrecision::Stored` before placing a head
