@@ -6,6 +6,8 @@
 #                                                                  # a short training probe in a scratch directory
 #   scripts/gpu-train-head.sh train BIN MODELS OUT [train-eagle3 args]   # the head; its first 4 pieces of 15 MiB
 #   scripts/gpu-train-head.sh rest  BIN MODELS OUT                       # the pieces after those
+#   scripts/gpu-train-head.sh stash BIN MODELS OUT    # keeps a call's carried .headparts/NN (make-head-parts.sh)
+#   scripts/gpu-train-head.sh place BIN MODELS OUT    # stage STAGE-1's head (+ stage STAGE's data) from them
 #   scripts/gpu-train-head.sh probe BIN MODELS OUT MINUTES [train-eagle3 args]   # after `data`: the real run's
 #                                     settings (BATCH sequences a step, default 4) plus ARGS for MINUTES in a scratch
 #                                     directory; prints its last progress line
@@ -81,6 +83,22 @@ case "$mode" in
     done
     ls -l "$out"
     ;;
+  stash)
+    # A call carrying one .headparts/NN (scripts/make-head-parts.sh): its pieces kept on the device until `place`.
+    mkdir -p /tmp/headparts && cp .headparts/*/* /tmp/headparts/ && ls /tmp/headparts
+    ;;
+  place)
+    # Stage STAGE-1's head (and stage STAGE's data, when it was sent) from the stashed pieces.
+    prev="$models/heads/$name.stage$((STAGE - 1))"
+    mkdir -p "$prev" "$head"
+    cat /tmp/headparts/head.[0-9]* > "$prev/model.safetensors"
+    tar -C "$prev" -xf /tmp/headparts/head-meta.tar
+    (cd "$prev" && sha256sum -c head.sha256) || exit 1
+    if [ -e /tmp/headparts/data.tar.xz ]; then
+      tar -C "$head" -xJf /tmp/headparts/data.tar.xz && wc -l "$head/data.jsonl"
+    fi
+    rm -rf /tmp/headparts
+    ;;
   *)
-    echo "mode must be data, train, rest or probe" >&2; exit 2 ;;
+    echo "mode must be data, train, rest, probe, stash or place" >&2; exit 2 ;;
 esac

@@ -45,7 +45,7 @@ case "$name" in
       # below 1.01x). STAGE=k builds one stage into heads/NAME.stage<k>; without STAGE all five, and the last is
       # copied to heads/NAME.
       common=(--device cuda --answer-batch ${ANSWER_BATCH:-128} --answer-tokens 256 --seq-len 384 --draft-vocab 8192
-              --ttt-steps 4 --batch ${BATCH:-4} --cache-gb 20 --seed 0)
+              --ttt-steps ${TTT_STEPS:-4} --batch ${BATCH:-4} --cache-gb 20 --seed 0)
       [ -n "${STAGE:-}" ] || all_stages 5 "$@"
       case "$STAGE" in
         1) prompts=6000; skip=0; source=general
@@ -70,7 +70,8 @@ case "$name" in
     # requests of the second set of general tasks (--source general2: tasks stage 1 never saw; stage k takes that
     # set's requests 6000 (k - 2) to 6000 (k - 1)). Stage k lives in heads/NAME.stage<k>; the last stage's head is
     # copied to heads/NAME. STAGES (default 6) sets how many; STAGE=k runs one stage (its data, then its
-    # training); BATCH sets sequences a step (default 4), EPOCHS a stage's epochs, STAGE_LR stage k > 1's rate.
+    # training); BATCH sets sequences a step (default 4), EPOCHS a stage's epochs, STAGE_LR stage k > 1's rate,
+    # TTT_STEPS the unrolled steps (default 4; a head drafting k = 5 on a GPU never trained its fifth position).
     # Measured on code.jsonl (unseen), H100, k = 4 (docs/benchmarks.md, session 47): stage 1 2.48 tokens a
     # cycle, stage 2 2.64, stage 3 2.81; on the CPU (session 49) stage 3 2.75, stage 4 2.81, stage 5 2.86: the
     # gain per stage fell from ~0.16 to ~0.05, so more stages of the same tasks were not the next lever: stage 6
@@ -83,7 +84,7 @@ case "$name" in
     target=qwen2.5-coder-1.5b
     stages=${STAGES:-6}
     common=(--device cuda --answer-batch ${ANSWER_BATCH:-128} --answer-tokens 256 --seq-len 384 --draft-vocab 8192
-            --intermediate-size 4096 --ttt-steps 4 --batch ${BATCH:-4} --cache-gb 40 --seed 0)
+            --intermediate-size 4096 --ttt-steps ${TTT_STEPS:-4} --batch ${BATCH:-4} --cache-gb 40 --seed 0)
     [ -n "${STAGE:-}" ] || all_stages "$stages" "$@"
     case "$STAGE" in
       1) prompts=6000; skip=0; source=general
