@@ -313,18 +313,7 @@ impl CudaHead {
             2 * h,
         )?;
         let (qkv_embed, qkv_hidden) = split_columns(&qkv, qkv_rows, 2 * h, h)?;
-        let gate_up = match (host_matrix(m.w_gate), host_matrix(m.w_up)) {
-            (HostMatrix::Native(tg, g), HostMatrix::Native(tu, u)) if tg == tu => {
-                let row_bytes = g.len() / ff;
-                HostMatrix::Native(tg, layout::stack_gate_up(&g, &u, ff, row_bytes))
-            }
-            (g, u) => HostMatrix::Bf16(layout::stack_gate_up(
-                &g.into_bf16(ff, h)?,
-                &u.into_bf16(ff, h)?,
-                ff,
-                h,
-            )),
-        };
+        let gate_up = HostMatrix::gate_up(host_matrix(m.w_gate), host_matrix(m.w_up), ff, h)?;
         let (fc, wo, w_down, lm_head) = (
             host_matrix(m.fc),
             host_matrix(m.wo),

@@ -179,6 +179,23 @@ impl HostMatrix {
         }
     }
 
+    /// Gate and up (`ff x cols` each) stacked 8 rows of each per row block (layout::stack_gate_up), for the GEMV
+    /// that ends in SiLU(gate) * up: GGUF rows when both are of one native type, else bf16 values.
+    pub(super) fn gate_up(gate: Self, up: Self, ff: usize, cols: usize) -> Result<Self> {
+        Ok(match (gate, up) {
+            (HostMatrix::Native(tg, g), HostMatrix::Native(tu, u)) if tg == tu => {
+                let row_bytes = g.len() / ff;
+                HostMatrix::Native(tg, layout::stack_gate_up(&g, &u, ff, row_bytes))
+            }
+            (g, u) => HostMatrix::Bf16(layout::stack_gate_up(
+                &g.into_bf16(ff, cols)?,
+                &u.into_bf16(ff, cols)?,
+                ff,
+                cols,
+            )),
+        })
+    }
+
     /// Uploads it as a `rows x cols` matrix in its format: bf16 tiles, tiles of its native type, or mixed parts.
     pub(super) fn upload(self, gpu: &Gpu, rows: usize, cols: usize, what: &str) -> Result<Matrix> {
         match self {
@@ -464,18 +481,7 @@ impl CudaModel {
             // Gate and up stacked 8 rows of each per row block, as GGUF rows (Q4_K) or bf16 values.
             let gate = fetch(&n(LayerTensor::Gate), ff, h, true)?;
             let up = fetch(&n(LayerTensor::Up), ff, h, true)?;
-            let gate_up = match (gate, up) {
-                (HostMatrix::Native(tg, g), HostMatrix::Native(tu, u)) if tg == tu => {
-                    let row_bytes = g.len() / ff;
-                    HostMatrix::Native(tg, layout::stack_gate_up(&g, &u, ff, row_bytes))
-                }
-                (g, u) => HostMatrix::Bf16(layout::stack_gate_up(
-                    &g.into_bf16(ff, h)?,
-                    &u.into_bf16(ff, h)?,
-                    ff,
-                    h,
-                )),
-            };
+            let gate_up = HostMatrix::gate_up(gate, up, ff, h)?;
             let wo = fetch(&n(LayerTensor::O), h, q_dim, true)?;
             let down = fetch(&n(LayerTensor::Down), h, ff, true)?;
             layers.push(Layer {
