@@ -550,11 +550,13 @@ pub fn load_eagle3(
     let mut head = specula::draft::eagle3::Eagle3Head::load_as(&path, precision)
         .with_context(|| format!("loading EAGLE-3 head {dir}"))?;
     head.check_target(target.model.config())?;
+    let types: Vec<&str> = head.weight_types().iter().map(|t| t.name()).collect();
     let runs_on = if on_device {
-        head.place_on(target.model.as_ref())
-            .with_context(|| format!("placing EAGLE-3 head {dir} on {}", target.model.device()))?
+        let device = head
+            .place_on(target.model.as_ref())
+            .with_context(|| format!("placing EAGLE-3 head {dir} on {}", target.model.device()))?;
+        format!("{device} as {}", types.join("/"))
     } else {
-        let types: Vec<&str> = head.weight_types().iter().map(|t| t.name()).collect();
         format!("cpu as {}", types.join("/"))
     };
     let layers = head
