@@ -555,7 +555,10 @@ pub fn load_eagle3(
         let device = head
             .place_on(target.model.as_ref())
             .with_context(|| format!("placing EAGLE-3 head {dir} on {}", target.model.device()))?;
-        format!("{device} as {}", types.join("/"))
+        match head.compute().held_as() {
+            Some(held) => format!("{device} as {} (held there as {held})", types.join("/")),
+            None => format!("{device} as {}", types.join("/")),
+        }
     } else {
         format!("cpu as {}", types.join("/"))
     };

@@ -1153,6 +1153,24 @@ impl CudaHead {
 }
 
 impl HeadCompute for CudaHead {
+    fn held_as(&self) -> Option<String> {
+        let mut formats: Vec<&str> = Vec::new();
+        for m in [
+            &self.fc,
+            &self.wqkv_embed,
+            &self.wqkv_hidden,
+            &self.wo,
+            &self.w_gate_up,
+            &self.w_down,
+            &self.lm_head,
+        ] {
+            if !formats.contains(&m.format.name()) {
+                formats.push(m.format.name());
+            }
+        }
+        Some(formats.join("/"))
+    }
+
     fn catch_up_piece(&self) -> usize {
         // A pass of up to a chunk's rows costs about a one-row pass (all graphed): a 60-token prompt fed 8 rows a
         // step held its request undrafted for 8 steps, each running a head pass anyway.

@@ -118,6 +118,13 @@ pub trait HeadCompute: Send + Sync {
         want: HeadWant,
     ) -> Result<HeadOutput>;
 
+    /// How its matrices are held where it runs, when that differs from the head's own weight types (a GPU twin
+    /// holds f32 and f16 matrices as bf16 tiles, quantized ones as its native GEMV formats), e.g. "bf16" or
+    /// "nibble/scaled int8". None: as the head holds them.
+    fn held_as(&self) -> Option<String> {
+        None
+    }
+
     /// Passes captured as CUDA graphs (or the like) so far. A capture costs several passes' time, so a step that
     /// made one says nothing about what passes cost: the server's draft budget leaves such steps out.
     fn graphs_captured(&self) -> u64 {
