@@ -683,6 +683,112 @@ __device__ __forceinline__ void gemm_mma_tile(const uint4* __restrict__ w, const
 GEMM_MMA_KERNEL(gemm_mma_32, 2)
 GEMM_MMA_KERNEL(gemm_mma_64, 4)
 
+// The same sums again, for many tokens, with each chunk's operands staged in shared memory ahead of use: a block
+// of GEMM_ROW_BLOCKS row blocks x STAGED_TILES 8-token tiles copies every chunk's weight tiles (4 KiB) and split
+// activations (8 KiB) into one of STAGED_DEPTH buffers with cp.async, STAGED_DEPTH - 1 chunks ahead of the one its
+// warps multiply, so no warp waits on L2 for an operand (gemm_mma_tile loads them where they are used, and ran at
+// about half the GEMV's speed once activations came split: docs/benchmarks.md). Warp (wr, wt) multiplies row block
+// wr by the block's token tiles 4 wt .. 4 wt + 3 and keeps the GEMV's four per-warp sums itself (acc[j] takes the
+// chunks with (c - c_begin) % 4 == j, in order), adding them in warp order at the end: every output is the GEMV's
+// bits (`selftest --device cuda` checks it, `SPECULA_CUDA_GEMM=staged`). bf16 tiles only. sm_80 and later.
+#define STAGED_TILES 8
+#define STAGED_DEPTH 4
+#define STAGED_U4 ((GEMM_ROW_BLOCKS + STAGED_TILES) * 64)  // a buffer: the row blocks' tiles, then the token tiles'
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+    // Invalid sources read nothing and fill zeros (a row block past n, a token tile past m).
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 2)
+    gemm_staged(const uint4* __restrict__ w, const uint4* __restrict__ xs, float* __restrict__ y, int n, int k,
+                int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {
+    __shared__ uint4 stage[STAGED_DEPTH][STAGED_U4];  // 48 KiB: the static limit
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wr = warp % GEMM_ROW_BLOCKS, wt = warp / GEMM_ROW_BLOCKS;
+    const int rb0 = blockIdx.y * GEMM_ROW_BLOCKS, tile0 = blockIdx.x * STAGED_TILES;
+    const int row_blocks = (n + 15) >> 4, tiles = (m + 7) >> 3;
+    const int per_split = (chunks + splits - 1) / splits;
+    const int c_begin = blockIdx.z * per_split, c_end = min(chunks, c_begin + per_split);
+    const int count = max(c_end - c_begin, 0);
+    PDL_ENTER();
+    // Chunk c_begin + i into buffer b: every thread copies STAGED_U4 / (GEMM_WARPS * 32) = 3 pieces of 16 bytes.
+    auto issue = [&](int i, int b) {
+        const int c = c_begin + i;
+        for (int u = threadIdx.x; u < STAGED_U4; u += GEMM_WARPS * 32) {
+            const int part = u >> 6, off = u & 63;
+            bool valid;
+            const uint4* src;
+            if (part < GEMM_ROW_BLOCKS) {
+                valid = rb0 + part < row_blocks;
+                src = w + ((size_t)(rb0 + part) * chunks + c) * 64 + off;
+            } else {
+                const int tile = tile0 + part - GEMM_ROW_BLOCKS;
+                valid = tile < tiles;
+                src = xs + ((size_t)tile * chunks + c) * 64 + off;
+            }
+            cp_async_16(&stage[b][u], valid ? src : w, valid);
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < STAGED_DEPTH - 1; i++) {
+        if (i < count) issue(i, i);
+        cp_async_commit();  // empty groups too: the wait below counts groups
+    }
+    const bool has_rows = (rb0 + wr) * 16 < n;
+    const int g = lane >> 2, t = lane & 3;
+    bool has_token[4];
+#pragma unroll
+    for (int u = 0; u < 4; u++) has_token[u] = (tile0 + 4 * wt + u) * 8 + g < m;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    float acc[MMA_WARPS][4][4];
+#pragma unroll
+    for (int j = 0; j < MMA_WARPS; j++)
+#pragma unroll
+        for (int u = 0; u < 4; u++) acc[j][u][0] = acc[j][u][1] = acc[j][u][2] = acc[j][u][3] = 0.f;
+    for (int i0 = 0; i0 < count; i0 += MMA_WARPS) {
+#pragma unroll
+        for (int j = 0; j < MMA_WARPS; j++) {
+            const int i = i0 + j;  // (c - c_begin) % 4 == j: the GEMV's warp j sums this chunk
+            if (i < count) {       // the same in every thread: the barrier below is reached by all
+                cp_async_wait<STAGED_DEPTH - 2>();  // this thread's copies of chunk i have landed
+                __syncthreads();                     // everyone's have, and buffer (i - 1) % DEPTH is read
+                if (i + STAGED_DEPTH - 1 < count) issue(i + STAGED_DEPTH - 1, (i + STAGED_DEPTH - 1) % STAGED_DEPTH);
+                cp_async_commit();
+                if (has_rows) {
+                    const uint4* buf = stage[i % STAGED_DEPTH];
+                    const uint4 a[2] = {buf[wr * 64 + lane], buf[wr * 64 + 32 + lane]};
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        const uint4* at = buf + (GEMM_ROW_BLOCKS + 4 * wt + u) * 64 + lane;
+                        const uint4 b0 = has_token[u] ? at[0] : zero, b1 = has_token[u] ? at[32] : zero;
+                        mma_chunk(acc[j][u], a, b0, b1);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    if (!has_rows) return;
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        float d[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) d[e] = ((acc[0][u][e] + acc[1][u][e]) + acc[2][u][e]) + acc[3][u][e];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int token = (tile0 + 4 * wt + u) * 8 + 2 * t + e;
+            store_outputs(y, scratch, n, m, token, rb0 + wr, g, d[e], d[2 + e], silu_pairs, splits, accumulate);
+        }
+    }
+}
+
 // y[r][c] (+)= sum over splits, in split order, of scratch[split][r][c]; grid-stride over m * n.
 extern "C" __global__ void splitk_reduce(const float* __restrict__ scratch, float* __restrict__ y, int n, int m,
                                          int splits, int accumulate) {

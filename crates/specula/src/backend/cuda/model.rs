@@ -2044,22 +2044,25 @@ impl CudaModel {
                     continue;
                 }
                 let r = self.check_gemv_outputs(
-                    &[(w, GemvPath::Gemv), (w, GemvPath::Gemm)],
+                    &[
+                        (w, GemvPath::Gemv),
+                        (w, GemvPath::Gemm),
+                        (w, GemvPath::GemmStaged),
+                    ],
                     n,
                     m,
                     accumulate,
                     silu,
                 )?;
                 let out_n = if silu { n / 2 } else { n };
-                checks.push(Self::bitwise_check(
-                    format!(
-                        "GEMM tile = GEMV bitwise, {name} {out_n}x{}, {m} rows",
-                        w.cols
-                    ),
-                    "bf16",
-                    &r[0],
-                    &r[1],
-                ));
+                for (tile, out) in [("GEMM tile", &r[1]), ("staged GEMM tile", &r[2])] {
+                    checks.push(Self::bitwise_check(
+                        format!("{tile} = GEMV bitwise, {name} {out_n}x{}, {m} rows", w.cols),
+                        "bf16",
+                        &r[0],
+                        out,
+                    ));
+                }
             }
         }
         Ok(checks)

@@ -201,10 +201,14 @@ pub(crate) fn tile_native(
 /// Which kernel computes a GEMV: both give the same bits for every row (kernels.cu), so the choice is speed only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum GemvPath {
-    /// By the number of tokens: the GEMV up to `gemm_min_rows() - 1` tokens, the GEMM tile from there.
+    /// By the number of tokens: the GEMV up to `gemm_min_rows() - 1` tokens, the GEMM tile from there (the
+    /// staged one where `gemm_staged_enabled`).
     Auto,
     Gemv,
+    /// `gemm_mma`.
     Gemm,
+    /// `gemm_staged`.
+    GemmStaged,
 }
 
 /// Tokens from which a GEMV runs as the GEMM tile (`SPECULA_CUDA_GEMM_ROWS`; 0, the default, never). Measured on
@@ -222,6 +226,17 @@ pub(crate) fn gemm_min_rows() -> usize {
 }
 
 const DEFAULT_GEMM_MIN_ROWS: usize = 0;
+
+/// Whether the GEMM path runs the staged tile (kernels.cu `gemm_staged`: operands copied into shared memory ahead
+/// of use) instead of `gemm_mma` (`SPECULA_CUDA_GEMM=staged`; both give the GEMV's bits). Off by default until a
+/// device has checked and timed it.
+pub(crate) fn gemm_staged_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GEMM").as_deref() == Ok("staged"))
+}
+
+/// Tokens a staged GEMM block takes (kernels.cu STAGED_TILES x 8).
+const GEMM_STAGED_TOKENS: usize = 64;
 
 /// Tokens a GEMM block takes (kernels.cu: GEMM_TOKEN_GROUPS x NT x 8) for `m` tokens, and its kernel's index.
 pub(crate) fn gemm_variant(m: usize) -> (usize, usize) {
@@ -578,9 +593,38 @@ pub(crate) fn gemv_with(
         && match path {
             GemvPath::Auto => min_rows > 0 && m >= min_rows,
             GemvPath::Gemv => false,
-            GemvPath::Gemm => true,
+            GemvPath::Gemm | GemvPath::GemmStaged => true,
         };
-    if use_gemm {
+    let staged = match path {
+        GemvPath::Auto => gemm_staged_enabled(),
+        GemvPath::GemmStaged => true,
+        GemvPath::Gemv | GemvPath::Gemm => false,
+    };
+    if use_gemm && staged {
+        // Token tiles vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
+        launch_fn!(
+            gpu,
+            &gpu.kernels.gemm_staged,
+            "gemm_staged",
+            (
+                m.div_ceil(GEMM_STAGED_TOKENS) as u32,
+                blocks.div_ceil(GEMM_ROW_BLOCKS) as u32,
+                splits as u32
+            ),
+            GEMM_THREADS,
+            ptr(&w.data, gpu),
+            x,
+            y,
+            n as i32,
+            w.cols as i32,
+            w.chunks as i32,
+            m as i32,
+            accumulate as i32,
+            splits as i32,
+            scratch,
+            silu_pairs as i32
+        );
+    } else if use_gemm {
         let (variant, tokens) = gemm_variant(m);
         // Token groups vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
         launch_fn!(
