@@ -684,16 +684,18 @@ GEMM_MMA_KERNEL(gemm_mma_32, 2)
 GEMM_MMA_KERNEL(gemm_mma_64, 4)
 
 // The same sums again, for many tokens, with each chunk's operands staged in shared memory ahead of use: a block
-// of GEMM_ROW_BLOCKS row blocks x STAGED_TILES 8-token tiles copies every chunk's weight tiles (4 KiB) and split
-// activations (8 KiB) into one of STAGED_DEPTH buffers with cp.async, STAGED_DEPTH - 1 chunks ahead of the one its
-// warps multiply, so no warp waits on L2 for an operand (gemm_mma_tile loads them where they are used, and ran at
-// about half the GEMV's speed once activations came split: docs/benchmarks.md). Warp (wr, wt) multiplies row block
-// wr by the block's token tiles 4 wt .. 4 wt + 3 and keeps the GEMV's four per-warp sums itself (acc[j] takes the
-// chunks with (c - c_begin) % 4 == j, in order), adding them in warp order at the end: every output is the GEMV's
-// bits (`selftest --device cuda` checks it, `SPECULA_CUDA_GEMM=staged`). bf16 tiles only. sm_80 and later.
+// of GEMM_ROW_BLOCKS row blocks x STAGED_TILES 8-token tiles copies every chunk's weight tiles (bf16 4 KiB, nibble
+// 1.5, scaled int8 2.5) and split activations (8 KiB) into one of STAGED_DEPTH buffers with cp.async,
+// STAGED_DEPTH - 1 chunks ahead of the one its warps multiply, so no warp waits on L2 for an operand
+// (gemm_mma_tile loads them where they are used, and ran at about half the GEMV's speed once activations came
+// split: docs/benchmarks.md). Warp (wr, wt) expands row block wr's tile from shared memory as the GEMV does from
+// global memory, multiplies it by the block's token tiles 4 wt .. 4 wt + 3 and keeps the GEMV's four per-warp sums
+// itself (acc[j] takes the chunks with (c - c_begin) % 4 == j, in order), adding them in warp order at the end:
+// every output is the GEMV's bits (`selftest --device cuda` checks it). sm_80 and later.
 #define STAGED_TILES 8
 #define STAGED_DEPTH 4
-#define STAGED_U4 ((GEMM_ROW_BLOCKS + STAGED_TILES) * 64)  // a buffer: the row blocks' tiles, then the token tiles'
+#define STAGED_X_U4 (STAGED_TILES * 64)                   // a buffer's activations
+#define STAGED_U4 (GEMM_ROW_BLOCKS * 64 + STAGED_X_U4)     // a buffer: room for bf16 tiles, the largest
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     // Invalid sources read nothing and fill zeros (a row block past n, a token tile past m).
@@ -706,10 +708,39 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
-extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 2)
-    gemm_staged(const uint4* __restrict__ w, const uint4* __restrict__ xs, float* __restrict__ y, int n, int k,
-                int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {
+// A lane's part of a weight tile staged in shared memory: what W::load reads from global memory, by plain loads.
+template <typename W>
+struct StagedLoad;
+template <>
+struct StagedLoad<Bf16Weights> {
+    __device__ static __forceinline__ Bf16Weights::Raw load(const uint4* tile, int lane) {
+        return {tile[lane], tile[lane + 32]};
+    }
+};
+template <>
+struct StagedLoad<Q4kWeights> {
+    __device__ static __forceinline__ Q4kWeights::Raw load(const uint4* tile, int lane) {
+        const uint2* nibbles = reinterpret_cast<const uint2*>(tile);
+        const float2* factors = reinterpret_cast<const float2*>(tile + 16);
+        const int g = lane >> 2;
+        return {nibbles[lane], factors[g], factors[g + 8]};
+    }
+};
+template <>
+struct StagedLoad<ScaledI8Weights> {
+    __device__ static __forceinline__ ScaledI8Weights::Raw load(const uint4* tile, int lane) {
+        const float2* factors = reinterpret_cast<const float2*>(tile + 32);
+        const int g = lane >> 2;
+        return {tile[lane], factors[g], factors[g + 8]};
+    }
+};
+
+template <typename W>
+__device__ __forceinline__ void gemm_staged_tile(const uint4* __restrict__ w, const uint4* __restrict__ xs,
+                                                 float* __restrict__ y, int n, int chunks, int m, int accumulate,
+                                                 int splits, float* __restrict__ scratch, int silu_pairs) {
     __shared__ uint4 stage[STAGED_DEPTH][STAGED_U4];  // 48 KiB: the static limit
+    constexpr int PIECES = GEMM_ROW_BLOCKS * W::TILE_U4 + STAGED_X_U4;  // 16-byte pieces a chunk
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wr = warp % GEMM_ROW_BLOCKS, wt = warp / GEMM_ROW_BLOCKS;
     const int rb0 = blockIdx.y * GEMM_ROW_BLOCKS, tile0 = blockIdx.x * STAGED_TILES;
@@ -718,20 +749,21 @@ extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 2)
     const int c_begin = blockIdx.z * per_split, c_end = min(chunks, c_begin + per_split);
     const int count = max(c_end - c_begin, 0);
     PDL_ENTER();
-    // Chunk c_begin + i into buffer b: every thread copies STAGED_U4 / (GEMM_WARPS * 32) = 3 pieces of 16 bytes.
+    // Chunk c_begin + i into buffer b: the row blocks' tiles first, then the token tiles', 16 bytes a copy.
     auto issue = [&](int i, int b) {
         const int c = c_begin + i;
-        for (int u = threadIdx.x; u < STAGED_U4; u += GEMM_WARPS * 32) {
-            const int part = u >> 6, off = u & 63;
+        for (int u = threadIdx.x; u < PIECES; u += GEMM_WARPS * 32) {
             bool valid;
             const uint4* src;
-            if (part < GEMM_ROW_BLOCKS) {
+            if (u < GEMM_ROW_BLOCKS * W::TILE_U4) {
+                const int part = u / W::TILE_U4, off = u % W::TILE_U4;
                 valid = rb0 + part < row_blocks;
-                src = w + ((size_t)(rb0 + part) * chunks + c) * 64 + off;
+                src = w + ((size_t)(rb0 + part) * chunks + c) * W::TILE_U4 + off;
             } else {
-                const int tile = tile0 + part - GEMM_ROW_BLOCKS;
+                const int v = u - GEMM_ROW_BLOCKS * W::TILE_U4;
+                const int tile = tile0 + (v >> 6);
                 valid = tile < tiles;
-                src = xs + ((size_t)tile * chunks + c) * 64 + off;
+                src = xs + ((size_t)tile * chunks + c) * 64 + (v & 63);
             }
             cp_async_16(&stage[b][u], valid ? src : w, valid);
         }
@@ -763,10 +795,11 @@ extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 2)
                 cp_async_commit();
                 if (has_rows) {
                     const uint4* buf = stage[i % STAGED_DEPTH];
-                    const uint4 a[2] = {buf[wr * 64 + lane], buf[wr * 64 + 32 + lane]};
+                    uint4 a[2];
+                    W::expand(StagedLoad<W>::load(buf + wr * W::TILE_U4, lane), a);
 #pragma unroll
                     for (int u = 0; u < 4; u++) {
-                        const uint4* at = buf + (GEMM_ROW_BLOCKS + 4 * wt + u) * 64 + lane;
+                        const uint4* at = buf + GEMM_ROW_BLOCKS * W::TILE_U4 + (4 * wt + u) * 64 + lane;
                         const uint4 b0 = has_token[u] ? at[0] : zero, b1 = has_token[u] ? at[32] : zero;
                         mma_chunk(acc[j][u], a, b0, b1);
                     }
@@ -788,6 +821,16 @@ extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 2)
         }
     }
 }
+
+#define GEMM_STAGED_KERNEL(name, W)                                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 2)                                             \
+        name(const uint4* __restrict__ w, const uint4* __restrict__ xs, float* __restrict__ y, int n, int k,       \
+             int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {       \
+        gemm_staged_tile<W>(w, xs, y, n, chunks, m, accumulate, splits, scratch, silu_pairs);                 \
+    }
+GEMM_STAGED_KERNEL(gemm_staged, Bf16Weights)
+GEMM_STAGED_KERNEL(gemm_staged_q4k, Q4kWeights)
+GEMM_STAGED_KERNEL(gemm_staged_i8, ScaledI8Weights)
 
 // y[r][c] (+)= sum over splits, in split order, of scratch[split][r][c]; grid-stride over m * n.
 extern "C" __global__ void splitk_reduce(const float* __restrict__ scratch, float* __restrict__ y, int n, int m,

@@ -2111,6 +2111,29 @@ impl CudaModel {
                     &r[1],
                 ));
             }
+            // The staged GEMM tile expands the same tiles from shared memory (mixed matrices stay on the GEMV).
+            if matches!(w.format, WeightFormat::Q4k | WeightFormat::ScaledI8) {
+                for m in [40usize, 100] {
+                    let r = self.check_gemv_outputs(
+                        &[(w, GemvPath::GemmStaged), (bf16, GemvPath::Gemv)],
+                        n,
+                        m,
+                        accumulate,
+                        silu,
+                    )?;
+                    let out_n = if silu { n / 2 } else { n };
+                    checks.push(Self::bitwise_check(
+                        format!(
+                            "staged GEMM tile, native {} = bf16 GEMV bitwise, {name} {out_n}x{}, {m} rows",
+                            w.format.name(),
+                            w.cols
+                        ),
+                        w.format.name(),
+                        &r[0],
+                        &r[1],
+                    ));
+                }
+            }
         }
         Ok(checks)
     }

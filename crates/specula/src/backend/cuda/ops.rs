@@ -588,23 +588,30 @@ pub(crate) fn gemv_with(
     };
     let blocks = n.div_ceil(layout::ROW_BLOCK);
     let min_rows = gemm_min_rows();
-    // The GEMM tile reads bf16 tiles only.
-    let use_gemm = w.format == WeightFormat::Bf16
-        && match path {
-            GemvPath::Auto => min_rows > 0 && m >= min_rows,
-            GemvPath::Gemv => false,
-            GemvPath::Gemm | GemvPath::GemmStaged => true,
-        };
     let staged = match path {
         GemvPath::Auto => gemm_staged_enabled(),
         GemvPath::GemmStaged => true,
         GemvPath::Gemv | GemvPath::Gemm => false,
     };
-    if use_gemm && staged {
+    // The staged tile reads bf16, nibble and scaled-int8 tiles; `gemm_mma` bf16 only.
+    let staged_kernel = match w.format {
+        WeightFormat::Bf16 => Some(0),
+        WeightFormat::Q4k => Some(1),
+        WeightFormat::ScaledI8 => Some(2),
+        WeightFormat::Mixed => None,
+    }
+    .filter(|_| staged);
+    let use_gemm = (w.format == WeightFormat::Bf16 || staged_kernel.is_some())
+        && match path {
+            GemvPath::Auto => min_rows > 0 && m >= min_rows,
+            GemvPath::Gemv => false,
+            GemvPath::Gemm | GemvPath::GemmStaged => true,
+        };
+    if let Some(kernel) = staged_kernel.filter(|_| use_gemm) {
         // Token tiles vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
         launch_fn!(
             gpu,
-            &gpu.kernels.gemm_staged,
+            &gpu.kernels.gemm_staged[kernel],
             "gemm_staged",
             (
                 m.div_ceil(GEMM_STAGED_TOKENS) as u32,
@@ -624,7 +631,7 @@ pub(crate) fn gemv_with(
             scratch,
             silu_pairs as i32
         );
-    } else if use_gemm {
+    } else if use_gemm && w.format == WeightFormat::Bf16 {
         let (variant, tokens) = gemm_variant(m);
         // Token groups vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
         launch_fn!(
