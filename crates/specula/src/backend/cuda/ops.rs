@@ -235,6 +235,46 @@ pub(crate) fn gemm_staged_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_GEMM").as_deref() == Ok("staged"))
 }
 
+/// The kernel a GEMV call runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MatmulKernel {
+    Gemv,
+    GemmMma,
+    /// `gemm_staged` over bf16 (0), nibble (1) or scaled-int8 (2) tiles: its index in `Kernels::gemm_staged`.
+    GemmStaged(usize),
+}
+
+/// Which kernel multiplies `m` tokens by a matrix in `format` along `path`, with the GEMM from `min_rows` tokens
+/// (`gemm_min_rows`; 0 never) and the staged tile in place of `gemm_mma` where `staged_on`
+/// (`gemm_staged_enabled`). `gemm_mma` reads bf16 tiles only, the staged tile native ones too; a mixed matrix
+/// always takes the GEMV.
+fn matmul_kernel(
+    format: WeightFormat,
+    path: GemvPath,
+    m: usize,
+    min_rows: usize,
+    staged_on: bool,
+) -> MatmulKernel {
+    let wants_gemm = match path {
+        GemvPath::Auto => min_rows > 0 && m >= min_rows,
+        GemvPath::Gemv => false,
+        GemvPath::Gemm | GemvPath::GemmStaged => true,
+    };
+    let staged = match path {
+        GemvPath::Auto => staged_on,
+        GemvPath::GemmStaged => true,
+        GemvPath::Gemv | GemvPath::Gemm => false,
+    };
+    match (wants_gemm, staged, format) {
+        (false, _, _) | (true, _, WeightFormat::Mixed) => MatmulKernel::Gemv,
+        (true, true, WeightFormat::Bf16) => MatmulKernel::GemmStaged(0),
+        (true, true, WeightFormat::Q4k) => MatmulKernel::GemmStaged(1),
+        (true, true, WeightFormat::ScaledI8) => MatmulKernel::GemmStaged(2),
+        (true, false, WeightFormat::Bf16) => MatmulKernel::GemmMma,
+        (true, false, _) => MatmulKernel::Gemv,
+    }
+}
+
 /// Tokens a staged GEMM block takes (kernels.cu STAGED_TILES x 8).
 const GEMM_STAGED_TOKENS: usize = 64;
 
@@ -587,27 +627,8 @@ pub(crate) fn gemv_with(
         layout::splits_for(n, w.cols, gpu.sm_count)
     };
     let blocks = n.div_ceil(layout::ROW_BLOCK);
-    let min_rows = gemm_min_rows();
-    let staged = match path {
-        GemvPath::Auto => gemm_staged_enabled(),
-        GemvPath::GemmStaged => true,
-        GemvPath::Gemv | GemvPath::Gemm => false,
-    };
-    // The staged tile reads bf16, nibble and scaled-int8 tiles; `gemm_mma` bf16 only.
-    let staged_kernel = match w.format {
-        WeightFormat::Bf16 => Some(0),
-        WeightFormat::Q4k => Some(1),
-        WeightFormat::ScaledI8 => Some(2),
-        WeightFormat::Mixed => None,
-    }
-    .filter(|_| staged);
-    let use_gemm = (w.format == WeightFormat::Bf16 || staged_kernel.is_some())
-        && match path {
-            GemvPath::Auto => min_rows > 0 && m >= min_rows,
-            GemvPath::Gemv => false,
-            GemvPath::Gemm | GemvPath::GemmStaged => true,
-        };
-    if let Some(kernel) = staged_kernel.filter(|_| use_gemm) {
+    let kernel = matmul_kernel(w.format, path, m, gemm_min_rows(), gemm_staged_enabled());
+    if let MatmulKernel::GemmStaged(kernel) = kernel {
         // Token tiles vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
         launch_fn!(
             gpu,
@@ -631,7 +652,7 @@ pub(crate) fn gemv_with(
             scratch,
             silu_pairs as i32
         );
-    } else if use_gemm && w.format == WeightFormat::Bf16 {
+    } else if kernel == MatmulKernel::GemmMma {
         let (variant, tokens) = gemm_variant(m);
         // Token groups vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
         launch_fn!(
@@ -795,6 +816,34 @@ fn launch_gemv_tile(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn matmul_kernels_follow_the_path_the_threshold_and_the_format() {
+        use super::{matmul_kernel as pick, GemvPath as P, MatmulKernel as K, WeightFormat as F};
+        let formats = [F::Bf16, F::Q4k, F::ScaledI8, F::Mixed];
+        for f in formats {
+            // The GEMV path, and Auto below the threshold or with the GEMM off, never take a GEMM tile.
+            for staged in [false, true] {
+                assert_eq!(pick(f, P::Gemv, 500, 17, staged), K::Gemv);
+                assert_eq!(pick(f, P::Auto, 16, 17, staged), K::Gemv);
+                assert_eq!(pick(f, P::Auto, 500, 0, staged), K::Gemv);
+            }
+        }
+        // gemm_mma reads bf16 tiles only.
+        assert_eq!(pick(F::Bf16, P::Auto, 17, 17, false), K::GemmMma);
+        assert_eq!(pick(F::Bf16, P::Gemm, 1, 0, true), K::GemmMma);
+        for f in [F::Q4k, F::ScaledI8, F::Mixed] {
+            assert_eq!(pick(f, P::Auto, 64, 17, false), K::Gemv);
+            assert_eq!(pick(f, P::Gemm, 64, 0, false), K::Gemv);
+        }
+        // The staged tile reads every format but mixed ones, each through its kernel.
+        for (f, kernel) in [(F::Bf16, 0), (F::Q4k, 1), (F::ScaledI8, 2)] {
+            assert_eq!(pick(f, P::Auto, 33, 33, true), K::GemmStaged(kernel));
+            assert_eq!(pick(f, P::GemmStaged, 1, 0, false), K::GemmStaged(kernel));
+        }
+        assert_eq!(pick(F::Mixed, P::GemmStaged, 64, 0, true), K::Gemv);
+        assert_eq!(pick(F::Mixed, P::Auto, 64, 33, true), K::Gemv);
+    }
+
     use super::*;
 
     /// Each row count gets the narrowest tile that holds it, and each variant index names the kernel of that width
