@@ -5,6 +5,9 @@
 #     scripts/gpu-serve-levels.sh BIN OUT MODELS HEAD PROMPTS.jsonl
 # head-old: the head with session 41's rules off (SPECULA_BUDGET_PREFILL=step SPECULA_PREFIX_OVER_DRAFTER=0).
 # head-kN: the head drafting at most N tokens (head and head-old: 3), e.g. CONFIGS="plain head-k4 head-k5 plain".
+# Suffixes, any order: +staged runs wide passes through the staged GEMM tile (SPECULA_CUDA_GEMM=staged
+# SPECULA_CUDA_GEMM_ROWS=33), +norule drafts where the payoff rule judged no gain (SPECULA_PAYOFF_STOPS_DRAFTS=0),
+# e.g. CONFIGS="plain head-k5 head-k5+norule plain+staged head-k5+staged".
 # WARMUP=1 sends a short burst at every level first (CUDA graphs of each batch shape); WARMUP=0 measures cold.
 set -uo pipefail
 bin="$1"; out="$2"; models="$3"; head="$4"; prompts="$5"
@@ -15,16 +18,20 @@ e3="--draft eagle3 --draft-model $head --draft-tokens 3 --draft-confidence 0"
 port=8900; run=0
 for name in ${CONFIGS:-plain head-old head head-old head plain}; do
     run=$((run + 1)); port=$((port + 1))
-    flags=""; old_prefill=""; old_prefix=1
-    case "$name" in
+    flags=""; old_prefill=""; old_prefix=1; gemm=""; gemm_rows=""; stops=""
+    base="${name%%+*}"
+    case "$name" in *+staged*) gemm=staged; gemm_rows=33 ;; esac
+    case "$name" in *+norule*) stops=0 ;; esac
+    case "$base" in
         plain) ;;
         head) flags="$e3" ;;
-        head-k[0-9]*) flags="${e3/--draft-tokens 3/--draft-tokens ${name#head-k}}" ;;
+        head-k[0-9]*) flags="${e3/--draft-tokens 3/--draft-tokens ${base#head-k}}" ;;
         head-old) flags="$e3"; old_prefill=step; old_prefix=0 ;;
         *) echo "unknown config $name" >&2; exit 2 ;;
     esac
     tag="$run-$name"
     # shellcheck disable=SC2086
+    SPECULA_CUDA_GEMM=$gemm SPECULA_CUDA_GEMM_ROWS=$gemm_rows SPECULA_PAYOFF_STOPS_DRAFTS=$stops \
     SPECULA_BUDGET_PREFILL=$old_prefill SPECULA_PREFIX_OVER_DRAFTER=$old_prefix "$bin" serve -m qwen2.5-coder-1.5b \
         --device cuda --port "$port" --max-batch 32 $flags > "$out/serve-$tag.log" 2>&1 &
     pid=$!
