@@ -5,8 +5,8 @@
 # Checks: `selftest --device cuda` compares both tiles with the GEMV bit for bit on every bf16 matrix kind at 17, 40, 64
 # and 100 rows, and the staged tile over native Q4_K / scaled-int8 tiles with the bf16 GEMV at 40 and 100 rows (tiny
 # models of each weight type, the random qwen2.5-1.5b shape). Timings, alternating: the forward of 1..128 rows
-# after a short context with the GEMV only (SPECULA_CUDA_GEMM_ROWS=0, the default), the staged tile from 33 rows
-# (SPECULA_CUDA_GEMM=staged SPECULA_CUDA_GEMM_ROWS=33), then a 1200-token prompt's prefill each way, two rounds.
+# after a short context with the GEMV only (SPECULA_CUDA_GEMM_ROWS=0, the default), the staged tile from 17 rows
+# (SPECULA_CUDA_GEMM=staged SPECULA_CUDA_GEMM_ROWS=17), then a 1200-token prompt's prefill each way, two rounds.
 set -uo pipefail
 bin="$1"
 out="$2"
@@ -20,7 +20,7 @@ done
 s=qwen2.5-1.5b
 for mode in gemv staged; do
     env_args=(SPECULA_CUDA_GEMM_ROWS=0)
-    [ "$mode" = staged ] && env_args=(SPECULA_CUDA_GEMM=staged SPECULA_CUDA_GEMM_ROWS=33)
+    [ "$mode" = staged ] && env_args=(SPECULA_CUDA_GEMM=staged SPECULA_CUDA_GEMM_ROWS=17)
     env "${env_args[@]}" timeout 300 "$bin" selftest --random-weights "$s" --device cuda --verify-rows 128 \
         > "$out/st-$s-$mode.log" 2>&1
     echo "== selftest random $s, $mode: rc=$? $(grep verdict "$out/st-$s-$mode.log")" | tee -a "$out/summary.txt"
@@ -31,7 +31,7 @@ long_prompt=$(python3 -c 'print(" ".join(f"word{i % 97} and" for i in range(600)
 for rep in 1 2; do
     for mode in gemv staged; do
         env_args=(SPECULA_CUDA_GEMM_ROWS=0)
-        [ "$mode" = staged ] && env_args=(SPECULA_CUDA_GEMM=staged SPECULA_CUDA_GEMM_ROWS=33)
+        [ "$mode" = staged ] && env_args=(SPECULA_CUDA_GEMM=staged SPECULA_CUDA_GEMM_ROWS=17)
         echo "== prefill $s, $mode, round $rep: $(env "${env_args[@]}" timeout 120 "$bin" generate --random-weights "$s" \
             --device cuda --raw -p "$long_prompt" -n 16 --ignore-eos --quiet 2>&1 | grep -E "^prompt")" |
             tee -a "$out/summary.txt"
@@ -43,7 +43,7 @@ if [ -n "${MODELS:-}" ] && [ -f "$MODELS/qwen2.5-coder-1.5b.gguf" ]; then
     for rep in 1 2; do
         for mode in gemv staged; do
             env_args=(SPECULA_CUDA_GEMM_ROWS=0)
-            [ "$mode" = staged ] && env_args=(SPECULA_CUDA_GEMM=staged SPECULA_CUDA_GEMM_ROWS=33)
+            [ "$mode" = staged ] && env_args=(SPECULA_CUDA_GEMM=staged SPECULA_CUDA_GEMM_ROWS=17)
             env "${env_args[@]}" SPECULA_CACHE="$MODELS" timeout 120 "$bin" generate -m qwen2.5-coder-1.5b --device cuda \
                 --raw -p "$long_prompt" -n 32 > "$out/real-$mode.txt" 2> "$out/real-$mode.err"
             echo "== real prefill, $mode, round $rep: $(grep -hE '^prompt' "$out/real-$mode.err" | head -1)" |

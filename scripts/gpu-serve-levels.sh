@@ -6,7 +6,7 @@
 # head-old: the head with session 41's rules off (SPECULA_BUDGET_PREFILL=step SPECULA_PREFIX_OVER_DRAFTER=0).
 # head-kN: the head drafting at most N tokens (head and head-old: 3), e.g. CONFIGS="plain head-k4 head-k5 plain".
 # Suffixes, any order: +staged runs wide passes through the staged GEMM tile (SPECULA_CUDA_GEMM=staged
-# SPECULA_CUDA_GEMM_ROWS=33), +norule drafts where the payoff rule judged no gain (SPECULA_PAYOFF_STOPS_DRAFTS=0),
+# SPECULA_CUDA_GEMM_ROWS=17), +norule drafts where the payoff rule judged no gain (SPECULA_PAYOFF_STOPS_DRAFTS=0),
 # e.g. CONFIGS="plain head-k5 head-k5+norule plain+staged head-k5+staged".
 # WARMUP=1 sends a short burst at every level first (CUDA graphs of each batch shape); WARMUP=0 measures cold.
 set -uo pipefail
@@ -20,7 +20,7 @@ for name in ${CONFIGS:-plain head-old head head-old head plain}; do
     run=$((run + 1)); port=$((port + 1))
     flags=""; old_prefill=""; old_prefix=1; gemm=""; gemm_rows=""; stops=""
     base="${name%%+*}"
-    case "$name" in *+staged*) gemm=staged; gemm_rows=33 ;; esac
+    case "$name" in *+staged*) gemm=staged; gemm_rows=17 ;; esac
     case "$name" in *+norule*) stops=0 ;; esac
     case "$base" in
         plain) ;;

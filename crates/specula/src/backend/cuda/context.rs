@@ -35,8 +35,11 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_mixed_24",
     "gemm_mma_32",
     "gemm_mma_64",
+    "gemm_staged_32",
     "gemm_staged",
+    "gemm_staged_q4k_32",
     "gemm_staged_q4k",
+    "gemm_staged_i8_32",
     "gemm_staged_i8",
     "splitk_reduce",
     "qkv_post",
@@ -112,9 +115,10 @@ pub struct Kernels {
     /// The same sums for many tokens, four row blocks a block: 32 and 64 tokens a block (off unless
     /// `SPECULA_CUDA_GEMM_ROWS` asks for it: slower than the GEMV since activations come split).
     pub gemm_mma: [CudaFunction; 2],
-    /// The same sums with each chunk's operands staged in shared memory ahead of use, 64 tokens a block, over
-    /// bf16, nibble and scaled-int8 tiles (`SPECULA_CUDA_GEMM=staged` puts it where `gemm_mma` would run).
-    pub gemm_staged: [CudaFunction; 3],
+    /// The same sums with each chunk's operands staged in shared memory ahead of use, over bf16, nibble and
+    /// scaled-int8 tiles, 32 then 64 tokens a block for each (`SPECULA_CUDA_GEMM=staged` puts it where
+    /// `gemm_mma` would run).
+    pub gemm_staged: [CudaFunction; 6],
     pub splitk_reduce: CudaFunction,
     pub qkv_post: CudaFunction,
     pub rope_angles: CudaFunction,
@@ -344,8 +348,11 @@ impl Gpu {
             ],
             gemm_mma: [f("gemm_mma_32")?, f("gemm_mma_64")?],
             gemm_staged: [
+                f("gemm_staged_32")?,
                 f("gemm_staged")?,
+                f("gemm_staged_q4k_32")?,
                 f("gemm_staged_q4k")?,
+                f("gemm_staged_i8_32")?,
                 f("gemm_staged_i8")?,
             ],
             splitk_reduce: f("splitk_reduce")?,

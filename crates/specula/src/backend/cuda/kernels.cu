@@ -684,18 +684,15 @@ GEMM_MMA_KERNEL(gemm_mma_32, 2)
 GEMM_MMA_KERNEL(gemm_mma_64, 4)
 
 // The same sums again, for many tokens, with each chunk's operands staged in shared memory ahead of use: a block
-// of GEMM_ROW_BLOCKS row blocks x STAGED_TILES 8-token tiles copies every chunk's weight tiles (bf16 4 KiB, nibble
-// 1.5, scaled int8 2.5) and split activations (8 KiB) into one of STAGED_DEPTH buffers with cp.async,
+// of GEMM_ROW_BLOCKS row blocks x 4 or 8 8-token tiles copies every chunk's weight tiles (bf16 4 KiB, nibble
+// 1.5, scaled int8 2.5) and split activations (1 KiB a token tile) into one of STAGED_DEPTH buffers with cp.async,
 // STAGED_DEPTH - 1 chunks ahead of the one its warps multiply, so no warp waits on L2 for an operand
 // (gemm_mma_tile loads them where they are used, and ran at about half the GEMV's speed once activations came
 // split: docs/benchmarks.md). Warp (wr, wt) expands row block wr's tile from shared memory as the GEMV does from
-// global memory, multiplies it by the block's token tiles 4 wt .. 4 wt + 3 and keeps the GEMV's four per-warp sums
+// global memory, multiplies it by its half of the block's token tiles and keeps the GEMV's four per-warp sums
 // itself (acc[j] takes the chunks with (c - c_begin) % 4 == j, in order), adding them in warp order at the end:
 // every output is the GEMV's bits (`selftest --device cuda` checks it). sm_80 and later.
-#define STAGED_TILES 8
 #define STAGED_DEPTH 4
-#define STAGED_X_U4 (STAGED_TILES * 64)                   // a buffer's activations
-#define STAGED_U4 (GEMM_ROW_BLOCKS * 64 + STAGED_X_U4)     // a buffer: room for bf16 tiles, the largest
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     // Invalid sources read nothing and fill zeros (a row block past n, a token tile past m).
@@ -735,15 +732,18 @@ struct StagedLoad<ScaledI8Weights> {
     }
 };
 
-template <typename W>
+// TILES 8-token tiles a block (8: 64 tokens, 4: 32), TILES / 2 a warp.
+template <typename W, int TILES>
 __device__ __forceinline__ void gemm_staged_tile(const uint4* __restrict__ w, const uint4* __restrict__ xs,
                                                  float* __restrict__ y, int n, int chunks, int m, int accumulate,
                                                  int splits, float* __restrict__ scratch, int silu_pairs) {
-    __shared__ uint4 stage[STAGED_DEPTH][STAGED_U4];  // 48 KiB: the static limit
-    constexpr int PIECES = GEMM_ROW_BLOCKS * W::TILE_U4 + STAGED_X_U4;  // 16-byte pieces a chunk
+    constexpr int UT = TILES / 2;                                       // token tiles a warp
+    constexpr int BUFFER = GEMM_ROW_BLOCKS * 64 + TILES * 64;           // room for bf16 tiles, the largest
+    constexpr int PIECES = GEMM_ROW_BLOCKS * W::TILE_U4 + TILES * 64;  // 16-byte pieces a chunk
+    __shared__ uint4 stage[STAGED_DEPTH][BUFFER];                       // 48 KiB at 64 tokens: the static limit
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wr = warp % GEMM_ROW_BLOCKS, wt = warp / GEMM_ROW_BLOCKS;
-    const int rb0 = blockIdx.y * GEMM_ROW_BLOCKS, tile0 = blockIdx.x * STAGED_TILES;
+    const int rb0 = blockIdx.y * GEMM_ROW_BLOCKS, tile0 = blockIdx.x * TILES;
     const int row_blocks = (n + 15) >> 4, tiles = (m + 7) >> 3;
     const int per_split = (chunks + splits - 1) / splits;
     const int c_begin = blockIdx.z * per_split, c_end = min(chunks, c_begin + per_split);
@@ -775,15 +775,15 @@ __device__ __forceinline__ void gemm_staged_tile(const uint4* __restrict__ w, co
     }
     const bool has_rows = (rb0 + wr) * 16 < n;
     const int g = lane >> 2, t = lane & 3;
-    bool has_token[4];
+    bool has_token[UT];
 #pragma unroll
-    for (int u = 0; u < 4; u++) has_token[u] = (tile0 + 4 * wt + u) * 8 + g < m;
+    for (int u = 0; u < UT; u++) has_token[u] = (tile0 + UT * wt + u) * 8 + g < m;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    float acc[MMA_WARPS][4][4];
+    float acc[MMA_WARPS][UT][4];
 #pragma unroll
     for (int j = 0; j < MMA_WARPS; j++)
 #pragma unroll
-        for (int u = 0; u < 4; u++) acc[j][u][0] = acc[j][u][1] = acc[j][u][2] = acc[j][u][3] = 0.f;
+        for (int u = 0; u < UT; u++) acc[j][u][0] = acc[j][u][1] = acc[j][u][2] = acc[j][u][3] = 0.f;
     for (int i0 = 0; i0 < count; i0 += MMA_WARPS) {
 #pragma unroll
         for (int j = 0; j < MMA_WARPS; j++) {
@@ -798,8 +798,8 @@ __device__ __forceinline__ void gemm_staged_tile(const uint4* __restrict__ w, co
                     uint4 a[2];
                     W::expand(StagedLoad<W>::load(buf + wr * W::TILE_U4, lane), a);
 #pragma unroll
-                    for (int u = 0; u < 4; u++) {
-                        const uint4* at = buf + GEMM_ROW_BLOCKS * W::TILE_U4 + (4 * wt + u) * 64 + lane;
+                    for (int u = 0; u < UT; u++) {
+                        const uint4* at = buf + GEMM_ROW_BLOCKS * W::TILE_U4 + (UT * wt + u) * 64 + lane;
                         const uint4 b0 = has_token[u] ? at[0] : zero, b1 = has_token[u] ? at[32] : zero;
                         mma_chunk(acc[j][u], a, b0, b1);
                     }
@@ -810,27 +810,30 @@ __device__ __forceinline__ void gemm_staged_tile(const uint4* __restrict__ w, co
     cp_async_wait<0>();
     if (!has_rows) return;
 #pragma unroll
-    for (int u = 0; u < 4; u++) {
+    for (int u = 0; u < UT; u++) {
         float d[4];
 #pragma unroll
         for (int e = 0; e < 4; e++) d[e] = ((acc[0][u][e] + acc[1][u][e]) + acc[2][u][e]) + acc[3][u][e];
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            const int token = (tile0 + 4 * wt + u) * 8 + 2 * t + e;
+            const int token = (tile0 + UT * wt + u) * 8 + 2 * t + e;
             store_outputs(y, scratch, n, m, token, rb0 + wr, g, d[e], d[2 + e], silu_pairs, splits, accumulate);
         }
     }
 }
 
-#define GEMM_STAGED_KERNEL(name, W)                                                                              \
+#define GEMM_STAGED_KERNEL(name, W, TILES)                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 2)                                             \
         name(const uint4* __restrict__ w, const uint4* __restrict__ xs, float* __restrict__ y, int n, int k,       \
              int chunks, int m, int accumulate, int splits, float* __restrict__ scratch, int silu_pairs) {       \
-        gemm_staged_tile<W>(w, xs, y, n, chunks, m, accumulate, splits, scratch, silu_pairs);                 \
+        gemm_staged_tile<W, TILES>(w, xs, y, n, chunks, m, accumulate, splits, scratch, silu_pairs);          \
     }
-GEMM_STAGED_KERNEL(gemm_staged, Bf16Weights)
-GEMM_STAGED_KERNEL(gemm_staged_q4k, Q4kWeights)
-GEMM_STAGED_KERNEL(gemm_staged_i8, ScaledI8Weights)
+GEMM_STAGED_KERNEL(gemm_staged_32, Bf16Weights, 4)
+GEMM_STAGED_KERNEL(gemm_staged, Bf16Weights, 8)
+GEMM_STAGED_KERNEL(gemm_staged_q4k_32, Q4kWeights, 4)
+GEMM_STAGED_KERNEL(gemm_staged_q4k, Q4kWeights, 8)
+GEMM_STAGED_KERNEL(gemm_staged_i8_32, ScaledI8Weights, 4)
+GEMM_STAGED_KERNEL(gemm_staged_i8, ScaledI8Weights, 8)
 
 // y[r][c] (+)= sum over splits, in split order, of scratch[split][r][c]; grid-stride over m * n.
 extern "C" __global__ void splitk_reduce(const float* __restrict__ scratch, float* __restrict__ y, int n, int m,

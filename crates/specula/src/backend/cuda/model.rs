@@ -2113,7 +2113,7 @@ impl CudaModel {
             }
             // The staged GEMM tile expands the same tiles from shared memory (mixed matrices stay on the GEMV).
             if matches!(w.format, WeightFormat::Q4k | WeightFormat::ScaledI8) {
-                for m in [40usize, 100] {
+                for m in [17usize, 40, 100] {
                     let r = self.check_gemv_outputs(
                         &[(w, GemvPath::GemmStaged), (bf16, GemvPath::Gemv)],
                         n,

@@ -275,8 +275,15 @@ fn matmul_kernel(
     }
 }
 
-/// Tokens a staged GEMM block takes (kernels.cu STAGED_TILES x 8).
-const GEMM_STAGED_TOKENS: usize = 64;
+/// A staged GEMM's kernel (its index in `Kernels::gemm_staged`) and tokens a block, for tiles of `format` (its
+/// `MatmulKernel::GemmStaged` index) and `m` tokens: 32 tokens a block up to 32, else 64 (kernels.cu TILES x 8).
+fn gemm_staged_variant(format: usize, m: usize) -> (usize, usize) {
+    if m <= 32 {
+        (2 * format, 32)
+    } else {
+        (2 * format + 1, 64)
+    }
+}
 
 /// Tokens a GEMM block takes (kernels.cu: GEMM_TOKEN_GROUPS x NT x 8) for `m` tokens, and its kernel's index.
 pub(crate) fn gemm_variant(m: usize) -> (usize, usize) {
@@ -628,14 +635,15 @@ pub(crate) fn gemv_with(
     };
     let blocks = n.div_ceil(layout::ROW_BLOCK);
     let kernel = matmul_kernel(w.format, path, m, gemm_min_rows(), gemm_staged_enabled());
-    if let MatmulKernel::GemmStaged(kernel) = kernel {
+    if let MatmulKernel::GemmStaged(format) = kernel {
+        let (variant, tokens) = gemm_staged_variant(format, m);
         // Token tiles vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
         launch_fn!(
             gpu,
-            &gpu.kernels.gemm_staged[kernel],
+            &gpu.kernels.gemm_staged[variant],
             "gemm_staged",
             (
-                m.div_ceil(GEMM_STAGED_TOKENS) as u32,
+                m.div_ceil(tokens) as u32,
                 blocks.div_ceil(GEMM_ROW_BLOCKS) as u32,
                 splits as u32
             ),
@@ -842,6 +850,30 @@ mod tests {
         }
         assert_eq!(pick(F::Mixed, P::GemmStaged, 64, 0, true), K::Gemv);
         assert_eq!(pick(F::Mixed, P::Auto, 64, 33, true), K::Gemv);
+        // Each format's 32- and 64-token kernels, in the order context.rs loads them.
+        let names = [
+            "gemm_staged_32",
+            "gemm_staged",
+            "gemm_staged_q4k_32",
+            "gemm_staged_q4k",
+            "gemm_staged_i8_32",
+            "gemm_staged_i8",
+        ];
+        for (format, tiles) in [
+            (0, "gemm_staged"),
+            (1, "gemm_staged_q4k"),
+            (2, "gemm_staged_i8"),
+        ] {
+            for (m, tokens, suffix) in
+                [(1, 32, "_32"), (32, 32, "_32"), (33, 64, ""), (500, 64, "")]
+            {
+                let (variant, t) = super::gemm_staged_variant(format, m);
+                assert_eq!(
+                    (names[variant], t),
+                    (format!("{tiles}{suffix}").as_str(), tokens)
+                );
+            }
+        }
     }
 
     use super::*;
