@@ -2091,31 +2091,21 @@ impl CudaModel {
                     "no bf16 copy of layer 0's native {name} matrix to check it against"
                 )));
             };
-            for m in [1usize, 5, 13, 40] {
-                let r = self.check_gemv_outputs(
-                    &[(w, GemvPath::Gemv), (bf16, GemvPath::Gemv)],
-                    n,
-                    m,
-                    accumulate,
-                    silu,
-                )?;
-                let out_n = if silu { n / 2 } else { n };
-                checks.push(Self::bitwise_check(
-                    format!(
-                        "native {} = bf16 bitwise, {name} {out_n}x{}, {m} rows",
-                        w.format.name(),
-                        w.cols
-                    ),
-                    w.format.name(),
-                    &r[0],
-                    &r[1],
-                ));
-            }
-            // The staged GEMM tile expands the same tiles from shared memory (mixed matrices stay on the GEMV).
-            if matches!(w.format, WeightFormat::Q4k | WeightFormat::ScaledI8) {
-                for m in [17usize, 40, 100] {
+            // The GEMV's variants, then the staged GEMM tile, which expands the same tiles from shared memory
+            // (mixed matrices stay on the GEMV).
+            let staged = matches!(w.format, WeightFormat::Q4k | WeightFormat::ScaledI8);
+            let runs: [(GemvPath, &str, &[usize]); 2] = [
+                (GemvPath::Gemv, "", &[1, 5, 13, 40]),
+                (
+                    GemvPath::GemmStaged,
+                    "staged GEMM tile, ",
+                    if staged { &[17, 40, 100] } else { &[] },
+                ),
+            ];
+            for (path, kernel, rows) in runs {
+                for &m in rows {
                     let r = self.check_gemv_outputs(
-                        &[(w, GemvPath::GemmStaged), (bf16, GemvPath::Gemv)],
+                        &[(w, path), (bf16, GemvPath::Gemv)],
                         n,
                         m,
                         accumulate,
@@ -2124,7 +2114,7 @@ impl CudaModel {
                     let out_n = if silu { n / 2 } else { n };
                     checks.push(Self::bitwise_check(
                         format!(
-                            "staged GEMM tile, native {} = bf16 GEMV bitwise, {name} {out_n}x{}, {m} rows",
+                            "{kernel}native {} = bf16 bitwise, {name} {out_n}x{}, {m} rows",
                             w.format.name(),
                             w.cols
                         ),

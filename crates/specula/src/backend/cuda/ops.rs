@@ -634,39 +634,24 @@ pub(crate) fn gemv_with(
         layout::splits_for(n, w.cols, gpu.sm_count)
     };
     let blocks = n.div_ceil(layout::ROW_BLOCK);
-    let kernel = matmul_kernel(w.format, path, m, gemm_min_rows(), gemm_staged_enabled());
-    if let MatmulKernel::GemmStaged(format) = kernel {
-        let (variant, tokens) = gemm_staged_variant(format, m);
-        // Token tiles vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
-        launch_fn!(
-            gpu,
-            &gpu.kernels.gemm_staged[variant],
-            "gemm_staged",
-            (
-                m.div_ceil(tokens) as u32,
-                blocks.div_ceil(GEMM_ROW_BLOCKS) as u32,
-                splits as u32
-            ),
-            GEMM_THREADS,
-            ptr(&w.data, gpu),
-            x,
-            y,
-            n as i32,
-            w.cols as i32,
-            w.chunks as i32,
-            m as i32,
-            accumulate as i32,
-            splits as i32,
-            scratch,
-            silu_pairs as i32
-        );
-    } else if kernel == MatmulKernel::GemmMma {
-        let (variant, tokens) = gemm_variant(m);
+    // Both GEMM tiles take the GEMV's arguments, a block for 4 row blocks and `tokens` tokens.
+    let gemm = match matmul_kernel(w.format, path, m, gemm_min_rows(), gemm_staged_enabled()) {
+        MatmulKernel::GemmStaged(format) => {
+            let (variant, tokens) = gemm_staged_variant(format, m);
+            Some((&gpu.kernels.gemm_staged[variant], "gemm_staged", tokens))
+        }
+        MatmulKernel::GemmMma => {
+            let (variant, tokens) = gemm_variant(m);
+            Some((&gpu.kernels.gemm_mma[variant], "gemm_mma", tokens))
+        }
+        MatmulKernel::Gemv => None,
+    };
+    if let Some((function, name, tokens)) = gemm {
         // Token groups vary fastest, so the blocks that share a row block's weights run together (L2 reuse).
         launch_fn!(
             gpu,
-            &gpu.kernels.gemm_mma[variant],
-            "gemm_mma",
+            function,
+            name,
             (
                 m.div_ceil(tokens) as u32,
                 blocks.div_ceil(GEMM_ROW_BLOCKS) as u32,
