@@ -46,10 +46,20 @@ fn tiny_gguf(dir: &Path) -> PathBuf {
 
 #[test]
 fn missing_model_path() {
-    fails_with(
+    let stderr = fails_with(
         &["generate", "-m", "/nonexistent/model.gguf", "-p", "hi"],
         &["/nonexistent/model.gguf", "no such file"],
     );
+    // The cause is said once (the error chain printed whole used to repeat it).
+    assert_eq!(stderr.matches("no such file").count(), 1, "{stderr}");
+    // A path that exists but is neither a file nor a directory is not "missing".
+    if Path::new("/dev/null").exists() {
+        let stderr = fails_with(
+            &["generate", "-m", "/dev/null", "-p", "hi"],
+            &["/dev/null is neither a file nor a directory"],
+        );
+        assert!(!stderr.contains("no such file"), "{stderr}");
+    }
 }
 
 #[test]

@@ -4,11 +4,12 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot read {path}: {source}")]
+    // The cause is part of the message and deliberately not a `source`: front ends print the chain (`{:#}`),
+    // which would repeat it ("...: no such file or directory: no such file or directory").
+    #[error("cannot read {path}: {cause}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 
     #[error("{path} is not a valid GGUF file: {reason}")]
@@ -76,8 +77,15 @@ pub enum Error {
     #[error("CUDA: {0}")]
     Cuda(String),
 
+    // Not a `source` either, for the same reason as `Io`.
     #[error("tensor backend: {0}")]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
+}
+
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Error::Candle(e)
+    }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -86,7 +94,7 @@ impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            cause: source,
         }
     }
 }

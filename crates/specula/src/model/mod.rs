@@ -76,6 +76,13 @@ pub fn locate(spec: &str) -> Result<ModelLocation> {
     if let Some(m) = registry::find(spec) {
         return Ok(ModelLocation::Registry(m));
     }
+    if path.exists() {
+        // A device, socket or pipe (`-m /dev/null`): there, but nothing a model could be read from.
+        return Err(Error::Config(format!(
+            "{spec} is neither a file nor a directory: pass a GGUF file, a Hugging Face model directory, \
+             hf:ORG/NAME or a registry name"
+        )));
+    }
     let looks_like_path = spec.contains('/') || spec.contains('\\') || spec.ends_with(".gguf");
     if looks_like_path {
         return Err(Error::io(
