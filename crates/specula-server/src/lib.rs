@@ -1561,13 +1561,37 @@ fn parse_prompt(
     Ok(inputs)
 }
 
-/// The request's `messages`: a non-empty list of {role, content} strings.
+/// The roles a message may take: OpenAI's, and Llama 3.1's `ipython` (its templates' tool-output turn).
+const CHAT_ROLES: [&str; 7] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+    "ipython",
+];
+
+/// The request's `messages`: a non-empty list of {role, content} strings. A `developer` message (OpenAI's newer
+/// name for instructions) is rendered as `system`, the role chat templates and the models trained on them know;
+/// a role outside CHAT_ROLES is refused by name rather than passed to a template that would render it as text.
 fn parse_messages(o: &serde_json::Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
     match o.get("messages") {
         Some(Value::Array(a)) if !a.is_empty() => a
             .iter()
-            .map(|m| {
+            .enumerate()
+            .map(|(i, m)| {
                 let role = m.get("role").and_then(Value::as_str);
+                if let Some(r) = role.filter(|r| !CHAT_ROLES.contains(r)) {
+                    return Err(ApiError::bad(
+                        format!(
+                            "messages[{i}].role must be one of {}; got {r:?}",
+                            CHAT_ROLES.join(", ")
+                        ),
+                        Some("messages"),
+                    ));
+                }
+                let role = role.map(|r| if r == "developer" { "system" } else { r });
                 let tool_calls = template_tool_calls(m)?;
                 let content = match m.get("content") {
                     Some(Value::String(c)) => Some(c.clone()),

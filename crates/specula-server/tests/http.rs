@@ -1161,6 +1161,29 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
         &[],
     );
     check(s, &b, 400, "string content");
+    // A role no template knows is refused by name; `developer` is rendered as `system`.
+    let (s, _, b) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#),
+        &[],
+    );
+    check(
+        s,
+        &b,
+        400,
+        "messages[0].role must be one of system, developer",
+    );
+    let as_role = |role: &str| {
+        let msgs =
+            json!([{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]);
+        let (s, v) = post(addr, "/tokenize", json!({ "messages": msgs }));
+        assert_eq!(s, 200, "{v}");
+        v["tokens"].clone()
+    };
+    assert_eq!(as_role("developer"), as_role("system"));
+    assert_ne!(as_role("user"), as_role("system"));
     // A prompt longer than the context names both numbers.
     let long = "a ".repeat(300);
     let (s, _, b) = http(
