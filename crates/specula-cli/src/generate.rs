@@ -128,6 +128,10 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-turn tokens (fixed-length runs for benchmarks).
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Stop when this text appears in the output, which ends before it (repeat the flag for several; the
+    /// server's `stop`). Text that could begin one is printed once it cannot.
+    #[arg(long, value_name = "TEXT")]
+    pub stop: Vec<String>,
     /// JSON mode: the output is one JSON object (the server's `response_format` `json_object`).
     #[arg(long, conflicts_with_all = ["json_schema", "regex", "choice"])]
     pub json_object: bool,
@@ -660,12 +664,14 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
             (None, true) => None,
         },
     };
+    let mut stop_text = decode::stop_text::StopText::new(args.stop.clone())?;
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let req = GenerateRequest {
         prompt_tokens,
         max_new_tokens: args.max_tokens,
         sampling,
         stop_at_eos: !args.ignore_eos,
-        cancel: None,
+        cancel: (!args.stop.is_empty()).then(|| cancel.clone()),
         logprobs: None,
         logit_adjustments: json_grammar.map(|grammar| specula::sampling::LogitAdjustments {
             json: Some(specula::json_mode::JsonConstraint::new(
@@ -742,20 +748,32 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let quiet = args.quiet;
-    let output = decode::generate(
+    let mut write = |text: &str| {
+        // A token whose character is not whole yet comes with no text: nothing to write or flush.
+        if !quiet && !text.is_empty() {
+            let _ = out.write_all(text.as_bytes());
+            let _ = out.flush();
+        }
+    };
+    let mut output = decode::generate(
         loaded.model.as_ref(),
         &loaded.tokenizer,
         &req,
         speculation,
         &prof,
         &mut |piece| {
-            // A token whose character is not whole yet comes with no text: nothing to write or flush.
-            if !quiet && !piece.is_empty() {
-                let _ = out.write_all(piece.as_bytes());
-                let _ = out.flush();
+            write(stop_text.push(piece));
+            if stop_text.stopped() {
+                cancel.store(true, std::sync::atomic::Ordering::Relaxed);
             }
         },
     )?;
+    write(stop_text.finish());
+    if stop_text.stopped() {
+        // The tokens stay what was generated (the last step's may run past the stop); the text is the answer.
+        output.stop_reason = decode::StopReason::StopSequence;
+        output.text = stop_text.text().to_string();
+    }
     if !quiet {
         let _ = writeln!(out);
     }

@@ -334,3 +334,61 @@ fn json_modes_answer_json_and_speculation_keeps_it() {
     let (ok, _, stderr) = run(&["--regex", "(?<=a)b"]);
     assert!(!ok && stderr.contains("look-around"), "{stderr}");
 }
+
+/// `--stop TEXT`: the printed answer and the report's text end right before the first stop sequence, with and
+/// without speculation (a draft may run past it; the text still ends there), and the reason says so.
+#[test]
+fn a_stop_sequence_ends_the_answer_before_it() {
+    let prompt = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\ndef fact(n):";
+    let (full, _) = generate_with(prompt, "48", &[]);
+    let text = full["text"].as_str().unwrap().to_string();
+    // A stop taken from the middle of the plain answer (past its first 8 characters, so something comes first).
+    let start = text
+        .char_indices()
+        .map(|(i, _)| i)
+        .find(|&i| i >= 8 && text.is_char_boundary(i + 3))
+        .expect("a long enough answer");
+    let stop = &text[start..start + 3];
+    let expected = &text[..text.find(stop).unwrap()];
+    for extra in [
+        &[][..],
+        &["--draft", "ngram", "--ngram-confidence", "0"][..],
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let report = dir.path().join("report.json");
+        let mut args = vec![
+            "generate",
+            "-m",
+            "smollm2-135m",
+            "--raw",
+            "-p",
+            prompt,
+            "-n",
+            "48",
+            "--ignore-eos",
+            "-t",
+            "2",
+            "--stop",
+            "no such text anywhere",
+            "--stop",
+            stop,
+            "--report-json",
+            report.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_specula"))
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        let printed = String::from_utf8_lossy(&out.stdout);
+        // The answer, then the newline generate ends its output with.
+        assert_eq!(printed, format!("{expected}\n"), "stop {stop:?} {extra:?}");
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        assert_eq!(r["text"], expected, "{extra:?}");
+        assert_eq!(r["stop_reason"], "stop_sequence", "{extra:?}");
+        assert!(stderr.contains("(StopSequence)"), "{extra:?}: {stderr}");
+    }
+}

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use specula::chat::ChatMessage;
 use specula::decode::{
-    self, GenerateRequest, Generation, LogprobsRequest, PrefixCache, StepLimits, StopReason,
+    self, stop_text, GenerateRequest, Generation, LogprobsRequest, PrefixCache, StepLimits,
+    StopReason,
 };
 use specula::draft::budget::{DraftBudget, DraftCandidate};
 use specula::draft::eagle3::compute::HeadCompute;
@@ -553,19 +554,6 @@ impl Drop for Engine {
     }
 }
 
-/// Text that cannot yet be sent because it may be the start of a stop sequence.
-fn holdback(text: &str, stop: &[String]) -> usize {
-    let longest = stop.iter().map(|s| s.len()).max().unwrap_or(0);
-    if longest == 0 {
-        return text.len();
-    }
-    let mut cut = text.len().saturating_sub(longest - 1);
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    cut
-}
-
 /// A request the engine is running.
 /// A request's speculation counters, read before and after a step.
 #[derive(Debug, Clone, Copy, Default)]
@@ -818,18 +806,7 @@ impl Output {
             self.scored
                 .push_back((self.produced.len(), ScoredToken { offset, logprob }));
         }
-        let sent = self.sent;
-        if let Some(at) = self
-            .job
-            .stop
-            .iter()
-            .filter_map(|s| {
-                self.produced[sent.min(self.produced.len())..]
-                    .find(s.as_str())
-                    .map(|i| i + sent)
-            })
-            .min()
-        {
+        if let Some(at) = stop_text::find_stop(&self.produced, self.sent, &self.job.stop) {
             self.produced.truncate(at);
             // Tokens whose text begins before the stop sequence stay (the last one's text cut there).
             self.scored.retain(|(_, t)| t.offset < at);
@@ -842,7 +819,7 @@ impl Output {
         let upto = if self.stopped_by_sequence {
             self.produced.len()
         } else {
-            holdback(&self.produced, &self.job.stop)
+            stop_text::releasable(&self.produced, &self.job.stop)
         };
         self.send_upto(upto);
     }
@@ -2108,7 +2085,10 @@ impl<'a> EngineLoop<'a> {
                 out.flush();
                 let finish_reason = match g.stop_reason {
                     StopReason::MaxTokens | StopReason::ContextFull => "length",
-                    StopReason::EndOfText | StopReason::StopToken | StopReason::Cancelled => "stop",
+                    StopReason::EndOfText
+                    | StopReason::StopToken
+                    | StopReason::Cancelled
+                    | StopReason::StopSequence => "stop",
                 };
                 // A cancelled generation that no stop sequence ended was left by its client.
                 let aborted = g.stop_reason == StopReason::Cancelled && !out.stopped_by_sequence;
@@ -2485,7 +2465,7 @@ fn catch_up_shared_by(drafted_yet: bool, tokens_left: usize, alone: bool) -> usi
 
 #[cfg(test)]
 mod tests {
-    use super::{catch_up_shared_by, cycle_evidence, holdback, step_costs, SpecCounts, StepCosts};
+    use super::{catch_up_shared_by, cycle_evidence, step_costs, SpecCounts, StepCosts};
     use specula::profile::{Phase, StepKind, StepPhases};
 
     #[test]
@@ -2718,13 +2698,5 @@ mod tests {
             q.observe_allowance(3, f64::NAN);
         }
         assert_eq!((q.mostly_idle(1), q.mostly_idle(3)), (None, None));
-    }
-
-    #[test]
-    fn holdback_keeps_what_could_start_a_stop_sequence() {
-        assert_eq!(holdback("hello wor", &[]), 9);
-        assert_eq!(holdback("hello wor", &["world".into()]), 5);
-        // Never splits a character.
-        assert_eq!(holdback("aé", &["xy".into()]), 1);
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod generation;
 pub mod prefix;
+pub mod stop_text;
 
 pub use generation::{step, step_with, CachedPrefix, Generation, StepLimits, StepReport};
 pub use prefix::PrefixCache;
@@ -70,6 +71,9 @@ pub enum StopReason {
     ContextFull,
     /// `GenerateRequest::cancel` was set.
     Cancelled,
+    /// A stop sequence appeared in the text ([`stop_text`]; set by the caller that watched for it, which also
+    /// cancelled the generation): the answer is the text before it.
+    StopSequence,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
