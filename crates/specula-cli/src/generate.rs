@@ -106,7 +106,7 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long, short = 'p')]
     pub prompt: Option<String>,
-    /// Read the prompt from a file.
+    /// Read the prompt from a file (`-`: standard input).
     #[arg(long)]
     pub prompt_file: Option<PathBuf>,
     /// Feed the prompt as-is instead of applying the model's chat template.

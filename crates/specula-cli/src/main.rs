@@ -136,7 +136,7 @@ fn models() {
     println!("cache: {}", specula::registry::cache_dir().display());
 }
 
-/// Reads `--prompt` or `--prompt-file` (exactly one).
+/// Reads `--prompt` or `--prompt-file` (exactly one; `--prompt-file -` reads standard input).
 pub(crate) fn read_prompt(
     prompt: &Option<String>,
     prompt_file: &Option<std::path::PathBuf>,
@@ -144,6 +144,12 @@ pub(crate) fn read_prompt(
     match (prompt, prompt_file) {
         (Some(_), Some(_)) => anyhow::bail!("give either --prompt or --prompt-file, not both"),
         (Some(p), None) => Ok(p.clone()),
+        (None, Some(f)) if f.as_os_str() == "-" => {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+                .map_err(|e| anyhow::anyhow!("cannot read the prompt from standard input: {e}"))?;
+            Ok(text)
+        }
         (None, Some(f)) => std::fs::read_to_string(f)
             .map_err(|e| anyhow::anyhow!("cannot read --prompt-file {}: {e}", f.display())),
         (None, None) => anyhow::bail!("give a prompt with --prompt TEXT or --prompt-file FILE"),

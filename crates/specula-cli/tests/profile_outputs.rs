@@ -392,3 +392,46 @@ fn a_stop_sequence_ends_the_answer_before_it() {
         assert!(stderr.contains("(StopSequence)"), "{extra:?}: {stderr}");
     }
 }
+
+/// `--prompt-file -` reads the prompt from standard input: the same answer as the prompt given with `-p`.
+#[test]
+fn a_prompt_from_standard_input_is_the_same_prompt() {
+    let prompt = "The capital of France is";
+    let (given, _) = generate_with(prompt, "8", &[]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_specula"))
+        .args([
+            "generate",
+            "-m",
+            "smollm2-135m",
+            "--raw",
+            "--prompt-file",
+            "-",
+            "-n",
+            "8",
+            "--ignore-eos",
+            "-t",
+            "2",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(prompt.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("{}\n", given["text"].as_str().unwrap())
+    );
+}
