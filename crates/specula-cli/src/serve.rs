@@ -25,6 +25,10 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every API request.
     #[arg(long)]
     pub api_key: Option<String>,
+    /// The model's name in the API (vLLM's flag): responses carry the first, `/v1/models` lists them all, and a
+    /// request's `model` may be any of them (repeat the flag). Default: the `--model` argument.
+    #[arg(long, value_name = "NAME")]
+    pub served_model_name: Vec<String>,
     /// Requests that may wait for the engine; past it, 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -138,6 +142,14 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
             "--draft-tokens and the tree flags both size the draft: give --num-draft-tokens for a tree"
         );
     }
+    for (i, n) in args.served_model_name.iter().enumerate() {
+        if n.trim().is_empty() {
+            anyhow::bail!("--served-model-name must not be empty");
+        }
+        if args.served_model_name[..i].contains(n) {
+            anyhow::bail!("--served-model-name {n:?} is given twice");
+        }
+    }
     if args.max_queue == 0 || args.max_queue > 100_000 {
         anyhow::bail!(
             "--max-queue must be between 1 and 100000, got {}",
@@ -217,7 +229,11 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
             )
         }
     };
-    let name = target.spec.clone();
+    let name = args
+        .served_model_name
+        .first()
+        .cloned()
+        .unwrap_or_else(|| target.spec.clone());
     let metrics = Arc::new(specula_server::metrics::Metrics::new());
     let options = EngineOptions {
         draft_tokens,
@@ -235,7 +251,11 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         },
         spec_disable_auto: args.spec_disable_batch_size == DisableBatchSize::Auto,
     };
-    let engine = Engine::start(target, draft, options, metrics.clone());
+    let mut engine = Engine::start(target, draft, options, metrics.clone());
+    if let Some((first, rest)) = args.served_model_name.split_first() {
+        engine.model_name = first.clone();
+        engine.model_aliases = rest.to_vec();
+    }
     let state = Arc::new(AppState {
         engine,
         metrics,

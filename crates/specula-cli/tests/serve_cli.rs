@@ -568,3 +568,74 @@ fn serve_answers_with_tool_calls_on_a_qwen_model() {
     child.kill().unwrap();
     let _ = child.wait();
 }
+
+/// `--served-model-name` (vLLM's flag): the API's names for the model. Responses carry the first, `/v1/models`
+/// lists all, a request may name any of them, and another name (the model's own path included) is a 404 naming
+/// them; an empty or repeated name is refused at start.
+#[test]
+fn serve_answers_to_its_served_model_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&model, &TinySpec::default()).unwrap();
+    let m = model.to_str().unwrap();
+    for (flags, expected) in [
+        (&["--served-model-name", " "][..], "must not be empty"),
+        (
+            &["--served-model-name", "a", "--served-model-name", "a"][..],
+            "\"a\" is given twice",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_specula"))
+            .args(["serve", "-m", m])
+            .args(flags)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(expected),
+            "{stderr}"
+        );
+    }
+    let (mut child, addr) = spawn_server(
+        m,
+        &[
+            "--served-model-name",
+            "tiny-chat",
+            "--served-model-name",
+            "gpt-4o-mini",
+        ],
+    );
+    let (status, models) = send(&addr, "GET", "/v1/models", "", false);
+    assert_eq!(status, 200, "{models}");
+    let list = models.split("\r\n\r\n").nth(1).unwrap();
+    let v: serde_json::Value = serde_json::from_str(list).unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["tiny-chat", "gpt-4o-mini"]);
+    let ask = |name: &str| {
+        send(
+            &addr,
+            "POST",
+            "/v1/completions",
+            &format!(r#"{{"model": "{name}", "prompt": "hello", "max_tokens": 2}}"#),
+            false,
+        )
+    };
+    for name in ["tiny-chat", "gpt-4o-mini"] {
+        let (status, resp) = ask(name);
+        assert_eq!(status, 200, "{resp}");
+        assert!(resp.contains(r#""model":"tiny-chat""#), "{resp}");
+    }
+    let (status, resp) = ask(m);
+    assert_eq!(status, 404, "{resp}");
+    assert!(
+        resp.contains(r#"this server serves \"tiny-chat\", \"gpt-4o-mini\""#),
+        "{resp}"
+    );
+    child.kill().unwrap();
+    let _ = child.wait();
+}

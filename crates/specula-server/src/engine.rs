@@ -291,7 +291,11 @@ pub struct Engine {
     queue: Arc<Queue>,
     max_queue: usize,
     metrics: Arc<Metrics>,
+    /// The name responses carry and `/v1/models` lists first (the model's spec, or the server's first
+    /// `--served-model-name`).
     pub model_name: String,
+    /// Other names a request may give in `model` (the further `--served-model-name`s).
+    pub model_aliases: Vec<String>,
     pub context_length: usize,
     /// The model's tokenizer, shared with the engine (`/tokenize`, `/detokenize` need no engine turn).
     pub tokenizer: Arc<specula::tokenizer::Tokenizer>,
@@ -439,6 +443,7 @@ impl Engine {
             max_queue: options.max_queue.max(1),
             metrics,
             model_name,
+            model_aliases: Vec::new(),
             context_length,
             tokenizer,
             chat_template,

@@ -362,8 +362,11 @@ async fn models(
     Ok(Json(json!({
         "object": "list",
         // vLLM's `max_model_len` too: clients size their requests by it.
-        "data": [{"id": state.engine.model_name, "object": "model", "owned_by": "specula",
-                  "max_model_len": state.engine.context_length}],
+        "data": std::iter::once(&state.engine.model_name)
+            .chain(&state.engine.model_aliases)
+            .map(|name| json!({"id": name, "object": "model", "owned_by": "specula",
+                               "max_model_len": state.engine.context_length}))
+            .collect::<Vec<_>>(),
     })))
 }
 
@@ -453,12 +456,20 @@ fn common(
         let name = model
             .as_str()
             .ok_or_else(|| ApiError::bad("model must be a string", Some("model")))?;
-        if name != state.engine.model_name {
+        if name != state.engine.model_name && !state.engine.model_aliases.iter().any(|a| a == name)
+        {
+            let served: Vec<&String> = std::iter::once(&state.engine.model_name)
+                .chain(&state.engine.model_aliases)
+                .collect();
             return Err(ApiError {
                 status: StatusCode::NOT_FOUND,
                 message: format!(
-                    "the model {name:?} does not exist; this server serves {:?}",
-                    state.engine.model_name
+                    "the model {name:?} does not exist; this server serves {}",
+                    served
+                        .iter()
+                        .map(|n| format!("{n:?}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
                 kind: "invalid_request_error",
                 param: Some("model"),
