@@ -55,6 +55,10 @@ pub struct ModelArgs {
     /// qwen2.5-1.5b, qwen2.5-0.5b, tiny), with a byte-level tokenizer. For speed work.
     #[arg(long, value_name = "SHAPE")]
     pub random_weights: Option<String>,
+    /// A Jinja chat template to use instead of the model's own (vLLM's and llama.cpp's --chat-template): the
+    /// file's text, as a GGUF's `tokenizer.chat_template` or tokenizer_config.json's `chat_template` holds it.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -588,13 +592,29 @@ pub fn load(args: &ModelArgs) -> anyhow::Result<(specula::model::LoadedModel, us
     }
     let threads = specula::parallel::threads();
     let device = args.device()?;
+    // The template is read and tried on a one-message conversation before the model loads (seconds).
+    let chat_template = match &args.chat_template {
+        Some(path) => {
+            let source = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --chat-template {}", path.display()))?;
+            let template = specula::chat::ChatTemplate::new(source);
+            template
+                .render(&[specula::chat::ChatMessage::user("hi")], true, "", "")
+                .with_context(|| format!("the chat template in {}", path.display()))?;
+            Some(template)
+        }
+        None => None,
+    };
     let t0 = Instant::now();
-    let loaded = match &args.random_weights {
+    let mut loaded = match &args.random_weights {
         Some(shape) => specula::model::load_random(shape, device, 0)
             .with_context(|| format!("making random weights of shape {shape}"))?,
         None => specula::load_model_on(&args.model, device, true, &mut |line| eprintln!("{line}"))
             .with_context(|| format!("loading model {}", args.model))?,
     };
+    if chat_template.is_some() {
+        loaded.chat_template = chat_template;
+    }
     Ok((loaded, threads, t0.elapsed().as_secs_f64()))
 }
 

@@ -435,3 +435,73 @@ fn a_prompt_from_standard_input_is_the_same_prompt() {
         format!("{}\n", given["text"].as_str().unwrap())
     );
 }
+
+/// `--chat-template FILE` replaces the model's template: the prompt is the file's rendering of the conversation
+/// (the same token ids as that text given raw); a template that does not render is refused before the model
+/// loads, naming the file.
+#[test]
+fn a_chat_template_file_replaces_the_models_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let template = dir.path().join("t.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}\
+         {% if add_generation_prompt %}[assistant] {% endif %}",
+    )
+    .unwrap();
+    let prompt_ids = |args: &[&str]| {
+        let report = dir.path().join("r.json");
+        let out = Command::new(env!("CARGO_BIN_EXE_specula"))
+            .args([
+                "generate",
+                "-m",
+                "smollm2-135m",
+                "-n",
+                "1",
+                "-t",
+                "2",
+                "--quiet",
+            ])
+            .args(args)
+            .arg("--report-json")
+            .arg(&report)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        r["prompt_token_ids"].clone()
+    };
+    let t = template.to_str().unwrap();
+    let templated = prompt_ids(&["--chat-template", t, "--system", "Be brief.", "-p", "hi"]);
+    let raw = prompt_ids(&["--raw", "-p", "[system] Be brief.\n[user] hi\n[assistant] "]);
+    assert_eq!(templated, raw);
+    assert_ne!(
+        templated,
+        prompt_ids(&["--system", "Be brief.", "-p", "hi"])
+    );
+    std::fs::write(&template, "{% for m in messages %}{{ m.content }").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_specula"))
+        .args([
+            "generate",
+            "-m",
+            "/nonexistent.gguf",
+            "-p",
+            "hi",
+            "--chat-template",
+            t,
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("the chat template in")
+            && stderr.contains("t.jinja"),
+        "{stderr}"
+    );
+}
