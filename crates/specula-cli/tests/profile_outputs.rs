@@ -7,6 +7,19 @@ fn generate(extra: &[&str]) -> (serde_json::Value, String) {
 }
 
 fn generate_with(prompt: &str, max_tokens: &str, extra: &[&str]) -> (serde_json::Value, String) {
+    let mut quiet = vec!["--quiet"];
+    quiet.extend_from_slice(extra);
+    let (report, _, stderr) = generate_printing(prompt, max_tokens, &quiet);
+    (report, stderr)
+}
+
+/// Runs `specula generate` on smollm2 (raw prompt, fixed length, 2 threads); returns the JSON report, the
+/// printed text and stderr.
+fn generate_printing(
+    prompt: &str,
+    max_tokens: &str,
+    extra: &[&str],
+) -> (serde_json::Value, String, String) {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
     let mut args = vec![
@@ -21,7 +34,6 @@ fn generate_with(prompt: &str, max_tokens: &str, extra: &[&str]) -> (serde_json:
         "--ignore-eos",
         "-t",
         "2",
-        "--quiet",
         "--report-json",
         report.to_str().unwrap(),
     ];
@@ -36,7 +48,7 @@ fn generate_with(prompt: &str, max_tokens: &str, extra: &[&str]) -> (serde_json:
         "specula failed (run `specula fetch smollm2-135m` first?): {stderr}"
     );
     let r = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    (r, stderr)
+    (r, String::from_utf8_lossy(&out.stdout).to_string(), stderr)
 }
 
 #[test]
@@ -350,46 +362,22 @@ fn a_stop_sequence_ends_the_answer_before_it() {
         .expect("a long enough answer");
     let stop = &text[start..start + 3];
     let expected = &text[..text.find(stop).unwrap()];
-    for extra in [
+    for drafter in [
         &[][..],
         &["--draft", "ngram", "--ngram-confidence", "0"][..],
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let report = dir.path().join("report.json");
-        let mut args = vec![
-            "generate",
-            "-m",
-            "smollm2-135m",
-            "--raw",
-            "-p",
-            prompt,
-            "-n",
-            "48",
-            "--ignore-eos",
-            "-t",
-            "2",
-            "--stop",
-            "no such text anywhere",
-            "--stop",
-            stop,
-            "--report-json",
-            report.to_str().unwrap(),
-        ];
-        args.extend_from_slice(extra);
-        let out = Command::new(env!("CARGO_BIN_EXE_specula"))
-            .args(&args)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{stderr}");
-        let printed = String::from_utf8_lossy(&out.stdout);
+        let mut extra = vec!["--stop", "no such text anywhere", "--stop", stop];
+        extra.extend_from_slice(drafter);
+        let (r, printed, stderr) = generate_printing(prompt, "48", &extra);
         // The answer, then the newline generate ends its output with.
-        assert_eq!(printed, format!("{expected}\n"), "stop {stop:?} {extra:?}");
-        let r: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-        assert_eq!(r["text"], expected, "{extra:?}");
-        assert_eq!(r["stop_reason"], "stop_sequence", "{extra:?}");
-        assert!(stderr.contains("(StopSequence)"), "{extra:?}: {stderr}");
+        assert_eq!(
+            printed,
+            format!("{expected}\n"),
+            "stop {stop:?} {drafter:?}"
+        );
+        assert_eq!(r["text"], expected, "{drafter:?}");
+        assert_eq!(r["stop_reason"], "stop_sequence", "{drafter:?}");
+        assert!(stderr.contains("(StopSequence)"), "{drafter:?}: {stderr}");
     }
 }
 
