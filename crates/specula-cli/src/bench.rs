@@ -37,7 +37,8 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub drafter: DrafterArgs,
     /// Draft lengths to compare, comma separated [default: 1,2,3,4; with --speculate, 1 up to the length it
-    /// picks when that is longer (5 for the registry head on a GPU)].
+    /// picks when that is longer (5 for the registry head on a GPU); with EAGLE-3 tree flags none: given
+    /// there, chains at these lengths run beside the trees].
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     pub draft_tokens: Vec<i64>,
     /// Passes over all prompts (more rounds average out noise).
@@ -95,23 +96,24 @@ fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
             out
         }
         DraftChoice::Eagle3(dirs) => {
+            let trees = d.eagle_trees()?.shapes;
             let mut out = Vec::new();
             for head in 0..eagle3_heads(&dirs)?.len() {
-                match d.eagle_tree()? {
-                    Some(tree) => out.push(DraftMethod::Eagle3 {
+                if runs_chains(args) {
+                    for min_confidence in d.eagle3_confidences()? {
+                        out.push(DraftMethod::Eagle3 {
+                            tree: None,
+                            min_confidence,
+                            head,
+                        });
+                    }
+                }
+                for &tree in &trees {
+                    out.push(DraftMethod::Eagle3 {
                         tree: Some(tree),
                         min_confidence: 0.0,
                         head,
-                    }),
-                    None => {
-                        for min_confidence in d.eagle3_confidences()? {
-                            out.push(DraftMethod::Eagle3 {
-                                tree: None,
-                                min_confidence,
-                                head,
-                            });
-                        }
-                    }
+                    });
                 }
             }
             out
@@ -126,6 +128,12 @@ fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
             })
             .collect(),
     })
+}
+
+/// Whether the bench runs chains: always without tree flags; with them only where `--draft-tokens` is given
+/// too (chains at those lengths beside the trees, in one table).
+fn runs_chains(args: &BenchArgs) -> bool {
+    !args.drafter.has_tree_flags() || !args.draft_tokens.is_empty()
 }
 
 /// The heads of `--draft eagle3 --draft-model A,B,...`: bench compares several side by side, each at every
@@ -164,11 +172,15 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         .as_ref()
         .ok_or_else(|| anyhow::anyhow!("give a prompts file with --prompts FILE.jsonl"))?;
     let methods = methods(args)?;
-    let ks = match args.drafter.eagle_tree()? {
-        // A tree's size is its node count: one configuration.
-        Some(shape) => vec![shape.draft_tokens],
-        None => draft_tokens(args)?,
+    // Chain lengths; a tree's size is its node count (one configuration each).
+    let ks = if runs_chains(args) {
+        draft_tokens(args)?
+    } else {
+        Vec::new()
     };
+    for skipped in args.drafter.eagle_trees()?.skipped {
+        eprintln!("note: left out: {skipped}");
+    }
     let sampling = args.sampling.params()?;
     if args.max_tokens == 0 {
         anyhow::bail!("--max-tokens must be at least 1");
@@ -231,7 +243,11 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         tokenizer: &target.tokenizer,
         draft: draft.as_ref().map(|d| d.model.as_ref()),
         eagle3: eagle3.iter().map(|(n, h)| (n.clone(), h)).collect(),
-        draft_tokens: if methods.is_empty() { Vec::new() } else { ks },
+        draft_tokens: if methods.iter().any(DraftMethod::is_chain) {
+            ks
+        } else {
+            Vec::new()
+        },
         methods,
         prompts: with_ids,
         max_new_tokens: args.max_tokens,
@@ -318,11 +334,18 @@ fn default_draft_tokens(picked: Option<usize>) -> Vec<i64> {
 
 const DEFAULT_MAX_DRAFT_TOKENS: usize = 4;
 
-pub fn bench(mut args: BenchArgs) -> anyhow::Result<()> {
-    let picked = args.drafter.resolve_defaults(&args.model)?;
-    if args.draft_tokens.is_empty() {
+/// Fills in the draft lengths bench compares where `--draft-tokens` is not given (trees alone run no chains), and
+/// lets `--draft-confidence` apply to chains that run beside trees.
+fn resolve_draft_tokens(args: &mut BenchArgs, picked: Option<usize>) {
+    args.drafter.chains_beside_trees = !args.draft_tokens.is_empty();
+    if args.draft_tokens.is_empty() && !args.drafter.has_tree_flags() {
         args.draft_tokens = default_draft_tokens(picked);
     }
+}
+
+pub fn bench(mut args: BenchArgs) -> anyhow::Result<()> {
+    let picked = args.drafter.resolve_defaults(&args.model)?;
+    resolve_draft_tokens(&mut args, picked);
     let report = run_bench(&args)?;
     print!("{}", report.table());
     if let Some(path) = &args.json {
@@ -334,9 +357,7 @@ pub fn bench(mut args: BenchArgs) -> anyhow::Result<()> {
 
 pub fn tune(mut args: TuneArgs) -> anyhow::Result<()> {
     let picked = args.bench.drafter.resolve_defaults(&args.bench.model)?;
-    if args.bench.draft_tokens.is_empty() {
-        args.bench.draft_tokens = default_draft_tokens(picked);
-    }
+    resolve_draft_tokens(&mut args.bench, picked);
     let report_json = match &args.from_bench {
         Some(path) => {
             let text = std::fs::read_to_string(path)

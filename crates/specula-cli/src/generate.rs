@@ -226,23 +226,29 @@ pub struct DrafterArgs {
     /// always drafts --draft-tokens.
     #[arg(long, value_name = "P", allow_negative_numbers = true)]
     pub simulate_acceptance: Option<f64>,
+    /// Set by bench when `--draft-tokens` comes with the tree flags: chains run beside the trees, so
+    /// `--draft-confidence` (which stops chains) has something to apply to.
+    #[arg(skip)]
+    pub chains_beside_trees: bool,
     /// Speculate with the drafter that wins for this target without tuning: its registry EAGLE-3 head if built,
     /// else (on the CPU) its registry draft model if downloaded, with the settings measured best, else prompt
     /// lookup. Says which and why. Replaces --draft / --draft-model.
     #[arg(long)]
     pub speculate: bool,
     /// EAGLE-3 tree drafting (SGLang's --speculative-eagle-topk): branches kept per node (default 4 once any tree
-    /// flag is given). Trees are verified in one pass with a tree mask; greedy decoding only (sampling drafts
-    /// chains of --num-steps).
-    #[arg(long, value_name = "K")]
-    pub eagle_topk: Option<usize>,
+    /// flag is given). Trees are verified in one pass with a tree mask, greedily or, when sampling, by lossless
+    /// tree acceptance (each child tried with the target's probability of it; the output keeps the target's
+    /// distribution). bench takes comma-separated lists of the three tree flags and runs every shape they
+    /// combine to (beside chains at --draft-tokens when that is given too).
+    #[arg(long, value_name = "K", value_delimiter = ',')]
+    pub eagle_topk: Vec<usize>,
     /// EAGLE-3 tree drafting: levels (SGLang's --speculative-num-steps; default 5).
-    #[arg(long, value_name = "N")]
-    pub num_steps: Option<usize>,
+    #[arg(long, value_name = "N", value_delimiter = ',')]
+    pub num_steps: Vec<usize>,
     /// EAGLE-3 tree drafting: tokens per verify pass, the pending one included (SGLang's
     /// --speculative-num-draft-tokens; default 8).
-    #[arg(long, value_name = "N")]
-    pub num_draft_tokens: Option<usize>,
+    #[arg(long, value_name = "N", value_delimiter = ',')]
+    pub num_draft_tokens: Vec<usize>,
 }
 
 /// Parses a comma-separated flag's values; no values means the single `default`.
@@ -383,7 +389,7 @@ impl DrafterArgs {
                  (prompt lookup has --ngram-confidence)"
             );
         }
-        if !self.draft_confidence.is_empty() && self.eagle_tree()?.is_some() {
+        if !self.draft_confidence.is_empty() && self.has_tree_flags() && !self.chains_beside_trees {
             anyhow::bail!(
                 "--draft-confidence stops EAGLE-3 chains; trees are shaped by --eagle-topk / --num-steps / \
                  --num-draft-tokens"
@@ -392,7 +398,8 @@ impl DrafterArgs {
         if !self.ngram_confidence.is_empty() && !matches!(choice, DraftChoice::Ngram { .. }) {
             anyhow::bail!("--ngram-confidence applies to prompt lookup; add --draft ngram");
         }
-        if self.eagle_tree()?.is_some() && !matches!(choice, DraftChoice::Eagle3(_)) {
+        self.eagle_trees()?;
+        if self.has_tree_flags() && !matches!(choice, DraftChoice::Eagle3(_)) {
             anyhow::bail!(
                 "--eagle-topk / --num-steps / --num-draft-tokens shape EAGLE-3 trees; add --draft eagle3 --draft-model HEAD_DIR"
             );
@@ -408,21 +415,79 @@ impl DrafterArgs {
         Ok(choice)
     }
 
-    /// The EAGLE-3 tree shape the tree flags ask for (None: chains).
+    /// Whether any tree flag was given (the EAGLE-3 drafter then drafts trees).
+    pub fn has_tree_flags(&self) -> bool {
+        !(self.eagle_topk.is_empty()
+            && self.num_steps.is_empty()
+            && self.num_draft_tokens.is_empty())
+    }
+
+    /// The one EAGLE-3 tree shape the tree flags ask for (None: chains), for generate and serve.
     pub fn eagle_tree(&self) -> anyhow::Result<Option<specula::draft::eagle3::TreeShape>> {
-        if self.eagle_topk.is_none() && self.num_steps.is_none() && self.num_draft_tokens.is_none()
-        {
-            return Ok(None);
+        for (values, flag) in [
+            (&self.eagle_topk, "--eagle-topk"),
+            (&self.num_steps, "--num-steps"),
+            (&self.num_draft_tokens, "--num-draft-tokens"),
+        ] {
+            if values.len() > 1 {
+                anyhow::bail!("{flag} takes one value here (lists are for bench)");
+            }
         }
-        let nodes = self.num_draft_tokens.unwrap_or(8);
-        if nodes < 2 {
-            anyhow::bail!("--num-draft-tokens must be at least 2 (the pending token and one draft), got {nodes}");
+        Ok(self.eagle_trees()?.shapes.into_iter().next())
+    }
+
+    /// Every EAGLE-3 tree shape the tree flags combine to (bench: each list's values against the others'),
+    /// in the order given; combinations no tree of that shape can fill (more nodes than `--num-steps` levels of
+    /// top-`--eagle-topk` propose) are left out and named. Empty without tree flags; an error when every
+    /// combination is impossible or a value is out of range.
+    pub fn eagle_trees(&self) -> anyhow::Result<TreeShapes> {
+        let mut out = TreeShapes::default();
+        if !self.has_tree_flags() {
+            return Ok(out);
         }
-        Ok(Some(specula::draft::eagle3::TreeShape::new(
-            self.eagle_topk.unwrap_or(4),
-            self.num_steps.unwrap_or(5),
-            nodes - 1,
-        )?))
+        let or_default = |values: &[usize], default: usize| {
+            if values.is_empty() {
+                vec![default]
+            } else {
+                values.to_vec()
+            }
+        };
+        let topks = or_default(&self.eagle_topk, 4);
+        let steps = or_default(&self.num_steps, 5);
+        let nodes = or_default(&self.num_draft_tokens, 8);
+        for &n in &nodes {
+            if n < 2 {
+                anyhow::bail!(
+                    "--num-draft-tokens must be at least 2 (the pending token and one draft), got {n}"
+                );
+            }
+        }
+        let mut impossible = Vec::new();
+        for &topk in &topks {
+            for &step in &steps {
+                for &n in &nodes {
+                    let shape = match specula::draft::eagle3::TreeShape::new(topk, step, n - 1) {
+                        Ok(shape) => shape,
+                        Err(specula::Error::InvalidArgument(why)) => {
+                            impossible.push(why);
+                            continue;
+                        }
+                        Err(e) => return Err(e.into()),
+                    };
+                    if !out.shapes.contains(&shape) {
+                        out.shapes.push(shape);
+                    }
+                }
+            }
+        }
+        if out.shapes.is_empty() {
+            anyhow::bail!(
+                "no EAGLE-3 tree shape is possible: {}",
+                impossible.join("; ")
+            );
+        }
+        out.skipped = impossible;
+        Ok(out)
     }
 
     /// generate's drafter: like [`Self::choice`], refusing lists.
@@ -488,6 +553,14 @@ impl DrafterArgs {
             },
         )
     }
+}
+
+/// The EAGLE-3 tree shapes of the tree flags ([`DrafterArgs::eagle_trees`]).
+#[derive(Debug, Default)]
+pub struct TreeShapes {
+    pub shapes: Vec<specula::draft::eagle3::TreeShape>,
+    /// Why each impossible combination of the flags' values was left out.
+    pub skipped: Vec<String>,
 }
 
 /// `--draft` and `--draft-model` together (shared by generate, bench and tune).

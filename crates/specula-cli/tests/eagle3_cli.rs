@@ -604,3 +604,167 @@ fn bench_compares_several_heads_in_one_run() {
         "{stderr}"
     );
 }
+
+/// `bench` sweeps tree shapes (SGLang's three knobs as lists, every combination a tree can fill) beside chains at
+/// `--draft-tokens`, in one table: each shape once, every one lossless, impossible combinations named and left
+/// out, and a line saying which configuration won and by how much. generate takes one shape.
+#[test]
+fn bench_sweeps_tree_shapes_beside_chains() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, head) = setup(dir.path());
+    let prompts = dir.path().join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"id\": \"a\", \"prompt\": \"the tea the tea\"}\n",
+    )
+    .unwrap();
+    let json = dir.path().join("bench.json");
+    let base = [
+        "bench",
+        "-m",
+        &model,
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--raw",
+        "-n",
+        "16",
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        &head,
+        "--verify-repeats",
+        "0",
+        "--quiet",
+    ];
+    let mut args = base.to_vec();
+    args.extend([
+        "--draft-tokens",
+        "2,3",
+        "--draft-confidence",
+        "0",
+        "--eagle-topk",
+        "1,2",
+        "--num-steps",
+        "2",
+        "--num-draft-tokens",
+        "3,5",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let (table, stderr) = ok(&args);
+    // Top-1 over 2 steps proposes 2 nodes: 5 (4 drafts) is impossible for it.
+    assert!(
+        stderr.contains("left out")
+            && stderr.contains("--num-draft-tokens 5 is more than 2 steps of top-1"),
+        "{stderr}"
+    );
+    let b: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let configs = b["configs"].as_array().unwrap();
+    let labels: Vec<&str> = configs
+        .iter()
+        .map(|c| c["label"].as_str().unwrap())
+        .collect();
+    // Plain, chains at k = 2 and 3, then the trees (1, 2, 3), (2, 2, 3), (2, 2, 5).
+    assert_eq!(labels.len(), 6, "{labels:?}");
+    assert_eq!(labels[0], "plain");
+    assert!(
+        labels[1].ends_with("k=2") && labels[2].ends_with("k=3"),
+        "{labels:?}"
+    );
+    let trees: Vec<(u64, u64, u64, u64)> = configs[3..]
+        .iter()
+        .map(|c| {
+            let t = &c["drafter"]["tree"];
+            (
+                t["eagle_topk"].as_u64().unwrap(),
+                t["num_steps"].as_u64().unwrap(),
+                t["num_draft_tokens"].as_u64().unwrap(),
+                c["k"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(trees, vec![(1, 2, 3, 2), (2, 2, 3, 2), (2, 2, 5, 4)]);
+    for c in configs {
+        assert_eq!(c["greedy_mismatches"], 0, "{c}");
+    }
+    for c in &configs[1..3] {
+        assert!(c["drafter"]["tree"].is_null(), "{c}");
+    }
+    // The winner is the fastest speculative configuration, named in the table and the JSON.
+    let fastest = configs[1..]
+        .iter()
+        .max_by(|a, b| {
+            a["decode_tok_s"]
+                .as_f64()
+                .unwrap()
+                .total_cmp(&b["decode_tok_s"].as_f64().unwrap())
+        })
+        .unwrap();
+    assert_eq!(b["best"], fastest["label"], "{b}");
+    let best_line = table
+        .lines()
+        .find(|l| l.starts_with("best: "))
+        .expect(&table);
+    assert!(
+        best_line.contains(fastest["label"].as_str().unwrap())
+            && best_line.contains("x plain")
+            && best_line.contains("the best"),
+        "{best_line}"
+    );
+    // Trees alone run no chains.
+    let mut args = base.to_vec();
+    args.extend([
+        "--num-draft-tokens",
+        "3,4",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    ok(&args);
+    let b: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let ks: Vec<u64> = b["configs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["k"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ks, vec![0, 2, 3]);
+    // Every combination impossible: refused with each reason.
+    let mut args = base.to_vec();
+    args.extend([
+        "--eagle-topk",
+        "1",
+        "--num-steps",
+        "2",
+        "--num-draft-tokens",
+        "5,6",
+    ]);
+    let out = specula(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("no EAGLE-3 tree shape is possible")
+            && stderr.contains("--num-draft-tokens 6"),
+        "{stderr}"
+    );
+    // generate and serve take one shape.
+    let out = specula(&[
+        "generate",
+        "-m",
+        &model,
+        "-p",
+        "hi",
+        "--draft",
+        "eagle3",
+        "--draft-model",
+        &head,
+        "--eagle-topk",
+        "1,2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("--eagle-topk takes one value here"),
+        "{stderr}"
+    );
+}

@@ -44,6 +44,22 @@ pub enum DraftMethod {
 }
 
 impl DraftMethod {
+    /// Whether it drafts chains sized by the bench's draft lengths (everything but an EAGLE-3 tree, whose shape
+    /// sizes it).
+    pub fn is_chain(&self) -> bool {
+        !matches!(self, DraftMethod::Eagle3 { tree: Some(_), .. })
+    }
+
+    /// The draft lengths it runs at: the bench's for a chain, the tree's node count for a tree.
+    pub fn draft_lengths(&self, chain_lengths: &[usize]) -> Vec<usize> {
+        match self {
+            DraftMethod::Eagle3 {
+                tree: Some(shape), ..
+            } => vec![shape.draft_tokens],
+            _ => chain_lengths.to_vec(),
+        }
+    }
+
     /// "model" or "ngram".
     pub fn name(&self) -> &'static str {
         match self {
@@ -154,9 +170,10 @@ pub struct BenchSpec<'a> {
     pub draft: Option<&'a dyn Model>,
     /// The EAGLE-3 heads `DraftMethod::Eagle3` indexes, each with the name tables show it by.
     pub eagle3: Vec<(String, &'a crate::draft::eagle3::Eagle3Head)>,
-    /// Drafter variants to compare (each at every draft length); empty runs plain decoding only.
+    /// Drafter variants to compare (each chain at every draft length, each tree once); empty runs plain decoding
+    /// only.
     pub methods: Vec<DraftMethod>,
-    /// Draft lengths to run; plain decoding always runs too.
+    /// Draft lengths the chain drafters run at (a tree runs at its node count); plain decoding always runs too.
     pub draft_tokens: Vec<usize>,
     /// Prompts with their token ids (chat template already applied).
     pub prompts: Vec<(BenchPrompt, Vec<u32>)>,
@@ -278,13 +295,65 @@ impl BenchReport {
             .collect()
     }
 
+    /// The fastest speculative configuration (None without one), among those that reproduced plain decoding.
+    pub fn best(&self, filter: impl Fn(&ConfigResult) -> bool) -> Option<&ConfigResult> {
+        self.configs
+            .iter()
+            .filter(|c| c.k > 0 && c.greedy_mismatches == 0 && filter(c))
+            .max_by(|a, b| a.decode_tok_s().total_cmp(&b.decode_tok_s()))
+    }
+
+    /// Which configuration won and by how much: against plain decoding, and where chains and trees ran side by
+    /// side, the best of each against the other.
+    pub fn best_line(&self) -> Option<String> {
+        let best = self.best(|_| true)?;
+        let mut line = format!(
+            "best: {} at {:.2} tok/s, {:.2}x plain",
+            best.label,
+            best.decode_tok_s(),
+            self.speedup(best)
+        );
+        let is_tree = |c: &ConfigResult| {
+            c.drafter
+                .as_ref()
+                .is_some_and(|d| d.get("tree").is_some_and(|t| !t.is_null()))
+        };
+        let best_chain = self.best(|c| !is_tree(c));
+        let best_tree = self.best(is_tree);
+        if let (Some(chain), Some(tree)) = (best_chain, best_tree) {
+            let (winner, other) = if is_tree(best) {
+                (tree, chain)
+            } else {
+                (chain, tree)
+            };
+            let _ = std::fmt::Write::write_fmt(
+                &mut line,
+                format_args!(
+                    "; the best {} is {:.2}x the best {} ({})",
+                    if is_tree(best) { "tree" } else { "chain" },
+                    ratio(winner.decode_tok_s(), other.decode_tok_s()),
+                    if is_tree(best) { "chain" } else { "tree" },
+                    other.label
+                ),
+            );
+        }
+        Some(line)
+    }
+
     /// The table `specula bench` prints.
     pub fn table(&self) -> String {
         use std::fmt::Write as _;
         let mut s = String::new();
+        let width = self
+            .configs
+            .iter()
+            .map(|c| c.label.len())
+            .max()
+            .unwrap_or(0)
+            .max(10);
         let _ = writeln!(
             s,
-            "{:<10} {:>8} {:>8} {:>7} {:>9} {:>10} {:>10} {:>10} {:>8}",
+            "{:<width$} {:>8} {:>8} {:>7} {:>9} {:>10} {:>10} {:>10} {:>8}",
             "config",
             "tok/s",
             "speedup",
@@ -305,7 +374,7 @@ impl BenchReport {
             };
             let _ = writeln!(
                 s,
-                "{:<10} {:>8.2} {:>7.2}x {:>7} {:>9} {:>10.1} {:>10.1} {:>10.2} {:>7.1}%{}",
+                "{:<width$} {:>8.2} {:>7.2}x {:>7} {:>9} {:>10.1} {:>10.1} {:>10.2} {:>7.1}%{}",
                 c.label,
                 c.decode_tok_s(),
                 self.speedup(c),
@@ -321,6 +390,9 @@ impl BenchReport {
                     String::new()
                 }
             );
+        }
+        if let Some(line) = self.best_line() {
+            let _ = writeln!(s, "{line}");
         }
         if self.rounds > 1 {
             let rows: Vec<String> = self
@@ -398,6 +470,7 @@ impl BenchReport {
             "simulated_acceptance": self.simulated_acceptance,
             "device": self.device,
             "configs": configs,
+            "best": self.best(|_| true).map(|c| c.label.clone()),
             "verify_cost": self.verify_cost,
         })
     }
@@ -431,9 +504,15 @@ pub fn configs(spec: &BenchSpec<'_>) -> Vec<BenchConfig> {
                 name = format!("{name} [{head_name}]");
             }
         }
-        for &k in &spec.draft_tokens {
+        for k in method.draft_lengths(&spec.draft_tokens) {
+            let label = match method {
+                // A tree's shape says its size (k is its node count less the pending token).
+                DraftMethod::Eagle3 { tree: Some(_), .. } if spec.methods.len() > 1 => name.clone(),
+                DraftMethod::Eagle3 { tree: Some(_), .. } => format!("{name} {}", method.variant()),
+                _ => format!("{name} k={k}"),
+            };
             out.push(BenchConfig {
-                label: format!("{name} k={k}"),
+                label,
                 method: method.name(),
                 drafter: Some(*method),
                 k,
@@ -473,13 +552,15 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
             "--max-tokens must be at least 1".into(),
         ));
     }
-    if !spec.methods.is_empty() && spec.draft_tokens.is_empty() {
+    if spec.methods.iter().any(DraftMethod::is_chain) && spec.draft_tokens.is_empty() {
         return Err(Error::InvalidArgument(
             "--draft-tokens lists no draft lengths".into(),
         ));
     }
-    for &k in &spec.draft_tokens {
-        decode::check_draft_tokens(k)?;
+    for method in &spec.methods {
+        for k in method.draft_lengths(&spec.draft_tokens) {
+            decode::check_draft_tokens(k)?;
+        }
     }
     let uses_model = spec
         .methods
@@ -695,7 +776,7 @@ pub fn run_bench(
         prompt_id: "",
     });
     let verify_cost = if spec.verify_cost_repeats > 0 {
-        let max_rows = spec.draft_tokens.iter().copied().max().unwrap_or(1) + 1;
+        let max_rows = configs.iter().map(|c| c.k).max().unwrap_or(1) + 1;
         Some(measure_verify_cost(
             spec.target,
             &spec.prompts[0].1,
