@@ -712,6 +712,57 @@ fn bench_sweeps_tree_shapes_beside_chains() {
             && best_line.contains("the best"),
         "{best_line}"
     );
+    // tune ranks the trees beside the chain it models (the verify cost needs the curve: bench it with one).
+    let mut args = base.to_vec();
+    args.retain(|a| *a != "--verify-repeats" && *a != "0");
+    args.extend([
+        "--draft-tokens",
+        "2,3",
+        "--draft-confidence",
+        "0",
+        "--eagle-topk",
+        "2",
+        "--num-steps",
+        "2",
+        "--num-draft-tokens",
+        "3,5",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    ok(&args);
+    let tune_json = dir.path().join("tune.json");
+    let plot = dir.path().join("tune.svg");
+    let (tuned, _) = ok(&[
+        "tune",
+        "--from-bench",
+        json.to_str().unwrap(),
+        "--tune-json",
+        tune_json.to_str().unwrap(),
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tune_json).unwrap()).unwrap();
+    let tree_rows = t["trees"].as_array().unwrap();
+    assert_eq!(tree_rows.len(), 2, "{t}");
+    assert_eq!(tree_rows[1]["num_draft_tokens"], 5);
+    assert_eq!(
+        t["predictions"].as_array().unwrap().len(),
+        3,
+        "chains at k = 1..3"
+    );
+    let recommendation = t["recommendation"].as_str().unwrap();
+    assert!(
+        tuned.contains(&format!("recommended: {recommendation}"))
+            || (recommendation == "plain decoding"
+                && tuned.contains("recommended: plain decoding")),
+        "{tuned}"
+    );
+    assert!(
+        tuned.contains("best tree (--eagle-topk 2 --num-steps 2"),
+        "{tuned}"
+    );
+    assert!(std::fs::read_to_string(&plot).unwrap().contains("2x2x5"));
     // Trees alone run no chains.
     let mut args = base.to_vec();
     args.extend([

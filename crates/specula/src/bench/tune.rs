@@ -21,6 +21,12 @@
 //!   minutes of the tok/s being predicted. With plain decoding alone, the separately measured verify(n) curve,
 //!   shifted so that verify(1) equals plain decoding's per-step verify time, is used instead.
 //!
+//! EAGLE-3 trees (bench's tree shapes) are modelled with the same terms: a tree of `n` nodes verifies `1 + n`
+//! rows every cycle, so its verify time is the fitted line at `1 + n`; its tokens per cycle and its draft and
+//! overhead time are its own measurements (a tree's acceptance is not a chain's: every level offers several
+//! candidates). Chains and trees are then ranked on one scale, and tune says which shape wins and what the
+//! winner buys over the best of the other kind.
+//!
 //! Speculation beats plain decoding exactly when the extra tokens per cycle exceed the extra time per cycle
 //! in units of a plain step: `E(k) - 1 > draft/T1 + (verify(1+d) - verify(1))/T1 + (overhead - overhead_plain)/T1`.
 //! When it loses, the largest of the three cost terms is the reason, unless acceptance is so low that no cost
@@ -49,13 +55,33 @@ pub struct MeasuredConfig {
     pub accepted_per_position: Vec<f64>,
 }
 
+/// One EAGLE-3 tree configuration's measurements, read from a bench report.
+#[derive(Debug, Clone)]
+pub struct MeasuredTree {
+    pub label: String,
+    /// SGLang's knobs: branches a node, levels, and nodes verified a cycle with the pending token.
+    pub topk: usize,
+    pub steps: usize,
+    pub num_draft_tokens: usize,
+    pub tok_s: f64,
+    pub cycles: f64,
+    /// Tokens a cycle (the accepted path and the token after it).
+    pub tokens_per_cycle: f64,
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+    pub overhead_ms: f64,
+}
+
 #[derive(Debug, Clone)]
 pub struct TuneInput {
     pub method: String,
     pub plain_tok_s: f64,
     pub plain_verify_ms: f64,
     pub plain_overhead_ms: f64,
+    /// Chain configurations (one drafter variant at several draft lengths); may be empty when trees ran.
     pub configs: Vec<MeasuredConfig>,
+    /// EAGLE-3 tree configurations, each its own shape.
+    pub trees: Vec<MeasuredTree>,
     /// verify(n) in ms, n = 1..
     pub verify_curve_ms: Vec<f64>,
 }
@@ -124,11 +150,22 @@ impl TuneInput {
                     "bench report: no plain decoding configuration (k = 0)".into(),
                 )
             })?;
+        let is_tree = |c: &&Value| {
+            c.get("drafter")
+                .and_then(|d| d.get("tree"))
+                .is_some_and(Value::is_object)
+        };
+        let speculative = || {
+            configs
+                .iter()
+                .filter(|c| c.get("k").and_then(Value::as_u64) != Some(0))
+        };
+        let mut trees = Vec::new();
+        for c in speculative().filter(is_tree) {
+            trees.push(measured_tree(c)?);
+        }
         let mut variants: Vec<&Value> = Vec::new();
-        for c in configs
-            .iter()
-            .filter(|c| c.get("k").and_then(Value::as_u64) != Some(0))
-        {
+        for c in speculative().filter(|c| !is_tree(c)) {
             let d = c.get("drafter").unwrap_or(&Value::Null);
             if !variants.contains(&d) {
                 variants.push(d);
@@ -136,18 +173,18 @@ impl TuneInput {
         }
         if variants.len() > 1 {
             return Err(Error::InvalidArgument(format!(
-                "bench report compares {} drafter variants; tune models one (rerun bench with a single \
-                 --draft-vocab / --draft-confidence / --ngram-confidence value)",
+                "bench report compares {} drafter variants (chains); tune models one (rerun bench with a single \
+                 --draft-vocab / --draft-confidence / --ngram-confidence value; tree shapes may come beside it)",
                 variants.len()
             )));
         }
         let max_k = crate::decode::MAX_DRAFT_TOKENS;
         let mut measured = Vec::new();
         let mut method = String::new();
-        for c in configs
-            .iter()
-            .filter(|c| c.get("k").and_then(Value::as_u64) != Some(0))
-        {
+        if !trees.is_empty() {
+            method = "eagle3".into();
+        }
+        for c in speculative().filter(|c| !is_tree(c)) {
             let spec = c.get("speculation").ok_or_else(|| {
                 Error::InvalidArgument(
                     "bench report: a speculative config has no \"speculation\"".into(),
@@ -182,7 +219,7 @@ impl TuneInput {
                 )?,
             });
         }
-        if measured.is_empty() {
+        if measured.is_empty() && trees.is_empty() {
             return Err(Error::InvalidArgument(
                 "bench report has no speculative configurations to tune (run bench with a drafter)"
                     .into(),
@@ -206,9 +243,50 @@ impl TuneInput {
             plain_verify_ms: num(plain, "verify_ms_per_cycle")?,
             plain_overhead_ms: num(plain, "overhead_ms_per_cycle")?,
             configs: measured,
+            trees,
             verify_curve_ms,
         })
     }
+}
+
+/// A tree configuration of a bench report: its shape (bench's `drafter.tree`), which must agree with its k.
+fn measured_tree(c: &Value) -> Result<MeasuredTree> {
+    let k = draft_length(c)?;
+    let tree = &c["drafter"]["tree"];
+    let knob = |key: &str| -> Result<usize> {
+        match tree.get(key).and_then(Value::as_u64) {
+            Some(v) if (1..=64).contains(&v) => Ok(v as usize),
+            _ => Err(Error::InvalidArgument(format!(
+                "bench report: a tree config's {key:?} is {}; expected 1..=64",
+                tree.get(key).unwrap_or(&Value::Null)
+            ))),
+        }
+    };
+    let num_draft_tokens = knob("num_draft_tokens")?;
+    if num_draft_tokens != k + 1 {
+        return Err(Error::InvalidArgument(format!(
+            "bench report: a tree of num_draft_tokens {num_draft_tokens} has k = {k}; expected k = {}",
+            num_draft_tokens.saturating_sub(1)
+        )));
+    }
+    let cycles = num(c, "cycles")?;
+    let tokens = num(c, "decode_tokens")?;
+    Ok(MeasuredTree {
+        label: c
+            .get("label")
+            .and_then(Value::as_str)
+            .unwrap_or("?")
+            .to_string(),
+        topk: knob("eagle_topk")?,
+        steps: knob("num_steps")?,
+        num_draft_tokens,
+        tok_s: num(c, "decode_tok_s")?,
+        cycles,
+        tokens_per_cycle: if cycles > 0.0 { tokens / cycles } else { 0.0 },
+        draft_ms: num(c, "draft_ms_per_cycle")?,
+        verify_ms: num(c, "verify_ms_per_cycle")?,
+        overhead_ms: num(c, "overhead_ms_per_cycle")?,
+    })
 }
 
 /// A fitted line y = intercept + slope * x.
@@ -273,6 +351,37 @@ pub struct Prediction {
     pub overhead_term: f64,
 }
 
+/// Predicted behaviour of one measured tree shape: its own tokens a cycle, draft and overhead time, and the
+/// fitted verify line at its rows.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TreePrediction {
+    pub label: String,
+    pub eagle_topk: usize,
+    pub num_steps: usize,
+    pub num_draft_tokens: usize,
+    pub tokens_per_cycle: f64,
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+    pub overhead_ms: f64,
+    pub cycle_ms: f64,
+    pub tok_s: f64,
+    pub measured_tok_s: f64,
+    pub gain: f64,
+    pub draft_term: f64,
+    pub verify_growth_term: f64,
+    pub overhead_term: f64,
+}
+
+impl TreePrediction {
+    /// The flags that run this shape.
+    pub fn flags(&self) -> String {
+        format!(
+            "--eagle-topk {} --num-steps {} --num-draft-tokens {}",
+            self.eagle_topk, self.num_steps, self.num_draft_tokens
+        )
+    }
+}
+
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct TuneResult {
     pub method: String,
@@ -287,13 +396,24 @@ pub struct TuneResult {
     /// Verify ms per cycle against tokens verified per cycle, fitted to the runs (None: the verify(n) curve
     /// was used).
     pub verify_ms: Option<Line>,
+    /// Chains at k = 1 up to the longest measured (empty when only trees ran).
     pub predictions: Vec<Prediction>,
-    /// The k with the highest predicted tok/s, or None when plain decoding is predicted to win.
+    /// Each measured tree shape.
+    pub trees: Vec<TreePrediction>,
+    /// The chain length to use, or None when plain decoding is predicted to beat every chain (or no chain ran).
     pub recommended_k: Option<usize>,
-    /// The k with the highest predicted tok/s (the recommendation is the smallest k within 2% of it).
+    /// The k with the highest predicted tok/s (the recommendation is the smallest k within 2% of it; 0 when
+    /// no chain ran).
     pub best_predicted_k: usize,
-    /// The benchmarked configuration with the highest measured tok/s (k = 0 for plain).
+    /// The tree shape (index into `trees`) predicted to beat plain decoding and every chain by more than the
+    /// model resolves; None when a chain or plain decoding is the pick.
+    pub recommended_tree: Option<usize>,
+    /// What to run, as flags ("--draft-tokens 4", a tree's three flags, or "plain decoding").
+    pub recommendation: String,
+    /// The benchmarked configuration with the highest measured tok/s (k = 0 for plain; a tree's k is its
+    /// nodes less the pending token) and its label.
     pub best_measured_k: usize,
+    pub best_measured_label: String,
     pub best_measured_tok_s: f64,
     pub diagnosis: String,
 }
@@ -311,8 +431,13 @@ fn verify_at(curve: &[f64], n: f64) -> f64 {
 }
 
 pub fn tune(input: &TuneInput) -> TuneResult {
-    // At least one k to predict, even for a hand-built input with no speculative configs.
-    let max_k = input.configs.iter().map(|c| c.k).max().unwrap_or(1).max(1);
+    // At least one k to predict, even for a hand-built input with no speculative configs, unless trees alone
+    // ran (their acceptance says nothing about chains).
+    let max_k = match input.configs.iter().map(|c| c.k).max() {
+        Some(k) => k,
+        None if !input.trees.is_empty() => 0,
+        None => 1,
+    };
     // Pooled per-position rates over every config that reached the position.
     let mut drafted = vec![0f64; max_k];
     let mut accepted = vec![0f64; max_k];
@@ -380,6 +505,10 @@ pub fn tune(input: &TuneInput) -> TuneResult {
             verify_points.push((rows, c.verify_ms));
         }
     }
+    // A tree verifies every node each cycle (in one pass with a tree mask).
+    for t in input.trees.iter().filter(|t| t.cycles > 0.0) {
+        verify_points.push((t.num_draft_tokens as f64, t.verify_ms));
+    }
     let distinct_rows = verify_points
         .iter()
         .any(|p| (p.0 - verify_points[0].0).abs() > 1e-9);
@@ -414,31 +543,92 @@ pub fn tune(input: &TuneInput) -> TuneResult {
             }
         })
         .collect();
+    let trees: Vec<TreePrediction> = input
+        .trees
+        .iter()
+        .map(|t| {
+            let rows = t.num_draft_tokens as f64;
+            let verify_ms = match &verify_line {
+                Some(line) => line.at(rows),
+                None => verify_at(&curve, rows),
+            };
+            let cycle_ms = t.draft_ms + verify_ms + t.overhead_ms;
+            TreePrediction {
+                label: t.label.clone(),
+                eagle_topk: t.topk,
+                num_steps: t.steps,
+                num_draft_tokens: t.num_draft_tokens,
+                tokens_per_cycle: t.tokens_per_cycle,
+                draft_ms: t.draft_ms,
+                verify_ms,
+                overhead_ms: t.overhead_ms,
+                cycle_ms,
+                tok_s: if cycle_ms > 0.0 {
+                    t.tokens_per_cycle * 1e3 / cycle_ms
+                } else {
+                    0.0
+                },
+                measured_tok_s: t.tok_s,
+                gain: t.tokens_per_cycle - 1.0,
+                draft_term: t.draft_ms / plain_step,
+                verify_growth_term: (verify_ms - input.plain_verify_ms) / plain_step,
+                overhead_term: (t.overhead_ms - input.plain_overhead_ms) / plain_step,
+            }
+        })
+        .collect();
     let plain_predicted = 1e3 / plain_step;
     let best = predictions
         .iter()
-        .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s))
-        .expect("at least one k");
+        .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s));
     // Predictions within MIN_GAIN of the best are ties at the model's resolution (it is within 2-4% of measured
     // tok/s); among them the smallest k wastes the least drafting and verification when acceptance is lower
     // than measured.
-    let recommended_k = (best.tok_s > plain_predicted * (1.0 + MIN_GAIN)).then(|| {
-        predictions
-            .iter()
-            .filter(|p| p.tok_s >= best.tok_s * (1.0 - MIN_GAIN))
-            .map(|p| p.k)
-            .min()
-            .unwrap_or(best.k)
+    let recommended_k = best
+        .filter(|best| best.tok_s > plain_predicted * (1.0 + MIN_GAIN))
+        .map(|best| {
+            predictions
+                .iter()
+                .filter(|p| p.tok_s >= best.tok_s * (1.0 - MIN_GAIN))
+                .map(|p| p.k)
+                .min()
+                .unwrap_or(best.k)
+        });
+    let best_predicted_k = best.map_or(0, |b| b.k);
+    // A tree is recommended only where it beats plain decoding and the best chain by more than the model
+    // resolves (a tree verifies more rows for its tokens: at a tie the chain is the safer pick).
+    let best_tree = (0..trees.len()).max_by(|&a, &b| trees[a].tok_s.total_cmp(&trees[b].tok_s));
+    let recommended_tree = best_tree.filter(|&i| {
+        let rival = best.map_or(plain_predicted, |b| b.tok_s.max(plain_predicted));
+        trees[i].tok_s > rival * (1.0 + MIN_GAIN)
     });
-    let best_predicted_k = best.k;
-    let (best_measured_k, best_measured_tok_s) = input
+    let recommendation = match (recommended_tree, recommended_k) {
+        (Some(i), _) => trees[i].flags(),
+        (None, Some(k)) => format!("--draft-tokens {k}"),
+        (None, None) => "plain decoding".to_string(),
+    };
+    let (best_measured_k, best_measured_label, best_measured_tok_s) = input
         .configs
         .iter()
-        .map(|c| (c.k, c.tok_s))
-        .chain(std::iter::once((0, input.plain_tok_s)))
-        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|c| (c.k, c.label.clone(), c.tok_s))
+        .chain(
+            input
+                .trees
+                .iter()
+                .map(|t| (t.num_draft_tokens - 1, t.label.clone(), t.tok_s)),
+        )
+        .chain(std::iter::once((0, "plain".to_string(), input.plain_tok_s)))
+        .max_by(|a, b| a.2.total_cmp(&b.2))
         .expect("plain is always there");
-    let diagnosis = diagnose(best, plain_predicted, &acceptance);
+    let mut diagnosis = match best {
+        Some(best) => diagnose(best, plain_predicted, &acceptance),
+        None => String::new(),
+    };
+    if let Some(i) = best_tree {
+        if !diagnosis.is_empty() {
+            diagnosis.push('\n');
+        }
+        diagnosis.push_str(&diagnose_tree(&trees[i], best, plain_predicted));
+    }
     TuneResult {
         method: input.method.clone(),
         plain_measured_tok_s: input.plain_tok_s,
@@ -449,12 +639,50 @@ pub fn tune(input: &TuneInput) -> TuneResult {
         overhead_ms: overhead_line,
         verify_ms: verify_line,
         predictions,
+        trees,
         recommended_k,
         best_predicted_k,
+        recommended_tree,
+        recommendation,
         best_measured_k,
+        best_measured_label,
         best_measured_tok_s,
         diagnosis,
     }
+}
+
+/// The best tree against plain decoding and the best chain: what it gains a cycle, and what it pays for that
+/// in drafting and in verifying its extra rows, each in plain steps.
+fn diagnose_tree(tree: &TreePrediction, chain: Option<&Prediction>, plain_tok_s: f64) -> String {
+    let cost = tree.draft_term + tree.verify_growth_term + tree.overhead_term;
+    let mut s = format!(
+        "best tree ({}): predicted at {:.2}x plain; {} nodes a cycle give {:.2} extra tokens for {:.2} plain \
+         steps extra (draft {:.2}, verify growth {:.2}, overhead {:.2})",
+        tree.flags(),
+        tree.tok_s / plain_tok_s,
+        tree.num_draft_tokens,
+        tree.gain,
+        cost,
+        tree.draft_term,
+        tree.verify_growth_term,
+        tree.overhead_term
+    );
+    if let Some(c) = chain {
+        let ratio = tree.tok_s / c.tok_s;
+        let verdict = if ratio > 1.0 + MIN_GAIN {
+            "the tree wins"
+        } else if ratio < 1.0 - MIN_GAIN {
+            "the chain wins"
+        } else {
+            "a tie at the model's resolution (the chain verifies fewer rows)"
+        };
+        s.push_str(&format!(
+            "; against the best chain (k={}: {:.2} extra tokens, draft {:.2}, verify growth {:.2}) it is {:.2}x: \
+             {verdict}",
+            c.k, c.gain, c.draft_term, c.verify_growth_term, ratio
+        ));
+    }
+    s
 }
 
 fn diagnose(best: &Prediction, plain_tok_s: f64, acceptance: &[f64]) -> String {
@@ -584,11 +812,63 @@ impl TuneResult {
                 p.tok_s / self.plain_predicted_tok_s
             );
         }
-        match self.recommended_k {
-            Some(k) if k == self.best_predicted_k => {
+        if !self.trees.is_empty() {
+            let width = self
+                .trees
+                .iter()
+                .map(|t| t.label.len())
+                .max()
+                .unwrap_or(0)
+                .max(4);
+            let _ = writeln!(
+                s,
+                "{:<width$} {:>10} {:>9} {:>10} {:>10} {:>10} {:>12} {:>12}",
+                "tree",
+                "tokens/cyc",
+                "draft_ms",
+                "verify_ms",
+                "cycle_ms",
+                "predicted",
+                "measured",
+                "pred/plain"
+            );
+            for t in &self.trees {
+                let _ = writeln!(
+                    s,
+                    "{:<width$} {:>10.2} {:>9.1} {:>10.1} {:>10.1} {:>10.2} {:>12.2} {:>11.2}x",
+                    t.label,
+                    t.tokens_per_cycle,
+                    t.draft_ms,
+                    t.verify_ms,
+                    t.cycle_ms,
+                    t.tok_s,
+                    t.measured_tok_s,
+                    t.tok_s / self.plain_predicted_tok_s
+                );
+            }
+        }
+        match (self.recommended_tree, self.recommended_k) {
+            (Some(i), _) => {
+                let t = &self.trees[i];
+                let _ = writeln!(
+                    s,
+                    "recommended: {} (a tree: predicted {:.2}x plain{})",
+                    t.flags(),
+                    t.tok_s / self.plain_predicted_tok_s,
+                    match self
+                        .predictions
+                        .iter()
+                        .find(|p| p.k == self.best_predicted_k)
+                    {
+                        Some(p) => format!(", {:.2}x the best chain, k={}", t.tok_s / p.tok_s, p.k),
+                        None => String::new(),
+                    }
+                );
+            }
+            (None, Some(k)) if k == self.best_predicted_k => {
                 let _ = writeln!(s, "recommended: --draft-tokens {k}");
             }
-            Some(k) => {
+            (None, Some(k)) => {
                 let _ = writeln!(
                     s,
                     "recommended: --draft-tokens {k} (the smallest k predicted within {:.0}% of the best, k={})",
@@ -596,19 +876,14 @@ impl TuneResult {
                     self.best_predicted_k
                 );
             }
-            None => {
+            (None, None) => {
                 let _ = writeln!(s, "recommended: plain decoding (no speculation)");
             }
         }
         let _ = writeln!(
             s,
             "best measured: {} at {:.2} tok/s",
-            if self.best_measured_k == 0 {
-                "plain".to_string()
-            } else {
-                format!("k={}", self.best_measured_k)
-            },
-            self.best_measured_tok_s
+            self.best_measured_label, self.best_measured_tok_s
         );
         let _ = writeln!(s, "{}", self.diagnosis);
         s
@@ -619,12 +894,19 @@ impl TuneResult {
         use std::fmt::Write as _;
         let (w, h) = (640.0, 400.0);
         let (left, right, top, bottom) = (60.0, 20.0, 30.0, 50.0);
-        let max_k = self.predictions.len().max(1) as f64;
+        let max_k = self
+            .trees
+            .iter()
+            .map(|t| t.num_draft_tokens - 1)
+            .chain([self.predictions.len(), 1])
+            .max()
+            .unwrap_or(1) as f64;
         let values = self
             .predictions
             .iter()
             .flat_map(|p| [Some(p.tok_s), p.measured_tok_s])
             .flatten()
+            .chain(self.trees.iter().flat_map(|t| [t.tok_s, t.measured_tok_s]))
             .chain([self.plain_measured_tok_s, self.plain_predicted_tok_s]);
         let y_max = values.fold(1.0f64, f64::max) * 1.15;
         let x = |k: f64| left + (w - left - right) * k / max_k;
@@ -708,6 +990,29 @@ impl TuneResult {
                 y(v)
             );
         }
+        // Trees at their drafted nodes: measured as squares, labelled with their shape.
+        for t in &self.trees {
+            let (cx, cy) = (x((t.num_draft_tokens - 1) as f64), y(t.measured_tok_s));
+            let _ = writeln!(
+                s,
+                r##"<rect x="{:.1}" y="{:.1}" width="9" height="9" fill="#2ca02c"/><text x="{:.1}" y="{:.1}" font-size="10" fill="#2ca02c">{}x{}x{}</text>"##,
+                cx - 4.5,
+                cy - 4.5,
+                cx + 7.0,
+                cy - 6.0,
+                t.eagle_topk,
+                t.num_steps,
+                t.num_draft_tokens
+            );
+        }
+        if !self.trees.is_empty() {
+            let _ = writeln!(
+                s,
+                r##"<rect x="{}" y="71" width="9" height="9" fill="#2ca02c"/><text x="{}" y="80">tree (topk x steps x nodes), measured</text>"##,
+                left + 20.5,
+                left + 46.0
+            );
+        }
         let _ = writeln!(
             s,
             r##"<line x1="{}" y1="40" x2="{}" y2="40" stroke="#1f77b4" stroke-width="2"/><text x="{}" y="44">predicted</text><circle cx="{}" cy="58" r="5" fill="#d62728"/><text x="{}" y="62">measured</text>"##,
@@ -760,8 +1065,96 @@ mod tests {
             plain_verify_ms: 10.0,
             plain_overhead_ms: 0.5,
             configs,
+            trees: Vec::new(),
             verify_curve_ms: (0..7).map(|i| 10.0 + 2.0 * i as f64).collect(),
         }
+    }
+
+    /// A tree of `nodes` (pending token included) on the synthetic machine: verify 10 + 2 (nodes - 1) ms,
+    /// drafting `draft_ms`, `tokens` a cycle.
+    fn tree(topk: usize, steps: usize, nodes: usize, draft_ms: f64, tokens: f64) -> MeasuredTree {
+        let cycle_ms = draft_ms + 10.0 + 2.0 * (nodes - 1) as f64 + 0.5;
+        MeasuredTree {
+            label: format!("tree {topk}x{steps}x{nodes}"),
+            topk,
+            steps,
+            num_draft_tokens: nodes,
+            tok_s: tokens * 1e3 / cycle_ms,
+            cycles: 100.0,
+            tokens_per_cycle: tokens,
+            draft_ms,
+            verify_ms: 10.0 + 2.0 * (nodes - 1) as f64,
+            overhead_ms: 0.5,
+        }
+    }
+
+    /// Trees ride the same verify line as chains: on exact data each tree's prediction is its measurement, and
+    /// the tree is recommended only when it beats the best chain by more than the model resolves.
+    #[test]
+    fn trees_are_ranked_with_chains_on_one_scale() {
+        let chains = input(1.0, 0.8);
+        let best_chain = tune(&chains)
+            .predictions
+            .iter()
+            .map(|p| p.tok_s)
+            .fold(0.0, f64::max);
+        // A tree that gets many more tokens a cycle for its rows wins; one that matches the best chain's speed
+        // (within 1%) does not.
+        let mut inp = chains.clone();
+        inp.trees = vec![
+            tree(2, 3, 5, 3.0, 4.5),
+            tree(
+                1,
+                2,
+                3,
+                2.0,
+                best_chain * 0.99 * (2.0 + 10.0 + 4.0 + 0.5) / 1e3,
+            ),
+        ];
+        let r = tune(&inp);
+        for t in &r.trees {
+            assert!(
+                (t.tok_s - t.measured_tok_s).abs() < 1e-9 * t.measured_tok_s,
+                "{t:?}"
+            );
+        }
+        assert!(r.trees[0].tok_s > best_chain * (1.0 + MIN_GAIN));
+        assert_eq!(r.recommended_tree, Some(0));
+        assert_eq!(
+            r.recommendation,
+            "--eagle-topk 2 --num-steps 3 --num-draft-tokens 5"
+        );
+        assert_eq!(r.best_measured_label, "tree 2x3x5");
+        assert!(
+            r.table()
+                .contains("recommended: --eagle-topk 2 --num-steps 3"),
+            "{}",
+            r.table()
+        );
+        assert!(r.diagnosis.contains("the tree wins"), "{}", r.diagnosis);
+        // Only the tie: the chain stays the pick, and the diagnosis says why.
+        inp.trees.remove(0);
+        let r = tune(&inp);
+        assert_eq!(r.recommended_tree, None);
+        assert_eq!(
+            r.recommendation,
+            format!("--draft-tokens {}", r.recommended_k.unwrap())
+        );
+        assert!(r.diagnosis.contains("a tie"), "{}", r.diagnosis);
+        // Trees alone: no chain predictions, the tree judged against plain decoding.
+        let mut only_trees = chains.clone();
+        only_trees.configs.clear();
+        only_trees.trees = vec![tree(2, 3, 5, 3.0, 4.5), tree(4, 2, 3, 1.0, 1.1)];
+        let r = tune(&only_trees);
+        assert!(r.predictions.is_empty());
+        assert_eq!(r.recommended_k, None);
+        assert_eq!(r.recommended_tree, Some(0));
+        let svg = r.plot_svg();
+        assert_eq!(svg.matches("2x3x5").count(), 1, "{svg}");
+        // Trees that lose to plain decoding are not recommended.
+        only_trees.trees = vec![tree(4, 2, 3, 1.0, 1.1)];
+        let r = tune(&only_trees);
+        assert_eq!(r.recommendation, "plain decoding");
     }
 
     /// Every prediction equals the measurement at its k (the synthetic data follow the model exactly).
