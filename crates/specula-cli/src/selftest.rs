@@ -262,7 +262,7 @@ fn eagle3_head_checks(
     let precision = if model.device() == "cpu" {
         HeadPrecision::Stored
     } else {
-        crate::generate::eagle3_precision(true)?
+        crate::generate::eagle3_precision()?
     };
     let cpu = Eagle3Head::load_as(&path, precision)?.dequantized();
     cpu.check_target(model.config())?;
