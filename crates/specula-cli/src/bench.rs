@@ -100,7 +100,7 @@ fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
             let mut out = Vec::new();
             for head in 0..eagle3_heads(&dirs)?.len() {
                 if runs_chains(args) {
-                    for min_confidence in d.eagle3_confidences()? {
+                    for min_confidence in d.eagle3_confidences(false)? {
                         out.push(DraftMethod::Eagle3 {
                             tree: None,
                             min_confidence,
@@ -109,11 +109,13 @@ fn methods(args: &BenchArgs) -> anyhow::Result<Vec<DraftMethod>> {
                     }
                 }
                 for &tree in &trees {
-                    out.push(DraftMethod::Eagle3 {
-                        tree: Some(tree),
-                        min_confidence: 0.0,
-                        head,
-                    });
+                    for min_confidence in d.eagle3_confidences(true)? {
+                        out.push(DraftMethod::Eagle3 {
+                            tree: Some(tree),
+                            min_confidence,
+                            head,
+                        });
+                    }
                 }
             }
             out
@@ -334,10 +336,8 @@ fn default_draft_tokens(picked: Option<usize>) -> Vec<i64> {
 
 const DEFAULT_MAX_DRAFT_TOKENS: usize = 4;
 
-/// Fills in the draft lengths bench compares where `--draft-tokens` is not given (trees alone run no chains), and
-/// lets `--draft-confidence` apply to chains that run beside trees.
+/// Fills in the draft lengths bench compares where `--draft-tokens` is not given (trees alone run no chains).
 fn resolve_draft_tokens(args: &mut BenchArgs, picked: Option<usize>) {
-    args.drafter.chains_beside_trees = !args.draft_tokens.is_empty();
     if args.draft_tokens.is_empty() && !args.drafter.has_tree_flags() {
         args.draft_tokens = default_draft_tokens(picked);
     }

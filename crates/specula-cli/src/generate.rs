@@ -211,8 +211,9 @@ pub struct DrafterArgs {
     pub draft_vocab: Vec<String>,
     /// Draft model and EAGLE-3 chains: stop drafting when the drafter's own estimate that the target accepts
     /// its whole draft (the product of its top-token probabilities) falls below C (default 0.6 for a draft
-    /// model, EAGLE-3's measured default for a head; 0 always drafts --draft-tokens). Lossless for any C. bench
-    /// takes a comma-separated list to compare; see docs/benchmarks.md for measurements.
+    /// model, EAGLE-3's measured default for a head; 0 always drafts --draft-tokens). EAGLE-3 trees: keep only
+    /// nodes whose path probability under the head is at least C (default 0: fixed-size trees). Lossless for any
+    /// C. bench takes a comma-separated list to compare; see docs/benchmarks.md for measurements.
     #[arg(
         long,
         value_name = "C",
@@ -226,10 +227,6 @@ pub struct DrafterArgs {
     /// always drafts --draft-tokens.
     #[arg(long, value_name = "P", allow_negative_numbers = true)]
     pub simulate_acceptance: Option<f64>,
-    /// Set by bench when `--draft-tokens` comes with the tree flags: chains run beside the trees, so
-    /// `--draft-confidence` (which stops chains) has something to apply to.
-    #[arg(skip)]
-    pub chains_beside_trees: bool,
     /// Speculate with the drafter that wins for this target without tuning: its registry EAGLE-3 head if built,
     /// else (on the CPU) its registry draft model if downloaded, with the settings measured best, else prompt
     /// lookup. Says which and why. Replaces --draft / --draft-model.
@@ -389,12 +386,6 @@ impl DrafterArgs {
                  (prompt lookup has --ngram-confidence)"
             );
         }
-        if !self.draft_confidence.is_empty() && self.has_tree_flags() && !self.chains_beside_trees {
-            anyhow::bail!(
-                "--draft-confidence stops EAGLE-3 chains; trees are shaped by --eagle-topk / --num-steps / \
-                 --num-draft-tokens"
-            );
-        }
         if !self.ngram_confidence.is_empty() && !matches!(choice, DraftChoice::Ngram { .. }) {
             anyhow::bail!("--ngram-confidence applies to prompt lookup; add --draft ngram");
         }
@@ -528,10 +519,16 @@ impl DrafterArgs {
         Ok(values)
     }
 
-    /// `--draft-confidence` values for an EAGLE-3 head (default [`specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE`]).
-    pub fn eagle3_confidences(&self) -> anyhow::Result<Vec<f64>> {
+    /// `--draft-confidence` values for an EAGLE-3 head's chains (default
+    /// [`specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE`]) or trees (the least path probability a node keeps;
+    /// default 0, SGLang's fixed-size trees).
+    pub fn eagle3_confidences(&self, tree: bool) -> anyhow::Result<Vec<f64>> {
         if self.draft_confidence.is_empty() {
-            return Ok(vec![specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE]);
+            return Ok(vec![if tree {
+                0.0
+            } else {
+                specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE
+            }]);
         }
         Ok(self
             .draft_confidences()?
@@ -712,7 +709,12 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
         "--draft-confidence",
     )?
     .unwrap_or(0.0);
-    let eagle3_confidence = match args.draft.drafter.eagle3_confidences()?.as_slice() {
+    let eagle3_confidence = match args
+        .draft
+        .drafter
+        .eagle3_confidences(args.draft.drafter.has_tree_flags())?
+        .as_slice()
+    {
         [c] => *c,
         _ => {
             anyhow::bail!("--draft-confidence takes one value here (lists are for bench and tune)")
@@ -817,9 +819,10 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
                     loaded.model.as_ref(),
                     sampling.seed,
                 )?;
+                let d = d.with_min_confidence(eagle3_confidence)?;
                 Some(Box::new(match tree {
                     Some(shape) => d.with_tree(shape),
-                    None => d.with_min_confidence(eagle3_confidence)?,
+                    None => d,
                 }) as Box<dyn specula::draft::Drafter>)
             }
             None => None,
@@ -954,11 +957,7 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
                     let mut d = DraftMethod::Eagle3 {
                         head: 0,
                         tree,
-                        min_confidence: if tree.is_some() {
-                            0.0
-                        } else {
-                            eagle3_confidence
-                        },
+                        min_confidence: eagle3_confidence,
                     }
                     .settings_json();
                     d["draft_model"] = dir.clone().into();

@@ -218,7 +218,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         DraftChoice::Eagle3(dir) => {
             let bar = args
                 .drafter
-                .eagle3_confidences()?
+                .eagle3_confidences(tree.is_some())?
                 .first()
                 .copied()
                 .unwrap_or(specula::draft::eagle3::DEFAULT_MIN_CONFIDENCE);

@@ -672,7 +672,7 @@ fn conflicting_or_bad_draft_flags() {
         ],
         &["--draft-confidence applies to a draft model"],
     );
-    // EAGLE-3 takes the bar for chains; trees are shaped by their own flags.
+    // A tree's bar (the least path probability a node keeps) is a probability too.
     fails_with(
         &[
             "generate",
@@ -687,9 +687,9 @@ fn conflicting_or_bad_draft_flags() {
             "--eagle-topk",
             "2",
             "--draft-confidence",
-            "0.5",
+            "1.5",
         ],
-        &["--draft-confidence stops EAGLE-3 chains"],
+        &["--draft-confidence must be between 0 and 1 (got 1.5)"],
     );
     fails_with(
         &[

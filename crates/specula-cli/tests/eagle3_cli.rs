@@ -270,6 +270,14 @@ fn eagle3_trees_match_plain_decoding() {
         r["config"]["draft"]["tree"],
         serde_json::json!({"eagle_topk": 2, "num_steps": 3, "num_draft_tokens": 6})
     );
+    assert_eq!(r["config"]["draft"]["draft_confidence"], 0.0);
+    // A barred (dynamic) tree: still plain decoding's text, and the bar is reported.
+    args.extend(["--draft-confidence", "0.05"]);
+    let (barred, _) = ok(&args);
+    assert_eq!(barred, plain, "a barred tree writes plain decoding's text");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["config"]["draft"]["draft_confidence"], 0.05);
     // Tree flags need an EAGLE-3 drafter, and a tree sizes itself.
     let out = specula(&[
         "generate",

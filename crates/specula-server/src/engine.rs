@@ -1268,9 +1268,10 @@ impl<'a> EngineLoop<'a> {
                     seed,
                     Eagle3Drafter::cache_rows_for(positions, *tree),
                 )?;
+                let d = d.with_min_confidence(*min_confidence)?;
                 Some(Box::new(match tree {
                     Some(shape) => d.with_tree(*shape),
-                    None => d.with_min_confidence(*min_confidence)?,
+                    None => d,
                 }))
             }
             DraftSetup::Model(d, vocab_limit, min_confidence) => Some(Box::new(

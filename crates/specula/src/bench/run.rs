@@ -105,13 +105,22 @@ impl DraftMethod {
                     "chain".into()
                 }
             }
-            DraftMethod::Eagle3 { tree: Some(t), .. } => {
-                format!(
+            DraftMethod::Eagle3 {
+                tree: Some(t),
+                min_confidence,
+                ..
+            } => {
+                let shape = format!(
                     "tree topk {} steps {} nodes {}",
                     t.topk,
                     t.steps,
                     t.draft_tokens + 1
-                )
+                );
+                if *min_confidence > 0.0 {
+                    format!("{shape} conf>={min_confidence}")
+                } else {
+                    shape
+                }
             }
         }
     }
@@ -144,9 +153,14 @@ impl DraftMethod {
             } => {
                 serde_json::json!({"method": "eagle3", "tree": null, "draft_confidence": min_confidence})
             }
-            DraftMethod::Eagle3 { tree: Some(t), .. } => serde_json::json!({
+            DraftMethod::Eagle3 {
+                tree: Some(t),
+                min_confidence,
+                ..
+            } => serde_json::json!({
                 "method": "eagle3",
                 "tree": {"eagle_topk": t.topk, "num_steps": t.steps, "num_draft_tokens": t.draft_tokens + 1},
+                "draft_confidence": min_confidence,
             }),
         }
     }

@@ -167,7 +167,9 @@ impl<'a> Eagle3Drafter<'a> {
     }
 
     /// Chains stop early where the head is unsure, as the draft model's `--draft-confidence` (lossless for any
-    /// value: the decision is made before a token is drawn). 0 always drafts k tokens; trees ignore it.
+    /// value: the decision is made before a token is drawn). 0 always drafts k tokens. Trees keep only nodes
+    /// whose path probability under the head is at least `c` (and expand no level where none is): a dynamic tree
+    /// that verifies fewer rows where the head is unsure, the first nodes of the unpruned tree's order.
     pub fn with_min_confidence(mut self, c: f64) -> Result<Self> {
         crate::draft::model::check_min_confidence(c)?;
         self.min_confidence = c;
@@ -204,8 +206,22 @@ impl<'a> Eagle3Drafter<'a> {
                 out: None,
             })
             .collect();
-        let mut beams: Vec<usize> = (0..cands.len()).collect();
+        // Nodes less likely than the bar (a path log-probability below ln(bar)) are neither expanded nor kept:
+        // their children score no higher, so what remains is the unpruned tree's best nodes above the bar.
+        let bar = if self.min_confidence > 0.0 {
+            (self.min_confidence as f32).ln()
+        } else {
+            f32::NEG_INFINITY
+        };
+        let mut beams: Vec<usize> = (0..cands.len())
+            .filter(|&i| cands[i].score >= bar)
+            .collect();
+        let mut passes = 1;
         for _level in 1..shape.steps {
+            if beams.is_empty() {
+                break;
+            }
+            passes += 1;
             // Expand the beams: each runs through the head at its depth's position, seeing the target-fed rows
             // and its own ancestors.
             let mut rows = Vec::with_capacity(beams.len());
@@ -268,6 +284,7 @@ impl<'a> Eagle3Drafter<'a> {
             let mut next: Vec<usize> = (first_child..cands.len()).collect();
             next.sort_by(|&a, &b| cands[b].score.total_cmp(&cands[a].score).then(a.cmp(&b)));
             next.truncate(shape.topk);
+            next.retain(|&i| cands[i].score >= bar);
             beams = next;
         }
         self.cache.truncate(fed);
@@ -284,13 +301,20 @@ impl<'a> Eagle3Drafter<'a> {
         let mut index_of = vec![None; cands.len()];
         let mut kept: Vec<usize> = Vec::new();
         for i in order {
-            if kept.len() == nodes {
+            if kept.len() == nodes || cands[i].score < bar {
                 break;
             }
             if cands[i].parent.is_none_or(|p| index_of[p].is_some()) {
                 index_of[i] = Some(kept.len());
                 kept.push(i);
             }
+        }
+        if kept.is_empty() {
+            // Nothing above the bar: no draft this cycle (the head's passes were still paid).
+            return Ok(Draft {
+                passes,
+                ..Draft::default()
+            });
         }
         Ok(Draft {
             tokens: kept.iter().map(|&i| cands[i].token).collect(),
@@ -305,7 +329,7 @@ impl<'a> Eagle3Drafter<'a> {
                     .collect(),
             ),
             // The first head pass (in propose) and one per expanded level.
-            passes: shape.steps,
+            passes,
             catching_up: false,
         })
     }

@@ -652,6 +652,78 @@ fn greedy_eagle3_tree_speculation_equals_plain_decoding() {
     assert_eq!(d.parents.as_ref().map(|p| p.len()), Some(5));
 }
 
+/// A confidence bar on a tree keeps the nodes whose path probability reaches it: the unpruned tree's first nodes
+/// (same tokens, same parents), none at a bar nothing reaches, and decoding with it is still plain decoding.
+#[test]
+fn a_barred_tree_is_the_unbarred_trees_first_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let shape = TreeShape::new(3, 3, 8).unwrap();
+    let propose = |bar: f64| {
+        let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+            .unwrap()
+            .with_min_confidence(bar)
+            .unwrap()
+            .with_tree(shape);
+        let hidden = capture(&t, &PROMPT[..9], drafter.target_layers());
+        drafter
+            .observe_target(0, &hidden, &(0..9).collect::<Vec<_>>())
+            .unwrap();
+        drafter
+            .propose(&PROMPT, 8, &SamplingParams::default())
+            .unwrap()
+    };
+    let full = propose(0.0);
+    assert_eq!(full.tokens.len(), 8);
+    let full_parents = full.parents.clone().unwrap();
+    let mut sizes = Vec::new();
+    for bar in [0.0005, 0.002, 0.01, 0.03, 0.1, 0.3] {
+        let d = propose(bar);
+        let m = d.tokens.len();
+        sizes.push(m);
+        assert_eq!(d.tokens, full.tokens[..m], "bar {bar}");
+        match d.parents {
+            Some(p) => assert_eq!(p, full_parents[..m], "bar {bar}"),
+            None => assert_eq!(m, 0, "an empty draft is a chain of nothing"),
+        }
+        assert!(d.passes >= 1 && d.passes <= shape.steps);
+    }
+    assert!(
+        sizes.windows(2).all(|w| w[0] >= w[1]),
+        "a higher bar keeps no more nodes: {sizes:?}"
+    );
+    assert!(
+        sizes.iter().any(|&m| m > 0 && m < 8),
+        "some bar prunes part of the tree: {sizes:?}"
+    );
+    let none = propose(1.0);
+    assert!(none.tokens.is_empty() && none.parents.is_none());
+    // Decoding with a barred tree is plain decoding, with fewer nodes verified.
+    let plain = run(&t, 40, 0.0, None);
+    let mut drafted = Vec::new();
+    for bar in [0.0, 0.03] {
+        let mut drafter = Eagle3Drafter::new(&h, t.model.as_ref(), 0)
+            .unwrap()
+            .with_min_confidence(bar)
+            .unwrap()
+            .with_tree(shape);
+        let out = run(
+            &t,
+            40,
+            0.0,
+            Some(Speculation {
+                drafter: &mut drafter,
+                draft_tokens: 8,
+                simulate_acceptance: None,
+            }),
+        );
+        assert_eq!(out.tokens, plain.tokens, "bar {bar}");
+        drafted.push(out.speculation.unwrap().drafted);
+    }
+    assert!(drafted[1] < drafted[0], "{drafted:?}");
+}
+
 #[test]
 fn tree_shapes_are_checked() {
     assert!(TreeShape::new(0, 3, 4).is_err());
