@@ -63,10 +63,15 @@ pub struct MeasuredTree {
     pub topk: usize,
     pub steps: usize,
     pub num_draft_tokens: usize,
+    /// The least path probability a node kept (0: a fixed-size tree).
+    pub draft_confidence: f64,
     pub tok_s: f64,
     pub cycles: f64,
     /// Tokens a cycle (the accepted path and the token after it).
     pub tokens_per_cycle: f64,
+    /// Rows verified a cycle: the pending token and the drafted nodes (fewer than `num_draft_tokens` where a
+    /// confidence bar pruned the tree, or a cycle drafted nothing).
+    pub rows_per_cycle: f64,
     pub draft_ms: f64,
     pub verify_ms: f64,
     pub overhead_ms: f64,
@@ -271,6 +276,13 @@ fn measured_tree(c: &Value) -> Result<MeasuredTree> {
     }
     let cycles = num(c, "cycles")?;
     let tokens = num(c, "decode_tokens")?;
+    // Rows verified a cycle from the nodes drafted (a report without them: every node, every cycle).
+    let rows_per_cycle = match c.get("speculation").and_then(|s| s.get("drafted")) {
+        Some(_) if cycles > 0.0 => {
+            (1.0 + num(&c["speculation"], "drafted")? / cycles).min(num_draft_tokens as f64)
+        }
+        _ => num_draft_tokens as f64,
+    };
     Ok(MeasuredTree {
         label: c
             .get("label")
@@ -280,9 +292,22 @@ fn measured_tree(c: &Value) -> Result<MeasuredTree> {
         topk: knob("eagle_topk")?,
         steps: knob("num_steps")?,
         num_draft_tokens,
+        draft_confidence: match c["drafter"].get("draft_confidence") {
+            None | Some(Value::Null) => 0.0,
+            Some(_) => {
+                let bar = num(&c["drafter"], "draft_confidence")?;
+                if bar > 1.0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "bench report: a tree config's draft_confidence is {bar}; expected 0..=1"
+                    )));
+                }
+                bar
+            }
+        },
         tok_s: num(c, "decode_tok_s")?,
         cycles,
         tokens_per_cycle: if cycles > 0.0 { tokens / cycles } else { 0.0 },
+        rows_per_cycle,
         draft_ms: num(c, "draft_ms_per_cycle")?,
         verify_ms: num(c, "verify_ms_per_cycle")?,
         overhead_ms: num(c, "overhead_ms_per_cycle")?,
@@ -359,7 +384,9 @@ pub struct TreePrediction {
     pub eagle_topk: usize,
     pub num_steps: usize,
     pub num_draft_tokens: usize,
+    pub draft_confidence: f64,
     pub tokens_per_cycle: f64,
+    pub rows_per_cycle: f64,
     pub draft_ms: f64,
     pub verify_ms: f64,
     pub overhead_ms: f64,
@@ -375,10 +402,15 @@ pub struct TreePrediction {
 impl TreePrediction {
     /// The flags that run this shape.
     pub fn flags(&self) -> String {
-        format!(
+        let shape = format!(
             "--eagle-topk {} --num-steps {} --num-draft-tokens {}",
             self.eagle_topk, self.num_steps, self.num_draft_tokens
-        )
+        );
+        if self.draft_confidence > 0.0 {
+            format!("{shape} --draft-confidence {}", self.draft_confidence)
+        } else {
+            shape
+        }
     }
 }
 
@@ -505,9 +537,10 @@ pub fn tune(input: &TuneInput) -> TuneResult {
             verify_points.push((rows, c.verify_ms));
         }
     }
-    // A tree verifies every node each cycle (in one pass with a tree mask).
+    // A tree verifies its drafted nodes in one pass with a tree mask (every node of a fixed tree; fewer where a
+    // bar pruned it).
     for t in input.trees.iter().filter(|t| t.cycles > 0.0) {
-        verify_points.push((t.num_draft_tokens as f64, t.verify_ms));
+        verify_points.push((t.rows_per_cycle, t.verify_ms));
     }
     let distinct_rows = verify_points
         .iter()
@@ -547,7 +580,7 @@ pub fn tune(input: &TuneInput) -> TuneResult {
         .trees
         .iter()
         .map(|t| {
-            let rows = t.num_draft_tokens as f64;
+            let rows = t.rows_per_cycle;
             let verify_ms = match &verify_line {
                 Some(line) => line.at(rows),
                 None => verify_at(&curve, rows),
@@ -558,7 +591,9 @@ pub fn tune(input: &TuneInput) -> TuneResult {
                 eagle_topk: t.topk,
                 num_steps: t.steps,
                 num_draft_tokens: t.num_draft_tokens,
+                draft_confidence: t.draft_confidence,
                 tokens_per_cycle: t.tokens_per_cycle,
+                rows_per_cycle: t.rows_per_cycle,
                 draft_ms: t.draft_ms,
                 verify_ms,
                 overhead_ms: t.overhead_ms,
@@ -656,11 +691,11 @@ pub fn tune(input: &TuneInput) -> TuneResult {
 fn diagnose_tree(tree: &TreePrediction, chain: Option<&Prediction>, plain_tok_s: f64) -> String {
     let cost = tree.draft_term + tree.verify_growth_term + tree.overhead_term;
     let mut s = format!(
-        "best tree ({}): predicted at {:.2}x plain; {} nodes a cycle give {:.2} extra tokens for {:.2} plain \
-         steps extra (draft {:.2}, verify growth {:.2}, overhead {:.2})",
+        "best tree ({}): predicted at {:.2}x plain; {:.2} rows verified a cycle give {:.2} extra tokens for {:.2} \
+         plain steps extra (draft {:.2}, verify growth {:.2}, overhead {:.2})",
         tree.flags(),
         tree.tok_s / plain_tok_s,
-        tree.num_draft_tokens,
+        tree.rows_per_cycle,
         tree.gain,
         cost,
         tree.draft_term,
@@ -674,7 +709,7 @@ fn diagnose_tree(tree: &TreePrediction, chain: Option<&Prediction>, plain_tok_s:
         } else if ratio < 1.0 - MIN_GAIN {
             "the chain wins"
         } else {
-            "a tie at the model's resolution (the chain verifies fewer rows)"
+            "a tie at the model's resolution (the chain stays the pick)"
         };
         s.push_str(&format!(
             "; against the best chain (k={}: {:.2} extra tokens, draft {:.2}, verify growth {:.2}) it is {:.2}x: \
@@ -1073,19 +1108,56 @@ mod tests {
     /// A tree of `nodes` (pending token included) on the synthetic machine: verify 10 + 2 (nodes - 1) ms,
     /// drafting `draft_ms`, `tokens` a cycle.
     fn tree(topk: usize, steps: usize, nodes: usize, draft_ms: f64, tokens: f64) -> MeasuredTree {
-        let cycle_ms = draft_ms + 10.0 + 2.0 * (nodes - 1) as f64 + 0.5;
+        barred_tree(topk, steps, nodes, nodes as f64, draft_ms, tokens)
+    }
+
+    /// A tree whose bar left `rows` rows verified a cycle on average (nodes + 1 without one).
+    fn barred_tree(
+        topk: usize,
+        steps: usize,
+        nodes: usize,
+        rows: f64,
+        draft_ms: f64,
+        tokens: f64,
+    ) -> MeasuredTree {
+        let verify_ms = 10.0 + 2.0 * (rows - 1.0);
+        let cycle_ms = draft_ms + verify_ms + 0.5;
         MeasuredTree {
             label: format!("tree {topk}x{steps}x{nodes}"),
             topk,
             steps,
             num_draft_tokens: nodes,
+            draft_confidence: if rows < nodes as f64 { 0.3 } else { 0.0 },
             tok_s: tokens * 1e3 / cycle_ms,
             cycles: 100.0,
             tokens_per_cycle: tokens,
+            rows_per_cycle: rows,
             draft_ms,
-            verify_ms: 10.0 + 2.0 * (nodes - 1) as f64,
+            verify_ms,
             overhead_ms: 0.5,
         }
+    }
+
+    /// A barred tree verifies fewer rows than its nodes: the model prices the rows it verified, so its own
+    /// prediction and the chains' stay exact (pricing 12 rows at 3.5 rows' cost bent the verify line once and
+    /// made every chain prediction 17% optimistic).
+    #[test]
+    fn a_barred_tree_is_priced_at_the_rows_it_verified() {
+        let mut inp = input(1.0, 0.8);
+        inp.trees = vec![barred_tree(4, 5, 12, 3.5, 3.0, 2.9)];
+        let r = tune(&inp);
+        assert_reproduces_measurements(&r);
+        let t = &r.trees[0];
+        assert!(
+            (t.tok_s - t.measured_tok_s).abs() < 1e-9 * t.measured_tok_s,
+            "{t:?}"
+        );
+        assert!((t.verify_ms - 15.0).abs() < 1e-9, "{t:?}");
+        assert!(
+            t.flags().ends_with("--draft-confidence 0.3"),
+            "{}",
+            t.flags()
+        );
     }
 
     /// Trees ride the same verify line as chains: on exact data each tree's prediction is its measurement, and
