@@ -1026,15 +1026,20 @@ impl TuneResult {
             );
         }
         // Trees at their drafted nodes: measured as squares, labelled with their shape.
-        for t in &self.trees {
+        for (i, t) in self.trees.iter().enumerate() {
             let (cx, cy) = (x((t.num_draft_tokens - 1) as f64), y(t.measured_tok_s));
+            // Trees of one size stand at one x: their labels step down so they do not overlap.
+            let same_x_before = self.trees[..i]
+                .iter()
+                .filter(|u| u.num_draft_tokens == t.num_draft_tokens)
+                .count() as f64;
             let _ = writeln!(
                 s,
                 r##"<rect x="{:.1}" y="{:.1}" width="9" height="9" fill="#2ca02c"/><text x="{:.1}" y="{:.1}" font-size="10" fill="#2ca02c">{}x{}x{}</text>"##,
                 cx - 4.5,
                 cy - 4.5,
                 cx + 7.0,
-                cy - 6.0,
+                cy - 6.0 + 12.0 * same_x_before,
                 t.eagle_topk,
                 t.num_steps,
                 t.num_draft_tokens
