@@ -371,18 +371,6 @@ pub fn tune(mut args: TuneArgs) -> anyhow::Result<()> {
                     "tune needs a drafter to tune: --draft-model PATH|NAME or --draft ngram (or --from-bench FILE)"
                 );
             }
-            let methods = methods(&args.bench)?;
-            if methods.iter().filter(|m| m.is_chain()).count() > 1 {
-                anyhow::bail!(
-                    "tune models one drafter variant: give one --draft-vocab / --draft-confidence / --ngram-confidence value \
-                     (bench compares several; tree shapes may come beside it)"
-                );
-            }
-            if let DraftChoice::Eagle3(dirs) = args.bench.drafter.choice()? {
-                if eagle3_heads(&dirs)?.len() > 1 {
-                    anyhow::bail!("tune models one EAGLE-3 head: give one --draft-model (bench compares several)");
-                }
-            }
             let report = run_bench(&args.bench)?;
             print!("{}", report.table());
             let json = report.to_json();

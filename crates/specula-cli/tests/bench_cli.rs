@@ -184,7 +184,7 @@ fn bench_and_tune_with_ngram_and_model_drafters() {
 }
 
 /// Several drafter variants in one bench: every variant at every k, interleaved, each config carrying its
-/// settings; tune refuses to mix them.
+/// settings; tune models each variant on its own and recommends the winner with the flags that run it.
 #[test]
 fn bench_compares_drafter_variants() {
     let dir = tempfile::tempdir().unwrap();
@@ -208,7 +208,7 @@ fn bench_compares_drafter_variants() {
         "--draft-tokens",
         "1,2",
         "--verify-repeats",
-        "0",
+        "1",
         "--json",
         ngram_json.to_str().unwrap(),
     ]);
@@ -227,10 +227,49 @@ fn bench_compares_drafter_variants() {
     assert!(configs[1]["drafter"]["ngram_confidence"].is_null());
     assert_eq!(configs[3]["drafter"]["ngram_confidence"], 0.0);
     assert_eq!(configs[3]["drafter"]["ngram_max"], 4);
-    fails_with(
-        &["tune", "--from-bench", ngram_json.to_str().unwrap()],
-        &["compares 2 drafter variants"],
+    let tune_json = dir.path().join("tune.json");
+    let plot = dir.path().join("tune.svg");
+    let (tuned, _) = ok(&[
+        "tune",
+        "--from-bench",
+        ngram_json.to_str().unwrap(),
+        "--tune-json",
+        tune_json.to_str().unwrap(),
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    for section in [
+        "chain variant ngram cost-aware (--ngram-confidence auto):",
+        "chain variant ngram conf>=0 (--ngram-confidence 0.0):",
+    ] {
+        assert!(tuned.contains(section), "{section} missing: {tuned}");
+    }
+    let t = json(&tune_json);
+    let chains = t["chains"].as_array().unwrap();
+    assert_eq!(chains.len(), 2);
+    for c in chains {
+        // Each variant predicts k = 1 and 2 and carries its own measurements.
+        let predictions = c["predictions"].as_array().unwrap();
+        assert_eq!(predictions.len(), 2, "{c}");
+        assert!(predictions.iter().all(|p| p["measured_tok_s"].is_number()));
+    }
+    // The recommendation runs the winning variant, or plain decoding.
+    let recommendation = t["recommendation"].as_str().unwrap();
+    let winner_flags = t["chain_flags"].as_str().unwrap();
+    assert!(
+        recommendation == "plain decoding"
+            || (recommendation.starts_with("--draft-tokens ")
+                && recommendation.ends_with(winner_flags)
+                && !winner_flags.is_empty()),
+        "{recommendation} / {winner_flags}"
     );
+    assert!(
+        tuned.contains(&format!("recommended: {recommendation}")),
+        "{tuned}"
+    );
+    assert!(tuned.contains("chain variants at their best k:"), "{tuned}");
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.contains("ngram conf&gt;=0"), "{svg}");
 
     let vocab_json = dir.path().join("vocab.json");
     let (table, _) = ok(&[
@@ -252,7 +291,7 @@ fn bench_compares_drafter_variants() {
         "--draft-tokens",
         "2",
         "--verify-repeats",
-        "0",
+        "1",
         "--json",
         vocab_json.to_str().unwrap(),
     ]);
@@ -271,20 +310,21 @@ fn bench_compares_drafter_variants() {
     assert_eq!(configs[1]["drafter"]["draft_confidence"], 0.0);
     assert_eq!(configs[2]["drafter"]["draft_confidence"], 0.5);
     assert_eq!(configs[3]["drafter"]["draft_vocab"], 40);
-    fails_with(
-        &[
-            "tune",
-            "-m",
-            m,
-            "--prompts",
-            p,
-            "--draft-model",
-            m,
-            "--draft-vocab",
-            "full,40",
-        ],
-        &["tune models one drafter variant"],
-    );
+    let (tuned, _) = ok(&[
+        "tune",
+        "--from-bench",
+        vocab_json.to_str().unwrap(),
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    for section in [
+        "chain variant model full vocab (--draft-vocab full --draft-confidence 0.0):",
+        "chain variant model full vocab conf>=0.5 (--draft-vocab full --draft-confidence 0.5):",
+        "chain variant model vocab<40 (--draft-vocab 40 --draft-confidence 0.0):",
+        "chain variant model vocab<40 conf>=0.5 (--draft-vocab 40 --draft-confidence 0.5):",
+    ] {
+        assert!(tuned.contains(section), "{section} missing: {tuned}");
+    }
     fails_with(
         &[
             "bench",

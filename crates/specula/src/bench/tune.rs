@@ -21,6 +21,10 @@
 //!   minutes of the tok/s being predicted. With plain decoding alone, the separately measured verify(n) curve,
 //!   shifted so that verify(1) equals plain decoding's per-step verify time, is used instead.
 //!
+//! A bench of several chain variants (confidence bars, draft vocabularies, heads) is modelled variant by
+//! variant: each its own acceptance, draft and overhead lines, all on the one verify line (the same machine in
+//! the same minutes); the winner is the variant whose best k is predicted fastest, recommended with its flags.
+//!
 //! EAGLE-3 trees (bench's tree shapes) are modelled with the same terms: a tree of `n` nodes verifies `1 + n`
 //! rows every cycle, so its verify time is the fitted line at `1 + n`; its tokens per cycle and its draft and
 //! overhead time are its own measurements (a tree's acceptance is not a chain's: every level offers several
@@ -45,6 +49,8 @@ pub const MIN_GAIN: f64 = 0.02;
 #[derive(Debug, Clone)]
 pub struct MeasuredConfig {
     pub label: String,
+    /// Which chain variant (index into `TuneInput::variants`) it ran.
+    pub variant: usize,
     pub k: usize,
     pub tok_s: f64,
     pub cycles: f64,
@@ -83,12 +89,74 @@ pub struct TuneInput {
     pub plain_tok_s: f64,
     pub plain_verify_ms: f64,
     pub plain_overhead_ms: f64,
-    /// Chain configurations (one drafter variant at several draft lengths); may be empty when trees ran.
+    /// Chain configurations (each drafter variant at several draft lengths); may be empty when trees ran.
     pub configs: Vec<MeasuredConfig>,
+    /// The chain variants the configs ran (a bench's `--draft-confidence`, `--draft-vocab`,
+    /// `--ngram-confidence` or head lists), each modelled on its own.
+    pub variants: Vec<ChainVariant>,
     /// EAGLE-3 tree configurations, each its own shape.
     pub trees: Vec<MeasuredTree>,
     /// verify(n) in ms, n = 1..
     pub verify_curve_ms: Vec<f64>,
+}
+
+/// A chain drafter's settings: what tables call it, and the flags beside `--draft-tokens` that run it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ChainVariant {
+    pub label: String,
+    pub flags: String,
+}
+
+/// The flags that select each chain variant: a setting that differs between them, or a confidence bar that is
+/// set (what was measured is what the recommendation runs).
+fn variant_flags(drafters: &[&Value]) -> Vec<String> {
+    const FLAGS: [(&str, &str); 6] = [
+        ("draft_model", "--draft-model"),
+        ("draft_vocab", "--draft-vocab"),
+        ("draft_confidence", "--draft-confidence"),
+        ("ngram_confidence", "--ngram-confidence"),
+        ("ngram_min", "--ngram-min"),
+        ("ngram_max", "--ngram-max"),
+    ];
+    let value = |d: &Value, key: &str| d.get(key).cloned().unwrap_or(Value::Null);
+    drafters
+        .iter()
+        .map(|d| {
+            let mut flags = Vec::new();
+            for (key, flag) in FLAGS {
+                let v = value(d, key);
+                let differs = drafters.iter().any(|o| value(o, key) != v);
+                let bar_set = key.ends_with("confidence") && v.as_f64().is_some_and(|c| c > 0.0);
+                if !(differs || bar_set) {
+                    continue;
+                }
+                let shown = match (&v, key) {
+                    (Value::Null, "draft_vocab") => "full".to_string(),
+                    (Value::Null, "ngram_confidence") => "auto".to_string(),
+                    (Value::Null, _) => continue,
+                    (Value::String(s), _) => s.clone(),
+                    (other, _) => other.to_string(),
+                };
+                flags.push(format!("{flag} {shown}"));
+            }
+            flags.join(" ")
+        })
+        .collect()
+}
+
+/// Text safe inside an SVG element.
+fn xml_escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// A config's label without its draft length: "eagle3 chain conf>=0.3 k=5" -> "eagle3 chain conf>=0.3".
+fn variant_label(label: &str) -> String {
+    match label.rsplit_once(" k=") {
+        Some((head, k)) if k.chars().all(|c| c.is_ascii_digit()) => head.to_string(),
+        _ => label.to_string(),
+    }
 }
 
 /// A finite, non-negative number (every measured quantity in a bench report is one).
@@ -176,13 +244,6 @@ impl TuneInput {
                 variants.push(d);
             }
         }
-        if variants.len() > 1 {
-            return Err(Error::InvalidArgument(format!(
-                "bench report compares {} drafter variants (chains); tune models one (rerun bench with a single \
-                 --draft-vocab / --draft-confidence / --ngram-confidence value; tree shapes may come beside it)",
-                variants.len()
-            )));
-        }
         let max_k = crate::decode::MAX_DRAFT_TOKENS;
         let mut measured = Vec::new();
         let mut method = String::new();
@@ -200,12 +261,17 @@ impl TuneInput {
                 .and_then(Value::as_str)
                 .unwrap_or("?")
                 .to_string();
+            let drafter = c.get("drafter").unwrap_or(&Value::Null);
             measured.push(MeasuredConfig {
                 label: c
                     .get("label")
                     .and_then(Value::as_str)
                     .unwrap_or("?")
                     .to_string(),
+                variant: variants
+                    .iter()
+                    .position(|&d| d == drafter)
+                    .expect("every chain's drafter is a variant"),
                 k: draft_length(c)?,
                 tok_s: num(c, "decode_tok_s")?,
                 cycles: num(c, "cycles")?,
@@ -230,6 +296,17 @@ impl TuneInput {
                     .into(),
             ));
         }
+        let chain_variants: Vec<ChainVariant> = variant_flags(&variants)
+            .into_iter()
+            .enumerate()
+            .map(|(v, flags)| ChainVariant {
+                label: measured
+                    .iter()
+                    .find(|c| c.variant == v)
+                    .map_or_else(|| method.clone(), |c| variant_label(&c.label)),
+                flags,
+            })
+            .collect();
         measured.sort_by_key(|c| c.k);
         let verify_curve_ms = num_list(
             report.get("verify_cost").and_then(|v| v.get("ms")),
@@ -248,6 +325,7 @@ impl TuneInput {
             plain_verify_ms: num(plain, "verify_ms_per_cycle")?,
             plain_overhead_ms: num(plain, "overhead_ms_per_cycle")?,
             configs: measured,
+            variants: chain_variants,
             trees,
             verify_curve_ms,
         })
@@ -419,7 +497,8 @@ pub struct TuneResult {
     pub method: String,
     pub plain_measured_tok_s: f64,
     pub plain_predicted_tok_s: f64,
-    /// Rate at which draft position i (1-based index i-1) is accepted, pooled over configs.
+    /// Rate at which draft position i (1-based index i-1) is accepted, pooled over configs (the fields from
+    /// here to `predictions` are the winning chain variant's; `chains` holds every variant's).
     pub acceptance_by_position: Vec<f64>,
     /// How often position i is drafted at all.
     pub drafted_by_position: Vec<f64>,
@@ -430,6 +509,11 @@ pub struct TuneResult {
     pub verify_ms: Option<Line>,
     /// Chains at k = 1 up to the longest measured (empty when only trees ran).
     pub predictions: Vec<Prediction>,
+    /// The winning chain variant's label and flags beside `--draft-tokens`.
+    pub chain_label: String,
+    pub chain_flags: String,
+    /// Every chain variant's model (one for a bench of one variant).
+    pub chains: Vec<ChainFit>,
     /// Each measured tree shape.
     pub trees: Vec<TreePrediction>,
     /// The chain length to use, or None when plain decoding is predicted to beat every chain (or no chain ran).
@@ -462,19 +546,71 @@ fn verify_at(curve: &[f64], n: f64) -> f64 {
     curve[i] + (curve[i + 1] - curve[i]) * t
 }
 
-pub fn tune(input: &TuneInput) -> TuneResult {
-    // At least one k to predict, even for a hand-built input with no speculative configs, unless trees alone
-    // ran (their acceptance says nothing about chains).
-    let max_k = match input.configs.iter().map(|c| c.k).max() {
-        Some(k) => k,
-        None if !input.trees.is_empty() => 0,
-        None => 1,
-    };
+/// One chain variant's fitted model: its acceptance, draft and overhead lines, and predictions at each k.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ChainFit {
+    pub label: String,
+    /// The flags beside `--draft-tokens` that run it (empty: the bench's defaults).
+    pub flags: String,
+    pub acceptance_by_position: Vec<f64>,
+    pub drafted_by_position: Vec<f64>,
+    pub draft_ms: Line,
+    pub overhead_ms: Line,
+    pub predictions: Vec<Prediction>,
+    /// The k with the highest predicted tok/s (0 when nothing was predicted).
+    pub best_predicted_k: usize,
+    /// The smallest k within MIN_GAIN of the best, where the best beats plain decoding by more than MIN_GAIN.
+    pub recommended_k: Option<usize>,
+}
+
+impl ChainFit {
+    fn best(&self) -> Option<&Prediction> {
+        self.predictions
+            .iter()
+            .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s))
+    }
+
+    /// `--draft-tokens k` and the variant's own flags.
+    fn flags_at(&self, k: usize) -> String {
+        if self.flags.is_empty() {
+            format!("--draft-tokens {k}")
+        } else {
+            format!("--draft-tokens {k} {}", self.flags)
+        }
+    }
+}
+
+/// The model's terms shared by every chain variant and tree: verify cost (fitted to all runs, or the curve)
+/// and plain decoding's step.
+struct Shared<'a> {
+    input: &'a TuneInput,
+    verify_line: Option<Line>,
+    curve: Vec<f64>,
+    plain_step: f64,
+}
+
+impl Shared<'_> {
+    fn verify(&self, rows: f64) -> f64 {
+        match &self.verify_line {
+            Some(line) => line.at(rows),
+            None => verify_at(&self.curve, rows),
+        }
+    }
+}
+
+/// Fits one chain variant from its configs (`max_k` at least 1).
+fn fit_chain(
+    shared: &Shared,
+    variant: &ChainVariant,
+    configs: &[&MeasuredConfig],
+    max_k: usize,
+) -> ChainFit {
+    let input = shared.input;
     // Pooled per-position rates over every config that reached the position.
     let mut drafted = vec![0f64; max_k];
     let mut accepted = vec![0f64; max_k];
     let mut cycles_reaching = vec![0f64; max_k];
-    for c in &input.configs {
+    for c in configs {
         for i in 0..c.k.min(max_k) {
             drafted[i] += c.drafted_per_position.get(i).copied().unwrap_or(0.0);
             accepted[i] += c.accepted_per_position.get(i).copied().unwrap_or(0.0);
@@ -506,8 +642,7 @@ pub fn tune(input: &TuneInput) -> TuneResult {
         1.0 + (0..k.saturating_sub(1)).map(drafted).sum::<f64>()
     };
     let draft_line = Line::fit(
-        &input
-            .configs
+        &configs
             .iter()
             .filter(|c| c.cycles > 0.0)
             .map(|c| {
@@ -519,17 +654,73 @@ pub fn tune(input: &TuneInput) -> TuneResult {
             .collect::<Vec<_>>(),
     );
     let overhead_line = Line::fit(
-        &input
-            .configs
+        &configs
             .iter()
             .map(|c| (c.k as f64, c.overhead_ms))
             .collect::<Vec<_>>(),
     );
+    let plain_step = shared.plain_step;
+    let predictions: Vec<Prediction> = (1..=max_k)
+        .map(|k| {
+            let tokens = 1.0 + (0..k).map(|i| drafted_rate[i] * acceptance[i]).sum::<f64>();
+            let rows = 1.0 + drafted_rate[..k].iter().sum::<f64>();
+            let draft_ms = draft_line.at(draft_steps(k, &|i| drafted_rate[i])).max(0.0);
+            let verify_ms = shared.verify(rows);
+            let overhead_ms = overhead_line.at(k as f64).max(0.0);
+            let cycle_ms = draft_ms + verify_ms + overhead_ms;
+            Prediction {
+                k,
+                tokens_per_cycle: tokens,
+                draft_ms,
+                verify_ms,
+                overhead_ms,
+                cycle_ms,
+                tok_s: tokens * 1e3 / cycle_ms,
+                measured_tok_s: configs.iter().find(|c| c.k == k).map(|c| c.tok_s),
+                gain: tokens - 1.0,
+                draft_term: draft_ms / plain_step,
+                verify_growth_term: (verify_ms - input.plain_verify_ms) / plain_step,
+                overhead_term: (overhead_ms - input.plain_overhead_ms) / plain_step,
+            }
+        })
+        .collect();
+    let plain_predicted = 1e3 / plain_step;
+    let best = predictions
+        .iter()
+        .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s));
+    // Predictions within MIN_GAIN of the best are ties at the model's resolution (it is within 2-4% of measured
+    // tok/s); among them the smallest k wastes the least drafting and verification when acceptance is lower
+    // than measured.
+    let recommended_k = best
+        .filter(|best| best.tok_s > plain_predicted * (1.0 + MIN_GAIN))
+        .map(|best| {
+            predictions
+                .iter()
+                .filter(|p| p.tok_s >= best.tok_s * (1.0 - MIN_GAIN))
+                .map(|p| p.k)
+                .min()
+                .unwrap_or(best.k)
+        });
+    ChainFit {
+        label: variant.label.clone(),
+        flags: variant.flags.clone(),
+        best_predicted_k: best.map_or(0, |b| b.k),
+        acceptance_by_position: acceptance,
+        drafted_by_position: drafted_rate,
+        draft_ms: draft_line,
+        overhead_ms: overhead_line,
+        predictions,
+        recommended_k,
+    }
+}
+
+pub fn tune(input: &TuneInput) -> TuneResult {
     // Verify cost against tokens verified per cycle, fitted to the runs themselves (plain decoding is 1 token;
     // a config verifies 1 + its mean drafted tokens): measured at the contexts and in the same minutes as the
     // tok/s it predicts. The separately measured verify(n) curve, shifted to plain decoding's step, is the
     // fallback when there is only one point. (A noisy moment during the curve's measurement once made
-    // predictions 13-16% pessimistic.)
+    // predictions 13-16% pessimistic.) Every chain variant and tree rides this one line: they ran on one
+    // machine in the same minutes.
     let mut verify_points = vec![(1.0, input.plain_verify_ms)];
     for c in &input.configs {
         if c.cycles > 0.0 {
@@ -545,46 +736,39 @@ pub fn tune(input: &TuneInput) -> TuneResult {
     let distinct_rows = verify_points
         .iter()
         .any(|p| (p.0 - verify_points[0].0).abs() > 1e-9);
-    let verify_line = distinct_rows.then(|| Line::fit(&verify_points));
     let shift = input.plain_verify_ms - input.verify_curve_ms[0];
-    let curve: Vec<f64> = input.verify_curve_ms.iter().map(|v| v + shift).collect();
-    let plain_step = input.plain_verify_ms + input.plain_overhead_ms;
-    let predictions: Vec<Prediction> = (1..=max_k)
-        .map(|k| {
-            let tokens = 1.0 + (0..k).map(|i| drafted_rate[i] * acceptance[i]).sum::<f64>();
-            let rows = 1.0 + drafted_rate[..k].iter().sum::<f64>();
-            let draft_ms = draft_line.at(draft_steps(k, &|i| drafted_rate[i])).max(0.0);
-            let verify_ms = match &verify_line {
-                Some(line) => line.at(rows),
-                None => verify_at(&curve, rows),
-            };
-            let overhead_ms = overhead_line.at(k as f64).max(0.0);
-            let cycle_ms = draft_ms + verify_ms + overhead_ms;
-            Prediction {
-                k,
-                tokens_per_cycle: tokens,
-                draft_ms,
-                verify_ms,
-                overhead_ms,
-                cycle_ms,
-                tok_s: tokens * 1e3 / cycle_ms,
-                measured_tok_s: input.configs.iter().find(|c| c.k == k).map(|c| c.tok_s),
-                gain: tokens - 1.0,
-                draft_term: draft_ms / plain_step,
-                verify_growth_term: (verify_ms - input.plain_verify_ms) / plain_step,
-                overhead_term: (overhead_ms - input.plain_overhead_ms) / plain_step,
-            }
-        })
-        .collect();
+    let shared = Shared {
+        input,
+        verify_line: distinct_rows.then(|| Line::fit(&verify_points)),
+        curve: input.verify_curve_ms.iter().map(|v| v + shift).collect(),
+        plain_step: input.plain_verify_ms + input.plain_overhead_ms,
+    };
+    let plain_step = shared.plain_step;
+    // Each chain variant on its own (a confidence bar or a vocabulary changes acceptance, drafting and cost).
+    // At least one k to predict, even for a hand-built input with no speculative configs, unless trees alone
+    // ran (their acceptance says nothing about chains).
+    let default_variant = ChainVariant {
+        label: input.method.clone(),
+        flags: String::new(),
+    };
+    let mut chains: Vec<ChainFit> = Vec::new();
+    for v in 0..input.variants.len().max(1) {
+        let variant = input.variants.get(v).unwrap_or(&default_variant);
+        let configs: Vec<&MeasuredConfig> =
+            input.configs.iter().filter(|c| c.variant == v).collect();
+        let max_k = match configs.iter().map(|c| c.k).max() {
+            Some(k) => k,
+            None if !input.trees.is_empty() || !input.configs.is_empty() => continue,
+            None => 1,
+        };
+        chains.push(fit_chain(&shared, variant, &configs, max_k));
+    }
     let trees: Vec<TreePrediction> = input
         .trees
         .iter()
         .map(|t| {
             let rows = t.rows_per_cycle;
-            let verify_ms = match &verify_line {
-                Some(line) => line.at(rows),
-                None => verify_at(&curve, rows),
-            };
+            let verify_ms = shared.verify(rows);
             let cycle_ms = t.draft_ms + verify_ms + t.overhead_ms;
             TreePrediction {
                 label: t.label.clone(),
@@ -612,23 +796,14 @@ pub fn tune(input: &TuneInput) -> TuneResult {
         })
         .collect();
     let plain_predicted = 1e3 / plain_step;
-    let best = predictions
-        .iter()
-        .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s));
-    // Predictions within MIN_GAIN of the best are ties at the model's resolution (it is within 2-4% of measured
-    // tok/s); among them the smallest k wastes the least drafting and verification when acceptance is lower
-    // than measured.
-    let recommended_k = best
-        .filter(|best| best.tok_s > plain_predicted * (1.0 + MIN_GAIN))
-        .map(|best| {
-            predictions
-                .iter()
-                .filter(|p| p.tok_s >= best.tok_s * (1.0 - MIN_GAIN))
-                .map(|p| p.k)
-                .min()
-                .unwrap_or(best.k)
-        });
-    let best_predicted_k = best.map_or(0, |b| b.k);
+    // The variant whose best k is predicted fastest.
+    let best_chain = (0..chains.len()).max_by(|&a, &b| {
+        let at = |i: usize| chains[i].best().map_or(0.0, |p| p.tok_s);
+        at(a).total_cmp(&at(b))
+    });
+    let chain = best_chain.map(|i| &chains[i]);
+    let best = chain.and_then(ChainFit::best);
+    let recommended_k = chain.and_then(|c| c.recommended_k);
     // A tree is recommended only where it beats plain decoding and the best chain by more than the model
     // resolves (a tree verifies more rows for its tokens: at a tie the chain is the safer pick).
     let best_tree = (0..trees.len()).max_by(|&a, &b| trees[a].tok_s.total_cmp(&trees[b].tok_s));
@@ -636,10 +811,10 @@ pub fn tune(input: &TuneInput) -> TuneResult {
         let rival = best.map_or(plain_predicted, |b| b.tok_s.max(plain_predicted));
         trees[i].tok_s > rival * (1.0 + MIN_GAIN)
     });
-    let recommendation = match (recommended_tree, recommended_k) {
-        (Some(i), _) => trees[i].flags(),
-        (None, Some(k)) => format!("--draft-tokens {k}"),
-        (None, None) => "plain decoding".to_string(),
+    let recommendation = match (recommended_tree, chain, recommended_k) {
+        (Some(i), _, _) => trees[i].flags(),
+        (None, Some(c), Some(k)) => c.flags_at(k),
+        _ => "plain decoding".to_string(),
     };
     let (best_measured_k, best_measured_label, best_measured_tok_s) = input
         .configs
@@ -654,29 +829,47 @@ pub fn tune(input: &TuneInput) -> TuneResult {
         .chain(std::iter::once((0, "plain".to_string(), input.plain_tok_s)))
         .max_by(|a, b| a.2.total_cmp(&b.2))
         .expect("plain is always there");
-    let mut diagnosis = match best {
-        Some(best) => diagnose(best, plain_predicted, &acceptance),
-        None => String::new(),
+    let mut diagnosis = match (chain, best) {
+        (Some(c), Some(best)) => diagnose(best, plain_predicted, &c.acceptance_by_position),
+        _ => String::new(),
     };
+    if let (Some(winner), true) = (chain, chains.len() > 1) {
+        diagnosis.push('\n');
+        diagnosis.push_str(&diagnose_variants(&chains, winner, plain_predicted));
+    }
     if let Some(i) = best_tree {
         if !diagnosis.is_empty() {
             diagnosis.push('\n');
         }
         diagnosis.push_str(&diagnose_tree(&trees[i], best, plain_predicted));
     }
+    let winner = chain.cloned().unwrap_or_else(|| ChainFit {
+        label: input.method.clone(),
+        flags: String::new(),
+        acceptance_by_position: Vec::new(),
+        drafted_by_position: Vec::new(),
+        draft_ms: Line::fit(&[]),
+        overhead_ms: Line::fit(&[]),
+        predictions: Vec::new(),
+        best_predicted_k: 0,
+        recommended_k: None,
+    });
     TuneResult {
         method: input.method.clone(),
         plain_measured_tok_s: input.plain_tok_s,
         plain_predicted_tok_s: plain_predicted,
-        acceptance_by_position: acceptance,
-        drafted_by_position: drafted_rate,
-        draft_ms: draft_line,
-        overhead_ms: overhead_line,
-        verify_ms: verify_line,
-        predictions,
+        acceptance_by_position: winner.acceptance_by_position,
+        drafted_by_position: winner.drafted_by_position,
+        draft_ms: winner.draft_ms,
+        overhead_ms: winner.overhead_ms,
+        verify_ms: shared.verify_line,
+        predictions: winner.predictions,
+        chain_label: winner.label,
+        chain_flags: winner.flags,
+        chains,
         trees,
         recommended_k,
-        best_predicted_k,
+        best_predicted_k: winner.best_predicted_k,
         recommended_tree,
         recommendation,
         best_measured_k,
@@ -684,6 +877,42 @@ pub fn tune(input: &TuneInput) -> TuneResult {
         best_measured_tok_s,
         diagnosis,
     }
+}
+
+/// Each chain variant at its best k beside the winner's, and what the winner buys over the runner-up.
+fn diagnose_variants(chains: &[ChainFit], winner: &ChainFit, plain_tok_s: f64) -> String {
+    let mut at_best: Vec<(&ChainFit, &Prediction)> = chains
+        .iter()
+        .filter_map(|c| c.best().map(|p| (c, p)))
+        .collect();
+    at_best.sort_by(|a, b| b.1.tok_s.total_cmp(&a.1.tok_s));
+    let list: Vec<String> = at_best
+        .iter()
+        .map(|(c, p)| {
+            format!(
+                "{} k={} {:.2}x ({:.2} tokens a cycle for {:.2} plain steps)",
+                c.label,
+                p.k,
+                p.tok_s / plain_tok_s,
+                p.tokens_per_cycle,
+                p.cycle_ms * plain_tok_s / 1e3
+            )
+        })
+        .collect();
+    let mut s = format!("chain variants at their best k: {}", list.join("; "));
+    if let [(first, top), (_, second), ..] = at_best.as_slice() {
+        let ratio = top.tok_s / second.tok_s;
+        let verdict = if ratio > 1.0 + MIN_GAIN {
+            format!("{} wins by {ratio:.2}x", first.label)
+        } else {
+            format!(
+                "{} leads by {ratio:.3}x, a tie at the model's resolution",
+                winner.label
+            )
+        };
+        s.push_str(&format!("; {verdict}"));
+    }
+    s
 }
 
 /// The best tree against plain decoding and the best chain: what it gains a cycle, and what it pays for that
@@ -785,28 +1014,6 @@ impl TuneResult {
             "method {}: plain decoding measured {:.2} tok/s, model {:.2} tok/s",
             self.method, self.plain_measured_tok_s, self.plain_predicted_tok_s
         );
-        let rates: Vec<String> = self
-            .acceptance_by_position
-            .iter()
-            .zip(&self.drafted_by_position)
-            .enumerate()
-            .map(|(i, (a, d))| {
-                if *d < 0.999 {
-                    format!("{}:{:.0}%(drafted {:.0}%)", i + 1, a * 100.0, d * 100.0)
-                } else {
-                    format!("{}:{:.0}%", i + 1, a * 100.0)
-                }
-            })
-            .collect();
-        let _ = writeln!(s, "acceptance by draft position: {}", rates.join(" "));
-        let _ = writeln!(
-            s,
-            "draft ms/cycle = {:.2} + {:.2} x draft steps;  overhead ms/cycle = {:.2} + {:.2} k",
-            self.draft_ms.intercept,
-            self.draft_ms.slope,
-            self.overhead_ms.intercept,
-            self.overhead_ms.slope
-        );
         match &self.verify_ms {
             Some(v) => {
                 let _ = writeln!(
@@ -819,33 +1026,20 @@ impl TuneResult {
                 let _ = writeln!(s, "verify ms/cycle: from the verify(n) curve");
             }
         }
-        let _ = writeln!(
-            s,
-            "{:>3} {:>10} {:>9} {:>10} {:>10} {:>10} {:>12} {:>12}",
-            "k",
-            "tokens/cyc",
-            "draft_ms",
-            "verify_ms",
-            "cycle_ms",
-            "predicted",
-            "measured",
-            "pred/plain"
-        );
-        for p in &self.predictions {
-            let _ = writeln!(
-                s,
-                "{:>3} {:>10.2} {:>9.1} {:>10.1} {:>10.1} {:>10.2} {:>12} {:>11.2}x",
-                p.k,
-                p.tokens_per_cycle,
-                p.draft_ms,
-                p.verify_ms,
-                p.cycle_ms,
-                p.tok_s,
-                p.measured_tok_s
-                    .map(|m| format!("{m:.2}"))
-                    .unwrap_or_else(|| "-".into()),
-                p.tok_s / self.plain_predicted_tok_s
-            );
+        for chain in &self.chains {
+            if self.chains.len() > 1 {
+                let _ = writeln!(
+                    s,
+                    "chain variant {}{}:",
+                    chain.label,
+                    if chain.flags.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", chain.flags)
+                    }
+                );
+            }
+            self.chain_table(&mut s, chain);
         }
         if !self.trees.is_empty() {
             let width = self
@@ -901,12 +1095,13 @@ impl TuneResult {
                 );
             }
             (None, Some(k)) if k == self.best_predicted_k => {
-                let _ = writeln!(s, "recommended: --draft-tokens {k}");
+                let _ = writeln!(s, "recommended: {}", self.recommendation);
             }
-            (None, Some(k)) => {
+            (None, Some(_)) => {
                 let _ = writeln!(
                     s,
-                    "recommended: --draft-tokens {k} (the smallest k predicted within {:.0}% of the best, k={})",
+                    "recommended: {} (the smallest k predicted within {:.0}% of the best, k={})",
+                    self.recommendation,
                     MIN_GAIN * 100.0,
                     self.best_predicted_k
                 );
@@ -924,6 +1119,61 @@ impl TuneResult {
         s
     }
 
+    /// One chain variant's acceptance, cost lines and predictions at each k.
+    fn chain_table(&self, s: &mut String, chain: &ChainFit) {
+        use std::fmt::Write as _;
+        let rates: Vec<String> = chain
+            .acceptance_by_position
+            .iter()
+            .zip(&chain.drafted_by_position)
+            .enumerate()
+            .map(|(i, (a, d))| {
+                if *d < 0.999 {
+                    format!("{}:{:.0}%(drafted {:.0}%)", i + 1, a * 100.0, d * 100.0)
+                } else {
+                    format!("{}:{:.0}%", i + 1, a * 100.0)
+                }
+            })
+            .collect();
+        let _ = writeln!(s, "acceptance by draft position: {}", rates.join(" "));
+        let _ = writeln!(
+            s,
+            "draft ms/cycle = {:.2} + {:.2} x draft steps;  overhead ms/cycle = {:.2} + {:.2} k",
+            chain.draft_ms.intercept,
+            chain.draft_ms.slope,
+            chain.overhead_ms.intercept,
+            chain.overhead_ms.slope
+        );
+        let _ = writeln!(
+            s,
+            "{:>3} {:>10} {:>9} {:>10} {:>10} {:>10} {:>12} {:>12}",
+            "k",
+            "tokens/cyc",
+            "draft_ms",
+            "verify_ms",
+            "cycle_ms",
+            "predicted",
+            "measured",
+            "pred/plain"
+        );
+        for p in &chain.predictions {
+            let _ = writeln!(
+                s,
+                "{:>3} {:>10.2} {:>9.1} {:>10.1} {:>10.1} {:>10.2} {:>12} {:>11.2}x",
+                p.k,
+                p.tokens_per_cycle,
+                p.draft_ms,
+                p.verify_ms,
+                p.cycle_ms,
+                p.tok_s,
+                p.measured_tok_s
+                    .map(|m| format!("{m:.2}"))
+                    .unwrap_or_else(|| "-".into()),
+                p.tok_s / self.plain_predicted_tok_s
+            );
+        }
+    }
+
     /// Measured and predicted tok/s against k, with plain decoding as a dashed line, as an SVG document.
     pub fn plot_svg(&self) -> String {
         use std::fmt::Write as _;
@@ -933,12 +1183,14 @@ impl TuneResult {
             .trees
             .iter()
             .map(|t| t.num_draft_tokens - 1)
-            .chain([self.predictions.len(), 1])
+            .chain(self.chains.iter().map(|c| c.predictions.len()))
+            .chain([1])
             .max()
             .unwrap_or(1) as f64;
         let values = self
-            .predictions
+            .chains
             .iter()
+            .flat_map(|c| &c.predictions)
             .flat_map(|p| [Some(p.tok_s), p.measured_tok_s])
             .flatten()
             .chain(self.trees.iter().flat_map(|t| [t.tok_s, t.measured_tok_s]))
@@ -1003,28 +1255,56 @@ impl TuneResult {
             y(self.plain_measured_tok_s) - 6.0,
             self.plain_measured_tok_s
         );
-        let points: Vec<String> = std::iter::once((0.0, self.plain_predicted_tok_s))
-            .chain(self.predictions.iter().map(|p| (p.k as f64, p.tok_s)))
-            .map(|(k, v)| format!("{:.1},{:.1}", x(k), y(v)))
-            .collect();
-        let _ = writeln!(
-            s,
-            r##"<polyline points="{}" fill="none" stroke="#1f77b4" stroke-width="2"/>"##,
-            points.join(" ")
-        );
-        let measured = std::iter::once((0.0, self.plain_measured_tok_s)).chain(
-            self.predictions
-                .iter()
-                .filter_map(|p| p.measured_tok_s.map(|m| (p.k as f64, m))),
-        );
-        for (k, v) in measured {
+        // One line per chain variant (the single variant keeps the classic colours), its measured points in
+        // its colour.
+        const COLOURS: [(&str, &str); 4] = [
+            ("#1f77b4", "#d62728"),
+            ("#ff7f0e", "#ff7f0e"),
+            ("#9467bd", "#9467bd"),
+            ("#8c564b", "#8c564b"),
+        ];
+        for (i, chain) in self.chains.iter().enumerate() {
+            let (line, dot) = COLOURS[i % COLOURS.len()];
+            let points: Vec<String> = std::iter::once((0.0, self.plain_predicted_tok_s))
+                .chain(chain.predictions.iter().map(|p| (p.k as f64, p.tok_s)))
+                .map(|(k, v)| format!("{:.1},{:.1}", x(k), y(v)))
+                .collect();
             let _ = writeln!(
                 s,
-                r##"<circle cx="{:.1}" cy="{:.1}" r="5" fill="#d62728"/>"##,
-                x(k),
-                y(v)
+                r##"<polyline points="{}" fill="none" stroke="{line}" stroke-width="2"/>"##,
+                points.join(" ")
             );
+            let measured = chain
+                .predictions
+                .iter()
+                .filter_map(|p| p.measured_tok_s.map(|m| (p.k as f64, m)));
+            for (k, v) in measured {
+                let _ = writeln!(
+                    s,
+                    r##"<circle cx="{:.1}" cy="{:.1}" r="5" fill="{dot}"/>"##,
+                    x(k),
+                    y(v)
+                );
+            }
+            if self.chains.len() > 1 {
+                let ly = 98.0 + 16.0 * i as f64;
+                let _ = writeln!(
+                    s,
+                    r##"<line x1="{}" y1="{ly}" x2="{}" y2="{ly}" stroke="{line}" stroke-width="2"/><text x="{}" y="{}">{}</text>"##,
+                    left + 10.0,
+                    left + 40.0,
+                    left + 46.0,
+                    ly + 4.0,
+                    xml_escape(&chain.label)
+                );
+            }
         }
+        let _ = writeln!(
+            s,
+            r##"<circle cx="{:.1}" cy="{:.1}" r="5" fill="#d62728"/>"##,
+            x(0.0),
+            y(self.plain_measured_tok_s)
+        );
         // Trees at their drafted nodes: measured as squares, labelled with their shape.
         for (i, t) in self.trees.iter().enumerate() {
             let (cx, cy) = (x((t.num_draft_tokens - 1) as f64), y(t.measured_tok_s));
@@ -1083,6 +1363,7 @@ mod tests {
                 let cycle_ms = draft_per_token * k as f64 + 10.0 + 2.0 * k as f64 + 0.5;
                 MeasuredConfig {
                     label: format!("model k={k}"),
+                    variant: 0,
                     k,
                     tok_s: tokens * 1e3 / cycle_ms,
                     cycles,
@@ -1105,6 +1386,7 @@ mod tests {
             plain_verify_ms: 10.0,
             plain_overhead_ms: 0.5,
             configs,
+            variants: Vec::new(),
             trees: Vec::new(),
             verify_curve_ms: (0..7).map(|i| 10.0 + 2.0 * i as f64).collect(),
         }
@@ -1234,6 +1516,121 @@ mod tests {
         assert_eq!(r.recommendation, "plain decoding");
     }
 
+    /// Two chain variants in one report (a drafter without a bar, and one whose bar stops it early at half the
+    /// draft cost a step): each is fitted on its own configs, both reproduce their measurements exactly on the
+    /// shared verify line, and the faster one is recommended with the flags that run it.
+    #[test]
+    fn chain_variants_are_fitted_apart_and_the_winner_recommended_with_its_flags() {
+        let mut inp = input(1.0, 0.8);
+        let cycles = 100.0;
+        // The barred variant drafts position i in 0.8^i of cycles and accepts 0.9 of what it drafts there.
+        let d = |i: usize| 0.8f64.powi(i as i32);
+        for k in 1..=4 {
+            let drafted: Vec<f64> = (0..k).map(|i| cycles * d(i)).collect();
+            let accepted: Vec<f64> = (0..k)
+                .map(|i| cycles * d(i) * 0.9f64.powi(i as i32 + 1))
+                .collect();
+            let tokens = 1.0 + accepted.iter().sum::<f64>() / cycles;
+            let rows = 1.0 + drafted.iter().sum::<f64>() / cycles;
+            let steps = 1.0 + (0..k - 1).map(d).sum::<f64>();
+            let (draft_ms, verify_ms) = (0.5 * steps, 10.0 + 2.0 * (rows - 1.0));
+            inp.configs.push(MeasuredConfig {
+                label: format!("model conf>=0.5 k={k}"),
+                variant: 1,
+                k,
+                tok_s: tokens * 1e3 / (draft_ms + verify_ms + 0.5),
+                cycles,
+                draft_ms,
+                verify_ms,
+                overhead_ms: 0.5,
+                drafted_per_position: drafted,
+                accepted_per_position: accepted,
+            });
+        }
+        inp.variants = vec![
+            ChainVariant {
+                label: "model".into(),
+                flags: "--draft-confidence 0.0".into(),
+            },
+            ChainVariant {
+                label: "model conf>=0.5".into(),
+                flags: "--draft-confidence 0.5".into(),
+            },
+        ];
+        let r = tune(&inp);
+        assert_eq!(r.chains.len(), 2);
+        for chain in &r.chains {
+            for p in &chain.predictions {
+                let m = p.measured_tok_s.unwrap();
+                assert!(
+                    (p.tok_s - m).abs() < 1e-9 * m,
+                    "{}: k={} {} vs {m}",
+                    chain.label,
+                    p.k,
+                    p.tok_s
+                );
+            }
+        }
+        assert!((r.chains[1].draft_ms.slope - 0.5).abs() < 1e-9);
+        assert!((r.chains[1].acceptance_by_position[0] - 0.9).abs() < 1e-12);
+        assert!((r.chains[0].acceptance_by_position[0] - 0.8).abs() < 1e-12);
+        // The barred variant is cheaper to draft and more often right: it wins, and its k comes with its bar.
+        let best = |c: &ChainFit| c.predictions.iter().map(|p| p.tok_s).fold(0.0, f64::max);
+        assert!(best(&r.chains[1]) > best(&r.chains[0]) * (1.0 + MIN_GAIN));
+        assert_eq!(r.chain_label, "model conf>=0.5");
+        assert_eq!(r.predictions.len(), 4);
+        assert_eq!(
+            r.recommendation,
+            format!(
+                "--draft-tokens {} --draft-confidence 0.5",
+                r.recommended_k.unwrap()
+            )
+        );
+        let table = r.table();
+        assert!(
+            table.contains("chain variant model (--draft-confidence 0.0):"),
+            "{table}"
+        );
+        assert!(
+            table.contains(&format!("recommended: {}", r.recommendation)),
+            "{table}"
+        );
+        assert!(
+            r.diagnosis.contains("model conf>=0.5 wins by"),
+            "{}",
+            r.diagnosis
+        );
+        // One measured circle per config, plain's, and the legend's; a legend line per variant.
+        let svg = r.plot_svg();
+        assert_eq!(svg.matches("<circle").count(), 8 + 1 + 1, "{svg}");
+        assert!(svg.contains("model conf&gt;=0.5"), "{svg}");
+    }
+
+    /// Flags name the settings that tell variants apart, and a bar that is set; labels drop the draft length.
+    #[test]
+    fn variant_flags_name_what_differs() {
+        let a = serde_json::json!({"method": "ngram", "ngram_min": 1, "ngram_max": 4, "ngram_confidence": null});
+        let b = serde_json::json!({"method": "ngram", "ngram_min": 1, "ngram_max": 4, "ngram_confidence": 0.25});
+        assert_eq!(
+            variant_flags(&[&a, &b]),
+            vec!["--ngram-confidence auto", "--ngram-confidence 0.25"]
+        );
+        // Alone, a set bar is still named (the recommendation must run what was measured); an unset one is not.
+        assert_eq!(variant_flags(&[&b]), vec!["--ngram-confidence 0.25"]);
+        assert_eq!(variant_flags(&[&a]), vec![""]);
+        let h1 = serde_json::json!({"method": "eagle3", "tree": null, "draft_confidence": 0.0, "draft_model": "h1"});
+        let h2 = serde_json::json!({"method": "eagle3", "tree": null, "draft_confidence": 0.0, "draft_model": "h2"});
+        assert_eq!(
+            variant_flags(&[&h1, &h2]),
+            vec!["--draft-model h1", "--draft-model h2"]
+        );
+        assert_eq!(
+            variant_label("eagle3 chain conf>=0.3 k=5"),
+            "eagle3 chain conf>=0.3"
+        );
+        assert_eq!(variant_label("model"), "model");
+    }
+
     /// Every prediction equals the measurement at its k (the synthetic data follow the model exactly).
     fn assert_reproduces_measurements(r: &TuneResult) {
         for p in &r.predictions {
@@ -1265,6 +1662,7 @@ mod tests {
                 let (draft_ms, verify_ms) = (2.0 + 5.0 * steps, 10.0 + 2.0 * (rows - 1.0));
                 MeasuredConfig {
                     label: format!("model k={k}"),
+                    variant: 0,
                     k,
                     tok_s: tokens * 1e3 / (draft_ms + verify_ms + 0.5),
                     cycles,
