@@ -163,12 +163,13 @@ pub static HEADS: &[RegistryHead] = &[
         target: "qwen2.5-coder-1.5b",
         description:
             "EAGLE-3 head for qwen2.5-coder-1.5b (self-distilled answers to general programming requests + \
-                      Python stdlib, then five stages of new tasks; trained on a GPU)",
-        // Six stages (scripts/train-head.sh): 9 + 10 + 9 minutes of data and training on an H100 for the first
-        // three (session 47), 10.7 + 9.8 for stages 4 and 5 (session 49), 9.2 for stage 6 (session 50). Rebuilt
-        // across sessions 53-57 (training on a GPU is not bit-reproducible: session 57's stage 6 has sha256
-        // 746ff332..., held-out 88.8 / 86.2 / 84.2 / 82.0% against session 50's 88.6 / 86.1 / 84.0 / 81.7%).
-        build_minutes: 58,
+                      Python stdlib, then five stages of new tasks and one of deeper unrolling; trained on a GPU)",
+        // Seven stages (scripts/train-head.sh): 9 + 10 + 9 minutes of data and training on an H100 for the first
+        // three (session 47), 10.7 + 9.8 for stages 4 and 5 (session 49), 9.2 for stage 6 (session 50), 5.6 for
+        // stage 7 (stage 6's data again, seven unrolled steps, session 57). Rebuilt across sessions 53-57
+        // (training on a GPU is not bit-reproducible: session 57's stage 6 has sha256 746ff332..., held-out 88.8 /
+        // 86.2 / 84.2 / 82.0% against session 50's 88.6 / 86.1 / 84.0 / 81.7%; its stage 7 9fdd6200...).
+        build_minutes: 64,
         build_on: "one H100 or H200, a build with --features train-cuda (scripts/build-train-cuda.sh)",
         build_command: "SPECULA_BIN=dist/specula-train-cuda scripts/train-head.sh qwen2.5-coder-1.5b-eagle3",
         // Measured on unseen code prompts with its default confidence bar (0.4) at k = 4 (docs/benchmarks.md,
@@ -179,11 +180,11 @@ pub static HEADS: &[RegistryHead] = &[
         draft_tokens: 4,
         wins_on_cpu: true,
         min_recorded_accuracy: None,
-        // On an H100 without a bar, the greedy chain on the device (docs/benchmarks.md, session 50): 2.23x plain
-        // at k = 3, 2.32-2.33x at k = 4, 2.41-2.42x at k = 5, 2.36-2.38x at k = 6 (2.84 / 3.07 / 3.34 / 3.44 tokens
-        // a cycle). Rebuilt in session 57 and held as Q4_K on the device: k = 4 / 5 / 6 2.35-2.37x / 2.49-2.50x /
-        // 2.45-2.48x (3.06 / 3.29 / 3.40 tokens a cycle), stage 5 2.25x at k = 5 in the same runs. A batched
-        // server sizes each stream's draft itself (up to this length).
+        // On an H100 without a bar, the greedy chain on the device, the head held as Q4_K (docs/benchmarks.md,
+        // session 57): stage 6 over three rounds k = 4 / 5 / 6 2.41x / 2.50x / 2.49x plain (3.06 / 3.29 / 3.40
+        // tokens a cycle; `--speculate` 2.50-2.51x); stage 7 beside it, two rounds each, k = 5 2.53 / 2.55x against
+        // 2.50 / 2.47x (3.35 against 3.29 tokens a cycle), k = 6 and 7 no better. On the CPU (bar 0.4) stages 6
+        // and 7 tie. A batched server sizes each stream's draft itself (up to this length).
         on_gpu: Some(GpuSettings {
             draft_tokens: 5,
             min_confidence: 0.0,
