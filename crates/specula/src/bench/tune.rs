@@ -144,6 +144,35 @@ fn variant_flags(drafters: &[&Value]) -> Vec<String> {
         .collect()
 }
 
+/// The columns of a chain's or a tree's predictions, after a first column `width` wide.
+fn model_header(s: &mut String, first: &str, width: usize) {
+    use std::fmt::Write as _;
+    let _ = writeln!(
+        s,
+        "{first:>width$} {:>10} {:>9} {:>10} {:>10} {:>10} {:>12} {:>12}",
+        "tokens/cyc", "draft_ms", "verify_ms", "cycle_ms", "predicted", "measured", "pred/plain"
+    );
+}
+
+/// One prediction row: tokens a cycle, draft / verify / cycle ms and predicted tok/s, the measurement if any, and
+/// the ratio to plain decoding.
+fn model_row(
+    s: &mut String,
+    first: &str,
+    width: usize,
+    [tokens, draft, verify, cycle, predicted]: [f64; 5],
+    measured: Option<f64>,
+    ratio: f64,
+) {
+    use std::fmt::Write as _;
+    let measured = measured.map_or_else(|| "-".into(), |m| format!("{m:.2}"));
+    let _ = writeln!(
+        s,
+        "{first:>width$} {tokens:>10.2} {draft:>9.1} {verify:>10.1} {cycle:>10.1} {predicted:>10.2} {measured:>12} \
+         {ratio:>11.2}x"
+    );
+}
+
 /// Text safe inside an SVG element.
 fn xml_escape(text: &str) -> String {
     text.replace('&', "&amp;")
@@ -1049,30 +1078,22 @@ impl TuneResult {
                 .max()
                 .unwrap_or(0)
                 .max(4);
-            let _ = writeln!(
-                s,
-                "{:<width$} {:>10} {:>9} {:>10} {:>10} {:>10} {:>12} {:>12}",
-                "tree",
-                "tokens/cyc",
-                "draft_ms",
-                "verify_ms",
-                "cycle_ms",
-                "predicted",
-                "measured",
-                "pred/plain"
-            );
+            // Tree labels read from the left.
+            model_header(&mut s, &format!("{:<width$}", "tree"), width);
             for t in &self.trees {
-                let _ = writeln!(
-                    s,
-                    "{:<width$} {:>10.2} {:>9.1} {:>10.1} {:>10.1} {:>10.2} {:>12.2} {:>11.2}x",
-                    t.label,
-                    t.tokens_per_cycle,
-                    t.draft_ms,
-                    t.verify_ms,
-                    t.cycle_ms,
-                    t.tok_s,
-                    t.measured_tok_s,
-                    t.tok_s / self.plain_predicted_tok_s
+                model_row(
+                    &mut s,
+                    &format!("{:<width$}", t.label),
+                    width,
+                    [
+                        t.tokens_per_cycle,
+                        t.draft_ms,
+                        t.verify_ms,
+                        t.cycle_ms,
+                        t.tok_s,
+                    ],
+                    Some(t.measured_tok_s),
+                    t.tok_s / self.plain_predicted_tok_s,
                 );
             }
         }
@@ -1144,32 +1165,21 @@ impl TuneResult {
             chain.overhead_ms.intercept,
             chain.overhead_ms.slope
         );
-        let _ = writeln!(
-            s,
-            "{:>3} {:>10} {:>9} {:>10} {:>10} {:>10} {:>12} {:>12}",
-            "k",
-            "tokens/cyc",
-            "draft_ms",
-            "verify_ms",
-            "cycle_ms",
-            "predicted",
-            "measured",
-            "pred/plain"
-        );
+        model_header(s, "k", 3);
         for p in &chain.predictions {
-            let _ = writeln!(
+            model_row(
                 s,
-                "{:>3} {:>10.2} {:>9.1} {:>10.1} {:>10.1} {:>10.2} {:>12} {:>11.2}x",
-                p.k,
-                p.tokens_per_cycle,
-                p.draft_ms,
-                p.verify_ms,
-                p.cycle_ms,
-                p.tok_s,
-                p.measured_tok_s
-                    .map(|m| format!("{m:.2}"))
-                    .unwrap_or_else(|| "-".into()),
-                p.tok_s / self.plain_predicted_tok_s
+                &p.k.to_string(),
+                3,
+                [
+                    p.tokens_per_cycle,
+                    p.draft_ms,
+                    p.verify_ms,
+                    p.cycle_ms,
+                    p.tok_s,
+                ],
+                p.measured_tok_s,
+                p.tok_s / self.plain_predicted_tok_s,
             );
         }
     }
