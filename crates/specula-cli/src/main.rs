@@ -32,8 +32,9 @@ enum Command {
     Models,
     /// Compare plain decoding and speculative configurations (draft lengths) on a prompts file, side by side.
     Bench(bench::BenchArgs),
-    /// Fit the speculative cost model to a bench run: predicted vs measured tok/s per draft length, the
-    /// recommended length, and which term makes speculation lose when it does.
+    /// Fit the speculative cost model to a bench run: predicted vs measured tok/s per draft length (each drafter
+    /// variant and tree shape of the run on one scale), what to run, and which term makes speculation lose when it
+    /// does.
     Tune(bench::TuneArgs),
     /// Measure the profiler's own cost: the same generation with profiling off, on, and fine, interleaved.
     ProfileOverhead(overhead::OverheadArgs),
