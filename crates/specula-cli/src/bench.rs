@@ -226,7 +226,11 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
                 let name = std::path::Path::new(dir)
                     .file_name()
                     .map_or(dir.to_string(), |n| n.to_string_lossy().into_owned());
-                Ok((name, crate::generate::load_eagle3(dir, &target)?))
+                Ok((
+                    name,
+                    dir.to_string(),
+                    crate::generate::load_eagle3(dir, &target)?,
+                ))
             })
             .collect::<anyhow::Result<Vec<_>>>()?,
         _ => Vec::new(),
@@ -244,7 +248,14 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         target: target.model.as_ref(),
         tokenizer: &target.tokenizer,
         draft: draft.as_ref().map(|d| d.model.as_ref()),
-        eagle3: eagle3.iter().map(|(n, h)| (n.clone(), h)).collect(),
+        eagle3: eagle3
+            .iter()
+            .map(|(name, source, head)| specula::bench::BenchHead {
+                name: name.clone(),
+                source: source.clone(),
+                head,
+            })
+            .collect(),
         draft_tokens: if methods.iter().any(DraftMethod::is_chain) {
             ks
         } else {
@@ -289,7 +300,7 @@ pub fn run_bench(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         let Some(DraftMethod::Eagle3 { head, .. }) = config.drafter else {
             continue;
         };
-        if let Some(w) = eagle3.get(head).and_then(|(_, h)| {
+        if let Some(w) = eagle3.get(head).and_then(|(_, _, h)| {
             c.speculation
                 .as_ref()
                 .and_then(|s| specula::draft::eagle3::check::acceptance_warning(h, s))

@@ -594,6 +594,37 @@ fn bench_compares_several_heads_in_one_run() {
     // different amounts (each bench config drafted with its own head).
     let drafted = |i: usize| configs[i]["speculation"]["drafted"].clone();
     assert_ne!(drafted(2), drafted(4), "{b}");
+    // Each config also says what --draft-model named its head as, and tune's variants run again by that.
+    assert_eq!(configs[1]["drafter"]["draft_model_source"], head.as_str());
+    assert_eq!(
+        configs[3]["drafter"]["draft_model_source"],
+        other.to_str().unwrap()
+    );
+    let tune_json = dir.path().join("tune.json");
+    ok(&[
+        "tune",
+        "--from-bench",
+        json.to_str().unwrap(),
+        "--tune-json",
+        tune_json.to_str().unwrap(),
+        "--plot",
+        dir.path().join("tune.svg").to_str().unwrap(),
+    ]);
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tune_json).unwrap()).unwrap();
+    let chains = t["chains"].as_array().unwrap();
+    assert_eq!(chains.len(), 4, "two heads x two bars: {t}");
+    let other_source = other.to_str().unwrap().to_string();
+    for (c, source) in chains
+        .iter()
+        .zip([&head, &head, &other_source, &other_source])
+    {
+        let flags = c["flags"].as_str().unwrap();
+        assert!(
+            flags.contains(&format!("--draft-model {source}")),
+            "{flags}"
+        );
+    }
     // A head list with a hole is refused by name.
     let out = specula(&[
         "bench",

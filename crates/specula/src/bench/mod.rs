@@ -7,8 +7,8 @@ pub mod verify_cost;
 
 pub use prompts::{read_prompts, BadLines, BenchPrompt};
 pub use run::{
-    check_repetitions, run_bench, BenchConfig, BenchReport, BenchSpec, ConfigResult, DraftMethod,
-    Progress,
+    check_repetitions, run_bench, BenchConfig, BenchHead, BenchReport, BenchSpec, ConfigResult,
+    DraftMethod, Progress,
 };
 pub use tune::{tune, TuneInput, TuneResult};
 pub use verify_cost::{measure_forward_ms, measure_verify_cost, VerifyCost};

@@ -177,13 +177,21 @@ pub struct BenchConfig {
     pub k: usize,
 }
 
+/// An EAGLE-3 head a bench runs: the name tables show it by, and what `--draft-model` named it as (a registry
+/// name or a path: what reports and tune's recommendations give back to run it again).
+pub struct BenchHead<'a> {
+    pub name: String,
+    pub source: String,
+    pub head: &'a crate::draft::eagle3::Eagle3Head,
+}
+
 pub struct BenchSpec<'a> {
     pub target: &'a dyn Model,
     pub tokenizer: &'a Tokenizer,
     /// The draft model, for `DraftMethod::Model`.
     pub draft: Option<&'a dyn Model>,
-    /// The EAGLE-3 heads `DraftMethod::Eagle3` indexes, each with the name tables show it by.
-    pub eagle3: Vec<(String, &'a crate::draft::eagle3::Eagle3Head)>,
+    /// The EAGLE-3 heads `DraftMethod::Eagle3` indexes.
+    pub eagle3: Vec<BenchHead<'a>>,
     /// Drafter variants to compare (each chain at every draft length, each tree once); empty runs plain decoding
     /// only.
     pub methods: Vec<DraftMethod>,
@@ -514,8 +522,8 @@ pub fn configs(spec: &BenchSpec<'_>) -> Vec<BenchConfig> {
         };
         // Several heads: each configuration says whose it is.
         if let (DraftMethod::Eagle3 { head, .. }, true) = (method, spec.eagle3.len() > 1) {
-            if let Some((head_name, _)) = spec.eagle3.get(*head) {
-                name = format!("{name} [{head_name}]");
+            if let Some(h) = spec.eagle3.get(*head) {
+                name = format!("{name} [{}]", h.name);
             }
         }
         for k in method.draft_lengths(&spec.draft_tokens) {
@@ -587,7 +595,7 @@ pub fn validate(spec: &BenchSpec<'_>) -> Result<()> {
     }
     for method in &spec.methods {
         if let DraftMethod::Eagle3 { head, .. } = *method {
-            let (_, head) = spec.eagle3.get(head).ok_or_else(|| {
+            let head = spec.eagle3.get(head).map(|h| h.head).ok_or_else(|| {
                 Error::InvalidArgument(format!(
                     "the eagle3 drafting method needs EAGLE-3 head {head} of {} given",
                     spec.eagle3.len()
@@ -635,8 +643,9 @@ pub fn run_bench(
             drafter: c.drafter.map(|d| {
                 let mut json = d.settings_json();
                 if let DraftMethod::Eagle3 { head, .. } = d {
-                    if let Some((name, _)) = spec.eagle3.get(head) {
-                        json["draft_model"] = name.clone().into();
+                    if let Some(h) = spec.eagle3.get(head) {
+                        json["draft_model"] = h.name.clone().into();
+                        json["draft_model_source"] = h.source.clone().into();
                     }
                 }
                 json
@@ -719,7 +728,7 @@ pub fn run_bench(
                             head,
                         }),
                     ) => {
-                        let (_, head) = spec.eagle3.get(head).ok_or_else(|| {
+                        let head = spec.eagle3.get(head).map(|h| h.head).ok_or_else(|| {
                             Error::InvalidArgument(format!("no EAGLE-3 head {head}"))
                         })?;
                         let d = crate::draft::eagle3::Eagle3Drafter::new(

@@ -118,7 +118,12 @@ fn variant_flags(drafters: &[&Value]) -> Vec<String> {
         ("ngram_min", "--ngram-min"),
         ("ngram_max", "--ngram-max"),
     ];
-    let value = |d: &Value, key: &str| d.get(key).cloned().unwrap_or(Value::Null);
+    // A head runs again by what `--draft-model` named it as (its source: a registry name or a path); reports
+    // before that key was written have only the name tables show.
+    let value = |d: &Value, key: &str| match (key, d.get("draft_model_source")) {
+        ("draft_model", Some(source)) if !source.is_null() => source.clone(),
+        _ => d.get(key).cloned().unwrap_or(Value::Null),
+    };
     drafters
         .iter()
         .map(|d| {
