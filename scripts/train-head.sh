@@ -4,7 +4,7 @@
 #
 #   DEVICE=cuda scripts/train-head.sh smollm2-135m-eagle3      # a GPU build (the registry head): five stages, ~20 min
 #   scripts/train-head.sh smollm2-135m-eagle3                  # this CPU, ~75 minutes: a weaker head (1.01x plain)
-#   scripts/train-head.sh qwen2.5-coder-1.5b-eagle3            # needs a GPU: see below (six stages)
+#   scripts/train-head.sh qwen2.5-coder-1.5b-eagle3            # needs a GPU: see below (seven stages)
 #
 # Extra arguments go to `specula train-eagle3` (e.g. --max-minutes 9 to stop with a usable head, then rerun to
 # resume). SPECULA_BIN names a prebuilt binary (no cargo build), e.g. on a GPU machine without Rust.
@@ -69,7 +69,7 @@ case "$name" in
     # stage k > 1 starts from stage k-1's head (--init-head) at a lower learning rate for two epochs on 6000
     # requests of the second set of general tasks (--source general2: tasks stage 1 never saw; stage k takes that
     # set's requests 6000 (k - 2) to 6000 (k - 1)). Stage k lives in heads/NAME.stage<k>; the last stage's head is
-    # copied to heads/NAME. STAGES (default 6) sets how many; STAGE=k runs one stage (its data, then its
+    # copied to heads/NAME. STAGES (default 7) sets how many; STAGE=k runs one stage (its data, then its
     # training); BATCH sets sequences a step (default 4), EPOCHS a stage's epochs, STAGE_LR stage k > 1's rate,
     # TTT_STEPS the unrolled steps (default 4; a head drafting k = 5 on a GPU never trained its fifth position).
     # Measured on code.jsonl (unseen), H100, k = 4 (docs/benchmarks.md, session 47): stage 1 2.48 tokens a
