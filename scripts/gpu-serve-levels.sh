@@ -7,6 +7,7 @@
 # head-kN: the head drafting at most N tokens (head and head-old: 3), e.g. CONFIGS="plain head-k4 head-k5 plain".
 # Suffixes, any order: +staged runs wide passes through the staged GEMM tile (SPECULA_CUDA_GEMM=staged
 # SPECULA_CUDA_GEMM_ROWS=17), +norule drafts where the payoff rule judged no gain (SPECULA_PAYOFF_STOPS_DRAFTS=0),
+# +timed times the step shapes at startup and seeds the draft budget's prices with them (SPECULA_TIME_STEPS=1),
 # e.g. CONFIGS="plain head-k5 head-k5+norule plain+staged head-k5+staged".
 # WARMUP=1 sends a short burst at every level first (CUDA graphs of each batch shape); WARMUP=0 measures cold.
 set -uo pipefail
@@ -18,10 +19,11 @@ e3="--draft eagle3 --draft-model $head --draft-tokens 3 --draft-confidence 0"
 port=8900; run=0
 for name in ${CONFIGS:-plain head-old head head-old head plain}; do
     run=$((run + 1)); port=$((port + 1))
-    flags=""; old_prefill=""; old_prefix=1; gemm=""; gemm_rows=""; stops=""
+    flags=""; old_prefill=""; old_prefix=1; gemm=""; gemm_rows=""; stops=""; timed=""
     base="${name%%+*}"
     case "$name" in *+staged*) gemm=staged; gemm_rows=17 ;; esac
     case "$name" in *+norule*) stops=0 ;; esac
+    case "$name" in *+timed*) timed=1 ;; esac
     case "$base" in
         plain) ;;
         head) flags="$e3" ;;
@@ -31,7 +33,7 @@ for name in ${CONFIGS:-plain head-old head head-old head plain}; do
     esac
     tag="$run-$name"
     # shellcheck disable=SC2086
-    SPECULA_CUDA_GEMM=$gemm SPECULA_CUDA_GEMM_ROWS=$gemm_rows SPECULA_PAYOFF_STOPS_DRAFTS=$stops \
+    SPECULA_CUDA_GEMM=$gemm SPECULA_CUDA_GEMM_ROWS=$gemm_rows SPECULA_PAYOFF_STOPS_DRAFTS=$stops SPECULA_TIME_STEPS=$timed \
     SPECULA_BUDGET_PREFILL=$old_prefill SPECULA_PREFIX_OVER_DRAFTER=$old_prefix "$bin" serve -m qwen2.5-coder-1.5b \
         --device cuda --port "$port" --max-batch 32 $flags > "$out/serve-$tag.log" 2>&1 &
     pid=$!

@@ -319,7 +319,11 @@ const JSON_SCHEMAS_KEPT: usize = 32;
 /// Prepares the target's steps before the server takes requests ([`specula::model::Model::prepare_steps`]: on a
 /// GPU, its step buffers at their final size and a CUDA graph for every decoding and verifying row count), so a
 /// load level's first steps do not pay for it. A failure only costs that: the steps prepare themselves on demand.
-fn prepare_steps(model: &LoadedModel, draft: &DraftSetup, options: &EngineOptions) {
+fn prepare_steps(
+    model: &LoadedModel,
+    draft: &DraftSetup,
+    options: &EngineOptions,
+) -> Vec<(usize, f64)> {
     let config = model.model.config();
     let mut capture = match draft {
         DraftSetup::Eagle3(head, _, _) => head
@@ -341,7 +345,17 @@ fn prepare_steps(model: &LoadedModel, draft: &DraftSetup, options: &EngineOption
         vocab_limit: None,
         last_row_logits_only: false,
     };
-    prepare(model, &shapes, "the target");
+    let prepared = prepare(model, &shapes, "the target");
+    // With SPECULA_TIME_STEPS=1 (to compare; not yet measured on a device), a device whose steps were prepared
+    // also times its decoding and verifying steps at 1, 2, 4, ... requests, undrafted and drafting the most, so
+    // the draft budget prices a load's first wide drafted steps from a measurement instead of extrapolating
+    // from narrow ones (session 57, H100, 16 streams: 96-row verifies took 6 ms against 1.9 for 16 rows, and
+    // the first wave's drafted steps ran ~1 ms over their price).
+    let seeds = if prepared > 0 && speculating && time_steps_enabled() {
+        time_steps(model, &capture, batch, rows_per_request)
+    } else {
+        Vec::new()
+    };
     // Requests admitted past --spec-disable-batch-size (or the automatic cap) have no drafter: batches of only them
     // capture nothing.
     let capped = options.spec_disable_batch_size.is_some()
@@ -367,20 +381,73 @@ fn prepare_steps(model: &LoadedModel, draft: &DraftSetup, options: &EngineOption
         };
         prepare(d, &shapes, "the draft model");
     }
+    seeds
 }
 
-/// Prepares `model`'s `shapes`, saying what it did; a failure is only a warning.
-fn prepare(model: &LoadedModel, shapes: &specula::model::StepShapes<'_>, what: &str) {
+/// Whether the engine times its step shapes before serving (`SPECULA_TIME_STEPS=1`; off by default).
+fn time_steps_enabled() -> bool {
+    std::env::var("SPECULA_TIME_STEPS").is_ok_and(|v| v == "1")
+}
+
+/// The target's steps of 1, 2, 4, ... up to `batch` requests, each undrafted and drafting `rows_per_request - 1`
+/// tokens, timed ([`specula::model::time_step_shapes`]): (rows, seconds) for the draft budget. A failure is only
+/// a warning (the budget then learns the prices from the server's own steps).
+fn time_steps(
+    model: &LoadedModel,
+    capture: &[usize],
+    batch: usize,
+    rows_per_request: usize,
+) -> Vec<(usize, f64)> {
+    let mut requests: Vec<usize> = std::iter::successors(Some(1usize), |n| n.checked_mul(2))
+        .take_while(|&n| n < batch)
+        .collect();
+    requests.push(batch);
+    let mut shapes: Vec<(usize, usize)> = Vec::new();
+    for &n in &requests {
+        for rows in [1, rows_per_request] {
+            if !shapes.contains(&(n, rows)) {
+                shapes.push((n, rows));
+            }
+        }
+    }
+    let started = Instant::now();
+    match specula::model::time_step_shapes(model.model.as_ref(), &shapes, capture, 3) {
+        Ok(timed) => {
+            let list: Vec<String> = timed
+                .iter()
+                .map(|(rows, s)| format!("{rows}:{:.2}", s * 1e3))
+                .collect();
+            eprintln!(
+                "timed {} step shapes of the target in {:.2} s (rows:ms {})",
+                timed.len(),
+                started.elapsed().as_secs_f64(),
+                list.join(" ")
+            );
+            timed
+        }
+        Err(e) => {
+            eprintln!("warning: timing the target's steps failed ({e}); the budget learns them from serving");
+            Vec::new()
+        }
+    }
+}
+
+/// Prepares `model`'s `shapes`, saying what it did; a failure is only a warning. Returns the shapes prepared.
+fn prepare(model: &LoadedModel, shapes: &specula::model::StepShapes<'_>, what: &str) -> usize {
     let started = Instant::now();
     match model.model.prepare_steps(shapes) {
-        Ok(0) => {}
-        Ok(n) => eprintln!(
-            "prepared {n} step shapes of {what} on {} in {:.2} s",
-            model.model.device(),
-            started.elapsed().as_secs_f64()
-        ),
+        Ok(0) => 0,
+        Ok(n) => {
+            eprintln!(
+                "prepared {n} step shapes of {what} on {} in {:.2} s",
+                model.model.device(),
+                started.elapsed().as_secs_f64()
+            );
+            n
+        }
         Err(e) => {
-            eprintln!("warning: preparing {what}'s steps failed ({e}); they prepare on demand")
+            eprintln!("warning: preparing {what}'s steps failed ({e}); they prepare on demand");
+            0
         }
     }
 }
@@ -411,7 +478,7 @@ impl Engine {
         let tokenizer = model.tokenizer.clone();
         let chat_template = model.chat_template.clone();
         let vocab_size = model.model.config().vocab_size;
-        prepare_steps(&model, &draft, &options);
+        let step_seeds = prepare_steps(&model, &draft, &options);
         let engine_metrics = metrics.clone();
         let profiling: Profiling = Arc::default();
         let engine_profiling = profiling.clone();
@@ -429,7 +496,13 @@ impl Engine {
                     metrics: &engine_metrics,
                     profiling: &engine_profiling,
                     next_id: std::cell::Cell::new(0),
-                    budget: std::cell::RefCell::new(DraftBudget::new()),
+                    budget: std::cell::RefCell::new({
+                        let mut budget = DraftBudget::new();
+                        for (rows, seconds) in step_seeds {
+                            budget.seed_forward(rows, seconds);
+                        }
+                        budget
+                    }),
                     prefixes: std::cell::RefCell::new(PrefixCache::new()),
                     overlap,
                     carry: std::cell::RefCell::default(),

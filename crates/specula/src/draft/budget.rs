@@ -75,6 +75,23 @@ impl StepCostTable {
         Self::reprice(w, passes);
     }
 
+    /// A pass of `rows` rows timed before serving ([`DraftBudget::seed_forward`]): counted as seen (it is not a
+    /// graph capture) and kept as a sample of the current pass, so it prices its row count until passes of that
+    /// count arrive beside it and, [`Self::FRESH_PASSES`] passes later, replace it.
+    pub fn seed(&mut self, rows: usize, seconds: f64) {
+        if rows == 0 || !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        self.seen.insert(rows);
+        let passes = self.passes;
+        let w = self.by_rows.entry(rows).or_default();
+        if w.samples.len() == Self::WINDOW {
+            w.samples.pop_front();
+        }
+        w.samples.push_back((passes, seconds));
+        Self::reprice(w, passes);
+    }
+
     /// A row count's price at pass `passes`: the median of its samples taken within [`Self::FRESH_PASSES`]
     /// passes, or of all of them when none is that recent.
     fn reprice(w: &mut RowWindow, passes: u64) {
@@ -432,6 +449,19 @@ impl DraftBudget {
 
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A forward pass of `rows` rows timed before serving: its price until the server's own passes of that row
+    /// count replace it ([`StepCostTable::seed`]). Without it, the first wide drafted steps of a load are priced
+    /// by extrapolating from narrow ones (on an H100 at 16 streams: 96-row verifies took 6 ms where 16-row steps
+    /// took 1.9, and the first wave's drafted steps ran 1 ms over what the budget expected; session 57).
+    pub fn seed_forward(&mut self, rows: usize, seconds: f64) {
+        self.forward.seed(rows, seconds);
+    }
+
+    /// The forward pass's price at `rows` rows (None until two row counts are priced).
+    pub fn forward_seconds(&self, rows: f64) -> Option<f64> {
+        self.forward.seconds(rows)
     }
 
     /// The step's measurements: its forward pass over `rows` rows, its drafters' time `draft_s` for `drafted`
@@ -1408,6 +1438,46 @@ mod tests {
         assert_eq!(t.age(8), Some(0));
         assert!((t.seconds(8.0).unwrap() - 0.088).abs() < 1e-12);
         assert_eq!(t.age(5), None);
+    }
+
+    /// Passes timed before serving price their row counts at once (not taken for graph captures), so a first
+    /// wide drafted step is priced from a measurement rather than extrapolated from narrow steps; the server's
+    /// own passes of a seeded count outvote the seed, and after FRESH_PASSES replace it.
+    #[test]
+    fn seeded_row_counts_price_wide_steps_until_real_passes_replace_them() {
+        // The H100's 16-stream server (session 57): 16-row steps at 1.86 ms, 1-row at 1.28; 96-row verifies 6 ms.
+        let mut unseeded = StepCostTable::default();
+        for _ in 0..5 {
+            unseeded.observe(1, 1.28e-3);
+            unseeded.observe(16, 1.86e-3);
+        }
+        let extrapolated = unseeded.seconds(96.0).unwrap();
+        assert!(extrapolated < 5.0e-3, "{extrapolated}");
+        let mut b = DraftBudget::new();
+        assert_eq!(b.forward_seconds(16.0), None);
+        b.seed_forward(1, 1.28e-3);
+        b.seed_forward(16, 1.86e-3);
+        b.seed_forward(96, 6.0e-3);
+        // Priced at once: no first pass is dropped for a seed.
+        assert!((b.forward_seconds(96.0).unwrap() - 6.0e-3).abs() < 1e-12);
+        assert!((b.forward_seconds(56.0).unwrap() - (1.86e-3 + 4.14e-3 / 2.0)).abs() < 1e-12);
+        // Bad seeds are ignored.
+        b.seed_forward(0, 1.0);
+        b.seed_forward(8, f64::NAN);
+        b.seed_forward(8, -1.0);
+        assert!(b.forward.age(8).is_none());
+        // The server's own 96-row passes (the timed passes captured the shape's graph, so the first one counts
+        // too) join the seed and outvote it...
+        for _ in 0..3 {
+            b.observe_step(96, 5.0e-3, 0, 0, 0, 0.0, 0.0);
+        }
+        assert!((b.forward_seconds(96.0).unwrap() - 5.0e-3).abs() < 1e-12);
+        // ...and once the seed is stale, it is gone.
+        for _ in 0..StepCostTable::FRESH_PASSES {
+            b.observe_step(16, 1.86e-3, 0, 0, 0, 0.0, 0.0);
+        }
+        b.observe_step(96, 5.5e-3, 0, 0, 0, 0.0, 0.0);
+        assert!((b.forward_seconds(96.0).unwrap() - 5.5e-3).abs() < 1e-12);
     }
 
     /// Session 20's 8-stream CPU server: undrafted 8-row passes measured at 127 ms in a slow minute, then only

@@ -163,6 +163,59 @@ pub fn run_step_shapes(
     Ok(last)
 }
 
+/// Times the server's decoding and verifying steps before it serves: for each `(sequences, rows)` in `shapes`, a
+/// forward pass of `sequences` sequences of `rows` new rows each with logits for every row (what a step of that
+/// many requests drafting `rows - 1` tokens each verifies), its top tokens read back as a server's step reads
+/// them; one untimed pass first (on a GPU it captures the shape's graph), then the median of `repeats` timed
+/// ones, each in caches made before the clock starts. Returns (rows of the step, seconds) per shape; shapes past
+/// the context or with nothing to run are left out. The draft budget prices a step by its rows
+/// ([`crate::draft::budget::DraftBudget::seed_forward`]).
+pub fn time_step_shapes(
+    model: &dyn Model,
+    shapes: &[(usize, usize)],
+    capture_layers: &[usize],
+    repeats: usize,
+) -> Result<Vec<(usize, f64)>> {
+    let context = model.config().context_length;
+    let opts = ForwardOptions {
+        capture_layers,
+        vocab_limit: None,
+    };
+    let prof = Profiler::disabled();
+    let mut timed = Vec::new();
+    for &(sequences, rows) in shapes {
+        if sequences == 0 || rows == 0 || rows > context {
+            continue;
+        }
+        let tokens = vec![0u32; rows];
+        let mut samples = Vec::with_capacity(repeats);
+        for pass in 0..=repeats.max(1) {
+            let mut caches = (0..sequences)
+                .map(|_| model.new_cache(rows))
+                .collect::<Result<Vec<_>>>()?;
+            let mut batch: Vec<SequenceInput<'_>> = caches
+                .iter_mut()
+                .map(|cache| SequenceInput {
+                    tokens: &tokens,
+                    cache: cache.as_mut(),
+                    logits: LogitsFor::All,
+                    tree: None,
+                })
+                .collect();
+            let started = std::time::Instant::now();
+            for out in model.forward(&mut batch, &opts, &prof)? {
+                out.logits.top_tokens()?;
+            }
+            if pass > 0 {
+                samples.push(started.elapsed().as_secs_f64());
+            }
+        }
+        samples.sort_by(f64::total_cmp);
+        timed.push((sequences * rows, samples[samples.len() / 2]));
+    }
+    Ok(timed)
+}
+
 impl dyn Model + '_ {
     /// A cache for a generation of `max_new_tokens` after a prompt of `prompt_tokens`, with room for a verify
     /// pass of `draft_tokens` past the last token, capped at the context length.
@@ -603,6 +656,25 @@ pub struct KernelCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Timed step shapes: one entry per runnable shape, at its step's rows, each a positive time; shapes past the
+    /// context or empty are left out.
+    #[test]
+    fn step_shapes_are_timed_at_their_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        crate::testing::write_tiny_gguf(&path, &crate::testing::TinySpec::default()).unwrap();
+        let loaded = crate::model::load_gguf(&path, "t").unwrap();
+        let model = loaded.model.as_ref();
+        let context = model.config().context_length;
+        let timed =
+            time_step_shapes(model, &[(1, 1), (4, 3), (0, 2), (2, context + 1)], &[], 2).unwrap();
+        assert_eq!(timed.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 12]);
+        assert!(
+            timed.iter().all(|t| t.1 > 0.0 && t.1.is_finite()),
+            "{timed:?}"
+        );
+    }
 
     /// The default `top_tokens` is the host's argmax and softmax probability of each row.
     #[test]

@@ -20,8 +20,8 @@ use crate::tokenizer::Tokenizer;
 pub use crate::backend::Device;
 pub use config::Config;
 pub use forward::{
-    run_step_shapes, ForwardOptions, ForwardOutput, LogitsFor, Model, RowMatrix, SequenceCache,
-    SequenceInput, StepShapes, TreeMask,
+    run_step_shapes, time_step_shapes, ForwardOptions, ForwardOutput, LogitsFor, Model, RowMatrix,
+    SequenceCache, SequenceInput, StepShapes, TreeMask,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
