@@ -1531,36 +1531,56 @@ mod tests {
         assert_eq!(r.recommendation, "plain decoding");
     }
 
+    /// A config of a drafter that stops early on the synthetic machine: position i drafted in `d(i)` of cycles and
+    /// accepted in `d(i) * accept^(i+1)`, drafting `draft_ms.0 + draft_ms.1 x steps`, verify 10 + 2 (rows - 1) ms.
+    fn early_stopping_config(
+        label: &str,
+        variant: usize,
+        k: usize,
+        d: &dyn Fn(usize) -> f64,
+        accept: f64,
+        draft_ms: (f64, f64),
+    ) -> MeasuredConfig {
+        let cycles = 100.0;
+        let drafted: Vec<f64> = (0..k).map(|i| cycles * d(i)).collect();
+        let accepted: Vec<f64> = (0..k)
+            .map(|i| cycles * d(i) * accept.powi(i as i32 + 1))
+            .collect();
+        let tokens = 1.0 + accepted.iter().sum::<f64>() / cycles;
+        let rows = 1.0 + drafted.iter().sum::<f64>() / cycles;
+        let steps = 1.0 + (0..k - 1).map(d).sum::<f64>();
+        let (draft_ms, verify_ms) = (draft_ms.0 + draft_ms.1 * steps, 10.0 + 2.0 * (rows - 1.0));
+        MeasuredConfig {
+            label: format!("{label} k={k}"),
+            variant,
+            k,
+            tok_s: tokens * 1e3 / (draft_ms + verify_ms + 0.5),
+            cycles,
+            draft_ms,
+            verify_ms,
+            overhead_ms: 0.5,
+            drafted_per_position: drafted,
+            accepted_per_position: accepted,
+        }
+    }
+
     /// Two chain variants in one report (a drafter without a bar, and one whose bar stops it early at half the
     /// draft cost a step): each is fitted on its own configs, both reproduce their measurements exactly on the
     /// shared verify line, and the faster one is recommended with the flags that run it.
     #[test]
     fn chain_variants_are_fitted_apart_and_the_winner_recommended_with_its_flags() {
         let mut inp = input(1.0, 0.8);
-        let cycles = 100.0;
         // The barred variant drafts position i in 0.8^i of cycles and accepts 0.9 of what it drafts there.
         let d = |i: usize| 0.8f64.powi(i as i32);
         for k in 1..=4 {
-            let drafted: Vec<f64> = (0..k).map(|i| cycles * d(i)).collect();
-            let accepted: Vec<f64> = (0..k)
-                .map(|i| cycles * d(i) * 0.9f64.powi(i as i32 + 1))
-                .collect();
-            let tokens = 1.0 + accepted.iter().sum::<f64>() / cycles;
-            let rows = 1.0 + drafted.iter().sum::<f64>() / cycles;
-            let steps = 1.0 + (0..k - 1).map(d).sum::<f64>();
-            let (draft_ms, verify_ms) = (0.5 * steps, 10.0 + 2.0 * (rows - 1.0));
-            inp.configs.push(MeasuredConfig {
-                label: format!("model conf>=0.5 k={k}"),
-                variant: 1,
+            inp.configs.push(early_stopping_config(
+                "model conf>=0.5",
+                1,
                 k,
-                tok_s: tokens * 1e3 / (draft_ms + verify_ms + 0.5),
-                cycles,
-                draft_ms,
-                verify_ms,
-                overhead_ms: 0.5,
-                drafted_per_position: drafted,
-                accepted_per_position: accepted,
-            });
+                &d,
+                0.9,
+                (0.0, 0.5),
+            ));
         }
         inp.variants = vec![
             ChainVariant {
@@ -1663,31 +1683,9 @@ mod tests {
     /// model, fitting draft cost against draft steps, reproduces every measurement exactly.
     #[test]
     fn model_reproduces_a_drafter_that_stops_early() {
-        let cycles = 100.0;
         let d = |i: usize| 0.9 * 0.8f64.powi(i as i32);
         let configs = (1..=5)
-            .map(|k| {
-                let drafted: Vec<f64> = (0..k).map(|i| cycles * d(i)).collect();
-                let accepted: Vec<f64> = (0..k)
-                    .map(|i| cycles * d(i) * 0.7f64.powi(i as i32 + 1))
-                    .collect();
-                let tokens = 1.0 + accepted.iter().sum::<f64>() / cycles;
-                let rows = 1.0 + drafted.iter().sum::<f64>() / cycles;
-                let steps = 1.0 + (0..k - 1).map(d).sum::<f64>();
-                let (draft_ms, verify_ms) = (2.0 + 5.0 * steps, 10.0 + 2.0 * (rows - 1.0));
-                MeasuredConfig {
-                    label: format!("model k={k}"),
-                    variant: 0,
-                    k,
-                    tok_s: tokens * 1e3 / (draft_ms + verify_ms + 0.5),
-                    cycles,
-                    draft_ms,
-                    verify_ms,
-                    overhead_ms: 0.5,
-                    drafted_per_position: drafted,
-                    accepted_per_position: accepted,
-                }
-            })
+            .map(|k| early_stopping_config("model", 0, k, &d, 0.7, (2.0, 5.0)))
             .collect();
         let r = tune(&synthetic_input(configs));
         assert!((r.draft_ms.slope - 5.0).abs() < 1e-9 && (r.draft_ms.intercept - 2.0).abs() < 1e-9);
