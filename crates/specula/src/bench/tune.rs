@@ -302,10 +302,13 @@ impl TuneInput {
                     .and_then(Value::as_str)
                     .unwrap_or("?")
                     .to_string(),
-                variant: variants
-                    .iter()
-                    .position(|&d| d == drafter)
-                    .expect("every chain's drafter is a variant"),
+                // Every chain's drafter was collected as a variant above; a report this reader cannot pair
+                // up is an input error, not a panic.
+                variant: variants.iter().position(|&d| d == drafter).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "bench report: a chain config's drafter {drafter} matches no variant"
+                    ))
+                })?,
                 k: draft_length(c)?,
                 tok_s: num(c, "decode_tok_s")?,
                 cycles: num(c, "cycles")?,
