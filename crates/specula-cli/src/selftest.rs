@@ -362,9 +362,13 @@ fn eagle3_head_checks(
     const TREE_TOP_K: usize = 4;
     let (reference, top_ref, _) = passes(&cpu)?;
     let (other, top_other, ranked_other) = passes(placed.compute())?;
-    // Three sequences' passes at once (a server's requests drafting together) against each alone: fed rows of
-    // different lengths, then one chain step each.
-    let lens = [n, n - 1, 1];
+    // Sequences' passes at once (a server's requests drafting together) against each alone: fed rows of
+    // different lengths, then one chain step each; more rows in all than a device head's batched pass takes (64),
+    // so a round splits into several batched passes.
+    let mut lens = vec![n, n - 1, 1];
+    while lens.iter().sum::<usize>() <= 80 {
+        lens.push(lens.len() % n + 1);
+    }
     let width = 3 * cpu.config.target_hidden;
     let batched = |compute: &dyn HeadCompute| -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
         let want = HeadWant::default();
@@ -430,7 +434,11 @@ fn eagle3_head_checks(
     let batched_check = if batching {
         let (alone, together) = batched(placed.compute())?;
         Some(bitwise(
-            &format!("eagle3 head on {device}: 3 sequences' passes batched = each alone"),
+            &format!(
+                "eagle3 head on {device}: {} sequences' passes ({} fed rows) batched = each alone",
+                lens.len(),
+                lens.iter().sum::<usize>()
+            ),
             &together,
             &alone,
         ))

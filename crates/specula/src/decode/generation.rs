@@ -998,7 +998,8 @@ fn draft_in_batches(
     batch: &mut [&mut Generation<'_>],
     live: &[usize],
     results: &mut [Result<()>],
-) {
+) -> (usize, usize) {
+    let (mut rounds, mut rows) = (0, 0);
     // Each generation's pass of this round, by index in `batch`.
     let mut pending: Vec<(usize, BatchedPass)> = Vec::new();
     let decoding = live
@@ -1032,7 +1033,12 @@ fn draft_in_batches(
             let sampling = g.req.sampling;
             if let Some(drafter) = g.drafter.as_mut() {
                 match drafter.batched_alone(&pass, &sampling) {
-                    Ok(Some(draft)) => g.prepared_draft = Some(draft),
+                    Ok(Some(draft)) => {
+                        // Drafted whole (a device chain): its first pass's rows, one round.
+                        rounds += 1;
+                        rows += pass.tokens.len();
+                        g.prepared_draft = Some(draft);
+                    }
                     Ok(None) => pending.push((i, pass)),
                     Err(e) => {
                         let _ = drafter.batched_finish();
@@ -1043,6 +1049,8 @@ fn draft_in_batches(
         }
     }
     while !pending.is_empty() {
+        rounds += 1;
+        rows += pending.iter().map(|(_, p)| p.tokens.len()).sum::<usize>();
         let outputs = {
             let mut passes = Vec::with_capacity(pending.len());
             let mut rest: &mut [&mut Generation<'_>] = batch;
@@ -1090,7 +1098,7 @@ fn draft_in_batches(
                         "the batched draft pass failed: {message}"
                     )));
                 }
-                return;
+                return (rounds, rows);
             }
         };
         let mut next = Vec::with_capacity(pending.len());
@@ -1115,6 +1123,7 @@ fn draft_in_batches(
         }
         pending = next;
     }
+    (rounds, rows)
 }
 
 /// What one step did, for metrics and traces.
@@ -1126,6 +1135,10 @@ pub struct StepReport {
     pub rows: usize,
     /// Of those, prompt rows.
     pub prefill_rows: usize,
+    /// Rounds of batched draft passes before the forward ([`StepLimits::shared_head`]; 0 without one).
+    pub draft_rounds: usize,
+    /// Head rows those rounds fed, all sequences together (catch-up rows and drafted tokens).
+    pub draft_rows: usize,
 }
 
 /// Advances every generation of `batch` by one step with one forward pass of `model`: generations still
@@ -1205,7 +1218,8 @@ pub fn step_with(
         .filter(|_| live.iter().any(|&i| drafting(batch[i])))
     {
         let _s = prof.span(Phase::Draft);
-        draft_in_batches(model, head, batch, &live, &mut results);
+        (report.draft_rounds, report.draft_rows) =
+            draft_in_batches(model, head, batch, &live, &mut results);
     }
 
     // Plan: decoding generations first, then prompt chunks within the budget.

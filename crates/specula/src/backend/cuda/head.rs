@@ -15,7 +15,7 @@ use super::model::{native_block, native_quant, HostMatrix};
 use super::ops::{self, alloc_split, gemv, ptr, split_rows, AttentionSplits, Matrix};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::backend::cpu::weights::Weight;
-use crate::draft::eagle3::compute::{check_pass, run_one_by_one, top_log_probs};
+use crate::draft::eagle3::compute::{check_pass, pass_groups, run_one_by_one, top_log_probs};
 use crate::draft::eagle3::{
     Eagle3Head, HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant,
 };
@@ -1108,119 +1108,10 @@ pub fn batched_passes_enabled() -> bool {
 }
 
 impl CudaHead {
-    /// A pass's inputs checked against each other, the head and its cache (on this GPU, with room, with a last
-    /// output when fed from it); the cache as the GPU head's.
-    fn checked_pass<'c>(
-        &self,
-        tokens: &[u32],
-        input: HeadInput<'_>,
-        rows: HeadRows<'_>,
-        cache: &'c mut dyn SequenceCache,
-    ) -> Result<&'c mut CudaHeadCache> {
-        let c = &self.layer;
-        check_pass(tokens, input, rows, self.target_hidden, c.hidden_size)?;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(Error::InvalidArgument(format!(
-                "token {bad} is outside the vocabulary of {}",
-                c.vocab_size
-            )));
-        }
-        let cache = cache
-            .as_any_mut()
-            .downcast_mut::<CudaHeadCache>()
-            .ok_or_else(|| {
-                Error::InvalidArgument("the EAGLE-3 head's cache belongs to another device".into())
-            })?;
-        if !Arc::ptr_eq(&cache.kv.gpu, &self.gpu) {
-            return Err(Error::InvalidArgument(
-                "the EAGLE-3 head's cache was made on another GPU".into(),
-            ));
-        }
-        if matches!(input, HeadInput::Last) && !cache.has_last {
-            return Err(Error::InvalidArgument(
-                "EAGLE-3 head pass fed from the last output before any pass".into(),
-            ));
-        }
-        let needed = cache.kv.len() + tokens.len();
-        if needed > cache.kv.capacity() {
-            return Err(Error::InvalidArgument(format!(
-                "the EAGLE-3 head's KV cache holds {} positions; {needed} needed",
-                cache.kv.capacity()
-            )));
-        }
-        Ok(cache)
-    }
-}
-
-impl HeadCompute for CudaHead {
-    fn held_as(&self) -> Option<String> {
-        let mut formats: Vec<&str> = Vec::new();
-        for m in [
-            &self.fc,
-            &self.wqkv_embed,
-            &self.wqkv_hidden,
-            &self.wo,
-            &self.w_gate_up,
-            &self.w_down,
-            &self.lm_head,
-        ] {
-            if !formats.contains(&m.format.name()) {
-                formats.push(m.format.name());
-            }
-        }
-        Some(formats.join("/"))
-    }
-
-    fn catch_up_piece(&self) -> usize {
-        // A pass of up to a chunk's rows costs about a one-row pass (all graphed): a 60-token prompt fed 8 rows a
-        // step held its request undrafted for 8 steps, each running a head pass anyway.
-        CHUNK_ROWS
-    }
-
-    fn catch_up_reach(&self) -> usize {
-        // Prompts of up to 2048 tokens, fed a chunk a step beside other requests: at the old reach (64) a request
-        // with a longer prompt never drafted beside others (the chat template alone is ~30 tokens).
-        crate::draft::eagle3::compute::reach_override().unwrap_or(32 * CHUNK_ROWS)
-    }
-
-    fn graphs_captured(&self) -> u64 {
-        self.captured.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn time_kernels(
-        &self,
-        work: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<Option<Vec<crate::profile::KernelTime>>> {
-        self.gpu.time_kernels(work).map(Some)
-    }
-
-    fn reads_device_features(&self) -> bool {
-        // Target features still in the target's step outputs on this GPU (the server's one device).
-        device_features_enabled()
-    }
-
-    fn device(&self) -> String {
-        self.gpu.name.clone()
-    }
-
-    /// Every sequence's rows in one pass (rows name their sequence's cache in the row table), when the passes
-    /// feed the same kind of input and fit one chunk; else one after the other.
-    fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
+    /// Passes of two or more sequences, of one input kind (features or last outputs) and at most a chunk of rows
+    /// in all, as one pass.
+    fn run_batched(&self, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
         let rows: usize = passes.iter().map(|p| p.tokens.len()).sum();
-        let kind = |p: &HeadPass<'_>| match p.input {
-            HeadInput::Features(_) | HeadInput::DeviceFeatures(_) => 0,
-            HeadInput::Hidden(_) => 1,
-            HeadInput::Last => 2,
-        };
-        let same_kind = passes.windows(2).all(|w| kind(&w[0]) == kind(&w[1]));
-        if !batched_passes_enabled()
-            || passes.len() < 2
-            || rows > CHUNK_ROWS
-            || !same_kind
-            || matches!(passes[0].input, HeadInput::Hidden(_))
-        {
-            return run_one_by_one(self, target, passes);
-        }
         let c = &self.layer;
         let h = c.hidden_size;
         let first_want = passes[0].want;
@@ -1349,6 +1240,130 @@ impl HeadCompute for CudaHead {
             }
             outs.push(out);
             row0 += n;
+        }
+        Ok(outs)
+    }
+
+    /// A pass's inputs checked against each other, the head and its cache (on this GPU, with room, with a last
+    /// output when fed from it); the cache as the GPU head's.
+    fn checked_pass<'c>(
+        &self,
+        tokens: &[u32],
+        input: HeadInput<'_>,
+        rows: HeadRows<'_>,
+        cache: &'c mut dyn SequenceCache,
+    ) -> Result<&'c mut CudaHeadCache> {
+        let c = &self.layer;
+        check_pass(tokens, input, rows, self.target_hidden, c.hidden_size)?;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::InvalidArgument(format!(
+                "token {bad} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        let cache = cache
+            .as_any_mut()
+            .downcast_mut::<CudaHeadCache>()
+            .ok_or_else(|| {
+                Error::InvalidArgument("the EAGLE-3 head's cache belongs to another device".into())
+            })?;
+        if !Arc::ptr_eq(&cache.kv.gpu, &self.gpu) {
+            return Err(Error::InvalidArgument(
+                "the EAGLE-3 head's cache was made on another GPU".into(),
+            ));
+        }
+        if matches!(input, HeadInput::Last) && !cache.has_last {
+            return Err(Error::InvalidArgument(
+                "EAGLE-3 head pass fed from the last output before any pass".into(),
+            ));
+        }
+        let needed = cache.kv.len() + tokens.len();
+        if needed > cache.kv.capacity() {
+            return Err(Error::InvalidArgument(format!(
+                "the EAGLE-3 head's KV cache holds {} positions; {needed} needed",
+                cache.kv.capacity()
+            )));
+        }
+        Ok(cache)
+    }
+}
+
+impl HeadCompute for CudaHead {
+    fn held_as(&self) -> Option<String> {
+        let mut formats: Vec<&str> = Vec::new();
+        for m in [
+            &self.fc,
+            &self.wqkv_embed,
+            &self.wqkv_hidden,
+            &self.wo,
+            &self.w_gate_up,
+            &self.w_down,
+            &self.lm_head,
+        ] {
+            if !formats.contains(&m.format.name()) {
+                formats.push(m.format.name());
+            }
+        }
+        Some(formats.join("/"))
+    }
+
+    fn catch_up_piece(&self) -> usize {
+        // A pass of up to a chunk's rows costs about a one-row pass (all graphed): a 60-token prompt fed 8 rows a
+        // step held its request undrafted for 8 steps, each running a head pass anyway.
+        CHUNK_ROWS
+    }
+
+    fn catch_up_reach(&self) -> usize {
+        // Prompts of up to 2048 tokens, fed a chunk a step beside other requests: at the old reach (64) a request
+        // with a longer prompt never drafted beside others (the chat template alone is ~30 tokens).
+        crate::draft::eagle3::compute::reach_override().unwrap_or(32 * CHUNK_ROWS)
+    }
+
+    fn graphs_captured(&self) -> u64 {
+        self.captured.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn time_kernels(
+        &self,
+        work: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Option<Vec<crate::profile::KernelTime>>> {
+        self.gpu.time_kernels(work).map(Some)
+    }
+
+    fn reads_device_features(&self) -> bool {
+        // Target features still in the target's step outputs on this GPU (the server's one device).
+        device_features_enabled()
+    }
+
+    fn device(&self) -> String {
+        self.gpu.name.clone()
+    }
+
+    /// Consecutive sequences' rows in one pass each (rows name their sequence's cache in the row table) where
+    /// they feed the same kind of input and fit one chunk together ([`pass_groups`]); a pass alone or fed
+    /// hidden rows runs by itself. Until session 58 a round over a chunk went pass by pass: on an H100 a
+    /// 16-stream server's catch-up rounds (16 requests, 2-7 rows each) took 0.6-2.2 ms of draft a step that way.
+    fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
+        if !batched_passes_enabled() || passes.len() < 2 {
+            return run_one_by_one(self, target, passes);
+        }
+        let rows: Vec<usize> = passes.iter().map(|p| p.tokens.len()).collect();
+        let kinds: Vec<u8> = passes
+            .iter()
+            .map(|p| match p.input {
+                HeadInput::Features(_) | HeadInput::DeviceFeatures(_) => 0,
+                HeadInput::Hidden(_) => 1,
+                HeadInput::Last => 2,
+            })
+            .collect();
+        let mut outs = Vec::with_capacity(passes.len());
+        for group in pass_groups(&rows, &kinds, CHUNK_ROWS) {
+            let group = &mut passes[group];
+            if group.len() == 1 || matches!(group[0].input, HeadInput::Hidden(_)) {
+                outs.extend(run_one_by_one(self, target, group)?);
+            } else {
+                outs.extend(self.run_batched(group)?);
+            }
         }
         Ok(outs)
     }
