@@ -675,9 +675,9 @@ pub fn step_together(
     model: &crate::model::LoadedModel,
     gens: &mut [crate::decode::Generation<'_>],
     limits: crate::decode::StepLimits<'_>,
-) {
+) -> crate::decode::StepReport {
     let mut refs: Vec<&mut crate::decode::Generation<'_>> = gens.iter_mut().collect();
-    let (results, _) = crate::decode::step(
+    let (results, report) = crate::decode::step(
         model.model.as_ref(),
         &model.tokenizer,
         &mut refs,
@@ -686,6 +686,7 @@ pub fn step_together(
         &mut |_, _| {},
     );
     results.into_iter().for_each(|r| r.unwrap());
+    report
 }
 
 /// Runs `g` alone to its end and returns its output with what it leaves for a prefix cache.

@@ -1483,10 +1483,12 @@ fn draft_model_rounds_draft_what_each_request_drafts_alone() {
     };
     use crate::draft::model::DraftModelRounds;
     use crate::model::SequenceCache;
-    /// Draft-model rounds that remember the most passes one round held.
+    /// Draft-model rounds that remember the most passes one round held, and the rounds and rows they ran.
     struct CountedRounds<'m> {
         inner: DraftModelRounds<'m>,
         widest: std::sync::atomic::AtomicUsize,
+        rounds: std::sync::atomic::AtomicUsize,
+        rows: std::sync::atomic::AtomicUsize,
     }
     impl HeadCompute for CountedRounds<'_> {
         fn device(&self) -> String {
@@ -1513,6 +1515,11 @@ fn draft_model_rounds_draft_what_each_request_drafts_alone() {
         ) -> crate::Result<Vec<HeadOutput>> {
             self.widest
                 .fetch_max(passes.len(), std::sync::atomic::Ordering::Relaxed);
+            self.rounds
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let rows: usize = passes.iter().map(|p| p.tokens.len()).sum();
+            self.rows
+                .fetch_add(rows, std::sync::atomic::Ordering::Relaxed);
             self.inner.run_many(target, passes)
         }
     }
@@ -1563,13 +1570,18 @@ fn draft_model_rounds_draft_what_each_request_drafts_alone() {
                     vocab_limit: vocab,
                 },
                 widest: Default::default(),
+                rounds: Default::default(),
+                rows: Default::default(),
             };
             let limits = StepLimits {
                 shared_head: shared.then_some(&rounds as &dyn HeadCompute),
                 ..Default::default()
             };
+            let (mut reported_rounds, mut reported_rows) = (0, 0);
             for _ in 0..200 {
-                crate::testing::step_together(&target, &mut gens, limits);
+                let report = crate::testing::step_together(&target, &mut gens, limits);
+                reported_rounds += report.draft_rounds;
+                reported_rows += report.draft_rows;
                 if gens.iter().all(|g| g.is_done()) {
                     break;
                 }
@@ -1577,6 +1589,13 @@ fn draft_model_rounds_draft_what_each_request_drafts_alone() {
             // The shared rounds ran, several requests in one pass.
             let widest = rounds.widest.load(std::sync::atomic::Ordering::Relaxed);
             assert_eq!(widest > 1, shared, "widest round {widest}");
+            // Each step reports the rounds and rows its shared passes ran (none without them).
+            let ran = (
+                rounds.rounds.load(std::sync::atomic::Ordering::Relaxed),
+                rounds.rows.load(std::sync::atomic::Ordering::Relaxed),
+            );
+            assert_eq!((reported_rounds, reported_rows), ran);
+            assert_eq!(ran.0 > 0, shared, "rounds {ran:?}");
             gens.into_iter()
                 .map(|g| {
                     let out = g.finish(&target.tokenizer, &mut |_| {}).unwrap();
