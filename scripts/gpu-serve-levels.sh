@@ -46,7 +46,7 @@ for name in ${CONFIGS:-plain head-old head head-old head plain}; do
     timeout 240 "$bin" bench-serve --url "http://127.0.0.1:$port" --prompts "$prompts" --ignore-eos \
         -n "${TOKENS:-128}" --requests "${REQUESTS:-16}" --concurrency "$levels" --quiet \
         --json "$out/bench-$tag.json" 2>&1 | grep -E "^ *(conc|[0-9]+ )" | head -12
-    curl -s "localhost:$port/metrics" | grep -E "^specula:spec_decode_num_(draft|accepted)_tokens |^specula:spec_decode_(admitted_without_drafter|released_drafters|prefix_over_drafter|payoff_refused_steps) " | tr '\n' ' '
+    curl -s "localhost:$port/metrics" | grep -E "^specula:spec_decode_num_(draft|accepted)_tokens |^specula:spec_decode_(admitted_without_drafter|released_drafters|prefix_over_drafter|payoff_refused_steps) |^specula:eagle3_head_graph_captures " | tr '\n' ' '
     echo
     kill "$pid"; wait "$pid" 2>/dev/null
 done

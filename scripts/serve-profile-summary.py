@@ -41,3 +41,16 @@ for label, part in (("first", refused[:3]), ("last", refused[-3:])):
         a = r["args"]
         print(f"  {label} refusal: position {a['position']}, " + ", ".join(
             f"{k} {a[k]:.3f}" if isinstance(a.get(k), float) else f"{k} {a.get(k)}" for k in keys))
+# The draft phase: each step's shared head rounds and rows (session 58), and the drafting's wall time.
+drafted = [b["args"] for b in batch if b["args"].get("draft_rounds", 0) > 0]
+if drafted:
+    spans = collections.defaultdict(float)
+    for e in events:
+        if e.get("name") == "draft" and e.get("ph") == "X" and isinstance(e.get("args", {}).get("step"), int):
+            spans[e["args"]["step"]] = max(spans[e["args"]["step"]], e["dur"] / 1000)
+    ms = sorted(spans.values())
+    print(f"{len(drafted)} steps ran shared draft rounds: rounds/step median "
+          f"{statistics.median(a['draft_rounds'] for a in drafted)}, head rows/step median "
+          f"{statistics.median(a['draft_rows'] for a in drafted)}, max {max(a['draft_rows'] for a in drafted)}; "
+          f"draft span ms median {ms[len(ms) // 2] if ms else float('nan'):.3f}; "
+          f"{sum(a.get('head_captures', 0) for a in batch)} steps captured head graphs")
