@@ -52,5 +52,6 @@ if drafted:
     print(f"{len(drafted)} steps ran shared draft rounds: rounds/step median "
           f"{statistics.median(a['draft_rounds'] for a in drafted)}, head rows/step median "
           f"{statistics.median(a['draft_rows'] for a in drafted)}, max {max(a['draft_rows'] for a in drafted)}; "
-          f"draft span ms median {ms[len(ms) // 2] if ms else float('nan'):.3f}; "
+          f"draft span ms median {ms[len(ms) // 2] if ms else float('nan'):.3f} (host clock "
+          f"{statistics.median(a.get('draft_host_ms') or 0 for a in drafted):.3f}); "
           f"{sum(a.get('head_captures', 0) for a in batch)} steps captured head graphs")

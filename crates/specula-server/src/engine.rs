@@ -2079,11 +2079,24 @@ impl<'a> EngineLoop<'a> {
                 e
             })
             .collect();
+        // The draft phase by the host's clock beside its device time (the spans above): on a GPU, a draft phase
+        // much longer on the device than its kernels is host-bound (the device waits on launches and reads).
+        let draft_host_ms = prof
+            .step_phases_host()
+            .and_then(|steps| steps.into_iter().next())
+            .map(|step| {
+                step.phases
+                    .iter()
+                    .filter(|(p, _)| *p == specula::profile::Phase::Draft)
+                    .map(|(_, s)| s * 1e3)
+                    .sum::<f64>()
+            });
         events.push(serde_json::json!({
             "name": "batch", "ph": "C", "pid": 1, "ts": offset_us,
             "args": {"requests": report.sequences, "rows": report.rows, "prefill_rows": report.prefill_rows,
                      "drafts_allowed": decision.drafts_allowed, "draft_rounds": report.draft_rounds,
-                     "draft_rows": report.draft_rows, "head_captures": captured as u8},
+                     "draft_rows": report.draft_rows, "head_captures": captured as u8,
+                     "draft_host_ms": draft_host_ms},
         }));
         // What the draft budget expected of the step beside what it did (its wall time, by the host's clock,
         // and the tokens it committed), so a profile shows where the cost model is wrong.

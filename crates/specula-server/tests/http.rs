@@ -1478,6 +1478,20 @@ fn speculative_requests_report_their_stats_and_stay_lossless() {
             .any(|e| e["name"] == "verify" && e["pid"] == 1),
         "{trace}"
     );
+    // Each step's batch counter: prompt lookup drafts without shared head rounds, so none are counted.
+    let batches: Vec<&Value> = events.iter().filter(|e| e["name"] == "batch").collect();
+    assert!(!batches.is_empty(), "{trace}");
+    for e in &batches {
+        assert_eq!(
+            (
+                &e["args"]["draft_rounds"],
+                &e["args"]["draft_rows"],
+                &e["args"]["head_captures"]
+            ),
+            (&json!(0), &json!(0), &json!(0)),
+            "{e}"
+        );
+    }
     // Each step's draft-budget counter: its wall time and committed tokens (which add up to the completion), and
     // what the budget expected of it where it had measurements.
     let budget: Vec<&Value> = events
