@@ -361,6 +361,8 @@ fn eagle3_head_checks(
     };
     const TREE_TOP_K: usize = 4;
     let (reference, top_ref, _) = passes(&cpu)?;
+    // A device head's padded pass shapes captured up front (as a server does): the passes below then replay them.
+    let prepared = placed.compute().prepare_passes();
     let (other, top_other, ranked_other) = passes(placed.compute())?;
     // Sequences' passes at once (a server's requests drafting together) against each alone: fed rows of
     // different lengths, then one chain step each; more rows in all than a device head's batched pass takes (64),
@@ -473,6 +475,14 @@ fn eagle3_head_checks(
         .chain(device_check)
         .chain(chain_check)
         .collect();
+    checks.push(Check {
+        name: format!("eagle3 head on {device}: greedy pass shapes prepared before serving"),
+        passed: prepared.is_ok(),
+        detail: match &prepared {
+            Ok(n) => format!("{n} captured"),
+            Err(e) => e.to_string(),
+        },
+    });
     checks.push(Check {
         name: format!("eagle3 head on {device}: top token of a chain step"),
         passed: top_ref.0 == top_other.0 && (top_ref.1 - top_other.1).abs() <= 2e-2,

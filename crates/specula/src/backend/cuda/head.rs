@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaSlice;
 
 use super::layout::{self, MAX_SPLITS};
+use super::padding::{all_padded_shapes, padded_shape, wanted_rows};
 use super::model::{native_block, native_quant, HostMatrix};
 use super::ops::{self, alloc_split, gemv, ptr, split_rows, AttentionSplits, Matrix};
 use super::{cuda_err, CudaKvCache, Gpu};
@@ -88,6 +89,9 @@ struct PassShape {
     top_only: bool,
     /// Each wanted row's best `top_k` with log-probabilities on the device (0: none).
     top_k: usize,
+    /// The pass wants every one of its real rows (chain steps, trees, a round of one-row passes): the final norm
+    /// then completes the rows (`record_pass`'s `defer_down`). A padded pass may gather all its rows without.
+    all_wanted: bool,
 }
 
 /// A captured pass; used only under the workspace lock.
@@ -159,6 +163,9 @@ struct Buffers {
     top: CudaSlice<f32>,
     /// The pass's tables (`words`).
     ints: CudaSlice<u32>,
+    /// Keys and values of a pass's padding rows (`padding`): a scratch sequence of a chunk's slots, so padding
+    /// never touches a real sequence's cache.
+    pad_kv: CudaKvCache,
 }
 
 /// The head's cache on the GPU: its one layer's keys and values, and its last output row.
@@ -424,6 +431,11 @@ impl CudaHead {
             unsafe { gpu.stream.alloc::<f32>(n.max(1)) }
                 .map_err(|e| cuda_err(&format!("allocating the head's {what}"), e))
         };
+        let z = |n: usize, what: &str| {
+            gpu.stream
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(|e| cuda_err(&format!("allocating the head's {what}"), e))
+        };
         let u = |n: usize, what: &str| {
             gpu.stream
                 .alloc_zeros::<u32>(n.max(1))
@@ -434,9 +446,10 @@ impl CudaHead {
             graphs: Default::default(),
             chains: Default::default(),
             chain_tops: f(2 * (MAX_CHAIN_MORE + 1), "chain's top tokens")?,
-            features: f(r * 3 * target_hidden, "features")?,
+            // Zeroed: a padding row may read rows no pass wrote (its results are never read).
+            features: z(r * 3 * target_hidden, "features")?,
             features_split: split(3 * target_hidden, "features")?,
-            x: f(r * h, "activations")?,
+            x: z(r * h, "activations")?,
             embeds: f(r * h, "embeddings")?,
             normed_embeds: split(h, "activations")?,
             normed_x: split(h, "activations")?,
@@ -454,6 +467,7 @@ impl CudaHead {
             attention: AttentionSplits::new(gpu, r, c.num_heads, c.head_dim, "the head's")?,
             top: f(2 * r * MAX_DEVICE_TOP_K, "top tokens")?,
             ints: u(words::TOTAL, "tables")?,
+            pad_kv: CudaKvCache::new(gpu.clone(), c, r)?,
         })
     }
 
@@ -917,7 +931,7 @@ impl CudaHead {
         }
         // A pass that wants every row's logits (each row once: a chain step, a batch of one-row passes, a tree)
         // leaves the down projection's sums to the final norm, which writes the completed rows back.
-        let defer_down = fold && shape.rows == shape.wanted;
+        let defer_down = fold && shape.all_wanted;
         let down_splits = self.record_layer(ws, shape.rows, defer_down, fc_splits)?;
         if shape.wanted > 0 {
             self.record_logits(
@@ -943,6 +957,7 @@ impl CudaHead {
             wanted: 1,
             top_only: true,
             top_k: 0,
+            all_wanted: true,
         };
         // Folded, each pass's top_token keeps its top as the next step: chain_next runs only for the first pass's.
         let fold = fold_enabled();
@@ -1013,21 +1028,8 @@ impl CudaHead {
             if ws.graphs.len() >= max_pass_graphs() {
                 ws.graphs.clear();
             }
-            let stream = &self.gpu.stream;
-            stream
-                .begin_capture(
-                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                )
-                .map_err(|e| cuda_err("starting the head's CUDA graph capture", e))?;
-            let recorded = self.record_pass(ws, shape, None);
-            let captured = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
-            recorded?;
-            let graph = captured
-                .map_err(|e| cuda_err("capturing the head's CUDA graph", e))?
-                .ok_or_else(|| {
-                    Error::Cuda("capturing the head's pass: nothing was captured".into())
-                })?;
-            ws.graphs.insert(shape, PassGraph(graph));
+            self.capture_pass(ws, shape)?;
+            // Counted while serving only (prepared passes are not: `prepare_passes`).
             self.captured
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
@@ -1035,6 +1037,24 @@ impl CudaHead {
             .0
             .launch()
             .map_err(|e| cuda_err("launching the head's CUDA graph", e))
+    }
+
+    /// Captures a pass of `shape` as a CUDA graph (nothing runs: the graph reads its tables when launched).
+    fn capture_pass(&self, ws: &mut Buffers, shape: PassShape) -> Result<()> {
+        let stream = &self.gpu.stream;
+        stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(|e| cuda_err("starting the head's CUDA graph capture", e))?;
+        let recorded = self.record_pass(ws, shape, None);
+        let captured = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = captured
+            .map_err(|e| cuda_err("capturing the head's CUDA graph", e))?
+            .ok_or_else(|| Error::Cuda("capturing the head's pass: nothing was captured".into()))?;
+        ws.graphs.insert(shape, PassGraph(graph));
+        Ok(())
     }
 }
 
@@ -1124,6 +1144,7 @@ impl CudaHead {
         let (mut gathered, mut uploaded) = (false, false);
         let width = 3 * self.target_hidden;
         let mut row = 0;
+        let mut real_wanted = Vec::with_capacity(count);
         for (s, p) in passes.iter_mut().enumerate() {
             if (p.want.top_only, p.want.top_k) != (first_want.top_only, first_want.top_k) {
                 return Err(Error::InvalidArgument(
@@ -1155,7 +1176,7 @@ impl CudaHead {
                 ]);
                 row += 1;
             }
-            ints[words::WANTED + s] = (row - 1) as u32;
+            real_wanted.push(row - 1);
             match p.input {
                 HeadInput::Features(f) => {
                     // Zeros stand for device rows before this one (the pass gathers those over them).
@@ -1176,6 +1197,8 @@ impl CudaHead {
             .lock()
             .map_err(|_| Error::Cuda("the EAGLE-3 head's workspace lock is poisoned".into()))?;
         let ws = &mut *guard;
+        // The scratch sequence follows the real ones (a padded pass has fewer than a chunk of them).
+        let (padded_rows, padded_wanted) = pad_tables(&mut ints, rows, &real_wanted, count, &ws.pad_kv);
         let stream = &self.gpu.stream;
         stream
             .memcpy_htod(&ints, &mut ws.ints)
@@ -1198,12 +1221,13 @@ impl CudaHead {
         self.launch_pass(
             ws,
             PassShape {
-                rows,
+                rows: padded_rows,
                 features: fed_features,
                 gather: gathered,
-                wanted: count,
+                wanted: padded_wanted,
                 top_only: first_want.top_only,
                 top_k: device_top_k(first_want),
+                all_wanted: count == rows,
             },
         )?;
         let all_outputs = if meta.iter().any(|m| m.1.outputs) {
@@ -1321,6 +1345,42 @@ impl HeadCompute for CudaHead {
 
     fn graphs_captured(&self) -> u64 {
         self.captured.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn prepare_passes(&self) -> Result<usize> {
+        if !super::model::graphs_enabled() || !padding_enabled() {
+            return Ok(0);
+        }
+        let mut guard = self
+            .workspace
+            .lock()
+            .map_err(|_| Error::Cuda("the EAGLE-3 head's workspace lock is poisoned".into()))?;
+        let ws = &mut *guard;
+        let mut captured = 0;
+        // Greedy passes: fed the target's rows where they lie (a verify's accepted rows, a catch-up), or one
+        // row a sequence from its last output (chain steps of a shared round: every row wanted).
+        for (rows, wanted, all_wanted) in all_padded_shapes() {
+            let fed = [(true, true), (false, false)];
+            for &(features, gather) in &fed[..if all_wanted { 2 } else { 1 }] {
+                let shape = PassShape {
+                    rows,
+                    features,
+                    gather,
+                    wanted,
+                    top_only: true,
+                    top_k: 0,
+                    all_wanted,
+                };
+                if ws.graphs.len() >= max_pass_graphs() {
+                    return Ok(captured);
+                }
+                if !ws.graphs.contains_key(&shape) {
+                    self.capture_pass(ws, shape)?;
+                    captured += 1;
+                }
+            }
+        }
+        Ok(captured)
     }
 
     fn time_kernels(
@@ -1564,9 +1624,9 @@ impl CudaHead {
             ints[words::TOKENS..words::TOKENS + m].copy_from_slice(&tokens[r0..r1]);
             ints[words::POSITIONS..words::POSITIONS + m].copy_from_slice(&positions[r0..r1]);
             ints[words::ROWS..words::ROWS + 6 * m].copy_from_slice(&table[r0 * 6..r1 * 6]);
-            for j in 0..wanted {
-                ints[words::WANTED + j] = (m - wanted + j) as u32;
-            }
+            let real_wanted: Vec<usize> = (m - wanted..m).collect();
+            // The scratch sequence is the second (the pass's own is the first).
+            let (padded_rows, padded_wanted) = pad_tables(&mut ints, m, &real_wanted, 1, &ws.pad_kv);
             stream
                 .memcpy_htod(&ints, &mut ws.ints)
                 .map_err(|e| cuda_err("uploading the head's tables", e))?;
@@ -1586,12 +1646,13 @@ impl CudaHead {
                 }
             }
             let shape = PassShape {
-                rows: m,
+                rows: padded_rows,
                 features: matches!(input, HeadInput::Features(_) | HeadInput::DeviceFeatures(_)),
                 gather: matches!(input, HeadInput::DeviceFeatures(_)),
-                wanted,
+                wanted: padded_wanted,
                 top_only: want.top_only,
                 top_k: device_top_k(want),
+                all_wanted: wanted == m,
             };
             self.launch_pass(ws, shape)?;
             cache.kv.len = start + r1;
@@ -1619,6 +1680,62 @@ impl CudaHead {
         }
         Ok(out)
     }
+}
+
+/// Whether captured passes are padded to a few row counts (default; `SPECULA_CUDA_HEAD_PAD=0` captures every
+/// shape as it comes, to compare). See `padding`.
+fn padding_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_HEAD_PAD").map_or(true, |v| v != "0"))
+}
+
+/// Writes the wanted list of a pass of `rows` real rows into `ints`, padded (`padding`) when the pass will be a
+/// captured graph: padding rows `rows..` feed token 0 into slots 0.. of the scratch sequence `pad_seq` (the
+/// workspace's `pad_kv`, whose table entry this writes), gather no features, and are never read back. Returns the
+/// (rows, wanted rows) the pass runs.
+fn pad_tables(
+    ints: &mut [u32],
+    rows: usize,
+    real_wanted: &[usize],
+    pad_seq: usize,
+    pad_kv: &CudaKvCache,
+) -> (usize, usize) {
+    let graphed = rows <= MAX_GRAPH_ROWS && super::model::graphs_enabled() && padding_enabled();
+    let (padded_rows, padded_wanted) = if graphed {
+        padded_shape(rows, real_wanted.len())
+    } else {
+        (rows, real_wanted.len())
+    };
+    if padded_rows > rows {
+        let base = pad_kv.device_ptr();
+        ints[words::SEQ + 4 * pad_seq..words::SEQ + 4 * pad_seq + 4].copy_from_slice(&[
+            base as u32,
+            (base >> 32) as u32,
+            pad_kv.capacity() as u32,
+            0,
+        ]);
+        for (j, row) in (rows..padded_rows).enumerate() {
+            ints[words::TOKENS + row] = 0;
+            ints[words::POSITIONS + row] = j as u32;
+            ints[words::ROWS + 6 * row..words::ROWS + 6 * row + 6].copy_from_slice(&[
+                pad_seq as u32,
+                j as u32,
+                0,
+                0,
+                u32::MAX,
+                u32::MAX,
+            ]);
+            let src = words::FEATURE_SRC + 2 * row * MAX_FEATURE_LAYERS;
+            ints[src..src + 2 * MAX_FEATURE_LAYERS].fill(0);
+        }
+    }
+    for (j, &r) in wanted_rows(real_wanted, rows, padded_rows, padded_wanted)
+        .iter()
+        .enumerate()
+    {
+        ints[words::WANTED + j] = r as u32;
+    }
+    (padded_rows, padded_wanted)
 }
 
 /// Writes the addresses of device feature rows (the pass's rows `first..`) into the tables' FEATURE_SRC, each

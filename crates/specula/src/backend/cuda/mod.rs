@@ -25,6 +25,7 @@ pub mod context;
 #[cfg(feature = "cuda")]
 mod head;
 pub mod layout;
+pub mod padding;
 #[cfg(feature = "cuda")]
 mod model;
 

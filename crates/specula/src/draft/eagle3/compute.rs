@@ -125,7 +125,15 @@ pub trait HeadCompute: Send + Sync {
         None
     }
 
-    /// Passes captured as CUDA graphs (or the like) so far. A capture costs several passes' time, so a step that
+    /// Captures, before serving, the passes a server's greedy rounds may run (on a GPU, a CUDA graph for each
+    /// padded pass shape), so a load's first steps do not pay for captures; returns how many it captured. 0 by
+    /// default (nothing to prepare).
+    fn prepare_passes(&self) -> Result<usize> {
+        Ok(0)
+    }
+
+    /// Passes captured as CUDA graphs (or the like) so far while running, not those [`Self::prepare_passes`]
+    /// captured. A capture costs several passes' time, so a step that
     /// made one says nothing about what passes cost: the server's draft budget leaves such steps out.
     fn graphs_captured(&self) -> u64 {
         0
