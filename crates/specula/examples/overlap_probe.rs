@@ -64,14 +64,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .split(',')
         .map(|s| s.parse::<usize>().map_err(|_| format!("K {s:?}: {usage}")))
         .collect::<Result<_, _>>()?;
-    if ks.iter().any(|&k| k == 0) {
+    if ks.contains(&0) {
         return Err(format!("every K must be at least 1; {usage}").into());
     }
     let iters: usize = args.get(4).ok_or(usage)?.parse().map_err(|_| usage)?;
     if iters == 0 {
         return Err(format!("ITERS must be at least 1; {usage}").into());
     }
-    let device: specula::backend::Device = args.get(5).map(String::as_str).unwrap_or("cuda").parse()?;
+    let device: specula::backend::Device =
+        args.get(5).map(String::as_str).unwrap_or("cuda").parse()?;
     let mut log = |l: &str| eprintln!("{l}");
     let target = specula::load_model_on(target_spec, device, false, &mut log)?;
     let draft = specula::load_model_on(draft_spec, device, false, &mut log)?;

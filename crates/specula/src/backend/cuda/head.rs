@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaSlice;
 
 use super::layout::{self, MAX_SPLITS};
-use super::padding::{all_padded_shapes, padded_shape, wanted_rows};
 use super::model::{native_block, native_quant, HostMatrix};
 use super::ops::{self, alloc_split, gemv, ptr, split_rows, AttentionSplits, Matrix};
+use super::padding::{all_padded_shapes, padded_shape, wanted_rows};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::backend::cpu::weights::Weight;
 use crate::draft::eagle3::compute::{check_pass, pass_groups, run_one_by_one, top_log_probs};
@@ -1198,7 +1198,8 @@ impl CudaHead {
             .map_err(|_| Error::Cuda("the EAGLE-3 head's workspace lock is poisoned".into()))?;
         let ws = &mut *guard;
         // The scratch sequence follows the real ones (a padded pass has fewer than a chunk of them).
-        let (padded_rows, padded_wanted) = pad_tables(&mut ints, rows, &real_wanted, count, &ws.pad_kv);
+        let (padded_rows, padded_wanted) =
+            pad_tables(&mut ints, rows, &real_wanted, count, &ws.pad_kv);
         let stream = &self.gpu.stream;
         stream
             .memcpy_htod(&ints, &mut ws.ints)
@@ -1626,7 +1627,8 @@ impl CudaHead {
             ints[words::ROWS..words::ROWS + 6 * m].copy_from_slice(&table[r0 * 6..r1 * 6]);
             let real_wanted: Vec<usize> = (m - wanted..m).collect();
             // The scratch sequence is the second (the pass's own is the first).
-            let (padded_rows, padded_wanted) = pad_tables(&mut ints, m, &real_wanted, 1, &ws.pad_kv);
+            let (padded_rows, padded_wanted) =
+                pad_tables(&mut ints, m, &real_wanted, 1, &ws.pad_kv);
             stream
                 .memcpy_htod(&ints, &mut ws.ints)
                 .map_err(|e| cuda_err("uploading the head's tables", e))?;

@@ -25,9 +25,9 @@ pub mod context;
 #[cfg(feature = "cuda")]
 mod head;
 pub mod layout;
-pub mod padding;
 #[cfg(feature = "cuda")]
 mod model;
+pub mod padding;
 
 #[cfg(feature = "cuda")]
 pub use cache::CudaKvCache;

@@ -94,7 +94,10 @@ mod tests {
                 let (r, w) = padded_shape(rows, wanted);
                 assert_eq!(r, bucket(rows));
                 assert!(w >= wanted && w <= r, "{rows}/{wanted} -> {r}/{w}");
-                assert!(w == 0 || PASS_ROW_BUCKETS.contains(&w), "{rows}/{wanted} -> {w}");
+                assert!(
+                    w == 0 || PASS_ROW_BUCKETS.contains(&w),
+                    "{rows}/{wanted} -> {w}"
+                );
                 if wanted == rows {
                     assert_eq!(w, r);
                 }
