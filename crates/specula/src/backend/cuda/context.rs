@@ -55,6 +55,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_list_128_g3",
     "attention_list_128_g4",
     "gather_rows",
+    "copy_rows_by_address",
     "head_inputs",
     "gather_rms_norm",
     "chain_next",
@@ -134,6 +135,8 @@ pub struct Kernels {
     /// Blocks of each list kernel the GPU holds at once (its grid: multiprocessors x blocks each).
     pub attention_list_blocks: [u32; ATTENTION_VARIANTS],
     pub gather_rows: CudaFunction,
+    /// Rows copied between addresses listed in a table (a batched head pass's per-sequence rows, one launch).
+    pub copy_rows_by_address: CudaFunction,
     /// An EAGLE-3 head pass's embedding, input norms and rotary angles in one launch (head.rs).
     pub head_inputs: CudaFunction,
     /// gather_rows and rms_norm in one launch (an EAGLE-3 head's final norm).
@@ -367,6 +370,7 @@ impl Gpu {
             gather_rms_norm: f("gather_rms_norm")?,
             chain_next: f("chain_next")?,
             gather_feature_rows: f("gather_feature_rows")?,
+            copy_rows_by_address: f("copy_rows_by_address")?,
             argmax_partial: f("argmax_partial")?,
             argmax_final: f("argmax_final")?,
             gather_columns: f("gather_columns")?,

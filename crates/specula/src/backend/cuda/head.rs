@@ -65,7 +65,11 @@ mod words {
     /// Device features: each row's captured layers' addresses (u64 as two words, low first; 0: the row came from
     /// the host), MAX_FEATURE_LAYERS a row (kernels.cu gather_feature_rows).
     pub const FEATURE_SRC: usize = 13 * R;
-    pub const TOTAL: usize = FEATURE_SRC + 2 * super::MAX_FEATURE_LAYERS * R;
+    /// A batched pass's per-sequence row copies (kernels.cu copy_rows_by_address: source and destination
+    /// addresses, u64s as two words each): each sequence's last output into its row, then its last row kept.
+    pub const COPY_IN: usize = FEATURE_SRC + 2 * super::MAX_FEATURE_LAYERS * R;
+    pub const COPY_OUT: usize = COPY_IN + 4 * R;
+    pub const TOTAL: usize = COPY_OUT + 4 * R;
 }
 
 // kernels.cu chain_next writes the fed token at word 0.
@@ -1200,24 +1204,46 @@ impl CudaHead {
         // The scratch sequence follows the real ones (a padded pass has fewer than a chunk of them).
         let (padded_rows, padded_wanted) =
             pad_tables(&mut ints, rows, &real_wanted, count, &ws.pad_kv);
+        let fed_features = uploaded || gathered;
+        // Each sequence's last output fed into its row (one row a sequence when not fed features), and each
+        // sequence's last row kept as its last output after the pass: two launches over address tables.
+        let gpu = &*self.gpu;
+        let x = ptr(&ws.x, gpu);
+        let row_bytes = (h * std::mem::size_of::<f32>()) as u64;
+        for (s, (cache, &last)) in caches.iter().zip(&real_wanted).enumerate() {
+            let last_output = ptr(&cache.last, gpu);
+            let copy_in = [last_output, x + s as u64 * row_bytes];
+            let copy_out = [x + last as u64 * row_bytes, last_output];
+            for (at, pair) in [(words::COPY_IN, copy_in), (words::COPY_OUT, copy_out)] {
+                for (j, address) in pair.into_iter().enumerate() {
+                    ints[at + 4 * s + 2 * j] = address as u32;
+                    ints[at + 4 * s + 2 * j + 1] = (address >> 32) as u32;
+                }
+            }
+        }
         let stream = &self.gpu.stream;
         stream
             .memcpy_htod(&ints, &mut ws.ints)
             .map_err(|e| cuda_err("uploading the head's tables", e))?;
-        let fed_features = uploaded || gathered;
+        let tables = ptr(&ws.ints, gpu);
+        let copy_rows = |at: usize| -> Result<()> {
+            launch!(
+                gpu,
+                copy_rows_by_address,
+                (count as u32, 1, 1),
+                256,
+                tables + 4 * at as u64,
+                h as i32
+            );
+            Ok(())
+        };
         if fed_features {
             // Host rows are uploaded (up to the last of them); device rows are gathered by the pass itself.
             if uploaded {
                 self.upload_f32(&features, &mut ws.features, "features")?;
             }
         } else {
-            // One row a sequence, each from its own last output.
-            for (s, cache) in caches.iter().enumerate() {
-                let mut dst = ws.x.slice_mut(s * h..(s + 1) * h);
-                stream
-                    .memcpy_dtod(&cache.last, &mut dst)
-                    .map_err(|e| cuda_err("feeding the head's last outputs", e))?;
-            }
+            copy_rows(words::COPY_IN)?;
         }
         self.launch_pass(
             ws,
@@ -1240,15 +1266,9 @@ impl CudaHead {
         };
         let mut wanted = self.read_wanted(ws, count, first_want)?;
         let mut outs = Vec::with_capacity(count);
+        copy_rows(words::COPY_OUT)?;
         let mut row0 = 0;
         for (s, (cache, &(n, want))) in caches.iter_mut().zip(&meta).enumerate() {
-            let last = row0 + n - 1;
-            {
-                let src = ws.x.slice(last * h..(last + 1) * h);
-                stream
-                    .memcpy_dtod(&src, &mut cache.last)
-                    .map_err(|e| cuda_err("keeping the head's last output", e))?;
-            }
             cache.has_last = true;
             cache.kv.len += n;
             let mut out = HeadOutput::default();

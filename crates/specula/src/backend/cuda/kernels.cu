@@ -1344,6 +1344,18 @@ extern "C" __global__ void gather_feature_rows(const u32* __restrict__ table, fl
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
 }
 
+// Row r of `width` floats copied from the address at table[4r..4r+2] to the one at table[4r+2..4r+4] (u64s as two
+// words, low first): a batched head pass's per-sequence rows (each sequence's last output fed in, or kept) in one
+// launch instead of a copy each. grid (rows), block 256.
+extern "C" __global__ void copy_rows_by_address(const u32* __restrict__ table, int width) {
+    const u32* e = table + 4 * (size_t)blockIdx.x;
+    const u64 from = (u64)e[0] | ((u64)e[1] << 32), to = (u64)e[2] | ((u64)e[3] << 32);
+    PDL_ENTER();
+    const float* src = reinterpret_cast<const float*>(from);
+    float* dst = reinterpret_cast<float*>(to);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
+}
+
 // A greedy chain on the device (backend/cuda/head.rs run_greedy_chain), between two one-row head passes: keeps
 // the last pass's top token and probability (top_token's output) as the chain's step `step`, feeds that token
 // (as a target id, through d2t) to the next row and moves the one-row tables (positions, RowInfo) one slot on.
