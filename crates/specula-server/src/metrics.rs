@@ -163,10 +163,10 @@ impl Metrics {
             .expect("unique name");
         let head_graph_captures = IntGauge::new(
             "specula:eagle3_head_graph_captures",
-            "CUDA graphs an EAGLE-3 head on a GPU has captured so far, one a new pass shape (rows, requests, \
-             inputs): each costs several passes' time, and the draft budget leaves the steps that captured one \
-             out of its prices. A count that keeps rising under a steady load means shapes are being evicted and \
-             captured again.",
+            "CUDA graphs an EAGLE-3 head on a GPU has captured while serving, one a new pass shape (padded rows, \
+             wanted rows, inputs, results; the greedy shapes are captured at start and not counted): each costs \
+             several passes' time, and the draft budget leaves the steps that captured one out of its prices. A \
+             count that keeps rising under a steady load means shapes are being evicted and captured again.",
         )
         .expect("valid gauge");
         registry
