@@ -463,6 +463,8 @@ fn eagle3_head_checks(
     };
     let chain_check =
         device_chain_check(model, placed.compute(), &cpu, tokens, &features, &device)?;
+    let chains_check =
+        batched_chains_check(model, placed.compute(), &cpu, tokens, &features, &device)?;
     let timings = head_pass_timings(model, placed.compute(), &cpu, tokens, &features, &device)?;
     let names = [
         "outputs of fed rows",
@@ -474,6 +476,7 @@ fn eagle3_head_checks(
         .into_iter()
         .chain(device_check)
         .chain(chain_check)
+        .chain(chains_check)
         .collect();
     checks.push(Check {
         name: format!("eagle3 head on {device}: greedy pass shapes prepared before serving"),
@@ -847,6 +850,98 @@ fn device_chain_check(
         by_passes.len()
     );
     check.passed &= at_once.len() == by_passes.len();
+    Ok(Some(check))
+}
+
+/// Several sequences' greedy chains run at once on the head's device (a server's drafting requests) against each
+/// pass by pass: every top bitwise, and one more pass from each cache (its logits say the caches agree). None
+/// where the head runs no batched chains (the CPU).
+fn batched_chains_check(
+    model: &dyn Model,
+    compute: &dyn specula::draft::eagle3::HeadCompute,
+    head: &specula::draft::eagle3::Eagle3Head,
+    tokens: &[u32],
+    features: &[f32],
+    device: &str,
+) -> anyhow::Result<Option<Check>> {
+    use specula::draft::eagle3::{greedy_chain_by_passes, HeadInput, HeadPass, HeadRows, HeadWant};
+    const MORE: usize = 4;
+    let n = tokens.len() - 1;
+    let width = features.len() / n;
+    // Fed rows of different lengths, within one batched pass (64 rows).
+    let first = n.min(20);
+    let lens = [first, first.saturating_sub(1).max(1), 2.min(n)];
+    let d2t = head.draft_to_target();
+    let want = HeadWant {
+        outputs: false,
+        top_only: true,
+        top_k: 0,
+    };
+    let mut caches = lens
+        .iter()
+        .map(|_| compute.new_cache(n + 16))
+        .collect::<specula::error::Result<Vec<_>>>()?;
+    let mut passes: Vec<HeadPass<'_>> = caches
+        .iter_mut()
+        .zip(&lens)
+        .map(|(c, &len)| HeadPass {
+            tokens: &tokens[1..=len],
+            input: HeadInput::Features(&features[..len * width]),
+            cache: c.as_mut(),
+            want,
+        })
+        .collect();
+    let Some(chains) = compute.run_greedy_chains(model, &mut passes, MORE)? else {
+        return Ok(None);
+    };
+    drop(passes);
+    let next = |c: &mut dyn SequenceCache| {
+        compute.run(
+            model,
+            &tokens[..1],
+            HeadInput::Last,
+            HeadRows::Chain,
+            c,
+            HeadWant::default(),
+        )
+    };
+    let flat = |t: &[(u32, f32)]| -> Vec<f32> {
+        t.iter()
+            .flat_map(|&(id, p)| [f32::from_bits(id), p])
+            .collect()
+    };
+    let (mut got, mut want_values) = (Vec::new(), Vec::new());
+    let mut same_lengths = chains.len() == lens.len();
+    for ((cache, &len), tops) in caches.iter_mut().zip(&lens).zip(&chains) {
+        let mut alone = compute.new_cache(n + 16)?;
+        let reference = greedy_chain_by_passes(
+            compute,
+            model,
+            d2t,
+            &tokens[1..=len],
+            HeadInput::Features(&features[..len * width]),
+            alone.as_mut(),
+            MORE,
+        )?;
+        same_lengths &= cache.len() == alone.len();
+        got.extend(flat(tops));
+        got.extend(next(cache.as_mut())?.logits);
+        want_values.extend(flat(&reference));
+        want_values.extend(next(alone.as_mut())?.logits);
+    }
+    let mut check = bitwise(
+        &format!(
+            "eagle3 head on {device}: {} sequences' greedy chains of {} passes at once = each pass by pass",
+            lens.len(),
+            MORE + 1
+        ),
+        &got,
+        &want_values,
+    );
+    check.passed &= same_lengths;
+    if !same_lengths {
+        check.detail = format!("{}; cache lengths differ", check.detail);
+    }
     Ok(Some(check))
 }
 

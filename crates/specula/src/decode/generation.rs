@@ -1048,41 +1048,76 @@ fn draft_in_batches(
             }
         }
     }
+    // Every request's draft a greedy chain: the head may run the whole rounds at once on its device, nothing
+    // coming back to the host between them (each request keeps what its own chain reaches).
+    let mores: Option<Vec<usize>> = pending
+        .iter()
+        .map(|(i, _)| {
+            batch[*i]
+                .drafter
+                .as_ref()
+                .and_then(|d| d.batched_chain_more())
+        })
+        .collect();
+    if let (true, Some(mores)) = (pending.len() >= 2, mores) {
+        let more = mores.iter().copied().max().unwrap_or(0);
+        let fed: Vec<usize> = pending
+            .iter()
+            .map(|(i, p)| {
+                batch[*i]
+                    .drafter
+                    .as_mut()
+                    .and_then(|d| d.batched_cache())
+                    .map_or(0, |c| c.len())
+                    + p.tokens.len()
+            })
+            .collect();
+        let first_rows: usize = pending.iter().map(|(_, p)| p.tokens.len()).sum();
+        let chains = on_passes(batch, &pending, |passes| {
+            head.run_greedy_chains(model, passes, more)
+        });
+        let failure = match chains {
+            Ok(None) => None,
+            Ok(Some(tops)) if tops.len() == pending.len() => {
+                rounds += 1 + more;
+                rows += first_rows + more * pending.len();
+                for (((i, _), tops), fed) in pending.drain(..).zip(tops).zip(fed) {
+                    let g = &mut *batch[i];
+                    let sampling = g.req.sampling;
+                    let drafter = g
+                        .drafter
+                        .as_mut()
+                        .expect("batched generations have drafters");
+                    match drafter.batched_chain_finish(fed, &tops, &sampling) {
+                        Ok(d) => g.prepared_draft = Some(d),
+                        Err(e) => results[i] = Err(e),
+                    }
+                }
+                return (rounds, rows);
+            }
+            Ok(Some(tops)) => Some(format!(
+                "{} chains for {} requests",
+                tops.len(),
+                pending.len()
+            )),
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(message) = failure {
+            for (i, _) in pending.drain(..) {
+                if let Some(d) = batch[i].drafter.as_mut() {
+                    let _ = d.batched_finish();
+                }
+                results[i] = Err(Error::InvalidArgument(format!(
+                    "the batched draft chain failed: {message}"
+                )));
+            }
+            return (rounds, rows);
+        }
+    }
     while !pending.is_empty() {
         rounds += 1;
         rows += pending.iter().map(|(_, p)| p.tokens.len()).sum::<usize>();
-        let outputs = {
-            let mut passes = Vec::with_capacity(pending.len());
-            let mut rest: &mut [&mut Generation<'_>] = batch;
-            let mut offset = 0;
-            let mut missing = None;
-            for (i, p) in &pending {
-                let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - offset);
-                let (g, tail) = tail.split_first_mut().expect("pending index in range");
-                rest = tail;
-                offset = i + 1;
-                let Some(cache) = g.drafter.as_mut().and_then(|d| d.batched_cache()) else {
-                    missing = Some(*i);
-                    break;
-                };
-                passes.push(HeadPass {
-                    tokens: &p.tokens,
-                    input: match (&p.features, &p.device_features) {
-                        (Some(f), _) => HeadInput::Features(f),
-                        (None, Some(d)) => HeadInput::DeviceFeatures(d),
-                        (None, None) => HeadInput::Last,
-                    },
-                    cache,
-                    want: p.want,
-                });
-            }
-            match missing {
-                Some(i) => Err(Error::InvalidArgument(format!(
-                    "generation {i}'s drafter drafts in batches but has no cache"
-                ))),
-                None => head.run_many(model, &mut passes),
-            }
-        };
+        let outputs = on_passes(batch, &pending, |passes| head.run_many(model, passes));
         let outputs = match outputs {
             Ok(o) if o.len() == pending.len() => o,
             failed => {
@@ -1124,6 +1159,40 @@ fn draft_in_batches(
         pending = next;
     }
     (rounds, rows)
+}
+
+/// Runs `run` on the pending generations' passes, in `pending` order (increasing indices into `batch`), each on
+/// its drafter's head cache.
+fn on_passes<'a, T>(
+    batch: &'a mut [&mut Generation<'_>],
+    pending: &'a [(usize, BatchedPass)],
+    run: impl FnOnce(&mut [HeadPass<'_>]) -> Result<T>,
+) -> Result<T> {
+    let mut passes = Vec::with_capacity(pending.len());
+    let mut rest: &mut [&mut Generation<'_>] = batch;
+    let mut offset = 0;
+    for (i, p) in pending {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - offset);
+        let (g, tail) = tail.split_first_mut().expect("pending index in range");
+        rest = tail;
+        offset = i + 1;
+        let Some(cache) = g.drafter.as_mut().and_then(|d| d.batched_cache()) else {
+            return Err(Error::InvalidArgument(format!(
+                "generation {i}'s drafter drafts in batches but has no cache"
+            )));
+        };
+        passes.push(HeadPass {
+            tokens: &p.tokens,
+            input: match (&p.features, &p.device_features) {
+                (Some(f), _) => HeadInput::Features(f),
+                (None, Some(d)) => HeadInput::DeviceFeatures(d),
+                (None, None) => HeadInput::Last,
+            },
+            cache,
+            want: p.want,
+        });
+    }
+    run(&mut passes)
 }
 
 /// What one step did, for metrics and traces.

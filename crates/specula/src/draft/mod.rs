@@ -183,6 +183,28 @@ pub trait Drafter {
         Ok(None)
     }
 
+    /// For batched drafting on a head that runs several greedy chains at once
+    /// ([`eagle3::HeadCompute::run_greedy_chains`]): after [`Self::batched_begin`], how many passes after the first
+    /// its draft would run when it is such a chain; None (the default) to go round by round.
+    fn batched_chain_more(&self) -> Option<usize> {
+        None
+    }
+
+    /// Its draft from a batched chain's tops (the first pass's, then each later pass's: at least
+    /// [`Self::batched_chain_more`] + 1 of them; it keeps what its own chain reaches), `fed` being its cache's
+    /// length after the first pass's rows: the draft the rounds would give.
+    fn batched_chain_finish(
+        &mut self,
+        _fed: usize,
+        _tops: &[(u32, f32)],
+        _sampling: &SamplingParams,
+    ) -> Result<Draft> {
+        Err(crate::error::Error::InvalidArgument(format!(
+            "drafter {} does not draft chains in batches",
+            self.method()
+        )))
+    }
+
     /// A copy of what a later request whose context starts the same way could reuse. None by default: drafters
     /// that rebuild their state from the context (prompt lookup, a draft model's cache, fed lazily) need nothing.
     fn prefix_state(&self) -> Option<DrafterPrefix> {

@@ -59,6 +59,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "head_inputs",
     "gather_rms_norm",
     "chain_next",
+    "chain_next_rows",
     "argmax_partial",
     "argmax_final",
     "gather_columns",
@@ -142,6 +143,8 @@ pub struct Kernels {
     /// gather_rows and rms_norm in one launch (an EAGLE-3 head's final norm).
     pub gather_rms_norm: CudaFunction,
     pub chain_next: CudaFunction,
+    /// chain_next for every sequence of a batched device chain.
+    pub chain_next_rows: CudaFunction,
     pub gather_feature_rows: CudaFunction,
     pub argmax_partial: CudaFunction,
     pub argmax_final: CudaFunction,
@@ -369,6 +372,7 @@ impl Gpu {
             head_inputs: f("head_inputs")?,
             gather_rms_norm: f("gather_rms_norm")?,
             chain_next: f("chain_next")?,
+            chain_next_rows: f("chain_next_rows")?,
             gather_feature_rows: f("gather_feature_rows")?,
             copy_rows_by_address: f("copy_rows_by_address")?,
             argmax_partial: f("argmax_partial")?,

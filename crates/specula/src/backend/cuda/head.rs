@@ -141,6 +141,8 @@ struct Buffers {
     chains: std::collections::HashMap<usize, PassGraph>,
     /// A device chain's top (token bits, probability) of each pass (kernels.cu chain_next).
     chain_tops: CudaSlice<f32>,
+    /// Several sequences' device chains: step t's top of sequence s at 2 (t n + s) (kernels.cu chain_next_rows).
+    round_tops: CudaSlice<f32>,
     features: CudaSlice<f32>,
     /// GEMV inputs, split (ops::alloc_split): the features for fc, the two normed inputs of the layer, attention's
     /// output, the normed residual, SiLU(gate) * up, the normed rows for the LM head.
@@ -450,6 +452,7 @@ impl CudaHead {
             graphs: Default::default(),
             chains: Default::default(),
             chain_tops: f(2 * (MAX_CHAIN_MORE + 1), "chain's top tokens")?,
+            round_tops: f(2 * r * (MAX_CHAIN_MORE + 1), "chains' top tokens")?,
             // Zeroed: a padding row may read rows no pass wrote (its results are never read).
             features: z(r * 3 * target_hidden, "features")?,
             features_split: split(3 * target_hidden, "features")?,
@@ -1123,6 +1126,12 @@ pub fn one_qkv_enabled() -> bool {
     })
 }
 
+/// What `CudaHead::run_batched_then_chain` returns: the pass's outputs, or each sequence's chain of tops.
+enum Batched {
+    Outputs(Vec<HeadOutput>),
+    Chains(Vec<Vec<(u32, f32)>>),
+}
+
 /// Whether `run_many` runs several sequences' passes as one (default; `SPECULA_CUDA_HEAD_BATCH=0` runs them one
 /// after the other, to compare). Checked on an H200: batched passes equal each alone bitwise (selftest, tiny and
 /// real heads).
@@ -1135,6 +1144,19 @@ impl CudaHead {
     /// Passes of two or more sequences, of one input kind (features or last outputs) and at most a chunk of rows
     /// in all, as one pass.
     fn run_batched(&self, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
+        match self.run_batched_then_chain(passes, 0)? {
+            Batched::Outputs(outs) => Ok(outs),
+            Batched::Chains(_) => Err(Error::Cuda(
+                "a batched head pass returned chains it was not asked for".into(),
+            )),
+        }
+    }
+
+    /// `run_batched`, then with `chain` > 0 that many rounds of one-row passes, each sequence fed its previous
+    /// top token and output on the device (greedy chains, [`HeadCompute::run_greedy_chains`]): then each
+    /// sequence's tops come back, `chain + 1` of them, instead of the first pass's outputs. The caller checked
+    /// that every cache has room for the chain's rows.
+    fn run_batched_then_chain(&self, passes: &mut [HeadPass<'_>], chain: usize) -> Result<Batched> {
         let rows: usize = passes.iter().map(|p| p.tokens.len()).sum();
         let c = &self.layer;
         let h = c.hidden_size;
@@ -1257,6 +1279,12 @@ impl CudaHead {
                 all_wanted: count == rows,
             },
         )?;
+        if chain > 0 {
+            copy_rows(words::COPY_OUT)?;
+            return self
+                .chain_rounds(ws, &mut caches, &meta, chain)
+                .map(Batched::Chains);
+        }
         let all_outputs = if meta.iter().any(|m| m.1.outputs) {
             stream
                 .clone_dtoh(&ws.x.slice(0..rows * h))
@@ -1286,7 +1314,126 @@ impl CudaHead {
             outs.push(out);
             row0 += n;
         }
-        Ok(outs)
+        Ok(Batched::Outputs(outs))
+    }
+
+    /// The rounds of `run_batched_then_chain` after its first pass (whose tops are in `ws.top`, one a sequence,
+    /// and whose last rows each cache's `last` now holds): row s of every round is sequence s's, chain_next_rows
+    /// feeds it its previous top and moves it a slot on, and the rows' outputs stay in place for the next
+    /// round. Returns each sequence's tops.
+    fn chain_rounds(
+        &self,
+        ws: &mut Buffers,
+        caches: &mut [&mut CudaHeadCache],
+        meta: &[(usize, HeadWant)],
+        more: usize,
+    ) -> Result<Vec<Vec<(u32, f32)>>> {
+        let gpu = &*self.gpu;
+        let n = caches.len();
+        let h = self.layer.hidden_size;
+        let mut ints = vec![0u32; words::TOTAL];
+        let x = ptr(&ws.x, gpu);
+        let row_bytes = (h * std::mem::size_of::<f32>()) as u64;
+        let mut last_fed = Vec::with_capacity(n);
+        for (s, (cache, &(fed, _))) in caches.iter().zip(meta).enumerate() {
+            let base = cache.kv.device_ptr();
+            ints[words::SEQ + 4 * s..words::SEQ + 4 * s + 4].copy_from_slice(&[
+                base as u32,
+                (base >> 32) as u32,
+                cache.kv.capacity() as u32,
+                0,
+            ]);
+            // The slot of the first pass's last row: chain_next_rows moves the row to the next slot before each
+            // round.
+            let last = (cache.kv.len() + fed - 1) as u32;
+            last_fed.push(last as usize);
+            ints[words::POSITIONS + s] = last;
+            ints[words::ROWS + 6 * s..words::ROWS + 6 * s + 6].copy_from_slice(&[
+                s as u32,
+                last,
+                last,
+                0,
+                u32::MAX,
+                u32::MAX,
+            ]);
+            let last_output = ptr(&cache.last, gpu);
+            let row = x + s as u64 * row_bytes;
+            for (at, pair) in [
+                (words::COPY_IN, [last_output, row]),
+                (words::COPY_OUT, [row, last_output]),
+            ] {
+                for (j, address) in pair.into_iter().enumerate() {
+                    ints[at + 4 * s + 2 * j] = address as u32;
+                    ints[at + 4 * s + 2 * j + 1] = (address >> 32) as u32;
+                }
+            }
+        }
+        let every_row: Vec<usize> = (0..n).collect();
+        let (padded_rows, padded_wanted) = pad_tables(&mut ints, n, &every_row, n, &ws.pad_kv);
+        let stream = &self.gpu.stream;
+        // Stream-ordered after the first pass, which read the tables this replaces.
+        stream
+            .memcpy_htod(&ints, &mut ws.ints)
+            .map_err(|e| cuda_err("uploading the head's chain tables", e))?;
+        let tables = ptr(&ws.ints, gpu);
+        let copy_rows = |at: usize| -> Result<()> {
+            launch!(
+                gpu,
+                copy_rows_by_address,
+                (n as u32, 1, 1),
+                256,
+                tables + 4 * at as u64,
+                h as i32
+            );
+            Ok(())
+        };
+        let (top, round_tops) = (ptr(&ws.top, gpu), ptr(&ws.round_tops, gpu));
+        let next_rows = |step: usize| -> Result<()> {
+            launch!(
+                gpu,
+                chain_next_rows,
+                (1, 1, 1),
+                CHUNK_ROWS as u32,
+                top,
+                ptr(&self.draft_to_target, gpu),
+                self.draft_vocab as u32,
+                tables,
+                round_tops,
+                step as i32,
+                n as i32,
+                words::POSITIONS as i32,
+                words::ROWS as i32
+            );
+            Ok(())
+        };
+        copy_rows(words::COPY_IN)?;
+        let shape = PassShape {
+            rows: padded_rows,
+            features: false,
+            gather: false,
+            wanted: padded_wanted,
+            top_only: true,
+            top_k: 0,
+            all_wanted: true,
+        };
+        for step in 0..more {
+            next_rows(step)?;
+            self.launch_pass(ws, shape)?;
+        }
+        next_rows(more)?;
+        copy_rows(words::COPY_OUT)?;
+        for (cache, last) in caches.iter_mut().zip(last_fed) {
+            cache.kv.len = last + 1 + more;
+            cache.has_last = true;
+        }
+        let tops = stream
+            .clone_dtoh(&ws.round_tops.slice(0..2 * n * (more + 1)))
+            .map_err(|e| cuda_err("reading the head's chain tokens", e))?;
+        let mut chains = vec![Vec::with_capacity(more + 1); n];
+        for (i, t) in tops.chunks_exact(2).enumerate() {
+            chains[i % n].push((t[0].to_bits(), t[1]));
+        }
+        Ok(chains)
     }
 
     /// A pass's inputs checked against each other, the head and its cache (on this GPU, with room, with a last
@@ -1477,6 +1624,50 @@ impl HeadCompute for CudaHead {
             .lock()
             .map_err(|_| Error::Cuda("the EAGLE-3 head's workspace lock is poisoned".into()))?;
         self.run_locked(&mut guard, tokens, input, rows, cache, want, true)
+    }
+
+    fn run_greedy_chains(
+        &self,
+        _target: &dyn Model,
+        passes: &mut [HeadPass<'_>],
+        more: usize,
+    ) -> Result<Option<Vec<Vec<(u32, f32)>>>> {
+        let rows: usize = passes.iter().map(|p| p.tokens.len()).sum();
+        let kind = |p: &HeadPass<'_>| match p.input {
+            HeadInput::Features(_) | HeadInput::DeviceFeatures(_) => Some(0),
+            HeadInput::Last => Some(1),
+            HeadInput::Hidden(_) => None,
+        };
+        let first_kind = passes.first().and_then(kind);
+        // One batched first pass of one input kind, greedy, within a chunk; then rounds with room in every cache.
+        if more == 0
+            || more > MAX_CHAIN_MORE
+            || passes.len() < 2
+            || rows > CHUNK_ROWS
+            || first_kind.is_none()
+            || !device_chain_enabled()
+            || !batched_passes_enabled()
+            || !super::model::graphs_enabled()
+            || passes
+                .iter()
+                .any(|p| kind(p) != first_kind || !p.want.top_only || p.tokens.is_empty())
+        {
+            return Ok(None);
+        }
+        for p in passes.iter_mut() {
+            let Some(cache) = p.cache.as_any_mut().downcast_mut::<CudaHeadCache>() else {
+                return Ok(None);
+            };
+            if cache.kv.len() + p.tokens.len() + more > cache.kv.capacity() {
+                return Ok(None);
+            }
+        }
+        match self.run_batched_then_chain(passes, more)? {
+            Batched::Chains(tops) => Ok(Some(tops)),
+            Batched::Outputs(_) => Err(Error::Cuda(
+                "a batched head chain returned a pass's outputs".into(),
+            )),
+        }
     }
 
     fn run_greedy_chain(

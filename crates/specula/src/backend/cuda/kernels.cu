@@ -1382,6 +1382,27 @@ extern "C" __global__ void chain_next(const float* __restrict__ top, const u32* 
     chain_step(top[0], top[1], draft_to_target, draft_vocab, ints, chain, step, positions_at, rows_at);
 }
 
+// chain_next over the n sequences of a batched device chain (backend/cuda/head.rs chain_rounds): row s keeps
+// sequence s's last top (top[2s], top[2s + 1]: top_token's output for wanted row s) as step `step` of its chain
+// (chain[2 (step n + s)]), feeds it (as a target id, through d2t) and moves its position and slot one on.
+// grid 1, block >= n.
+extern "C" __global__ void chain_next_rows(const float* __restrict__ top, const u32* __restrict__ draft_to_target,
+                                           u32 draft_vocab, u32* __restrict__ ints, float* __restrict__ chain,
+                                           int step, int n, int positions_at, int rows_at) {
+    PDL_ENTER();
+    const int s = threadIdx.x;
+    if (s >= n) return;
+    const u32 id = __float_as_uint(top[2 * s]);
+    const size_t at = 2 * ((size_t)step * n + s);
+    chain[at] = top[2 * s];
+    chain[at + 1] = top[2 * s + 1];
+    ints[s] = id < draft_vocab ? draft_to_target[id] : 0u;
+    ints[positions_at + s] += 1;
+    RowInfo* row = reinterpret_cast<RowInfo*>(ints + rows_at) + s;
+    row->slot += 1;
+    row->base += 1;
+}
+
 // out[j] = x[src[j]] for the rows that need logits; grid (rows), block 256.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ src,
                                        float* __restrict__ out, int h) {

@@ -184,6 +184,20 @@ pub trait HeadCompute: Send + Sync {
         Ok(None)
     }
 
+    /// Greedy chains of several sequences at once: the first passes `run_many` would make (greedy: each pass's
+    /// top token is its sequence's first draft), then `more` rounds of one-row passes, each sequence's fed its
+    /// previous top token (as a target id) and output, with nothing coming back to the host in between. Returns
+    /// each sequence's tops, `more + 1` of them, and leaves each cache as that many `run` calls would. `None`:
+    /// this head runs rounds one at a time (the caller loops `run_many`: a CPU head, or passes it cannot chain).
+    fn run_greedy_chains(
+        &self,
+        _target: &dyn Model,
+        _passes: &mut [HeadPass<'_>],
+        _more: usize,
+    ) -> Result<Option<Vec<Vec<(u32, f32)>>>> {
+        Ok(None)
+    }
+
     /// `work`'s device kernels timed one by one, in launch order ([`crate::model::Model::time_kernels`]); None
     /// where the head runs no kernels to time (the CPU).
     fn time_kernels(
@@ -222,6 +236,49 @@ pub fn greedy_chain_by_passes<H: HeadCompute + ?Sized>(
         }
     }
     Ok(tops)
+}
+
+/// What [`HeadCompute::run_greedy_chains`] returns, by rounds of [`HeadCompute::run_many`]: the passes, then
+/// `more` rounds each feeding every sequence its previous top token (as a target id) from its last output. The
+/// reference a head's chains are checked against.
+pub fn greedy_chains_by_rounds<H: HeadCompute + ?Sized>(
+    head: &H,
+    target: &dyn Model,
+    draft_to_target: &[u32],
+    passes: &mut [HeadPass<'_>],
+    more: usize,
+) -> Result<Vec<Vec<(u32, f32)>>> {
+    let want = HeadWant {
+        outputs: false,
+        top_only: true,
+        top_k: 0,
+    };
+    let mut chains: Vec<Vec<(u32, f32)>> = vec![Vec::with_capacity(more + 1); passes.len()];
+    let mut outs = head.run_many(target, passes)?;
+    for step in 0..=more {
+        for (chain, out) in chains.iter_mut().zip(&outs) {
+            chain.push(top_of(out, draft_to_target.len())?);
+        }
+        if step == more {
+            break;
+        }
+        let next: Vec<[u32; 1]> = chains
+            .iter()
+            .map(|c| [draft_to_target[c[step].0 as usize]])
+            .collect();
+        let mut round: Vec<HeadPass<'_>> = passes
+            .iter_mut()
+            .zip(&next)
+            .map(|(p, token)| HeadPass {
+                tokens: token,
+                input: HeadInput::Last,
+                cache: &mut *p.cache,
+                want,
+            })
+            .collect();
+        outs = head.run_many(target, &mut round)?;
+    }
+    Ok(chains)
 }
 
 /// The top token of a `top_only` chain pass, checked to be a draft id.

@@ -513,23 +513,30 @@ impl Eagle3Drafter<'_> {
             self.compute
                 .run_greedy_chain(self.target, &pass.tokens, input, &mut *self.cache, more);
         let tops = match ran {
-            Ok(Some(tops)) if tops.len() == more + 1 => tops,
-            Ok(Some(tops)) => {
-                self.abandon_chain();
-                return Err(Error::InvalidArgument(format!(
-                    "EAGLE-3 head: a chain of {} passes returned {} top tokens",
-                    more + 1,
-                    tops.len()
-                )));
-            }
+            Ok(Some(tops)) => tops,
             Ok(None) => return Ok(None),
             Err(e) => {
                 self.abandon_chain();
                 return Err(e);
             }
         };
+        self.finish_chain(&tops, sampling).map(Some)
+    }
+
+    /// A chain's draft from its passes' tops (at least the chain's length of them; later ones, from a batched
+    /// chain longer than this one, are not read): the same bookkeeping as pass by pass.
+    fn finish_chain(&mut self, tops: &[(u32, f32)], sampling: &SamplingParams) -> Result<Draft> {
+        let k = self.chain.as_ref().map_or(0, |st| st.k);
+        if tops.len() < k {
+            self.abandon_chain();
+            return Err(Error::InvalidArgument(format!(
+                "EAGLE-3 head: a chain of {k} passes returned {} top tokens",
+                tops.len()
+            )));
+        }
+        let tops = &tops[..k];
         let draft_vocab = self.head.draft_vocab();
-        for &(id, p) in &tops {
+        for &(id, p) in tops {
             if id as usize >= draft_vocab {
                 self.abandon_chain();
                 return Err(Error::InvalidArgument(format!(
@@ -549,7 +556,7 @@ impl Eagle3Drafter<'_> {
         if let Some(st) = self.chain.as_mut() {
             st.passes = tops.len();
         }
-        self.batched_finish().map(Some)
+        self.batched_finish()
     }
 
     /// Drops a chain left unfinished (a failed pass): its draft rows leave the head's cache.
@@ -833,6 +840,27 @@ impl Drafter for Eagle3Drafter<'_> {
         sampling: &SamplingParams,
     ) -> Result<Option<Draft>> {
         self.chain_at_once(pass, sampling)
+    }
+
+    fn batched_chain_more(&self) -> Option<usize> {
+        let st = self.chain.as_ref()?;
+        (st.top_only && st.k >= 2 && !st.catching_up).then(|| st.k - 1)
+    }
+
+    fn batched_chain_finish(
+        &mut self,
+        fed: usize,
+        tops: &[(u32, f32)],
+        sampling: &SamplingParams,
+    ) -> Result<Draft> {
+        let Some(st) = self.chain.as_mut() else {
+            return Err(Error::InvalidArgument(
+                "EAGLE-3 drafter: a batched chain finished with no draft begun".into(),
+            ));
+        };
+        // The chain's rows after the first pass's leave the head's cache at the end, as for a chain alone.
+        st.fed = Some(fed);
+        self.finish_chain(tops, sampling)
     }
 
     fn batched_finish(&mut self) -> Result<Draft> {

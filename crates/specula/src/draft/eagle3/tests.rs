@@ -857,6 +857,8 @@ struct ChainAtOnceHead<'a> {
     inner: &'a dyn HeadCompute,
     draft_to_target: Vec<u32>,
     chains: std::sync::atomic::AtomicUsize,
+    /// Several sequences' chains run at once (`run_greedy_chains`).
+    batched_chains: std::sync::atomic::AtomicUsize,
 }
 
 impl HeadCompute for ChainAtOnceHead<'_> {
@@ -898,6 +900,26 @@ impl HeadCompute for ChainAtOnceHead<'_> {
         )
         .map(Some)
     }
+    fn run_many(&self, target: &dyn Model, passes: &mut [HeadPass<'_>]) -> Result<Vec<HeadOutput>> {
+        self.inner.run_many(target, passes)
+    }
+    fn run_greedy_chains(
+        &self,
+        target: &dyn Model,
+        passes: &mut [HeadPass<'_>],
+        more: usize,
+    ) -> Result<Option<Vec<Vec<(u32, f32)>>>> {
+        self.batched_chains
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        super::compute::greedy_chains_by_rounds(
+            self.inner,
+            target,
+            &self.draft_to_target,
+            passes,
+            more,
+        )
+        .map(Some)
+    }
 }
 
 /// A head that drafts greedy chains whole (a GPU head: no host round trip between passes) drafts what pass-by-pass
@@ -913,6 +935,7 @@ fn chains_drafted_whole_draft_what_chains_drafted_pass_by_pass_draft() {
         inner: h.compute(),
         draft_to_target: h.draft_to_target().to_vec(),
         chains: Default::default(),
+        batched_chains: Default::default(),
     };
     for bar in [0.0, 1e-3, 0.05, 0.3] {
         for k in [1, 2, 4, 6] {
@@ -974,6 +997,7 @@ fn a_request_drafting_alone_in_a_batch_drafts_its_chain_whole() {
         inner: h.compute(),
         draft_to_target: h.draft_to_target().to_vec(),
         chains: Default::default(),
+        batched_chains: Default::default(),
     };
     let plain = run(&t, 40, 0.0, None);
     for (temperature, bar) in [(0.0, 0.0), (0.0, 0.3), (0.8, 0.0)] {
@@ -1014,6 +1038,121 @@ fn a_request_drafting_alone_in_a_batch_drafts_its_chain_whole() {
             assert!(chains > 0, "no chain ran whole: {case}");
         } else {
             assert_eq!(chains, 0, "a sampled draft ran as a greedy chain: {case}");
+        }
+    }
+}
+
+/// Several generations whose greedy chains a head runs at once (a GPU head: every round on the device, nothing
+/// back to the host between them) draft what each drafts alone: the same outputs, drafted and accepted counts,
+/// with and without a confidence bar (applied to each chain afterwards; a shorter chain keeps its own length of
+/// a longer one's rounds); greedy output equals plain decoding; sampled drafts go round by round.
+#[test]
+fn greedy_chains_run_together_draft_what_each_request_drafts_alone() {
+    use crate::decode::{Generation, StepLimits};
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(dir.path());
+    let (h, _) = head(dir.path(), &t, &TinyHeadSpec::default());
+    let together = ChainAtOnceHead {
+        inner: h.compute(),
+        draft_to_target: h.draft_to_target().to_vec(),
+        chains: Default::default(),
+        batched_chains: Default::default(),
+    };
+    let prompts: [&[u32]; 3] = [&PROMPT[2..], &PROMPT[3..], &[72, 101, 108, 32, 111, 114]];
+    let plain: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let req = GenerateRequest {
+                prompt_tokens: p.to_vec(),
+                max_new_tokens: 24 + 3 * i,
+                sampling: SamplingParams::default(),
+                stop_at_eos: false,
+                cancel: None,
+                logprobs: None,
+                logit_adjustments: None,
+                stop_token_ids: Vec::new(),
+            };
+            generate(
+                t.model.as_ref(),
+                &t.tokenizer,
+                &req,
+                None,
+                &Profiler::disabled(),
+                &mut |_| {},
+            )
+            .unwrap()
+            .tokens
+        })
+        .collect();
+    for (temperature, bar) in [(0.0, 0.0), (0.0, 0.3), (0.8, 0.0)] {
+        let run_all = |shared: Option<&dyn HeadCompute>| {
+            let mut gens: Vec<Generation<'_>> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let req = GenerateRequest {
+                        prompt_tokens: p.to_vec(),
+                        max_new_tokens: 24 + 3 * i,
+                        sampling: SamplingParams {
+                            temperature,
+                            seed: 11 + i as u64,
+                            ..Default::default()
+                        },
+                        stop_at_eos: false,
+                        cancel: None,
+                        logprobs: None,
+                        logit_adjustments: None,
+                        stop_token_ids: Vec::new(),
+                    };
+                    let d = Eagle3Drafter::new(&h, t.model.as_ref(), 7 + i as u64)
+                        .unwrap()
+                        .with_min_confidence(bar)
+                        .unwrap();
+                    // Different draft lengths: the chains run together to the longest.
+                    Generation::with_drafter(t.model.as_ref(), req, Box::new(d), 2 + i).unwrap()
+                })
+                .collect();
+            let limits = StepLimits {
+                shared_head: shared,
+                ..Default::default()
+            };
+            for _ in 0..200 {
+                crate::testing::step_together(&t, &mut gens, limits);
+                if gens.iter().all(|g| g.is_done()) {
+                    break;
+                }
+            }
+            gens.into_iter()
+                .map(|g| {
+                    let out = g.finish(&t.tokenizer, &mut |_| {}).unwrap();
+                    let st = out.speculation.clone().unwrap();
+                    (out.tokens, st.drafted, st.accepted)
+                })
+                .collect::<Vec<_>>()
+        };
+        let before = together
+            .batched_chains
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let alone = run_all(None);
+        let at_once = run_all(Some(&together));
+        let ran = together
+            .batched_chains
+            .load(std::sync::atomic::Ordering::Relaxed)
+            - before;
+        let case = format!("temperature {temperature}, bar {bar}");
+        assert_eq!(at_once, alone, "{case}");
+        assert!(
+            alone.iter().all(|a| a.1 > 0),
+            "every generation drafted: {case}"
+        );
+        if temperature == 0.0 {
+            assert!(ran > 0, "no chains ran together: {case}");
+            for (out, plain) in at_once.iter().zip(&plain) {
+                assert_eq!(&out.0, plain, "{case}");
+            }
+        } else {
+            assert_eq!(ran, 0, "sampled drafts ran as greedy chains: {case}");
         }
     }
 }
