@@ -16,7 +16,9 @@ use super::ops::{self, alloc_split, gemv, ptr, split_rows, AttentionSplits, Matr
 use super::padding::{all_padded_shapes, padded_shape, wanted_rows};
 use super::{cuda_err, CudaKvCache, Gpu};
 use crate::backend::cpu::weights::Weight;
-use crate::draft::eagle3::compute::{check_pass, pass_groups, run_one_by_one, top_log_probs};
+use crate::draft::eagle3::compute::{
+    check_pass, pass_groups, run_one_by_one, top_log_probs, Chains,
+};
 use crate::draft::eagle3::{
     Eagle3Head, HeadCompute, HeadInput, HeadOutput, HeadPass, HeadRows, HeadWant,
 };
@@ -1129,7 +1131,7 @@ pub fn one_qkv_enabled() -> bool {
 /// What `CudaHead::run_batched_then_chain` returns: the pass's outputs, or each sequence's chain of tops.
 enum Batched {
     Outputs(Vec<HeadOutput>),
-    Chains(Vec<Vec<(u32, f32)>>),
+    Chains(Chains),
 }
 
 /// Whether `run_many` runs several sequences' passes as one (default; `SPECULA_CUDA_HEAD_BATCH=0` runs them one
@@ -1327,7 +1329,7 @@ impl CudaHead {
         caches: &mut [&mut CudaHeadCache],
         meta: &[(usize, HeadWant)],
         more: usize,
-    ) -> Result<Vec<Vec<(u32, f32)>>> {
+    ) -> Result<Chains> {
         let gpu = &*self.gpu;
         let n = caches.len();
         let h = self.layer.hidden_size;
@@ -1631,7 +1633,7 @@ impl HeadCompute for CudaHead {
         _target: &dyn Model,
         passes: &mut [HeadPass<'_>],
         more: usize,
-    ) -> Result<Option<Vec<Vec<(u32, f32)>>>> {
+    ) -> Result<Option<Chains>> {
         let rows: usize = passes.iter().map(|p| p.tokens.len()).sum();
         let kind = |p: &HeadPass<'_>| match p.input {
             HeadInput::Features(_) | HeadInput::DeviceFeatures(_) => Some(0),

@@ -97,6 +97,9 @@ pub struct HeadPass<'a> {
     pub want: HeadWant,
 }
 
+/// Each sequence's greedy chain: the top (draft id, probability) of every pass ([`HeadCompute::run_greedy_chains`]).
+pub type Chains = Vec<Vec<(u32, f32)>>;
+
 /// A head's forward pass on some device.
 pub trait HeadCompute: Send + Sync {
     /// Where it runs, e.g. "cpu" or "cuda:0 (NVIDIA H200)".
@@ -194,7 +197,7 @@ pub trait HeadCompute: Send + Sync {
         _target: &dyn Model,
         _passes: &mut [HeadPass<'_>],
         _more: usize,
-    ) -> Result<Option<Vec<Vec<(u32, f32)>>>> {
+    ) -> Result<Option<Chains>> {
         Ok(None)
     }
 
@@ -247,13 +250,13 @@ pub fn greedy_chains_by_rounds<H: HeadCompute + ?Sized>(
     draft_to_target: &[u32],
     passes: &mut [HeadPass<'_>],
     more: usize,
-) -> Result<Vec<Vec<(u32, f32)>>> {
+) -> Result<Chains> {
     let want = HeadWant {
         outputs: false,
         top_only: true,
         top_k: 0,
     };
-    let mut chains: Vec<Vec<(u32, f32)>> = vec![Vec::with_capacity(more + 1); passes.len()];
+    let mut chains: Chains = vec![Vec::with_capacity(more + 1); passes.len()];
     let mut outs = head.run_many(target, passes)?;
     for step in 0..=more {
         for (chain, out) in chains.iter_mut().zip(&outs) {

@@ -908,7 +908,7 @@ impl HeadCompute for ChainAtOnceHead<'_> {
         target: &dyn Model,
         passes: &mut [HeadPass<'_>],
         more: usize,
-    ) -> Result<Option<Vec<Vec<(u32, f32)>>>> {
+    ) -> Result<Option<super::compute::Chains>> {
         self.batched_chains
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         super::compute::greedy_chains_by_rounds(
