@@ -13,40 +13,45 @@ use specula::model::{ForwardOptions, LogitsFor, Model, SequenceCache};
 use specula::profile::Profiler;
 
 /// One round of verify: k + 1 rows, each row's argmax read back (what acceptance reads), then the rows dropped.
-fn verify_round(model: &dyn Model, cache: &mut dyn SequenceCache, tokens: &[u32]) -> u32 {
+fn verify_round(
+    model: &dyn Model,
+    cache: &mut dyn SequenceCache,
+    tokens: &[u32],
+) -> specula::Result<u32> {
     let base = cache.len();
-    let out = model
-        .forward_one(
-            tokens,
-            cache,
-            &ForwardOptions::default(),
-            LogitsFor::All,
-            &Profiler::disabled(),
-        )
-        .expect("verify pass");
-    let top = out.logits.argmax_rows().expect("argmax");
+    let out = model.forward_one(
+        tokens,
+        cache,
+        &ForwardOptions::default(),
+        LogitsFor::All,
+        &Profiler::disabled(),
+    )?;
+    let top = out.logits.argmax_rows()?;
     cache.truncate(base);
-    top[0]
+    Ok(top.first().copied().unwrap_or(0))
 }
 
 /// One round of drafting: k one-token steps, each reading its top token back to feed the next.
-fn draft_round(model: &dyn Model, cache: &mut dyn SequenceCache, first: u32, k: usize) -> u32 {
+fn draft_round(
+    model: &dyn Model,
+    cache: &mut dyn SequenceCache,
+    first: u32,
+    k: usize,
+) -> specula::Result<u32> {
     let base = cache.len();
     let mut token = first;
     for _ in 0..k {
-        let out = model
-            .forward_one(
-                &[token],
-                cache,
-                &ForwardOptions::default(),
-                LogitsFor::Last,
-                &Profiler::disabled(),
-            )
-            .expect("draft step");
-        token = out.logits.argmax_rows().expect("argmax")[0];
+        let out = model.forward_one(
+            &[token],
+            cache,
+            &ForwardOptions::default(),
+            LogitsFor::Last,
+            &Profiler::disabled(),
+        )?;
+        token = out.logits.argmax_rows()?.first().copied().unwrap_or(0);
     }
     cache.truncate(base);
-    token
+    Ok(token)
 }
 
 fn ms_per(start: Instant, iters: usize) -> f64 {
@@ -94,57 +99,67 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for &k in &ks {
         let rows: Vec<u32> = context.iter().copied().take(k + 1).collect();
         for _ in 0..5 {
-            verify_round(t, tcache.as_mut(), &rows);
-            draft_round(d, dcache.as_mut(), rows[0], k);
+            verify_round(t, tcache.as_mut(), &rows)?;
+            draft_round(d, dcache.as_mut(), rows[0], k)?;
         }
         let start = Instant::now();
         for _ in 0..iters {
-            verify_round(t, tcache.as_mut(), &rows);
+            verify_round(t, tcache.as_mut(), &rows)?;
         }
         let verify_ms = ms_per(start, iters);
         let start = Instant::now();
         for _ in 0..iters {
-            draft_round(d, dcache.as_mut(), rows[0], k);
+            draft_round(d, dcache.as_mut(), rows[0], k)?;
         }
         let draft_ms = ms_per(start, iters);
         // Lock step: both start each round together; a round lasts as long as the slower side.
         let barrier = Barrier::new(2);
         let (tc, dc) = (&mut tcache, &mut dcache);
-        let lock_ms = std::thread::scope(|s| {
+        // A failing side still takes part in every barrier, so the other never waits for ever.
+        let (lock_ms, verified, drafted) = std::thread::scope(|s| {
             let verifier = s.spawn(|| {
+                let mut result = Ok(0);
                 for _ in 0..iters {
                     barrier.wait();
-                    verify_round(t, tc.as_mut(), &rows);
+                    if result.is_ok() {
+                        result = verify_round(t, tc.as_mut(), &rows);
+                    }
                     barrier.wait();
                 }
+                result
             });
             let start = Instant::now();
+            let mut result = Ok(0);
             for _ in 0..iters {
                 barrier.wait();
-                draft_round(d, dc.as_mut(), rows[0], k);
+                if result.is_ok() {
+                    result = draft_round(d, dc.as_mut(), rows[0], k);
+                }
                 barrier.wait();
             }
             let ms = ms_per(start, iters);
-            verifier.join().expect("verifier thread");
-            ms
+            (ms, verifier.join(), result)
         });
+        verified.map_err(|_| "the verifying thread panicked")??;
+        drafted?;
         // Free-running: each side's own rate while the other runs beside it.
         let (tc, dc) = (&mut tcache, &mut dcache);
         let (free_verify, free_draft) = std::thread::scope(|s| {
-            let verifier = s.spawn(|| {
+            let verifier = s.spawn(|| -> specula::Result<f64> {
                 let start = Instant::now();
                 for _ in 0..iters {
-                    verify_round(t, tc.as_mut(), &rows);
+                    verify_round(t, tc.as_mut(), &rows)?;
                 }
-                ms_per(start, iters)
+                Ok(ms_per(start, iters))
             });
             let start = Instant::now();
-            for _ in 0..iters {
-                draft_round(d, dc.as_mut(), rows[0], k);
-            }
+            let drafted =
+                (0..iters).try_for_each(|_| draft_round(d, dc.as_mut(), rows[0], k).map(|_| ()));
             let draft = ms_per(start, iters);
-            (verifier.join().expect("verifier thread"), draft)
+            (verifier.join(), drafted.map(|_| draft))
         });
+        let free_verify = free_verify.map_err(|_| "the verifying thread panicked")??;
+        let free_draft = free_draft?;
         let sum = verify_ms + draft_ms;
         println!(
             "{k} | {verify_ms:.3} | {draft_ms:.3} | {sum:.3} | {lock_ms:.3} | {:.2} | {:.2} | {free_verify:.3}, {free_draft:.3}",
