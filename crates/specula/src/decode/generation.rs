@@ -1048,71 +1048,31 @@ fn draft_in_batches(
             }
         }
     }
-    // Every request's draft a greedy chain: the head may run the whole rounds at once on its device, nothing
-    // coming back to the host between them (each request keeps what its own chain reaches).
-    let mores: Option<Vec<usize>> = pending
-        .iter()
-        .map(|(i, _)| {
-            batch[*i]
-                .drafter
-                .as_ref()
-                .and_then(|d| d.batched_chain_more())
-        })
-        .collect();
-    if let (true, Some(mores)) = (pending.len() >= 2, mores) {
-        let more = mores.iter().copied().max().unwrap_or(0);
-        let fed: Vec<usize> = pending
-            .iter()
-            .map(|(i, p)| {
-                batch[*i]
-                    .drafter
-                    .as_mut()
-                    .and_then(|d| d.batched_cache())
-                    .map_or(0, |c| c.len())
-                    + p.tokens.len()
-            })
-            .collect();
-        let first_rows: usize = pending.iter().map(|(_, p)| p.tokens.len()).sum();
-        let chains = on_passes(batch, &pending, |passes| {
-            head.run_greedy_chains(model, passes, more)
-        });
-        let failure = match chains {
-            Ok(None) => None,
-            Ok(Some(tops)) if tops.len() == pending.len() => {
-                rounds += 1 + more;
-                rows += first_rows + more * pending.len();
-                for (((i, _), tops), fed) in pending.drain(..).zip(tops).zip(fed) {
-                    let g = &mut *batch[i];
-                    let sampling = g.req.sampling;
-                    let drafter = g
-                        .drafter
-                        .as_mut()
-                        .expect("batched generations have drafters");
-                    match drafter.batched_chain_finish(fed, &tops, &sampling) {
-                        Ok(d) => g.prepared_draft = Some(d),
-                        Err(e) => results[i] = Err(e),
-                    }
-                }
-                return (rounds, rows);
+    // Requests drafting greedy chains: the head may run all their rounds at once on its device, nothing coming
+    // back to the host between them (each keeps what its own chain reaches); the others go in rounds below.
+    let (chained, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|(i, _)| {
+        batch[*i]
+            .drafter
+            .as_ref()
+            .and_then(|d| d.batched_chain_more())
+            .is_some()
+    });
+    pending = rest;
+    let back = if chained.len() >= 2 {
+        match chains_together(model, head, batch, chained, results) {
+            Ok((r, n)) => {
+                rounds += r;
+                rows += n;
+                Vec::new()
             }
-            Ok(Some(tops)) => Some(format!(
-                "{} chains for {} requests",
-                tops.len(),
-                pending.len()
-            )),
-            Err(e) => Some(e.to_string()),
-        };
-        if let Some(message) = failure {
-            for (i, _) in pending.drain(..) {
-                if let Some(d) = batch[i].drafter.as_mut() {
-                    let _ = d.batched_finish();
-                }
-                results[i] = Err(Error::InvalidArgument(format!(
-                    "the batched draft chain failed: {message}"
-                )));
-            }
-            return (rounds, rows);
+            Err(back) => back,
         }
+    } else {
+        chained
+    };
+    if !back.is_empty() {
+        pending.extend(back);
+        pending.sort_by_key(|(i, _)| *i);
     }
     while !pending.is_empty() {
         rounds += 1;
@@ -1159,6 +1119,74 @@ fn draft_in_batches(
         pending = next;
     }
     (rounds, rows)
+}
+
+/// The greedy chains of `chained` (two or more generations whose drafters answered
+/// [`crate::draft::Drafter::batched_chain_more`]) run together by the head: each generation's draft prepared (or
+/// its error recorded); returns the rounds and head rows that ran, or the generations back, untouched, when the
+/// head runs no chains together (they then go in rounds).
+fn chains_together(
+    model: &dyn Model,
+    head: &dyn HeadCompute,
+    batch: &mut [&mut Generation<'_>],
+    chained: Vec<(usize, BatchedPass)>,
+    results: &mut [Result<()>],
+) -> std::result::Result<(usize, usize), Vec<(usize, BatchedPass)>> {
+    let more = chained
+        .iter()
+        .filter_map(|(i, _)| {
+            batch[*i]
+                .drafter
+                .as_ref()
+                .and_then(|d| d.batched_chain_more())
+        })
+        .max()
+        .unwrap_or(0);
+    let fed: Vec<usize> = chained
+        .iter()
+        .map(|(i, p)| {
+            batch[*i]
+                .drafter
+                .as_mut()
+                .and_then(|d| d.batched_cache())
+                .map_or(0, |c| c.len())
+                + p.tokens.len()
+        })
+        .collect();
+    let first_rows: usize = chained.iter().map(|(_, p)| p.tokens.len()).sum();
+    let ran = on_passes(batch, &chained, |passes| {
+        head.run_greedy_chains(model, passes, more)
+    });
+    let failure = match ran {
+        Ok(None) => return Err(chained),
+        Ok(Some(tops)) if tops.len() == chained.len() => {
+            let n = chained.len();
+            for (((i, _), tops), fed) in chained.into_iter().zip(tops).zip(fed) {
+                let g = &mut *batch[i];
+                let sampling = g.req.sampling;
+                let drafter = g
+                    .drafter
+                    .as_mut()
+                    .expect("batched generations have drafters");
+                match drafter.batched_chain_finish(fed, &tops, &sampling) {
+                    Ok(d) => g.prepared_draft = Some(d),
+                    Err(e) => results[i] = Err(e),
+                }
+            }
+            return Ok((1 + more, first_rows + more * n));
+        }
+        Ok(Some(tops)) => format!("{} chains for {} requests", tops.len(), chained.len()),
+        Err(e) => e.to_string(),
+    };
+    for (i, _) in chained {
+        if let Some(d) = batch[i].drafter.as_mut() {
+            let _ = d.batched_finish();
+        }
+        results[i] = Err(Error::InvalidArgument(format!(
+            "the batched draft chain failed: {failure}"
+        )));
+    }
+    Ok((0, 0))
 }
 
 /// Runs `run` on the pending generations' passes, in `pending` order (increasing indices into `batch`), each on
