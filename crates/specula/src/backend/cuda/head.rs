@@ -36,8 +36,8 @@ const CHUNK_ROWS: usize = 64;
 /// on an H200 at 4 streams: 2565 / 2772 tok/s before, 2765 / 2811 with every pass graphed; plain 2785 / 2796).
 const MAX_GRAPH_ROWS: usize = CHUNK_ROWS;
 
-/// Captured passes kept at most (shapes: rows, wanted rows, inputs, top-k; a server sees many), cleared whole when
-/// full; `SPECULA_CUDA_HEAD_GRAPHS_MAX=N` sets it (a server whose `specula:eagle3_head_graph_captures` keeps rising
+/// Captured passes kept at most (shapes: padded rows, wanted rows, inputs, results; a server prepares 140 and
+/// meets trees' top-k ones on demand), cleared whole when full; `SPECULA_CUDA_HEAD_GRAPHS_MAX=N` sets it (a server whose `specula:eagle3_head_graph_captures` keeps rising
 /// under a steady load is capturing evicted shapes again).
 fn max_pass_graphs() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -46,7 +46,7 @@ fn max_pass_graphs() -> usize {
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|&n: &usize| n > 0)
-            .unwrap_or(256)
+            .unwrap_or(512)
     })
 }
 
@@ -1527,27 +1527,33 @@ impl HeadCompute for CudaHead {
             .map_err(|_| Error::Cuda("the EAGLE-3 head's workspace lock is poisoned".into()))?;
         let ws = &mut *guard;
         let mut captured = 0;
-        // Greedy passes: fed the target's rows where they lie (a verify's accepted rows, a catch-up), or one
-        // row a sequence from its last output (chain steps of a shared round: every row wanted).
-        for (rows, wanted, all_wanted) in all_padded_shapes() {
-            let fed = [(true, true), (false, false)];
-            for &(features, gather) in &fed[..if all_wanted { 2 } else { 1 }] {
-                let shape = PassShape {
-                    rows,
-                    features,
-                    gather,
-                    wanted,
-                    top_only: true,
-                    top_k: 0,
-                    all_wanted,
-                };
-                if ws.graphs.len() >= max_pass_graphs() {
-                    return Ok(captured);
+        // Passes fed the target's rows where they lie (a verify's accepted rows, a catch-up), or one row a
+        // sequence from its last output (chain steps of a shared round: every row wanted); wanting top tokens
+        // (greedy) or logits (sampled requests: the OpenAI API's default temperature is 1).
+        let fed = [(true, true), (false, false)];
+        let mut shapes = Vec::new();
+        for top_only in [true, false] {
+            for (rows, wanted, all_wanted) in all_padded_shapes() {
+                for &(features, gather) in &fed[..if all_wanted { 2 } else { 1 }] {
+                    shapes.push(PassShape {
+                        rows,
+                        features,
+                        gather,
+                        wanted,
+                        top_only,
+                        top_k: 0,
+                        all_wanted,
+                    });
                 }
-                if !ws.graphs.contains_key(&shape) {
-                    self.capture_pass(ws, shape)?;
-                    captured += 1;
-                }
+            }
+        }
+        for shape in shapes {
+            if ws.graphs.len() >= max_pass_graphs() {
+                return Ok(captured);
+            }
+            if !ws.graphs.contains_key(&shape) {
+                self.capture_pass(ws, shape)?;
+                captured += 1;
             }
         }
         Ok(captured)
