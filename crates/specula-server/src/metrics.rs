@@ -164,7 +164,7 @@ impl Metrics {
         let head_graph_captures = IntGauge::new(
             "specula:eagle3_head_graph_captures",
             "CUDA graphs an EAGLE-3 head on a GPU has captured while serving, one a new pass shape (padded rows, \
-             wanted rows, inputs, results; the greedy shapes are captured at start and not counted): each costs \
+             wanted rows, inputs, results; the greedy and sampled shapes are captured at start and not counted): each costs \
              several passes' time, and the draft budget leaves the steps that captured one out of its prices. A \
              count that keeps rising under a steady load means shapes are being evicted and captured again.",
         )
