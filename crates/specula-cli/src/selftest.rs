@@ -479,7 +479,7 @@ fn eagle3_head_checks(
         .chain(chains_check)
         .collect();
     checks.push(Check {
-        name: format!("eagle3 head on {device}: greedy pass shapes prepared before serving"),
+        name: format!("eagle3 head on {device}: pass shapes prepared before serving"),
         passed: prepared.is_ok(),
         detail: match &prepared {
             Ok(n) => format!("{n} captured"),
