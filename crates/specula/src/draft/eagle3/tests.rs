@@ -43,12 +43,17 @@ const PROMPT: [u32; 10] = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108];
 
 /// PROMPT, `n` new tokens at `temperature` (seed 5), no stop at EOS.
 fn prompt_request(n: usize, temperature: f32) -> GenerateRequest {
+    request_for(&PROMPT, n, temperature, 5)
+}
+
+/// `prompt`, `n` new tokens at `temperature` with `seed`, no stop at EOS.
+fn request_for(prompt: &[u32], n: usize, temperature: f32, seed: u64) -> GenerateRequest {
     GenerateRequest {
-        prompt_tokens: PROMPT.to_vec(),
+        prompt_tokens: prompt.to_vec(),
         max_new_tokens: n,
         sampling: SamplingParams {
             temperature,
-            seed: 5,
+            seed,
             ..Default::default()
         },
         stop_at_eos: false,
@@ -1064,16 +1069,7 @@ fn greedy_chains_run_together_draft_what_each_request_drafts_alone() {
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let req = GenerateRequest {
-                prompt_tokens: p.to_vec(),
-                max_new_tokens: 24 + 3 * i,
-                sampling: SamplingParams::default(),
-                stop_at_eos: false,
-                cancel: None,
-                logprobs: None,
-                logit_adjustments: None,
-                stop_token_ids: Vec::new(),
-            };
+            let req = request_for(p, 24 + 3 * i, 0.0, 0);
             generate(
                 t.model.as_ref(),
                 &t.tokenizer,
@@ -1098,20 +1094,7 @@ fn greedy_chains_run_together_draft_what_each_request_drafts_alone() {
                 .iter()
                 .enumerate()
                 .map(|(i, p)| {
-                    let req = GenerateRequest {
-                        prompt_tokens: p.to_vec(),
-                        max_new_tokens: 24 + 3 * i,
-                        sampling: SamplingParams {
-                            temperature: temperatures[i],
-                            seed: 11 + i as u64,
-                            ..Default::default()
-                        },
-                        stop_at_eos: false,
-                        cancel: None,
-                        logprobs: None,
-                        logit_adjustments: None,
-                        stop_token_ids: Vec::new(),
-                    };
+                    let req = request_for(p, 24 + 3 * i, temperatures[i], 11 + i as u64);
                     let d = Eagle3Drafter::new(&h, t.model.as_ref(), 7 + i as u64)
                         .unwrap()
                         .with_min_confidence(bar)
@@ -1181,20 +1164,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
                 .iter()
                 .enumerate()
                 .map(|(i, p)| {
-                    let req = GenerateRequest {
-                        prompt_tokens: p.to_vec(),
-                        max_new_tokens: 24 + 3 * i,
-                        sampling: SamplingParams {
-                            temperature,
-                            seed: 11 + i as u64,
-                            ..Default::default()
-                        },
-                        stop_at_eos: false,
-                        cancel: None,
-                        logprobs: None,
-                        logit_adjustments: None,
-                        stop_token_ids: Vec::new(),
-                    };
+                    let req = request_for(p, 24 + 3 * i, temperature, 11 + i as u64);
                     let d = Eagle3Drafter::new(&h, t.model.as_ref(), 7 + i as u64)
                         .unwrap()
                         .with_min_confidence(bar)
@@ -1226,16 +1196,7 @@ fn batched_head_passes_draft_what_each_request_drafts_alone() {
         assert!(alone.iter().all(|a| a.1 > 0), "every generation drafted");
         if temperature == 0.0 {
             for (i, p) in prompts.iter().enumerate() {
-                let req = GenerateRequest {
-                    prompt_tokens: p.to_vec(),
-                    max_new_tokens: 24 + 3 * i,
-                    sampling: SamplingParams::default(),
-                    stop_at_eos: false,
-                    cancel: None,
-                    logprobs: None,
-                    logit_adjustments: None,
-                    stop_token_ids: Vec::new(),
-                };
+                let req = request_for(p, 24 + 3 * i, 0.0, 0);
                 let plain = generate(
                     t.model.as_ref(),
                     &t.tokenizer,
