@@ -1128,6 +1128,21 @@ pub fn one_qkv_enabled() -> bool {
     })
 }
 
+/// Sequence `s`'s entries in a pass's row-copy tables (kernels.cu copy_rows_by_address): its last output
+/// (`last_output`) into x row `fed_row` before the pass (COPY_IN), and x row `kept_row` into its last output
+/// after (COPY_OUT). Addresses as two words each, low first.
+fn copy_entries(ints: &mut [u32], s: usize, fed_row: u64, kept_row: u64, last_output: u64) {
+    for (at, pair) in [
+        (words::COPY_IN, [last_output, fed_row]),
+        (words::COPY_OUT, [kept_row, last_output]),
+    ] {
+        for (j, address) in pair.into_iter().enumerate() {
+            ints[at + 4 * s + 2 * j] = address as u32;
+            ints[at + 4 * s + 2 * j + 1] = (address >> 32) as u32;
+        }
+    }
+}
+
 /// What `CudaHead::run_batched_then_chain` returns: the pass's outputs, or each sequence's chain of tops.
 enum Batched {
     Outputs(Vec<HeadOutput>),
@@ -1236,31 +1251,20 @@ impl CudaHead {
         let row_bytes = (h * std::mem::size_of::<f32>()) as u64;
         for (s, (cache, &last)) in caches.iter().zip(&real_wanted).enumerate() {
             let last_output = ptr(&cache.last, gpu);
-            let copy_in = [last_output, x + s as u64 * row_bytes];
-            let copy_out = [x + last as u64 * row_bytes, last_output];
-            for (at, pair) in [(words::COPY_IN, copy_in), (words::COPY_OUT, copy_out)] {
-                for (j, address) in pair.into_iter().enumerate() {
-                    ints[at + 4 * s + 2 * j] = address as u32;
-                    ints[at + 4 * s + 2 * j + 1] = (address >> 32) as u32;
-                }
-            }
+            copy_entries(
+                &mut ints,
+                s,
+                x + s as u64 * row_bytes,
+                x + last as u64 * row_bytes,
+                last_output,
+            );
         }
         let stream = &self.gpu.stream;
         stream
             .memcpy_htod(&ints, &mut ws.ints)
             .map_err(|e| cuda_err("uploading the head's tables", e))?;
         let tables = ptr(&ws.ints, gpu);
-        let copy_rows = |at: usize| -> Result<()> {
-            launch!(
-                gpu,
-                copy_rows_by_address,
-                (count as u32, 1, 1),
-                256,
-                tables + 4 * at as u64,
-                h as i32
-            );
-            Ok(())
-        };
+        let copy_rows = |at: usize| self.copy_rows(tables, at, count);
         if fed_features {
             // Host rows are uploaded (up to the last of them); device rows are gathered by the pass itself.
             if uploaded {
@@ -1319,6 +1323,21 @@ impl CudaHead {
         Ok(Batched::Outputs(outs))
     }
 
+    /// The first `rows` entries of the row-copy table at word `at` of the uploaded tables (`tables`: their device
+    /// address) copied, in one launch.
+    fn copy_rows(&self, tables: u64, at: usize, rows: usize) -> Result<()> {
+        let gpu = &*self.gpu;
+        launch!(
+            gpu,
+            copy_rows_by_address,
+            (rows as u32, 1, 1),
+            256,
+            tables + 4 * at as u64,
+            self.layer.hidden_size as i32
+        );
+        Ok(())
+    }
+
     /// The rounds of `run_batched_then_chain` after its first pass (whose tops are in `ws.top`, one a sequence,
     /// and whose last rows each cache's `last` now holds): row s of every round is sequence s's, chain_next_rows
     /// feeds it its previous top and moves it a slot on, and the rows' outputs stay in place for the next
@@ -1360,15 +1379,7 @@ impl CudaHead {
             ]);
             let last_output = ptr(&cache.last, gpu);
             let row = x + s as u64 * row_bytes;
-            for (at, pair) in [
-                (words::COPY_IN, [last_output, row]),
-                (words::COPY_OUT, [row, last_output]),
-            ] {
-                for (j, address) in pair.into_iter().enumerate() {
-                    ints[at + 4 * s + 2 * j] = address as u32;
-                    ints[at + 4 * s + 2 * j + 1] = (address >> 32) as u32;
-                }
-            }
+            copy_entries(&mut ints, s, row, row, last_output);
         }
         let every_row: Vec<usize> = (0..n).collect();
         let (padded_rows, padded_wanted) = pad_tables(&mut ints, n, &every_row, n, &ws.pad_kv);
@@ -1378,17 +1389,7 @@ impl CudaHead {
             .memcpy_htod(&ints, &mut ws.ints)
             .map_err(|e| cuda_err("uploading the head's chain tables", e))?;
         let tables = ptr(&ws.ints, gpu);
-        let copy_rows = |at: usize| -> Result<()> {
-            launch!(
-                gpu,
-                copy_rows_by_address,
-                (n as u32, 1, 1),
-                256,
-                tables + 4 * at as u64,
-                h as i32
-            );
-            Ok(())
-        };
+        let copy_rows = |at: usize| self.copy_rows(tables, at, n);
         let (top, round_tops) = (ptr(&ws.top, gpu), ptr(&ws.round_tops, gpu));
         let next_rows = |step: usize| -> Result<()> {
             launch!(
