@@ -2,6 +2,8 @@
 # This CPU, qwen2.5-coder-1.5b: plain and EAGLE-3 head servers up at once; each level alternates them in ABBA
 # order (plain, head, head, plain, ...), so the machine's drift hits both alike.
 #   [LEVELS="4 8 16 1 2"] [REPS=2] [REQUESTS=16] [OUT=/tmp] [PROFILE_LEVEL=8] scripts/cpu-serve-abab.sh
+# SPEC_FLAGS replaces the speculative server's flags (default: the registry EAGLE-3 head), e.g.
+# SPEC_FLAGS="--draft-model qwen2.5-coder-0.5b" for the draft model's server.
 # NATURAL=1: answers end where the model ends them (-n 512, no --ignore-eos), and each level sends
 # max(REQUESTS, 2 x level) requests: without lock step (docs/benchmarks.md session 45).
 # With PROFILE_LEVEL, each run at that level is profiled on its server: OUT/abab-trace-{plain,head}-LEVEL-REP.json
@@ -10,7 +12,7 @@ cd "$(dirname "$0")/.."
 O=${OUT:-/tmp}; D=$(mktemp -d); mkdir -p $D/plain $D/head
 P=${PROMPTS:-../shared/prompts/code.jsonl}; B=${SPECULA_BIN:-target/release/specula}
 $B serve -m qwen2.5-coder-1.5b -t 2 --port 8901 --profile-dir $D/plain > "$O/abab-plain.log" 2>&1 & p1=$!
-$B serve -m qwen2.5-coder-1.5b -t 2 --port 8902 --profile-dir $D/head --draft eagle3 --draft-model qwen2.5-coder-1.5b-eagle3 > "$O/abab-head.log" 2>&1 & p2=$!
+$B serve -m qwen2.5-coder-1.5b -t 2 --port 8902 --profile-dir $D/head ${SPEC_FLAGS:---draft eagle3 --draft-model qwen2.5-coder-1.5b-eagle3} > "$O/abab-head.log" 2>&1 & p2=$!
 for port in 8901 8902; do for _ in $(seq 120); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done; done
 run() {
   local n=${REQUESTS:-16} length="-n 128 --ignore-eos"
