@@ -887,13 +887,7 @@ mod tests {
         assert_eq!(argmax(&[0.0, 3.0, 3.0, 1.0]), 1);
         // The vectorized argmax against the element-by-element loop: random rows of several lengths, ties across
         // and within blocks, NaN, infinities, signed zeros, rows of -inf only.
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = crate::testing::xorshift64(0x9e37_79b9_7f4a_7c15u64);
         for len in [1usize, 2, 63, 64, 65, 127, 1000, 152_064] {
             for case in 0..8 {
                 let mut row: Vec<f32> = (0..len)
@@ -906,7 +900,7 @@ mod tests {
                     4 => row.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
                     5 => row
                         .iter_mut()
-                        .for_each(|v| *v = if next() % 2 == 0 { 0.0 } else { -0.0 }),
+                        .for_each(|v| *v = if next().is_multiple_of(2) { 0.0 } else { -0.0 }),
                     6 => row.iter_mut().for_each(|v| *v = f32::NAN),
                     7 => {
                         row.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);

@@ -100,6 +100,17 @@ pub fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// A deterministic stream of pseudo-random u64 (xorshift64) from a nonzero `seed`, for tests that need raw bits.
+pub fn xorshift64(seed: u64) -> impl FnMut() -> u64 {
+    let mut state = seed | 1;
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
+}
+
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> f32 {

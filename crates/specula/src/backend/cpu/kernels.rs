@@ -1864,13 +1864,7 @@ mod avx2 {
         /// large f16 included).
         #[test]
         fn q4k_block_factors_match_the_scalar_unpacking() {
-            let mut state = 0x2545_F491_4F6C_DD1Du64;
-            let mut next = || {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state
-            };
+            let mut next = crate::testing::xorshift64(0x2545_F491_4F6C_DD1Du64);
             let specials = [0x0001u16, 0x8001, 0x3C00, 0xBC00, 0x7BFF, 0x0400, 0x0000];
             for case in 0..4096usize {
                 let mut b = Q4K {
