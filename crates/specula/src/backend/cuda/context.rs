@@ -211,17 +211,6 @@ fn arch_name(major: i32, minor: i32) -> Result<&'static str> {
 /// Compiles kernels.cu to PTX for `arch` (e.g. "sm_90"). Needs only NVRTC, no GPU: the test suite runs it where
 /// NVRTC is installed, so a kernel that does not compile fails a test.
 pub fn compile_kernels(arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
-    // `SPECULA_CUDA_ATTENTION_RING=1`: attention's opt-in variant (kernels.cu SPECULA_ATTENTION_RING; its own
-    // bits, the same in every launch shape, so batch invariance holds within a run either way).
-    let ring = std::env::var("SPECULA_CUDA_ATTENTION_RING").is_ok_and(|v| v == "1");
-    compile_kernels_with(arch, ring)
-}
-
-/// compile_kernels with the attention ring variant on or off.
-pub fn compile_kernels_with(
-    arch: &'static str,
-    attention_ring: bool,
-) -> Result<cudarc::nvrtc::Ptx> {
     check_library_present("NVRTC (libnvrtc.so)", || unsafe {
         cudarc::nvrtc::sys::is_culib_present()
     })?;
@@ -249,11 +238,7 @@ pub fn compile_kernels_with(
         source,
         CompileOptions {
             arch: Some(arch),
-            options: if attention_ring {
-                vec!["--std=c++17".into(), "-DSPECULA_ATTENTION_RING".into()]
-            } else {
-                vec!["--std=c++17".into()]
-            },
+            options: vec!["--std=c++17".into()],
             ..Default::default()
         },
     )

@@ -955,28 +955,14 @@ extern "C" __global__ void rope_angles(const u32* __restrict__ positions, const 
 // Keys a chunk: CH = ATT_CHUNK / P (at least 1: ATT_CHUNK >= 2), so a lane holds the same number of 16-byte
 // pieces at any P (8 keys at P = 2 needed 255 registers and spilled).
 #define ATT_CHUNK 2
-// Passes (chunks a warp) a split holds at least before the keys spread over another block. It sets the cut, so it
-// sets the bits. SPECULA_ATTENTION_RING (`SPECULA_CUDA_ATTENTION_RING=1` at run time, session 61, not yet measured
-// on a device) takes 4: a row of up to 128 keys (head dimension 128) is then one block whose warps load all their
-// keys before the PDL wait, so a decode step's attention needs no merge across blocks (with 1 such a row takes 4
-// blocks and a merge through global memory: a fence, an atomic ticket and a reload, three L2 round trips); it
-// also keeps ATT_RING chunks' loads in flight a warp (ATT_RING_GROUPED where G >= 3 heads share a block, for
-// registers) and loads 8 splits' partials a round trip in the merge.
-#ifdef SPECULA_ATTENTION_RING
-#define ATT_SPLIT_PASSES 4
-#define ATT_RING 4
-#define ATT_RING_GROUPED 2
-#define ATT_MERGE_BATCH 8
-#else
+// Passes (chunks a warp) a split holds at least before the keys spread over another block.
 #define ATT_SPLIT_PASSES 1
-#define ATT_RING 1
-#define ATT_RING_GROUPED 1
-#define ATT_MERGE_BATCH 4
-#endif
 // A split's partial: max, sum, two floats of padding, then the head dimension's unnormalized values.
 #define ATT_PARTIAL_HEADER 4
 // The most splits a row and head may take (a lane each when they are merged; ops.rs MAX_ATTENTION_SPLITS).
 #define ATT_MAX_SPLITS 32
+// Splits whose values the merging warp loads at once.
+#define ATT_MERGE_BATCH 4
 
 // The position of the n-th (0-based) set bit of m.
 __device__ __forceinline__ int nth_set_bit(u64 m, int n) {
@@ -1029,12 +1015,73 @@ __device__ __forceinline__ AttentionCut attention_cut(const RowInfo& ri, int max
     return AttentionCut{visible, per, (visible + per - 1) / per};
 }
 
-// One chunk of CH keys (visible indices first .. first + CH - 1, those at or past `end` masked) added to each of
-// G heads' online softmax: scores by butterfly, the running max and sum rescaled, values added in key order.
-template <int P, int G, int CH>
-__device__ __forceinline__ void attention_chunk(const float4 (&qv)[G][P], float4 (&acc)[G][P], float (&m)[G],
-                                                float (&l)[G], const float4 (&kv)[CH][P], const float4 (&vv)[CH][P],
-                                                int first, int end, float scale) {
+// Split `split` of row r and heads head0 .. head0 + G - 1 (its keys non-empty; the G heads share a KV head): the
+// block's share of the row's attention for each head, merged by the block that finishes the row and head's last
+// split. The G heads read the same keys and values, loaded once a chunk (grouped query attention: a multi-row
+// pass of the qwen2.5-1.5b shape launched 12 blocks a row where 4 of 3 heads read the same cache); each head's
+// arithmetic is the G = 1 item's, in the same order, so grouping changes no bit. With `enter`, the block's first
+// item: its first chunk of cached keys is loaded before the PDL wait. Warps G and up return after writing their
+// share; warp g merges head head0 + g and returns once it has written a partial or the output.
+template <int P, int G>
+__device__ __forceinline__ void attention_item(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
+                                               const RowInfo& ri, int r, int head0, int split, int max_splits,
+                                               const SeqCache* __restrict__ caches, int layer, int heads,
+                                               int kv_heads, int hd, float scale, float* __restrict__ partials,
+                                               u32* __restrict__ counters, bool enter) {
+    constexpr int CH = ATT_CHUNK / P;
+    static_assert(CH >= 1, "ATT_CHUNK must be at least the pieces a lane holds");
+    static_assert(G >= 1 && G <= ATT_WARPS, "a merging warp a head");
+    __shared__ float s_max[G][ATT_WARPS], s_sum[G][ATT_WARPS];
+    __shared__ float4 s_acc[G][ATT_WARPS][32 * P];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int pieces = hd >> 2;
+    const AttentionCut cut = attention_cut<P>(ri, max_splits);
+    const int visible_count = cut.visible, per = cut.per, splits = cut.splits;
+    const int begin = split * per, end = min(visible_count, begin + per);
+    const SeqCache sc = caches[ri.seq];
+    const int kvh = head0 / (heads / kv_heads);
+    const float4* keys =
+        reinterpret_cast<const float4*>(sc.base + (((size_t)layer * 2 + 0) * kv_heads + kvh) * sc.capacity * hd);
+    const float4* values =
+        reinterpret_cast<const float4*>(sc.base + (((size_t)layer * 2 + 1) * kv_heads + kvh) * sc.capacity * hd);
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    // Keys before the row's first new slot were written by earlier steps.
+    const int cached = min((int)ri.base, end);
+    float4 kv[CH][P], vv[CH][P];
+#pragma unroll
+    for (int t = 0; t < CH; t++)
+#pragma unroll
+        for (int j = 0; j < P; j++) kv[t][j] = vv[t][j] = zero;
+    const int first_chunk = begin + warp * CH;
+    if (first_chunk < end) attention_fetch<P, CH>(keys, values, ri, first_chunk, begin, cached, lane, pieces, kv, vv);
+    if (enter) {
+        PDL_ENTER();
+    }
+    float4 qv[G][P], acc[G][P];
+    float m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        const float4* qh = reinterpret_cast<const float4*>(q + ((size_t)r * heads + head0 + g) * hd);
+#pragma unroll
+        for (int j = 0; j < P; j++) {
+            const int i = lane + 32 * j;
+            qv[g][j] = i < pieces ? qh[i] : zero;
+            acc[g][j] = zero;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+    }
+    for (int first = first_chunk; first < end; first += ATT_WARPS * CH) {
+        if (first == first_chunk) {
+            // The chunk's new keys (this step's, written by qkv_post).
+            attention_fetch<P, CH>(keys, values, ri, first, max(begin, cached), end, lane, pieces, kv, vv);
+        } else {
+#pragma unroll
+            for (int t = 0; t < CH; t++)
+#pragma unroll
+                for (int j = 0; j < P; j++) kv[t][j] = vv[t][j] = zero;
+            attention_fetch<P, CH>(keys, values, ri, first, begin, end, lane, pieces, kv, vv);
+        }
 #pragma unroll
         for (int g = 0; g < G; g++) {
             float score[CH];
@@ -1075,96 +1122,6 @@ __device__ __forceinline__ void attention_chunk(const float4 (&qv)[G][P], float4
             }
             l[g] = l[g] * correction + psum;
             m[g] = m_new;
-        }
-}
-
-// Split `split` of row r and heads head0 .. head0 + G - 1 (its keys non-empty; the G heads share a KV head): the
-// block's share of the row's attention for each head, merged by the block that finishes the row and head's last
-// split. The G heads read the same keys and values, loaded once a chunk (grouped query attention: a multi-row
-// pass of the qwen2.5-1.5b shape launched 12 blocks a row where 4 of 3 heads read the same cache); each head's
-// arithmetic is the G = 1 item's, in the same order, so grouping changes no bit. With `enter`, the block's first
-// item: its first chunk of cached keys is loaded before the PDL wait. Warps G and up return after writing their
-// share; warp g merges head head0 + g and returns once it has written a partial or the output.
-template <int P, int G, int D>
-__device__ __forceinline__ void attention_item(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
-                                               const RowInfo& ri, int r, int head0, int split, int max_splits,
-                                               const SeqCache* __restrict__ caches, int layer, int heads,
-                                               int kv_heads, int hd, float scale, float* __restrict__ partials,
-                                               u32* __restrict__ counters, bool enter) {
-    constexpr int CH = ATT_CHUNK / P;
-    static_assert(CH >= 1, "ATT_CHUNK must be at least the pieces a lane holds");
-    static_assert(G >= 1 && G <= ATT_WARPS, "a merging warp a head");
-    __shared__ float s_max[G][ATT_WARPS], s_sum[G][ATT_WARPS];
-    __shared__ float4 s_acc[G][ATT_WARPS][32 * P];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int pieces = hd >> 2;
-    const AttentionCut cut = attention_cut<P>(ri, max_splits);
-    const int visible_count = cut.visible, per = cut.per, splits = cut.splits;
-    const int begin = split * per, end = min(visible_count, begin + per);
-    const SeqCache sc = caches[ri.seq];
-    const int kvh = head0 / (heads / kv_heads);
-    const float4* keys =
-        reinterpret_cast<const float4*>(sc.base + (((size_t)layer * 2 + 0) * kv_heads + kvh) * sc.capacity * hd);
-    const float4* values =
-        reinterpret_cast<const float4*>(sc.base + (((size_t)layer * 2 + 1) * kv_heads + kvh) * sc.capacity * hd);
-    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-    // Keys before the row's first new slot were written by earlier steps.
-    const int cached = min((int)ri.base, end);
-    // A ring of D chunks a warp: chunk c + D is loaded as soon as chunk c is done, so a warp keeps D chunks' loads
-    // in flight (before, each chunk after the first was a round trip of its own). The chunks are taken in the same
-    // order as with one buffer, so D changes no bit.
-    float4 kv[D][CH][P], vv[D][CH][P];
-#pragma unroll
-    for (int d = 0; d < D; d++)
-#pragma unroll
-        for (int t = 0; t < CH; t++)
-#pragma unroll
-            for (int j = 0; j < P; j++) kv[d][t][j] = vv[d][t][j] = zero;
-    constexpr int STRIDE = ATT_WARPS * CH;
-    const int first_chunk = begin + warp * CH;
-#pragma unroll
-    for (int d = 0; d < D; d++) {
-        const int first = first_chunk + d * STRIDE;
-        if (first < cached) attention_fetch<P, CH>(keys, values, ri, first, begin, cached, lane, pieces, kv[d], vv[d]);
-    }
-    if (enter) {
-        PDL_ENTER();
-    }
-    float4 qv[G][P], acc[G][P];
-    float m[G], l[G];
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-        const float4* qh = reinterpret_cast<const float4*>(q + ((size_t)r * heads + head0 + g) * hd);
-#pragma unroll
-        for (int j = 0; j < P; j++) {
-            const int i = lane + 32 * j;
-            qv[g][j] = i < pieces ? qh[i] : zero;
-            acc[g][j] = zero;
-        }
-        m[g] = NEG_INF;
-        l[g] = 0.f;
-    }
-    // The new keys (this step's, written by qkv_post) of the first D chunks.
-#pragma unroll
-    for (int d = 0; d < D; d++) {
-        const int first = first_chunk + d * STRIDE;
-        if (first < end) attention_fetch<P, CH>(keys, values, ri, first, max(begin, cached), end, lane, pieces, kv[d], vv[d]);
-    }
-    for (int ring = first_chunk; ring < end; ring += D * STRIDE) {
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            const int first = ring + d * STRIDE;
-            if (first < end) {
-                attention_chunk<P, G, CH>(qv, acc, m, l, kv[d], vv[d], first, end, scale);
-                const int next = first + D * STRIDE;
-                if (next < end) {
-#pragma unroll
-                    for (int t = 0; t < CH; t++)
-#pragma unroll
-                        for (int j = 0; j < P; j++) kv[d][t][j] = vv[d][t][j] = zero;
-                    attention_fetch<P, CH>(keys, values, ri, next, begin, end, lane, pieces, kv[d], vv[d]);
-                }
-            }
         }
     }
 #pragma unroll
@@ -1223,7 +1180,7 @@ __device__ __forceinline__ void attention_item(const float* __restrict__ q, u32*
         if (lane == 0) *counter = 0u;  // ready for the next launch
         const float* all = partials + (size_t)(r * heads + head) * max_splits * stride;
         // Lane z reads split z's max and sum (splits <= 32), so all of them arrive in one round trip; the values
-        // come ATT_MERGE_BATCH splits a round trip (4 at head dimension 256). The merge itself runs in split order.
+        // come ATT_MERGE_BATCH splits a round trip. The merge itself runs in split order.
         const float mz = lane < splits ? __ldcg(all + lane * stride) : NEG_INF;
         const float sz = lane < splits ? __ldcg(all + lane * stride + 1) : 0.f;
         gm = mz;
@@ -1233,11 +1190,10 @@ __device__ __forceinline__ void attention_item(const float* __restrict__ q, u32*
         gl = 0.f;
 #pragma unroll
         for (int j = 0; j < P; j++) total[j] = zero;
-        constexpr int MB = P == 1 ? ATT_MERGE_BATCH : 4;
-        for (int z0 = 0; z0 < splits; z0 += MB) {
-            float4 a[MB][P];
+        for (int z0 = 0; z0 < splits; z0 += ATT_MERGE_BATCH) {
+            float4 a[ATT_MERGE_BATCH][P];
 #pragma unroll
-            for (int u = 0; u < MB; u++) {
+            for (int u = 0; u < ATT_MERGE_BATCH; u++) {
 #pragma unroll
                 for (int j = 0; j < P; j++) {
                     const int i = lane + 32 * j;
@@ -1247,7 +1203,7 @@ __device__ __forceinline__ void attention_item(const float* __restrict__ q, u32*
                 }
             }
 #pragma unroll
-            for (int u = 0; u < MB; u++) {
+            for (int u = 0; u < ATT_MERGE_BATCH; u++) {
                 const int z = z0 + u;
                 const float f = __shfl_sync(0xffffffffu, fz, z & 31);
                 const float sum = __shfl_sync(0xffffffffu, sz, z & 31);
@@ -1279,7 +1235,7 @@ __device__ __forceinline__ void attention_item(const float* __restrict__ q, u32*
 
 // Grid (rows, heads / G, max_splits): block (r, y, z) takes split z of row r and heads G y .. G y + G - 1 (blocks
 // past the row's splits have nothing to do; block z = 0 always has keys: it waits and triggers for the launch).
-template <int P, int G, int D>
+template <int P, int G>
 __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
                                                const RowInfo* __restrict__ rows, const SeqCache* __restrict__ caches,
                                                int layer, int heads, int kv_heads, int hd, float scale,
@@ -1288,7 +1244,7 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
     // The step's tables come from the host before the step: readable before the wait.
     const RowInfo ri = rows[r];
     if (split >= attention_cut<P>(ri, max_splits).splits) return;
-    attention_item<P, G, D>(q, out, out_chunks, ri, r, head0, split, max_splits, caches, layer, heads, kv_heads, hd,
+    attention_item<P, G>(q, out, out_chunks, ri, r, head0, split, max_splits, caches, layer, heads, kv_heads, hd,
                          scale, partials, counters, true);
 }
 
@@ -1302,7 +1258,7 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, u32*
 // us a row and layer on the H200. An item runs slower than the grid's block, though (1 row: 1.35 against 1.26 ms
 // a qwen2.5-1.5b pass), so ops.rs takes the list from 12 rows (16 rows: 1.92 against 1.97 ms, 32: 2.69 against
 // 3.04). Block 0 always has item 0: it waits and triggers for the launch.
-template <int P, int G, int D>
+template <int P, int G>
 __device__ __forceinline__ void attention_list(const float* __restrict__ q, u32* __restrict__ out, int out_chunks,
                                                const RowInfo* __restrict__ rows, int n_rows,
                                                const SeqCache* __restrict__ caches, int layer, int heads,
@@ -1337,23 +1293,23 @@ __device__ __forceinline__ void attention_list(const float* __restrict__ q, u32*
         const int splits = (s_first[r + 1] - s_first[r]) / groups;
         const int i = t - s_first[r];
         if (t == (int)blockIdx.x) {
-            attention_item<P, G, D>(q, out, out_chunks, rows[r], r, i / splits * G, i % splits, max_splits, caches,
+            attention_item<P, G>(q, out, out_chunks, rows[r], r, i / splits * G, i % splits, max_splits, caches,
                                  layer, heads, kv_heads, hd, scale, partials, counters, true);
         } else {
             // The last item's shared memory is read (the merging warps') before this one's is written.
             __syncthreads();
-            attention_item<P, G, D>(q, out, out_chunks, rows[r], r, i / splits * G, i % splits, max_splits, caches,
+            attention_item<P, G>(q, out, out_chunks, rows[r], r, i / splits * G, i % splits, max_splits, caches,
                                  layer, heads, kv_heads, hd, scale, partials, counters, false);
         }
     }
 }
 
-#define ATTENTION_KERNEL(name, list_name, P, G, D)                                                                 \
+#define ATTENTION_KERNEL(name, list_name, P, G)                                                                    \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                                  \
         name(const float* __restrict__ q, u32* __restrict__ out, int out_chunks, const RowInfo* __restrict__ rows, \
              const SeqCache* __restrict__ caches, int layer, int heads, int kv_heads, int hd, float scale,         \
              float* __restrict__ partials, u32* __restrict__ counters) {                                           \
-        attention_rows<P, G, D>(q, out, out_chunks, rows, caches, layer, heads, kv_heads, hd, scale, partials,    \
+        attention_rows<P, G>(q, out, out_chunks, rows, caches, layer, heads, kv_heads, hd, scale, partials,       \
                              counters);                                                                            \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 1)                                               \
@@ -1361,17 +1317,16 @@ __device__ __forceinline__ void attention_list(const float* __restrict__ q, u32*
                   const RowInfo* __restrict__ rows, int n_rows, const SeqCache* __restrict__ caches, int layer,    \
                   int heads, int kv_heads, int hd, float scale, int max_splits, float* __restrict__ partials,      \
                   u32* __restrict__ counters) {                                                                    \
-        attention_list<P, G, D>(q, out, out_chunks, rows, n_rows, caches, layer, heads, kv_heads, hd, scale,      \
+        attention_list<P, G>(q, out, out_chunks, rows, n_rows, caches, layer, heads, kv_heads, hd, scale,         \
                              max_splits, partials, counters);                                                      \
     }
-// D: chunks a warp keeps in flight (registers: see scripts/kernel-resources.py).
-ATTENTION_KERNEL(attention_128, attention_list_128, 1, 1, ATT_RING)
-ATTENTION_KERNEL(attention_256, attention_list_256, 2, 1, ATT_RING)
+ATTENTION_KERNEL(attention_128, attention_list_128, 1, 1)
+ATTENTION_KERNEL(attention_256, attention_list_256, 2, 1)
 // Heads sharing a KV head taken G a block (ops.rs attention_group): head dimension <= 128 only (at 256 the shared
 // memory of G > 1 heads' warp merge does not fit).
-ATTENTION_KERNEL(attention_128_g2, attention_list_128_g2, 1, 2, ATT_RING)
-ATTENTION_KERNEL(attention_128_g3, attention_list_128_g3, 1, 3, ATT_RING_GROUPED)
-ATTENTION_KERNEL(attention_128_g4, attention_list_128_g4, 1, 4, ATT_RING_GROUPED)
+ATTENTION_KERNEL(attention_128_g2, attention_list_128_g2, 1, 2)
+ATTENTION_KERNEL(attention_128_g3, attention_list_128_g3, 1, 3)
+ATTENTION_KERNEL(attention_128_g4, attention_list_128_g4, 1, 4)
 
 // An EAGLE-3 head's feature rows gathered from the target's step outputs where they lie: row r, layer l comes from
 // the address in table[2 * (r * max_layers + l)] (two words, low first), `cols` floats, to out[r * width + l *
