@@ -553,6 +553,168 @@ mod avx2 {
         pub fn dot_u8i8_vnni(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
             _mm256_dpbusd_epi32(acc, a, b)
         }
+
+        /// Lane i of the result: the dot product of the weights in lane i of the 8 registers `q` (u8, at most
+        /// 4 bits) with the activations at `x + 32 t` (i8). A pair of u8 x i8 products is at most 2 * 15 * 128 =
+        /// 3840 in magnitude, so eight `vpmaddubsw` outputs add up in i16 (<= 30720) and widen once: 8
+        /// multiplies, 7 adds and 1 widening instead of 8 x (multiply, widen, add). Exact, so the same
+        /// integers as VNNI's `vpdpbusd` chains.
+        ///
+        /// # Safety
+        /// `x` must be readable for 256 bytes.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn dot8_u4i8_avx2(q: &[__m256i; 8], x: *const u8) -> __m256i {
+            let p = |t: usize| _mm256_maddubs_epi16(q[t], load(x.add(32 * t)));
+            let s = _mm256_add_epi16(
+                _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3))),
+                _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7))),
+            );
+            _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+        }
+
+        /// The same sums as [`dot8_u4i8_avx2`] by VNNI, in two chains (halving the dependency on
+        /// `vpdpbusd`'s latency).
+        ///
+        /// # Safety
+        /// `x` must be readable for 256 bytes.
+        #[inline]
+        #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+        pub unsafe fn dot8_u4i8_vnni(q: &[__m256i; 8], x: *const u8) -> __m256i {
+            let zero = _mm256_setzero_si256();
+            let mut s0 = _mm256_dpbusd_epi32(zero, q[0], load(x));
+            let mut s1 = _mm256_dpbusd_epi32(zero, q[1], load(x.add(32)));
+            s0 = _mm256_dpbusd_epi32(s0, q[2], load(x.add(64)));
+            s1 = _mm256_dpbusd_epi32(s1, q[3], load(x.add(96)));
+            s0 = _mm256_dpbusd_epi32(s0, q[4], load(x.add(128)));
+            s1 = _mm256_dpbusd_epi32(s1, q[5], load(x.add(160)));
+            s0 = _mm256_dpbusd_epi32(s0, q[6], load(x.add(192)));
+            s1 = _mm256_dpbusd_epi32(s1, q[7], load(x.add(224)));
+            _mm256_add_epi32(s0, s1)
+        }
+
+        /// `acc` plus the dot products of the weights in `q0` and `q1` (u8, at most 6 bits) with the
+        /// activations at `x0` and `x1`: a pair of products is at most 2 * 63 * 128 = 16128, so two
+        /// `vpmaddubsw` outputs add up in i16 (<= 32256) and widen once. Exact.
+        ///
+        /// # Safety
+        /// `x0` and `x1` must be readable for 32 bytes.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn dot2_u6i8_avx2(
+            acc: __m256i,
+            q0: __m256i,
+            x0: *const u8,
+            q1: __m256i,
+            x1: *const u8,
+        ) -> __m256i {
+            let s = _mm256_add_epi16(
+                _mm256_maddubs_epi16(q0, load(x0)),
+                _mm256_maddubs_epi16(q1, load(x1)),
+            );
+            _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)))
+        }
+
+        /// [`dot2_u6i8_avx2`] by VNNI.
+        ///
+        /// # Safety
+        /// `x0` and `x1` must be readable for 32 bytes.
+        #[inline]
+        #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+        pub unsafe fn dot2_u6i8_vnni(
+            acc: __m256i,
+            q0: __m256i,
+            x0: *const u8,
+            q1: __m256i,
+            x1: *const u8,
+        ) -> __m256i {
+            _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, q0, load(x0)), q1, load(x1))
+        }
+
+        #[inline(always)]
+        unsafe fn load(p: *const u8) -> __m256i {
+            _mm256_loadu_si256(p as *const __m256i)
+        }
+
+        #[cfg(test)]
+        mod tests {
+            use super::*;
+
+            /// Lane i of a dot over `t` registers: the sum of w[32 t + 4 i + j] * x[32 t + 4 i + j].
+            fn scalar_lanes(w: &[u8], x: &[i8]) -> [i32; 8] {
+                let mut lanes = [0i32; 8];
+                for (n, (&a, &b)) in w.iter().zip(x).enumerate() {
+                    lanes[(n % 32) / 4] += a as i32 * b as i32;
+                }
+                lanes
+            }
+
+            fn lanes(v: __m256i) -> [i32; 8] {
+                // SAFETY: __m256i and [i32; 8] have the same size; any bits are valid i32s.
+                unsafe { std::mem::transmute(v) }
+            }
+
+            /// The i16 sums stay exact at the extremes of their bounds (4-bit weights of 15 against
+            /// activations of -128 or 127, 6-bit ones of 63) and on pseudo-random bytes.
+            #[test]
+            fn dot_sums_in_i16_are_exact_at_the_bounds() {
+                if !is_x86_feature_detected!("avx2") {
+                    return;
+                }
+                let mut state = 0x9e37_79b9_7f4a_7c15u64;
+                let mut next = move || {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    state
+                };
+                let mut cases: Vec<(Vec<u8>, Vec<i8>)> = Vec::new();
+                for (w, x) in [(15u8, -128i8), (15, 127), (0, -128), (15, 0)] {
+                    cases.push((vec![w; 256], vec![x; 256]));
+                }
+                for _ in 0..64 {
+                    cases.push((
+                        (0..256).map(|_| (next() & 15) as u8).collect(),
+                        (0..256).map(|_| next() as u8 as i8).collect(),
+                    ));
+                }
+                for (w, x) in &cases {
+                    let q: [__m256i; 8] =
+                        std::array::from_fn(|t| unsafe { load(w.as_ptr().add(32 * t)) });
+                    let got = lanes(unsafe { dot8_u4i8_avx2(&q, x.as_ptr() as *const u8) });
+                    assert_eq!(got, scalar_lanes(w, x), "4-bit weights");
+                    if is_x86_feature_detected!("avx512vnni")
+                        && is_x86_feature_detected!("avx512vl")
+                    {
+                        let vnni = lanes(unsafe { dot8_u4i8_vnni(&q, x.as_ptr() as *const u8) });
+                        assert_eq!(vnni, got, "VNNI and AVX2 sums differ");
+                    }
+                    // 6-bit weights: the same bytes times 4, plus 3 (0-63), two registers at a time.
+                    let w6: Vec<u8> = w.iter().map(|&v| v * 4 + 3).collect();
+                    let init = unsafe { _mm256_set1_epi32(-7) };
+                    let q6: [__m256i; 2] =
+                        std::array::from_fn(|t| unsafe { load(w6.as_ptr().add(32 * t)) });
+                    let xp = x.as_ptr() as *const u8;
+                    let got6 = lanes(unsafe { dot2_u6i8_avx2(init, q6[0], xp, q6[1], xp.add(32)) });
+                    let want6 = scalar_lanes(&w6[..64], &x[..64]).map(|v| v - 7);
+                    assert_eq!(got6, want6, "6-bit weights");
+                }
+                let w = vec![63u8; 64];
+                for xv in [-128i8, 127] {
+                    let x = vec![xv; 64];
+                    let q6: [__m256i; 2] =
+                        std::array::from_fn(|t| unsafe { load(w.as_ptr().add(32 * t)) });
+                    let xp = x.as_ptr() as *const u8;
+                    let zero = unsafe { _mm256_setzero_si256() };
+                    let got = lanes(unsafe { dot2_u6i8_avx2(zero, q6[0], xp, q6[1], xp.add(32)) });
+                    assert_eq!(
+                        got,
+                        scalar_lanes(&w, &x),
+                        "6-bit weights of 63, activations {xv}"
+                    );
+                }
+            }
+        }
     }
 
     /// Asks for the weight bytes PREFETCH_DISTANCE ahead of a block (the next rows of the matrix are contiguous,
@@ -935,7 +1097,7 @@ mod avx2 {
     // 32i + 4t .. 32i + 4t + 4, and the activations are interleaved the same way, so eight dot-product
     // instructions per row leave one 32-weight dot product per lane and the scales apply with one multiply.
     macro_rules! q4k_tile {
-        ($name:ident, $features:literal, $dot:path) => {
+        ($name:ident, $features:literal, $dot8:path) => {
             #[target_feature(enable = $features)]
             unsafe fn $name<const R: usize>(
                 w: *const Q4K,
@@ -960,17 +1122,7 @@ mod avx2 {
                     }
                     for (r, a) in acc.iter_mut().enumerate() {
                         let xb = x.get_unchecked(r * nb + b);
-                        let xq = xb.qs.as_ptr() as *const u8;
-                        // Two chains halve the dependency on the dot product's latency.
-                        let mut s0 = $dot(zero, q[0], load(xq));
-                        let mut s1 = $dot(zero, q[1], load(xq.add(32)));
-                        s0 = $dot(s0, q[2], load(xq.add(64)));
-                        s1 = $dot(s1, q[3], load(xq.add(96)));
-                        s0 = $dot(s0, q[4], load(xq.add(128)));
-                        s1 = $dot(s1, q[5], load(xq.add(160)));
-                        s0 = $dot(s0, q[6], load(xq.add(192)));
-                        s1 = $dot(s1, q[7], load(xq.add(224)));
-                        let sums = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                        let sums = _mm256_cvtepi32_ps($dot8(&q, xb.qs.as_ptr() as *const u8));
                         let block_sums = _mm256_loadu_ps(side.as_ptr().add(8 * (r * nb + b)));
                         *a = _mm256_fmadd_ps(sums, _mm256_mul_ps(scales, _mm256_set1_ps(xb.d)), *a);
                         *a = _mm256_fnmadd_ps(mins, block_sums, *a);
@@ -1057,11 +1209,11 @@ mod avx2 {
         }
     }
 
-    q4k_tile!(q4k_tile_avx2, "avx2,fma", int::dot_u8i8_avx2);
+    q4k_tile!(q4k_tile_avx2, "avx2,fma", int::dot8_u4i8_avx2);
     q4k_tile!(
         q4k_tile_vnni,
         "avx2,fma,avx512vnni,avx512vl",
-        int::dot_u8i8_vnni
+        int::dot8_u4i8_vnni
     );
 
     pub fn q6k_q8k(w: &[BlockQ6KInterleaved], x: &[BlockQ8K], side: &[f32], out: &mut [f32]) {
@@ -1071,7 +1223,7 @@ mod avx2 {
     }
 
     macro_rules! q6k_tile {
-        ($name:ident, $features:literal, $dot:path) => {
+        ($name:ident, $features:literal, $dot2:path) => {
             #[target_feature(enable = $features)]
             unsafe fn $name<const R: usize>(
                 w: *const Q6K,
@@ -1125,15 +1277,16 @@ mod avx2 {
                         let xb = x.get_unchecked(r * nb + b);
                         let xq = xb.qs.as_ptr() as *const u8;
                         let init = side.as_ptr().add(16 * (r * nb + b)) as *const __m256i;
-                        let mut even = $dot(_mm256_loadu_si256(init), q[0], load(xq));
-                        let mut odd =
-                            $dot(_mm256_loadu_si256(init.add(1)), q[4], load(xq.add(128)));
-                        even = $dot(even, q[1], load(xq.add(32)));
-                        odd = $dot(odd, q[5], load(xq.add(160)));
-                        even = $dot(even, q[2], load(xq.add(64)));
-                        odd = $dot(odd, q[6], load(xq.add(192)));
-                        even = $dot(even, q[3], load(xq.add(96)));
-                        odd = $dot(odd, q[7], load(xq.add(224)));
+                        let even = $dot2(_mm256_loadu_si256(init), q[0], xq, q[1], xq.add(32));
+                        let odd = $dot2(
+                            _mm256_loadu_si256(init.add(1)),
+                            q[4],
+                            xq.add(128),
+                            q[5],
+                            xq.add(160),
+                        );
+                        let even = $dot2(even, q[2], xq.add(64), q[3], xq.add(96));
+                        let odd = $dot2(odd, q[6], xq.add(192), q[7], xq.add(224));
                         let dx = _mm256_set1_ps(xb.d);
                         *a = _mm256_fmadd_ps(
                             _mm256_cvtepi32_ps(even),
@@ -1251,11 +1404,11 @@ mod avx2 {
         }
     }
 
-    q6k_tile!(q6k_tile_avx2, "avx2,fma", int::dot_u8i8_avx2);
+    q6k_tile!(q6k_tile_avx2, "avx2,fma", int::dot2_u6i8_avx2);
     q6k_tile!(
         q6k_tile_vnni,
         "avx2,fma,avx512vnni,avx512vl",
-        int::dot_u8i8_vnni
+        int::dot2_u6i8_vnni
     );
 
     /// Q8_0 activations: each block's scale as f32.
