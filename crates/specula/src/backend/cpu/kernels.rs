@@ -631,10 +631,7 @@ mod avx2 {
             _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, q0, load(x0)), q1, load(x1))
         }
 
-        #[inline(always)]
-        unsafe fn load(p: *const u8) -> __m256i {
-            _mm256_loadu_si256(p as *const __m256i)
-        }
+        use super::load;
 
         #[cfg(test)]
         mod tests {
@@ -661,13 +658,7 @@ mod avx2 {
                 if !is_x86_feature_detected!("avx2") {
                     return;
                 }
-                let mut state = 0x9e37_79b9_7f4a_7c15u64;
-                let mut next = move || {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    state
-                };
+                let mut next = crate::testing::xorshift64(0x9e37_79b9_7f4a_7c15);
                 let mut cases: Vec<(Vec<u8>, Vec<i8>)> = Vec::new();
                 for (w, x) in [(15u8, -128i8), (15, 127), (0, -128), (15, 0)] {
                     cases.push((vec![w; 256], vec![x; 256]));
